@@ -1,0 +1,82 @@
+"""Held-out evaluation: greedy accuracy and pass@k with the unbiased estimator.
+
+pass@k for one prompt with n samples of which c are correct is 1 - C(n-c, k) / C(n, k)
+(Chen et al. 2021; ../shared/reference/pass_at_k.md). It is computed as a running product,
+1 - prod_{i=n-c+1}^{n} (1 - k/i), which never forms the huge binomials.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k estimate for one prompt: n samples drawn, c of them correct."""
+    for name, value in (("n", n), ("c", c), ("k", k)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"pass_at_k: {name} must be an int, got {value!r}")
+    if k < 1:
+        raise ValueError(f"pass_at_k: k must be >= 1, got {k}")
+    if n < k:
+        raise ValueError(f"pass_at_k: need n >= k samples (n={n}, k={k}); c/k would be biased")
+    if not 0 <= c <= n:
+        raise ValueError(f"pass_at_k: c must be in [0, n={n}], got {c}")
+    if n - c < k:
+        return 1.0  # every k-subset holds at least one correct sample
+    return float(1.0 - np.prod(1.0 - k / np.arange(n - c + 1, n + 1, dtype=np.float64)))
+
+
+def mean_pass_at_k(correct_counts: Sequence[int], n: int, k: int) -> float:
+    """pass@k of a benchmark: the mean of the per-prompt estimates."""
+    if not correct_counts:
+        raise ValueError("mean_pass_at_k: no prompts")
+    return float(np.mean([pass_at_k(n, int(c), k) for c in correct_counts]))
+
+
+@dataclass(frozen=True)
+class EvalPrompt:
+    """One held-out prompt: its token ids and what the reward function needs to score it."""
+
+    prompt_ids: list[int]
+    answer: str
+    text: str = ""
+
+
+# generate(prompt_ids_batch, n, temperature, seed) -> per prompt, n lists of response token ids
+GenerateFn = Callable[[list[list[int]], int, float, int], list[list[list[int]]]]
+# score(prompt, response_token_ids) -> reward in [0, 1]; >= correct_threshold counts as correct
+ScoreFn = Callable[[EvalPrompt, list[int]], float]
+
+
+def evaluate(
+    generate: GenerateFn,
+    score: ScoreFn,
+    prompts: Sequence[EvalPrompt],
+    n_samples: int,
+    k: int,
+    temperature: float,
+    seed: int = 0,
+    correct_threshold: float = 1.0,
+) -> dict[str, float]:
+    """Greedy accuracy (one temperature-0 answer per prompt) and pass@k from n_samples sampled
+    answers per prompt at `temperature`. Returns metrics under `eval/`."""
+    if not prompts:
+        raise ValueError("evaluate: the held-out set is empty")
+    batch = [p.prompt_ids for p in prompts]
+    greedy = generate(batch, 1, 0.0, seed)
+    greedy_rewards = [score(p, outs[0]) for p, outs in zip(prompts, greedy)]
+    metrics = {
+        "eval/greedy_accuracy": float(np.mean([r >= correct_threshold for r in greedy_rewards])),
+        "eval/greedy_reward": float(np.mean(greedy_rewards)),
+        "eval/num_prompts": float(len(prompts)),
+    }
+    if n_samples > 0:
+        sampled = generate(batch, n_samples, temperature, seed + 1)
+        rewards = [[score(p, out) for out in outs] for p, outs in zip(prompts, sampled)]
+        counts = [sum(r >= correct_threshold for r in row) for row in rewards]
+        metrics[f"eval/pass@{k}"] = mean_pass_at_k(counts, n_samples, k)
+        metrics["eval/pass@1"] = mean_pass_at_k(counts, n_samples, 1)
+        metrics["eval/sampled_reward"] = float(np.mean(rewards))
+    return metrics

@@ -1,0 +1,59 @@
+"""pass@k against brute-force enumeration of k-subsets; the evaluation loop on a toy generator."""
+import itertools
+import math
+
+import pytest
+
+from services.evaluation import EvalPrompt, evaluate, mean_pass_at_k, pass_at_k
+
+
+@pytest.mark.parametrize("n,c,k", [(5, 0, 1), (5, 2, 1), (5, 2, 3), (6, 3, 4), (7, 1, 7), (4, 4, 2), (8, 5, 4)])
+def test_pass_at_k_equals_fraction_of_k_subsets_with_a_correct_sample(n, c, k):
+    outcomes = [1] * c + [0] * (n - c)
+    subsets = list(itertools.combinations(outcomes, k))
+    expected = sum(any(s) for s in subsets) / len(subsets)
+    assert pass_at_k(n, c, k) == pytest.approx(expected, abs=1e-12)
+
+
+def test_pass_at_1_is_the_pass_rate_and_large_n_does_not_overflow():
+    assert pass_at_k(10, 3, 1) == pytest.approx(0.3)
+    value = pass_at_k(2000, 7, 100)  # C(2000, 100) overflows a float; the product form does not
+    assert value == pytest.approx(1 - math.comb(1993, 100) / math.comb(2000, 100), rel=1e-9)
+
+
+def test_pass_at_k_rejects_bad_counts():
+    with pytest.raises(ValueError, match="n >= k"):
+        pass_at_k(3, 1, 4)
+    with pytest.raises(ValueError, match="c must be in"):
+        pass_at_k(4, 5, 2)
+    with pytest.raises(ValueError, match="k must be >= 1"):
+        pass_at_k(4, 1, 0)
+    with pytest.raises(TypeError, match="c must be an int"):
+        pass_at_k(4, 1.5, 2)
+    with pytest.raises(ValueError, match="no prompts"):
+        mean_pass_at_k([], 4, 2)
+
+
+def test_evaluate_greedy_accuracy_and_pass_at_k():
+    # Prompt i is answered correctly by greedy decoding iff i is even; sampled answers are
+    # correct for the first i of 4 samples (so c = min(i, 4)).
+    prompts = [EvalPrompt(prompt_ids=[i], answer=str(i)) for i in range(4)]
+    calls = []
+
+    def generate(batch, n, temperature, seed):
+        calls.append((n, temperature))
+        if temperature == 0.0:
+            return [[[p[0] if p[0] % 2 == 0 else -1]] for p in batch]
+        return [[[p[0]] if j < p[0] else [-1] for j in range(n)] for p in batch]
+
+    def score(prompt, response):
+        return 1.0 if response == [int(prompt.answer)] else 0.0
+
+    metrics = evaluate(generate, score, prompts, n_samples=4, k=2, temperature=0.7)
+    assert calls == [(1, 0.0), (4, 0.7)]
+    assert metrics["eval/greedy_accuracy"] == pytest.approx(0.5)
+    counts = [0, 1, 2, 3]
+    assert metrics["eval/pass@2"] == pytest.approx(sum(pass_at_k(4, c, 2) for c in counts) / 4)
+    assert metrics["eval/pass@1"] == pytest.approx(sum(counts) / 16)
+    with pytest.raises(ValueError, match="empty"):
+        evaluate(generate, score, [], n_samples=4, k=2, temperature=0.7)
