@@ -1,0 +1,150 @@
+"""ZMQ client of the buffer service: timeouts, reconnects and retries.
+
+Every operation is safe to retry: permits and leases carry client-chosen ids (a retried acquire or
+pull returns the same permit or lease), pushes are idempotent by sample_id, and release, ack,
+nack and set_version are idempotent. A request that gets no reply in time is resent on a fresh
+socket (a DEALER keeps no state worth saving); after `retries` resends it raises BufferUnavailable.
+An error reply raises RemoteError with the server's reason and message.
+
+`services.buffer_actor.RayBufferClient` has the same methods over a Ray actor.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import zmq
+
+from buffer import auth
+from buffer.admission import Permit
+from buffer.codec import decode_group, decode_message_header, encode_group, encode_message, split_groups
+from buffer.config import BufferConfig, ClientConfig, CurveConfig, SampleLimits
+from buffer.errors import BufferUnavailable, ProtocolError, RemoteError
+from buffer.sample import Group, PulledBatch, new_id
+
+
+class BufferClient:
+    def __init__(self, endpoint: str, client: ClientConfig | None = None, curve: CurveConfig | None = None,
+                 limits: SampleLimits | None = None, context: zmq.Context | None = None):
+        self.endpoint = endpoint
+        self.settings = client or ClientConfig()
+        self.curve = curve or CurveConfig()
+        self.limits = limits or SampleLimits()
+        self._context = context or zmq.Context.instance()
+        self._socket: zmq.Socket | None = None
+        self._lock = threading.Lock()
+        self.reconnects = 0
+
+    @classmethod
+    def from_config(cls, config: BufferConfig, endpoint: str | None = None) -> "BufferClient":
+        return cls(endpoint or config.endpoint, config.client, config.curve, config.limits)
+
+    # ---- the buffer API ---------------------------------------------------------------------
+
+    def acquire_permit(self, worker_id: str, timeout: float = 0.0) -> Permit | None:
+        """A permit to generate one group, or None if the η gate stays closed for `timeout` seconds."""
+        result, _ = self._call("acquire_permit", {"worker_id": worker_id, "timeout": float(timeout),
+                                                  "permit_id": new_id()}, wait=timeout)
+        return None if result is None else Permit(**result)
+
+    def release_permit(self, permit_id: str) -> bool:
+        """Give a permit back (generation failed or rejected); its ticket is reissued. False if unknown."""
+        return self._call("release_permit", {"permit_id": permit_id})[0]
+
+    def push_group(self, group: Group, permit_id: str) -> dict:
+        """Push a finished group under its permit. Returns {"samples": n, "duplicate": bool};
+        a retried push of the same sample ids is a no-op with duplicate=True."""
+        return self._call("push_group", {"permit_id": permit_id}, encode_group(group))[0]
+
+    def pull_batch(self, batch_size: int, timeout: float = 0.0) -> PulledBatch | None:
+        """The `batch_size` oldest groups under a lease, or None if fewer are ready within `timeout`."""
+        result, frames = self._call("pull_batch", {"batch_size": int(batch_size), "timeout": float(timeout),
+                                                   "lease_id": new_id()}, wait=timeout)
+        if result is None:
+            return None
+        groups = [decode_group(f, self.limits) for f in split_groups(frames, result["group_frames"])]
+        return PulledBatch(result["lease_id"], groups, result["dropped_stale"], result["version"])
+
+    def ack(self, lease_id: str) -> int:
+        """The batch was trained on: its groups are consumed. Returns the number of groups."""
+        return self._call("ack", {"lease_id": lease_id})[0]
+
+    def nack(self, lease_id: str) -> int:
+        """Hand a leased batch back; its groups are pulled again, oldest first."""
+        return self._call("nack", {"lease_id": lease_id})[0]
+
+    def set_version(self, version: int) -> None:
+        """The learner's weight version. Call it before publishing those weights to workers."""
+        self._call("set_version", {"version": int(version)})
+
+    def recover(self, version: int) -> None:
+        """Resume a run at learner version v on a buffer with no durable state: accepted = v·B."""
+        self._call("recover", {"version": int(version)})
+
+    def stats(self) -> dict:
+        return self._call("stats", {})[0]
+
+    def health(self) -> dict:
+        return self._call("health", {})[0]
+
+    def close(self) -> None:
+        with self._lock:
+            self._reset_socket()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ---- transport --------------------------------------------------------------------------
+
+    def _connect(self) -> zmq.Socket:
+        if self._socket is None:
+            sock = self._context.socket(zmq.DEALER)
+            sock.linger = 0
+            if self.curve.enabled:
+                auth.configure_client(sock, self.curve)
+            sock.connect(self.endpoint)
+            self._socket = sock
+        return self._socket
+
+    def _reset_socket(self) -> None:
+        if self._socket is not None:
+            self._socket.close(linger=0)
+            self._socket = None
+
+    def _call(self, op: str, args: dict, payload=(), wait: float = 0.0):
+        request_id = new_id()
+        message = encode_message({"id": request_id, "op": op, "args": args}, payload)
+        timeout_s = self.settings.request_timeout_s + max(0.0, wait)
+        with self._lock:
+            for attempt in range(self.settings.retries + 1):
+                if attempt:
+                    self.reconnects += 1
+                    time.sleep(self.settings.retry_backoff_s * attempt)
+                sock = self._connect()
+                sock.send_multipart(message, copy=False)
+                reply = self._receive(sock, request_id, timeout_s)
+                if reply is not None:
+                    return reply
+                self._reset_socket()
+        raise BufferUnavailable(f"buffer at {self.endpoint} did not answer {op!r} within {timeout_s:.1f}s "
+                                f"({self.settings.retries + 1} attempts)")
+
+    def _receive(self, sock: zmq.Socket, request_id: str, timeout_s: float):
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            if not sock.poll(int(left * 1000) + 1):
+                return None
+            frames = sock.recv_multipart(copy=False)
+            header = decode_message_header(frames[0].buffer, ("id", "ok"))
+            if header["id"] != request_id:
+                continue  # a late reply to an earlier, timed-out attempt
+            if not header["ok"]:
+                error = header.get("error") or {}
+                raise RemoteError(f"buffer refused {error.get('message', '?')}", error.get("reason", "remote_error"))
+            if "result" not in header:
+                raise ProtocolError("reply without result", "bad_reply")
+            return header["result"], [f.buffer for f in frames[1:]]
+        return None

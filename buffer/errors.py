@@ -1,0 +1,50 @@
+"""Errors of the buffer package. Every error carries a short machine-readable `reason` (used as the
+label of the bad-message / request-error counters and sent back to clients in error replies)."""
+from __future__ import annotations
+
+
+class BufferError(Exception):
+    """Base class. `reason` is a short snake_case label, the message says what and where."""
+
+    reason = "buffer_error"
+
+    def __init__(self, message: str, reason: str | None = None):
+        super().__init__(message)
+        if reason is not None:
+            self.reason = reason
+
+
+class SampleError(BufferError):
+    """A sample or group violates the record contract; names the field and the sample."""
+
+    reason = "bad_sample"
+
+    def __init__(self, field: str, sample_id: str | None, message: str):
+        self.field = field
+        self.sample_id = sample_id
+        where = f"sample {sample_id!r}" if sample_id is not None else "group"
+        super().__init__(f"{where}, field {field!r}: {message}")
+
+
+class ProtocolError(BufferError):
+    """A message that is not a valid request or reply (framing, msgpack, protocol version, size)."""
+
+    reason = "bad_message"
+
+
+class RequestError(BufferError):
+    """A well-formed request the buffer refuses (unknown permit, buffer full, conflicting push...)."""
+
+    reason = "bad_request"
+
+
+class RemoteError(BufferError):
+    """An error reply from the buffer service, re-raised on the client side with its reason."""
+
+    reason = "remote_error"
+
+
+class BufferUnavailable(BufferError):
+    """The buffer service did not answer within the client's timeout and retries."""
+
+    reason = "unavailable"
