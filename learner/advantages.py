@@ -1,0 +1,135 @@
+"""Outcome-reward advantages for groups of responses to the same prompt.
+
+Public API:
+
+- `AdvantageConfig` (pydantic): `estimator` ("grpo" | "dr_grpo" | "rloo" |
+  "reinforce_plus_plus_baseline"), `eps` (1e-6).
+- `compute_advantages(rewards, group_ids, response_mask, config) -> advantages [B, T]`: one
+  scalar per sequence, spread over its valid tokens (0 at padding).
+- `group_index(group_ids) -> LongTensor [B]`: rows with equal ids share a group (any hashables,
+  or an integer tensor); the estimators below take it.
+- `grpo_advantages`, `dr_grpo_advantages`, `rloo_advantages`, `reinforce_pp_baseline_advantages`:
+  the per-sequence [B] advantages.
+
+Estimators (r = reward, groups by id):
+- grpo: (r − mean_g) / (std_g + eps), std unbiased; a group of one has mean 0 and std 1.
+- dr_grpo: r − mean_g (Dr.GRPO drops the std division; a group of one has mean 0).
+- rloo: r − mean of the *other* rewards in the group = n/(n−1)·(r − mean_g); a group of one: r.
+- reinforce_plus_plus_baseline: r − mean_g, then whitened over all valid tokens of the batch
+  (REINFORCE++ with a group baseline).
+"""
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import Literal, Union
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from learner.correction import check_mask
+
+Estimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline"]
+GroupIds = Union[Sequence[Hashable], torch.Tensor]
+
+
+class AdvantageConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    estimator: Estimator = "grpo"
+    eps: float = Field(1e-6, gt=0, description="added to the group std (grpo) before dividing")
+
+
+def group_index(group_ids: GroupIds, batch_size: int | None = None) -> torch.Tensor:
+    """Dense group numbers [B] (0..G-1, in order of first appearance) for per-row group ids."""
+    if isinstance(group_ids, torch.Tensor):
+        if group_ids.dim() != 1 or group_ids.is_floating_point():
+            raise ValueError(f"group_ids must be a 1-D integer tensor, got {group_ids.dtype} {tuple(group_ids.shape)}")
+        keys = group_ids.tolist()
+    else:
+        keys = list(group_ids)
+    if batch_size is not None and len(keys) != batch_size:
+        raise ValueError(f"group_ids has {len(keys)} entries for {batch_size} rewards")
+    numbers: dict = {}
+    return torch.tensor([numbers.setdefault(k, len(numbers)) for k in keys], dtype=torch.long)
+
+
+def _check_rewards(rewards: torch.Tensor) -> torch.Tensor:
+    rewards = torch.as_tensor(rewards)
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be one scalar per sequence ([batch]), got shape {tuple(rewards.shape)}")
+    if not rewards.is_floating_point():
+        rewards = rewards.to(torch.float32)
+    bad = ~torch.isfinite(rewards)
+    if bad.any():
+        row = int(bad.nonzero()[0])
+        raise ValueError(f"reward of row {row} is not finite ({rewards[row].item()})")
+    return rewards if rewards.dtype == torch.float64 else rewards.to(torch.float32)
+
+
+def _group_stats(rewards: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-row group size, group mean and unbiased group std (groups of one: mean 0, std 1)."""
+    index = index.to(rewards.device)
+    n_groups = int(index.max()) + 1 if index.numel() else 0
+    count = torch.zeros(n_groups, dtype=rewards.dtype, device=rewards.device).index_add_(0, index, torch.ones_like(rewards))
+    total = torch.zeros_like(count).index_add_(0, index, rewards)
+    mean = total / count
+    sq_dev = torch.zeros_like(count).index_add_(0, index, (rewards - mean[index]) ** 2)
+    std = (sq_dev / (count - 1).clamp_min(1)).sqrt()
+    single = count == 1
+    mean = torch.where(single, torch.zeros_like(mean), mean)
+    std = torch.where(single, torch.ones_like(std), std)
+    return count[index], mean[index], std[index]
+
+
+def grpo_advantages(rewards: torch.Tensor, index: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    _, mean, std = _group_stats(rewards, index)
+    return (rewards - mean) / (std + eps)
+
+
+def dr_grpo_advantages(rewards: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    _, mean, _ = _group_stats(rewards, index)
+    return rewards - mean
+
+
+def rloo_advantages(rewards: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    count, mean, _ = _group_stats(rewards, index)
+    # Leave-one-out baseline: (Σ_g − r)/(n − 1), i.e. n/(n−1)·(r − mean); a group of one keeps r.
+    return torch.where(count > 1, count / (count - 1).clamp_min(1) * (rewards - mean), rewards)
+
+
+def reinforce_pp_baseline_advantages(rewards: torch.Tensor, index: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Group-baselined rewards whitened over the batch's valid tokens (each sequence counts once
+    per valid token, as its advantage is spread over them); returns per-sequence values."""
+    centred = dr_grpo_advantages(rewards, index)
+    tokens = mask.sum(-1).to(centred.dtype)
+    n = tokens.sum()
+    if n < 2:
+        return centred
+    mean = (centred * tokens).sum() / n
+    var = (((centred - mean) ** 2) * tokens).sum() / (n - 1)
+    return (centred - mean) / (var + 1e-8).sqrt()
+
+
+def compute_advantages(
+    rewards: torch.Tensor,
+    group_ids: GroupIds,
+    response_mask: torch.Tensor,
+    config: AdvantageConfig | None = None,
+) -> torch.Tensor:
+    """Per-token advantages [B, T]: the estimator's per-sequence value on every valid token."""
+    config = config or AdvantageConfig()
+    rewards = _check_rewards(rewards)
+    mask = check_mask(response_mask)
+    if mask.shape[0] != rewards.shape[0]:
+        raise ValueError(f"response_mask has {mask.shape[0]} rows for {rewards.shape[0]} rewards")
+    rewards = rewards.to(mask.device)
+    index = group_index(group_ids, rewards.shape[0])
+    if config.estimator == "grpo":
+        per_seq = grpo_advantages(rewards, index, config.eps)
+    elif config.estimator == "dr_grpo":
+        per_seq = dr_grpo_advantages(rewards, index)
+    elif config.estimator == "rloo":
+        per_seq = rloo_advantages(rewards, index)
+    else:
+        per_seq = reinforce_pp_baseline_advantages(rewards, index, mask)
+    return per_seq[:, None].to(mask.device) * mask.to(per_seq.dtype)

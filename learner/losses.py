@@ -1,0 +1,305 @@
+"""Policy losses: decoupled PPO (with dual clip), bypass PPO-clip and bypass REINFORCE, loss
+aggregation, KL penalty and entropy bonus.
+
+Public API:
+
+- `PolicyLossConfig` (pydantic): clip_ratio_low 0.2, clip_ratio_high 0.2, clip_ratio_c 3.0,
+  loss_agg_mode ("token-mean" | "seq-mean-token-sum" | "seq-mean-token-mean" |
+  "seq-mean-token-sum-norm"), loss_scale_factor, kl_coef, kl_estimator ("k1" | "k2" | "k3"),
+  entropy_coeff.
+- `compute_policy_loss(log_prob, old_log_prob, rollout_log_prob, advantages, response_mask,
+  correction_config, loss_config, *, global_token_count=None, global_seq_count=None,
+  precomputed_correction=None, ref_log_prob=None, entropy=None, token_versions=None,
+  current_version=None) -> (loss, metrics)`: the scalar loss to call `.backward()` on and a
+  dict of floats (`actor/...`, `staleness/...`, and `rollout_corr/...` when the correction is
+  computed here).
+- `aggregate_loss(loss_mat, mask, mode, global_token_count=None, global_seq_count=None,
+  loss_scale_factor=None)`, `count_tokens_and_sequences(mask)`, `kl_penalty(log_prob,
+  ref_log_prob, estimator)`, `staleness_metrics(token_versions, current_version, mask)`.
+
+Micro-batches and data parallelism: every mode divides a *sum* over the rows it is given by a
+denominator. Pass the counts of the whole minibatch (summed over micro-batches and ranks, e.g.
+from `count_tokens_and_sequences` on the rejection-modified mask) as `global_token_count` /
+`global_seq_count`, and sum the micro-batch losses (do not average them): the gradient is then
+the same however the minibatch is split. Without them each call normalises by its own counts.
+
+Modes (bypass_mode and loss_type come from the `RolloutCorrectionConfig`):
+- decoupled: per-token max(−A·r, −A·clip(r, 1−ε_low, 1+ε_high)) with r = π_θ/π_old (log ratio
+  clamped to ±20), dual clip min(·, −c·A) for A < 0, times the detached IS weights π_old/π_rollout.
+  The correction is computed here from (old_log_prob, rollout_log_prob), or taken from
+  `precomputed_correction=(weights, modified_mask)` (slices of one `compute_rollout_correction`
+  call over the whole batch: use that for batch-wide IS normalisation).
+- bypass ppo_clip: the same clipped loss on r = π_θ/π_rollout, no IS weights; rejection and veto
+  (computed on the detached π_θ vs π_rollout for every call) still mask.
+- bypass reinforce: −stopgrad(w)·A·log π_θ, w = π_θ/π_rollout with the configured IS/RS/veto,
+  recomputed under no_grad for every call.
+"""
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from learner.correction import (
+    SAFETY_BOUND,
+    RolloutCorrectionConfig,
+    check_log_probs,
+    check_mask,
+    compute_rollout_correction,
+    masked_mean,
+    to_floats,
+)
+
+LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+
+
+class PolicyLossConfig(BaseModel):
+    """PPO clip ranges, dual clip, aggregation, KL penalty and entropy bonus.
+
+    clip_ratio_high defaults to 0.2 (symmetric), the clip range of the reference formulas; DAPO's
+    clip-higher (0.28) is a one-field override for runs that lose entropy too fast.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    clip_ratio_low: float = Field(0.2, gt=0, lt=1, description="ε_low: r is clipped below at 1 − ε_low")
+    clip_ratio_high: float = Field(0.2, gt=0, description="ε_high: r is clipped above at 1 + ε_high")
+    clip_ratio_c: float = Field(3.0, gt=1, description="dual-clip bound c for A < 0 (loss <= −c·A)")
+    loss_agg_mode: LossAggMode = "token-mean"
+    loss_scale_factor: Optional[float] = Field(
+        None, gt=0, description="seq-mean-token-sum-norm's constant divisor (e.g. the max response "
+        "length); None: the micro-batch's padded width, which depends on the split")
+    kl_coef: float = Field(0.0, ge=0, description="weight of the KL penalty to the reference policy")
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    entropy_coeff: float = Field(0.0, ge=0, description="weight of the entropy bonus")
+
+
+# ---- aggregation -------------------------------------------------------------------------------
+def count_tokens_and_sequences(response_mask: torch.Tensor) -> tuple[int, int]:
+    """(valid tokens, sequences with at least one valid token): the denominators to sum over
+    micro-batches and ranks and pass as global_token_count / global_seq_count."""
+    mask = check_mask(response_mask)
+    return int(mask.sum()), int(mask.any(-1).sum())
+
+
+def _denominator(name: str, given, local: torch.Tensor) -> torch.Tensor:
+    if given is None:
+        return local.clamp_min(1)
+    value = given if isinstance(given, torch.Tensor) else torch.tensor(float(given))
+    if value.numel() != 1 or not bool(torch.isfinite(value)) or float(value) < 0:
+        raise ValueError(f"{name} must be a finite count >= 0, got {given!r}")
+    return value.to(device=local.device, dtype=local.dtype).reshape(()).clamp_min(1)
+
+
+def aggregate_loss(
+    loss_mat: torch.Tensor,
+    mask: torch.Tensor,
+    mode: LossAggMode = "token-mean",
+    global_token_count=None,
+    global_seq_count=None,
+    loss_scale_factor: Optional[float] = None,
+) -> torch.Tensor:
+    """Reduce a [B, T] per-token loss to a scalar (rows without valid tokens contribute 0).
+
+    token-mean: Σ_tokens / N_tokens. seq-mean-token-sum: Σ_seqs(Σ_tokens) / N_seqs.
+    seq-mean-token-mean: Σ_seqs(mean over the sequence's tokens) / N_seqs.
+    seq-mean-token-sum-norm (Dr.GRPO): Σ_tokens / (N_seqs · loss_scale_factor).
+    """
+    mask = check_mask(mask, loss_mat.shape)
+    zero = torch.zeros((), dtype=loss_mat.dtype, device=loss_mat.device)
+    masked = torch.where(mask, loss_mat, zero)
+    if mode == "token-mean":
+        return masked.sum() / _denominator("global_token_count", global_token_count, mask.sum().to(loss_mat.dtype))
+    n_seq = _denominator("global_seq_count", global_seq_count, mask.any(-1).sum().to(loss_mat.dtype))
+    if mode == "seq-mean-token-sum":
+        return masked.sum() / n_seq
+    if mode == "seq-mean-token-mean":
+        per_seq = masked.sum(-1) / mask.sum(-1).clamp_min(1).to(loss_mat.dtype)
+        return per_seq.sum() / n_seq
+    if mode == "seq-mean-token-sum-norm":
+        horizon = loss_scale_factor if loss_scale_factor is not None else max(loss_mat.shape[-1], 1)
+        return masked.sum() / (n_seq * horizon)
+    raise ValueError(f"loss_agg_mode must be one of {LossAggMode.__args__}, got {mode!r}")
+
+
+# ---- per-token losses --------------------------------------------------------------------------
+def ppo_clip_token_loss(log_prob, anchor_log_prob, advantages, cfg: PolicyLossConfig):
+    """Per-token dual-clip PPO loss on r = π_θ/π_anchor and the masks of where each clip binds."""
+    log_ratio = (log_prob - anchor_log_prob).clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - cfg.clip_ratio_low, 1.0 + cfg.clip_ratio_high)
+    clip_loss = torch.maximum(unclipped, clipped)
+    dual_bound = -advantages * cfg.clip_ratio_c
+    negative = advantages < 0
+    loss = torch.where(negative, torch.minimum(clip_loss, dual_bound), clip_loss)
+    clipped_upper = clipped > unclipped
+    clipped_lower = negative & (clip_loss > dual_bound)
+    return loss, clipped_upper, clipped_lower, log_ratio
+
+
+def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
+    """Per-token estimate of KL(π_θ ‖ π_ref) from samples of π_θ. k1: log r; k2: ½ log² r;
+    k3: 1/r − 1 + log r, i.e. exp(−log r) − 1 + log r (unbiased, >= 0), with r = π_θ/π_ref."""
+    log_r = (log_prob - ref_log_prob).clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    if estimator == "k1":
+        return log_r
+    if estimator == "k2":
+        return 0.5 * log_r ** 2
+    if estimator == "k3":
+        return torch.exp(-log_r) - 1.0 + log_r
+    raise ValueError(f"kl_estimator must be 'k1', 'k2' or 'k3', got {estimator!r}")
+
+
+def staleness_metrics(token_versions: torch.Tensor, current_version: int, response_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Staleness (current version − generating version) over valid tokens: mean, max, min, and the
+    fraction of tokens and of sequences generated by an older version. [B] versions mean one per
+    sequence. A version newer than the learner's is an error (it cannot exist)."""
+    mask = check_mask(response_mask)
+    versions = torch.as_tensor(token_versions, device=mask.device)
+    if versions.dim() == 1:
+        versions = versions[:, None].expand_as(mask)
+    if versions.shape != mask.shape:
+        raise ValueError(f"token_versions has shape {tuple(versions.shape)}, expected [batch] or {tuple(mask.shape)}")
+    if versions.is_floating_point():
+        raise ValueError(f"token_versions must be integers, got {versions.dtype}")
+    future = (versions > current_version) & mask
+    if future.any():
+        row, col = (int(i) for i in future.nonzero()[0])
+        raise ValueError(f"token_versions holds version {int(versions[row, col])} at row {row}, token {col}, "
+                         f"newer than the learner's version {current_version}")
+    staleness = (current_version - versions).to(torch.float64)
+    stale = (staleness > 0) & mask
+    any_valid = mask.any()
+    big = torch.tensor(float(current_version), dtype=torch.float64, device=mask.device)
+    return {
+        "staleness/mean": masked_mean(staleness, mask),
+        "staleness/max": torch.where(any_valid, torch.where(mask, staleness, -big).max(), 0.0 * big),
+        "staleness/min": torch.where(any_valid, torch.where(mask, staleness, big).min(), 0.0 * big),
+        "staleness/stale_token_fraction": masked_mean(stale.to(torch.float64), mask),
+        "staleness/stale_seq_fraction": masked_mean(stale.any(-1).to(torch.float64), mask.any(-1)),
+    }
+
+
+# ---- the loss ----------------------------------------------------------------------------------
+def compute_policy_loss(
+    log_prob: torch.Tensor,
+    old_log_prob: Optional[torch.Tensor],
+    rollout_log_prob: Optional[torch.Tensor],
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    correction_config: RolloutCorrectionConfig,
+    loss_config: PolicyLossConfig,
+    *,
+    global_token_count=None,
+    global_seq_count=None,
+    precomputed_correction: Optional[tuple[Optional[torch.Tensor], torch.Tensor]] = None,
+    ref_log_prob: Optional[torch.Tensor] = None,
+    entropy: Optional[torch.Tensor] = None,
+    token_versions: Optional[torch.Tensor] = None,
+    current_version: Optional[int] = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The scalar policy loss (PPO / REINFORCE + KL − entropy) and its metrics. See the module
+    docstring for the modes. `old_log_prob` may be None in bypass mode (π_old := π_rollout)."""
+    mask = check_mask(response_mask)
+    log_prob = _check_grad_input("log_prob", log_prob, mask)
+    advantages = _check_grad_input("advantages", advantages, mask).detach()
+    metrics: dict[str, float] = {}
+
+    if correction_config.bypass_mode:
+        if precomputed_correction is not None:
+            raise ValueError("precomputed_correction is for decoupled mode: in bypass mode the weights "
+                             "depend on π_θ and are recomputed for every call")
+        if rollout_log_prob is None:
+            raise ValueError("bypass mode needs rollout_log_prob (it is the PPO anchor π_old)")
+        anchor = check_log_probs("rollout_log_prob", rollout_log_prob, mask).to(log_prob.dtype).detach()
+        weights, loss_mask, corr_metrics = compute_rollout_correction(log_prob, rollout_log_prob, mask,
+                                                                      correction_config)
+        metrics.update(corr_metrics)
+    else:
+        if old_log_prob is None:
+            raise ValueError("decoupled mode needs old_log_prob (the proximal policy); set bypass_mode "
+                             "to use the rollout log-probs instead")
+        anchor = check_log_probs("old_log_prob", old_log_prob, mask).to(log_prob.dtype).detach()
+        if precomputed_correction is not None:
+            weights, loss_mask = precomputed_correction
+            loss_mask = check_mask(loss_mask, mask.shape)
+            if (loss_mask & ~mask).any():
+                raise ValueError("precomputed_correction's mask keeps tokens that response_mask excludes")
+        else:
+            if rollout_log_prob is None:
+                raise ValueError("decoupled mode needs rollout_log_prob to compute the correction "
+                                 "(or pass precomputed_correction)")
+            weights, loss_mask, corr_metrics = compute_rollout_correction(old_log_prob, rollout_log_prob,
+                                                                          mask, correction_config)
+            metrics.update(corr_metrics)
+    loss_mask = check_mask(loss_mask)
+    if weights is not None:
+        if weights.shape != mask.shape:
+            raise ValueError(f"IS weights have shape {tuple(weights.shape)}, expected {tuple(mask.shape)}")
+        weights = weights.detach().to(log_prob.dtype)
+
+    stats: dict[str, torch.Tensor] = {}
+    reinforce = correction_config.bypass_mode and correction_config.loss_type == "reinforce"
+    if reinforce:
+        w = weights if weights is not None else torch.ones_like(log_prob)
+        token_loss = -w * advantages * log_prob
+        stats["actor/pg_clipfrac"] = log_prob.new_zeros(())
+        stats["actor/pg_clipfrac_lower"] = log_prob.new_zeros(())
+        log_ratio = (log_prob.detach() - anchor).clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    else:
+        token_loss, clipped_upper, clipped_lower, log_ratio = ppo_clip_token_loss(
+            log_prob, anchor, advantages, loss_config)
+        if weights is not None and not correction_config.bypass_mode:
+            token_loss = token_loss * weights
+        stats["actor/pg_clipfrac"] = masked_mean(clipped_upper.to(log_prob.dtype), loss_mask)
+        stats["actor/pg_clipfrac_lower"] = masked_mean(clipped_lower.to(log_prob.dtype), loss_mask)
+    stats["actor/ppo_kl"] = masked_mean(-log_ratio.detach(), loss_mask)
+
+    def agg(x: torch.Tensor) -> torch.Tensor:
+        return aggregate_loss(x, loss_mask, loss_config.loss_agg_mode, global_token_count, global_seq_count,
+                              loss_config.loss_scale_factor)
+
+    pg_loss = agg(token_loss)
+    loss = pg_loss
+    stats["actor/pg_loss"] = pg_loss.detach()
+    if loss_config.kl_coef > 0:
+        if ref_log_prob is None:
+            raise ValueError("kl_coef > 0 needs ref_log_prob (the reference policy's log-probs)")
+        ref = check_log_probs("ref_log_prob", ref_log_prob, mask).to(log_prob.dtype).detach()
+        kl_loss = agg(kl_penalty(log_prob, ref, loss_config.kl_estimator))
+        loss = loss + loss_config.kl_coef * kl_loss
+        stats["actor/kl_loss"] = kl_loss.detach()
+    if entropy is not None or loss_config.entropy_coeff > 0:
+        if entropy is None:
+            raise ValueError("entropy_coeff > 0 needs entropy (per-token entropy of π_θ, [batch, tokens])")
+        entropy = _check_grad_input("entropy", entropy, mask)
+        entropy_loss = agg(entropy)
+        if loss_config.entropy_coeff > 0:
+            loss = loss - loss_config.entropy_coeff * entropy_loss
+        stats["actor/entropy"] = entropy_loss.detach()
+    if token_versions is not None:
+        if current_version is None:
+            raise ValueError("token_versions needs current_version (the learner's weight version)")
+        stats.update(staleness_metrics(token_versions, current_version, loss_mask))
+    metrics.update(to_floats(stats))
+    return loss, metrics
+
+
+def _check_grad_input(name: str, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Like check_log_probs, but keeps the graph and upcasts half precision to float32."""
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{name} must be a tensor, got {type(x).__name__}")
+    if x.shape != mask.shape:
+        raise ValueError(f"{name} has shape {tuple(x.shape)}, but response_mask has {tuple(mask.shape)}")
+    if not x.is_floating_point():
+        raise ValueError(f"{name} must be a floating-point tensor, got {x.dtype}")
+    bad = ~torch.isfinite(x.detach()) & mask
+    if bad.any():
+        row, col = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"{name} is not finite ({x[row, col].item()}) at row {row}, token {col}")
+    if x.dtype in (torch.float16, torch.bfloat16):
+        x = x.float()
+    # Zero the padding so NaN/inf there cannot leak into sums (the gradient there is 0 anyway).
+    return torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
