@@ -64,24 +64,34 @@ def response_log_probs(
     responses: list[list[int]],
     temperature: float = 1.0,
     pad_id: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    with_entropy: bool = False,
+):
     """Log-probs of each response token under `model` (logits divided by temperature), as
-    [B, T] right-padded with zeros, and the [B, T] response mask. Gradients flow unless the
-    caller wraps this in torch.no_grad()."""
+    [B, T] right-padded with zeros, and the [B, T] response mask; with `with_entropy`, also the
+    [B, T] entropy of the tempered next-token distribution at each response position (the
+    learner's entropy bonus and metric). Gradients flow unless the caller wraps this in
+    torch.no_grad()."""
     input_ids, attention, response_mask, resp_width = pad_sequences(prompts, responses, pad_id)
     device = next(model.parameters()).device
     logits = model(input_ids=input_ids.to(device), attention_mask=attention.to(device)).logits
     logits = logits.float() / temperature
     # Token t is predicted by position t-1; gather the response slice row by row (prompts differ).
     out = torch.zeros((len(prompts), resp_width), dtype=torch.float32, device=device)
-    rows = []
+    rows, entropies = [], []
     for row, (p, r) in enumerate(zip(prompts, responses)):
         if not r:
             rows.append(out[row])
+            entropies.append(out[row])
             continue
         start = len(p) - 1
         row_logits = logits[row, start : start + len(r)]
         targets = input_ids[row, len(p) : len(p) + len(r)].to(device)
-        lp = torch.log_softmax(row_logits, dim=-1).gather(-1, targets[:, None]).squeeze(-1)
+        log_dist = torch.log_softmax(row_logits, dim=-1)
+        lp = log_dist.gather(-1, targets[:, None]).squeeze(-1)
         rows.append(torch.nn.functional.pad(lp, (0, resp_width - len(r))))
+        if with_entropy:
+            ent = -(log_dist.exp() * log_dist).sum(-1)
+            entropies.append(torch.nn.functional.pad(ent, (0, resp_width - len(r))))
+    if with_entropy:
+        return torch.stack(rows), response_mask.to(device), torch.stack(entropies)
     return torch.stack(rows), response_mask.to(device)

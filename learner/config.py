@@ -1,0 +1,127 @@
+"""The learner's config: model, optimizer and schedule, PPO minibatching, the proximal log-prob
+method, rollout correction and policy loss, data parallelism and weight publication.
+
+Flat where users override it most (`learner.lr=3e-5`), nested where a component owns the options
+(`learner.rollout_correction.rollout_is_threshold=3`). A preset name is accepted wherever a
+rollout-correction config is expected: `learner.rollout_correction=decoupled_seq_is`.
+"""
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from learner.advantages import AdvantageConfig
+from learner.correction import RolloutCorrectionConfig
+from learner.losses import PolicyLossConfig
+
+
+class DistributedConfig(BaseModel):
+    """A data-parallel learner group. gloo runs on CPU; nccl (optionally with FSDP) needs GPUs."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    world_size: int = Field(1, ge=1, description="learner ranks; each trains on its shard of the batch")
+    backend: Literal["gloo", "nccl"] = "gloo"
+    strategy: Literal["allreduce", "fsdp"] = Field(
+        "allreduce", description="allreduce: full replicas, gradients summed; fsdp: sharded (GPU, nccl)")
+    master_addr: str = "127.0.0.1"
+    master_port: int = Field(0, ge=0, le=65535, description="0: pick a free port")
+    timeout_s: float = Field(300.0, gt=0, description="collective timeout")
+
+    @model_validator(mode="after")
+    def _fsdp_needs_nccl(self):
+        if self.strategy == "fsdp" and self.backend != "nccl":
+            raise ValueError("strategy 'fsdp' needs backend 'nccl' (GPUs); use 'allreduce' with gloo on CPU")
+        return self
+
+
+class WeightSyncConfig(BaseModel):
+    """How new weights reach the rollout engines (see lm/weight_sync.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    mode: Literal["object_store", "folder"] = Field(
+        "object_store", description="object_store: one ray.put per version; folder: a versioned "
+        "safetensors folder, for engines in separate processes")
+    folder: Optional[str] = Field(None, description="root of the versioned folders (mode=folder)")
+    keep_last: int = Field(2, ge=1, description="versioned folders kept on disk")
+    dtype: Optional[Literal["float32", "bfloat16", "float16"]] = Field(
+        None, description="cast published weights (None: the learner's dtype)")
+
+    @model_validator(mode="after")
+    def _folder_needs_path(self):
+        if self.mode == "folder" and not self.folder:
+            raise ValueError("weight_sync.mode 'folder' needs weight_sync.folder (where to write versions)")
+        return self
+
+
+class LearnerConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model_path: str = Field(..., description="HF model folder of the initial policy")
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: str = Field("cpu", description="'cpu' or 'cuda' (a rank uses cuda:<local rank>)")
+    seed: int = 0
+
+    # AdamW and the learning-rate schedule (warm-up, then constant / linear / cosine decay)
+    lr: float = Field(1e-6, gt=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    adam_eps: float = Field(1e-8, gt=0)
+    weight_decay: float = Field(0.01, ge=0)
+    warmup_steps: int = Field(0, ge=0)
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    total_steps: Optional[int] = Field(None, ge=1, description="steps the decay spans (linear/cosine)")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="the decayed lr floor, as a fraction of lr")
+    grad_clip: Optional[float] = Field(1.0, gt=0, description="max global grad norm (None: no clipping)")
+
+    # PPO: each pulled batch is split into minibatches (one optimizer step each) for ppo_epochs
+    ppo_epochs: int = Field(1, ge=1)
+    ppo_mini_batch_size: Optional[int] = Field(
+        None, ge=1, description="groups per minibatch (None: the whole batch, one step per epoch)")
+    micro_batch_size: Optional[int] = Field(
+        None, ge=1, description="sequences per forward/backward on a rank (None: the whole minibatch)")
+    shuffle_minibatches: bool = Field(False, description="reshuffle groups between epochs (seeded)")
+
+    # Algorithm
+    temperature: float = Field(1.0, gt=0, description="the sampling temperature: log-probs use logits / T")
+    prox_logp: Literal["recompute", "loglinear"] = Field(
+        "recompute", description="decoupled mode's proximal log-probs: one no-grad forward pass, or "
+        "AReaL's log-linear interpolation between behaviour and current log-probs")
+    advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
+    rollout_correction: RolloutCorrectionConfig = Field(default_factory=RolloutCorrectionConfig.decoupled_token_is)
+    policy_loss: PolicyLossConfig = Field(default_factory=PolicyLossConfig)
+    compute_entropy: bool = Field(True, description="report actor/entropy (always on when entropy_coeff > 0)")
+    pad_token_id: int = Field(0, ge=0)
+
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+    weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
+
+    @field_validator("rollout_correction", mode="before")
+    @classmethod
+    def _preset_by_name(cls, value):
+        return RolloutCorrectionConfig.preset(value) if isinstance(value, str) else value
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, value):
+        if not all(0.0 <= b < 1.0 for b in value):
+            raise ValueError(f"betas must lie in [0, 1), got {value}")
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.lr_schedule != "constant" and self.total_steps is None:
+            raise ValueError(f"lr_schedule {self.lr_schedule!r} needs total_steps (the steps the decay spans)")
+        if self.total_steps is not None and self.warmup_steps > self.total_steps:
+            raise ValueError(f"warmup_steps ({self.warmup_steps}) exceeds total_steps ({self.total_steps})")
+        if self.prox_logp == "loglinear" and self.bypass_mode:
+            raise ValueError("prox_logp 'loglinear' approximates decoupled mode's proximal policy; "
+                             "the rollout-correction preset is in bypass mode, which has none")
+        if self.distributed.backend == "nccl" and self.device == "cpu":
+            raise ValueError("distributed.backend 'nccl' needs device 'cuda'")
+        return self
+
+    @property
+    def bypass_mode(self) -> bool:
+        return bool(self.rollout_correction.bypass_mode)

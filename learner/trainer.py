@@ -1,0 +1,437 @@
+"""The learner: one training step over a pulled batch, weight publication, checkpoints.
+
+A step (`Learner.train_step`):
+  1. validate and pad the groups (`learner.batch`), compute advantages over the whole batch;
+  2. proximal log-probs π_old: decoupled mode recomputes them with the current weights in one
+     no-grad pass (`prox_logp: recompute`) or approximates them per minibatch from the behaviour
+     and current log-probs (`prox_logp: loglinear`, AReaL); bypass mode uses μ itself;
+  3. rollout correction (IS weights, rejection, veto) and the policy loss, for `ppo_epochs` over
+     minibatches, each loss normalised by the token/sequence counts of the whole minibatch over
+     all ranks, so micro-batching and data parallelism do not change the update;
+  4. one optimizer step per minibatch (gradients summed over ranks, clipped), one scheduler step
+     per learner step, and the version goes up by one.
+
+The three log-probs keep the names of DESIGN.md: `rollout_log_prob` (μ), `old_log_prob` (π_old),
+`log_prob` (π_θ). This is a plain class; services makes it a Ray actor.
+"""
+from __future__ import annotations
+
+import math
+import shutil
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from learner.advantages import compute_advantages
+from learner.batch import TrainBatch, build_batch
+from learner.config import LearnerConfig
+from learner.correction import compute_rollout_correction, to_floats
+from learner.distributed import LocalComm
+from learner.losses import compute_policy_loss, count_tokens_and_sequences, staleness_metrics
+from lm.causal_lm import load_causal_lm, response_log_probs, torch_dtype
+from lm.weight_sync import save_weights_folder
+
+TRAINER_STATE_FILE = "trainer.pt"
+POLICY_DIR = "policy"
+# Files of an HF folder that are not weights: copied beside a saved policy so it stays loadable.
+# Loss-side metrics that are sums over the minibatch (each micro-batch adds its share).
+_ADDITIVE_METRICS = frozenset({"actor/pg_loss", "actor/entropy", "actor/kl_loss"})
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                    "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja")
+
+
+def loglinear_prox_log_prob(rollout_log_prob: torch.Tensor, log_prob: torch.Tensor,
+                            token_versions: torch.Tensor, version: int) -> torch.Tensor:
+    """AReaL's log-linear approximation of the proximal policy (`prox_logp_method: loglinear`,
+    inclusionAI/AReaL docs/algorithms/prox_approx.md):
+        α = (v_prox − v_behave) / (v_θ − v_behave),  log π_prox ≈ log π_behave + α (log π_θ − log π_behave)
+    with v_behave the version that sampled each token, v_prox = the learner's version at the
+    start of the step (the weights a recompute pass would use) and v_θ = v_prox + 1 (the version
+    this step produces). A token sampled by the current weights gets α = 0 (π_prox = μ); an older
+    one moves toward π_θ. log π_θ is detached: π_prox is a fixed anchor, not a path for gradients."""
+    staleness = (version - token_versions).clamp(min=0).to(log_prob.dtype)
+    alpha = staleness / (staleness + 1.0)
+    return rollout_log_prob + alpha * (log_prob.detach() - rollout_log_prob)
+
+
+def lr_factor(step: int, warmup_steps: int, schedule: str, total_steps: int | None, min_ratio: float) -> float:
+    """Learning-rate multiplier at learner step `step` (0-based): linear warm-up to 1 over
+    `warmup_steps`, then constant, or linear / cosine decay to `min_ratio` at `total_steps`."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    span = max(1, total_steps - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / span)
+    if schedule == "linear":
+        shape = 1.0 - progress
+    else:  # cosine
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return min_ratio + (1.0 - min_ratio) * shape
+
+
+def _timed(metrics: dict, key: str):
+    class _Timer:
+        def __enter__(self):
+            self.start = time.perf_counter()
+
+        def __exit__(self, *exc):
+            metrics[key] = metrics.get(key, 0.0) + time.perf_counter() - self.start
+
+    return _Timer()
+
+
+class Learner:
+    def __init__(self, config: LearnerConfig, comm=None, version: int = 0):
+        self.config = config
+        self.comm = comm or LocalComm()
+        self.device = self._device()
+        torch.manual_seed(config.seed)
+        model = load_causal_lm(config.model_path, dtype=config.dtype, device=str(self.device))
+        model.config.use_cache = False
+        # Dropout off for good: the proximal pass, the update and the sampler must see one policy.
+        model.eval()
+        self.model = self._wrap(model)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            self.params, lr=config.lr, betas=tuple(config.betas), eps=config.adam_eps,
+            weight_decay=config.weight_decay,
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer,
+            lambda step: lr_factor(step, config.warmup_steps, config.lr_schedule, config.total_steps,
+                                   config.min_lr_ratio),
+        )
+        self.version = int(version)
+        self._published: list[Path] = []
+
+    # ------------------------------------------------------------------ set-up
+
+    def _device(self) -> torch.device:
+        if self.config.device.startswith("cuda") and self.comm.world_size > 1:
+            local = self.comm.rank % max(1, torch.cuda.device_count())
+            torch.cuda.set_device(local)
+            return torch.device("cuda", local)
+        return torch.device(self.config.device)
+
+    def _wrap(self, model):
+        if self.config.distributed.strategy != "fsdp":
+            return model
+        # FSDP2 (GPU, nccl): shard every decoder layer, then the root. Written for GPU
+        # machines; the CPU suite does not run it.
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        return model
+
+    # ------------------------------------------------------------------ the step
+
+    def train_step(self, groups) -> dict[str, float]:
+        """Train on the pulled groups (every rank receives all of them) and bump the version.
+        Returns plain floats under verl's metric names."""
+        cfg = self.config
+        timing: dict[str, float] = {}
+        step_start = time.perf_counter()
+        batch = build_batch(groups, learner_version=self.version)
+        advantages = compute_advantages(batch.rewards, batch.group_index, batch.response_mask, cfg.advantage)
+        minibatches = self._minibatch_groups(batch.num_groups)
+        shard_rows = batch.rows_of_groups(  # every group this rank trains on, in any epoch
+            [g for epoch in minibatches for mb in epoch for g in self._my_part(mb)])
+        shard = batch.select(shard_rows)
+        shard_adv = advantages[shard_rows, : shard.response_mask.shape[1]]
+        row_of = {row: i for i, row in enumerate(shard_rows)}
+
+        # π_old and the correction that does not depend on θ: once per step, on this rank's shard.
+        old_log_prob, is_weights, mask, shard_stats = None, None, shard.response_mask, {}
+        with _timed(timing, "timing_s/old_log_prob"):
+            if self._recompute_prox:
+                old_log_prob, _ = self._log_probs(shard, grad=False)
+                is_weights, mask, shard_stats = compute_rollout_correction(
+                    old_log_prob, shard.rollout_log_probs, shard.response_mask, cfg.rollout_correction)
+
+        lr = self.optimizer.param_groups[0]["lr"]
+        partial: dict[str, list[float]] = defaultdict(list)
+        grad_norms = []
+        with _timed(timing, "timing_s/update_actor"):
+            for epoch in minibatches:
+                for mb_groups in epoch:
+                    local = [row_of[r] for r in batch.rows_of_groups(self._my_part(mb_groups))]
+                    grad_norms.append(self._minibatch_update(shard, local, shard_adv, old_log_prob, is_weights,
+                                                             mask, partial))
+        self.scheduler.step()
+        self.version += 1
+
+        metrics = self._combine(partial, shard_stats, timing)
+        metrics.update(self._batch_metrics(batch))
+        metrics["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
+        metrics["actor/optimizer_steps"] = float(len(grad_norms))
+        metrics["actor/lr"] = lr
+        metrics["learner/version"] = float(self.version)
+        metrics["timing_s/step"] = time.perf_counter() - step_start
+        return metrics
+
+    @property
+    def _recompute_prox(self) -> bool:
+        return not self.config.bypass_mode and self.config.prox_logp == "recompute"
+
+    def _my_part(self, group_positions: list[int]) -> list[int]:
+        """This rank's groups of a minibatch: every world_size-th, starting at its rank."""
+        return group_positions[self.comm.rank :: self.comm.world_size]
+
+    def _minibatch_groups(self, num_groups: int) -> list[list[list[int]]]:
+        """Per epoch, the minibatches as lists of group positions. Shuffling is seeded by the
+        version, so a resumed run repeats the same order."""
+        size = self.config.ppo_mini_batch_size or num_groups
+        if num_groups % size:
+            raise ValueError(f"the batch holds {num_groups} groups, not a multiple of ppo_mini_batch_size={size}")
+        if size < self.comm.world_size:
+            raise ValueError(f"a minibatch of {size} groups cannot feed {self.comm.world_size} learner ranks "
+                             f"(each rank needs at least one group)")
+        epochs = []
+        gen = torch.Generator().manual_seed(self.config.seed * 1_000_003 + self.version)
+        for _ in range(self.config.ppo_epochs):
+            order = list(range(num_groups))
+            if self.config.shuffle_minibatches:
+                order = torch.randperm(num_groups, generator=gen).tolist()
+            epochs.append([order[i : i + size] for i in range(0, num_groups, size)])
+        return epochs
+
+    def _minibatch_update(self, shard: TrainBatch, local: list[int], advantages, old_log_prob, is_weights,
+                          mask, partial) -> float:
+        """Forward/backward over this rank's part of one minibatch in micro-batches, sum the
+        gradients over ranks, clip and step. Returns the gradient norm."""
+        cfg = self.config
+        # Loss normaliser: the minibatch's counts over all ranks. Decoupled-recompute rejects up
+        # front, so its counts are after rejection; bypass and loglinear reject inside the loss
+        # (the weights depend on π_θ), so theirs are the loss mask's counts.
+        tokens, seqs = count_tokens_and_sequences(mask[local])
+        counts = self.comm.all_reduce_sum(torch.tensor([tokens, seqs, len(local)], dtype=torch.float64))
+        global_tokens, global_seqs, global_rows = counts.tolist()
+        want_entropy = cfg.policy_loss.entropy_coeff > 0 or cfg.compute_entropy
+        self.optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, float] = defaultdict(float)
+        micro = cfg.micro_batch_size or len(local)
+        for start in range(0, len(local), micro):
+            rows = local[start : start + micro]
+            mb = shard.select(rows)
+            width = mb.response_mask.shape[1]
+            log_prob, entropy = self._log_probs(mb, grad=True, with_entropy=want_entropy)
+            extra = {}
+            if self._recompute_prox:
+                old = old_log_prob[rows, :width]
+                weights = None if is_weights is None else is_weights[rows, :width]
+                extra["precomputed_correction"] = (weights, mask[rows, :width])
+            elif cfg.bypass_mode:
+                old = None
+            else:
+                old = loglinear_prox_log_prob(mb.rollout_log_probs, log_prob, mb.token_versions, self.version)
+            loss, loss_metrics = compute_policy_loss(
+                log_prob, old, mb.rollout_log_probs, advantages[rows, :width], mb.response_mask,
+                cfg.rollout_correction, cfg.policy_loss,
+                global_token_count=global_tokens, global_seq_count=global_seqs, entropy=entropy, **extra,
+            )
+            if cfg.distributed.strategy == "fsdp":
+                loss = loss * self.comm.world_size  # FSDP averages gradients over ranks; we sum
+            loss.backward()
+            share = len(rows) / max(global_rows, 1.0)
+            for key, value in loss_metrics.items():
+                # Aggregated losses are already this micro-batch's share of the minibatch's;
+                # fractions and means are weighted by the micro-batch's share of the rows.
+                sums[key] += value if key in _ADDITIVE_METRICS else value * share
+        self.comm.sum_gradients(self.params)
+        for key, value in sums.items():
+            partial[key].append(value)
+        return self._clip_and_step()
+
+    def _clip_and_step(self) -> float:
+        """Clip to the global norm and step; a non-finite gradient skips the step (no update
+        beats a corrupted one) and is reported as grad_norm = inf."""
+        max_norm = self.config.grad_clip if self.config.grad_clip is not None else float("inf")
+        norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+        if not math.isfinite(norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            return float("inf")
+        self.optimizer.step()
+        return norm
+
+    def _log_probs(self, batch: TrainBatch, grad: bool, with_entropy: bool = False):
+        """(log π(response tokens), entropy or None) for a sub-batch; the no-grad pass runs in
+        micro-batches."""
+        cfg = self.config
+        chunk = len(batch) if grad else (cfg.micro_batch_size or len(batch))
+        width = batch.response_mask.shape[1]
+        log_probs, entropies = [], []
+        with torch.set_grad_enabled(grad):
+            for start in range(0, len(batch), chunk):
+                out = response_log_probs(self.model, batch.prompts[start : start + chunk],
+                                         batch.responses[start : start + chunk], cfg.temperature,
+                                         cfg.pad_token_id, with_entropy=with_entropy)
+                log_probs.append(torch.nn.functional.pad(out[0], (0, width - out[0].shape[1])))
+                if with_entropy:
+                    entropies.append(torch.nn.functional.pad(out[2], (0, width - out[2].shape[1])))
+        log_prob = torch.cat(log_probs).float()
+        return log_prob, (torch.cat(entropies).float() if with_entropy else None)
+
+    # ------------------------------------------------------------------ metrics
+
+    def _combine(self, partial: dict[str, list[float]], shard_stats: dict[str, float],
+                 timing: dict[str, float]) -> dict[str, float]:
+        """One dict for the step. Loss-side metrics are per-rank shares: mean over minibatches,
+        summed over ranks. The up-front correction's statistics describe each rank's shard:
+        averaged over ranks (maxima by max, minima by min). Timings: the slowest rank."""
+        losses = {k: sum(v) / len(v) for k, v in partial.items()}
+        out = self._reduce(losses, "sum")
+        shard_stats = {k: v for k, v in shard_stats.items() if k not in out}
+        out.update(self._reduce({k: v for k, v in shard_stats.items() if k.endswith("_max")}, "max"))
+        out.update(self._reduce({k: v for k, v in shard_stats.items() if k.endswith("_min")}, "min"))
+        means = self._reduce({k: v for k, v in shard_stats.items() if not k.endswith(("_max", "_min"))}, "sum")
+        out.update({k: v / self.comm.world_size for k, v in means.items()})
+        out.update(self._reduce(timing, "max"))
+        return out
+
+    def _reduce(self, values: dict[str, float], op: str) -> dict[str, float]:
+        if self.comm.world_size == 1 or not values:
+            return dict(values)
+        keys = sorted(values)
+        reduced = self.comm.all_reduce(torch.tensor([values[k] for k in keys], dtype=torch.float64), op)
+        return dict(zip(keys, reduced.tolist()))
+
+    def _batch_metrics(self, batch: TrainBatch) -> dict[str, float]:
+        """Statistics of the whole pulled batch (identical on every rank). Staleness is measured
+        against the version the batch was consumed at (before the bump)."""
+        stats = to_floats(staleness_metrics(batch.token_versions, self.version - 1, batch.response_mask))
+        lengths = torch.tensor([len(r) for r in batch.responses], dtype=torch.float64)
+        return {
+            **stats,
+            "reward/mean": float(batch.rewards.mean()),
+            "reward/std": float(batch.rewards.std(unbiased=False)),
+            "response_length/mean": float(lengths.mean()),
+            "response_length/max": float(lengths.max()),
+            "learner/num_sequences": float(len(batch)),
+            "learner/num_groups": float(batch.num_groups),
+            "learner/num_tokens": float(batch.response_mask.sum()),
+        }
+
+    # ------------------------------------------------------------------ weights out
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The policy's weights as full CPU tensors (a collective under FSDP: call on every rank)."""
+        if self.config.distributed.strategy == "fsdp":
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+
+    def _publishable(self) -> dict[str, torch.Tensor]:
+        dtype = torch_dtype(self.config.weight_sync.dtype or self.config.dtype)
+        state, seen = {}, set()
+        for name, tensor in self.full_state_dict().items():
+            tensor = tensor.to(dtype)
+            key = (tensor.data_ptr(), tensor.dtype)
+            # Tied weights share storage; safetensors refuses shared tensors, consumers accept copies.
+            state[name] = tensor.clone() if key in seen else tensor
+            seen.add(key)
+        return state
+
+    def publish_weights(self) -> dict:
+        """A weight payload of lm/weight_sync.py for the current version: one ray.put of the
+        state dict (default), or a versioned safetensors folder. `publish_s` is the seconds this
+        took. Every rank must call it (FSDP gathers); non-zero ranks get None."""
+        start = time.perf_counter()
+        state = self._publishable()
+        if self.comm.rank != 0:
+            return None
+        sync = self.config.weight_sync
+        if sync.mode == "object_store":
+            import ray
+
+            payload = {"version": self.version, "kind": "object_ref", "ref": [ray.put(state)]}
+        else:
+            folder = save_weights_folder(state, Path(sync.folder) / f"v{self.version:06d}", self.version)
+            self._published.append(folder)
+            for old in self._published[: -sync.keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
+            self._published = self._published[-sync.keep_last :]
+            payload = {"version": self.version, "kind": "folder", "path": str(folder)}
+        payload["publish_s"] = time.perf_counter() - start
+        return payload
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict:
+        return {
+            "model": self.full_state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "version": self.version,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        missing = {"model", "optimizer", "scheduler", "version"} - set(state)
+        if missing:
+            raise KeyError(f"learner state is missing {sorted(missing)}")
+        self._load_model_weights(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.version = int(state["version"])
+
+    def _load_model_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        if self.config.distributed.strategy == "fsdp":
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+            set_model_state_dict(self.model, weights, options=StateDictOptions(full_state_dict=True))
+            return
+        result = self.model.load_state_dict(weights, strict=False)
+        tied = {name for name in result.missing_keys if name.endswith("lm_head.weight")}
+        if set(result.missing_keys) - tied or result.unexpected_keys:
+            raise KeyError(f"weights do not fit the policy: missing {result.missing_keys}, "
+                           f"unexpected {result.unexpected_keys}")
+
+    def save_policy(self, folder) -> Path | None:
+        """The policy as an HF folder (config, safetensors, tokenizer files of the source)."""
+        state = self.full_state_dict()
+        if self.comm.rank != 0:
+            return None
+        folder = Path(folder)
+        model = self.model
+        model.save_pretrained(folder, state_dict=state, safe_serialization=True)
+        source = Path(self.config.model_path)
+        for name in _TOKENIZER_FILES:
+            if (source / name).is_file():
+                shutil.copy2(source / name, folder / name)
+        return folder
+
+    def save_checkpoint(self, folder) -> Path | None:
+        """`folder/policy/` (HF folder) and `folder/trainer.pt` (optimizer, scheduler, version)."""
+        folder = Path(folder)
+        self.save_policy(folder / POLICY_DIR)
+        if self.comm.rank != 0:
+            return None
+        torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                    "version": self.version}, folder / TRAINER_STATE_FILE)
+        return folder
+
+    def load_checkpoint(self, folder) -> None:
+        folder = Path(folder)
+        trainer_file = folder / TRAINER_STATE_FILE
+        if not trainer_file.is_file():
+            raise FileNotFoundError(f"checkpoint {str(folder)!r} has no {TRAINER_STATE_FILE}")
+        weights = _read_policy_weights(folder / POLICY_DIR)
+        state = torch.load(trainer_file, map_location="cpu", weights_only=True)
+        self.load_state_dict({"model": weights, **state})
+
+
+def _read_policy_weights(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"policy folder {str(folder)!r} holds no .safetensors weights")
+    weights = {}
+    for f in files:
+        weights.update(load_file(str(f)))
+    return weights
