@@ -143,7 +143,8 @@ class BufferClient:
                 continue  # a late reply to an earlier, timed-out attempt
             if not header["ok"]:
                 error = header.get("error") or {}
-                raise RemoteError(f"buffer refused {error.get('message', '?')}", error.get("reason", "remote_error"))
+                reason = error.get("reason", "remote_error")
+                raise RemoteError(f"buffer error ({reason}): {error.get('message', '?')}", reason)
             if "result" not in header:
                 raise ProtocolError("reply without result", "bad_reply")
             return header["result"], [f.buffer for f in frames[1:]]

@@ -282,3 +282,10 @@ def split_groups(frames: Sequence, counts: Sequence[int]) -> list[list]:
 
 def frames_nbytes(frames: Sequence) -> int:
     return sum(memoryview(f).nbytes for f in frames)
+
+
+def group_index(header_frame) -> tuple[str, list[str], list[int]]:
+    """(group_id, sample ids, sample weight versions) from an already validated group header."""
+    header = unpack(header_frame)
+    samples = header["samples"]
+    return header["group_id"], [s["sample_id"] for s in samples], [s["weight_version"] for s in samples]

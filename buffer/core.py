@@ -1,0 +1,370 @@
+"""`BufferCore`: the η gate + the group store + the optional durable log, behind one lock.
+
+Both transports wrap it: the ZMQ service (`buffer.server`) and the Ray actor
+(`services.buffer_actor`). Groups travel as wire frames (`buffer.codec`); the core validates them
+on push and hands the same frames out on pull. Every state change is written to the durable log
+(when configured) before the caller gets an answer; on start the log is replayed, so permits,
+tickets, versions and unconsumed groups survive a crash (leases do not: leased groups are ready
+again, and a learner that trained on one must ack it before the lease expires).
+
+Methods with a `timeout` block up to that long (long poll); the ZMQ server calls them with
+timeout 0 and parks waiting requests itself.
+
+`stats()` keys (gauges unless marked counter; counters count since this process started, except
+the gate's, which are restored from the log):
+  version                      learner weight version i
+  eta, batch_size, max_concurrent, store_capacity_groups   settings
+  capacity                     permits grantable now (the η formula)
+  running                      permits held (generations in flight)
+  enqueued                     acquire requests waiting for capacity
+  accepted                     counter: groups accepted (recovery sets it to v·B)
+  rejected                     counter: acquire requests that ended without a permit
+  permits_released, permits_reclaimed            counters
+  next_ticket, free_tickets    data cursor and tickets waiting to be reissued
+  groups_ready, groups_leased, samples_ready, bytes_held     store contents
+  pushed_samples, pushed_groups, duplicate_pushes            counters
+  consumed_samples, consumed_groups                          counters (acked)
+  dropped_samples: {reason: n}, dropped_groups: {reason: n}  counters (reason "stale")
+  bad_messages: {reason: n}    counters: malformed messages and invalid samples
+  request_errors: {reason: n}  counters: refused requests (unknown_permit, buffer_full, ...)
+  gate_wait_seconds            counter: total time acquire requests waited
+  gate_waits                   counter: acquire requests that waited
+  consumed_staleness: {staleness: n}  counter: consumed samples by (pull version − weight_version)
+  leases_expired, nacks        counters
+  log_bytes, log_fsyncs, log_compactions        durable log (0 without a log)
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass
+
+from buffer.admission import AdmissionGate, Permit
+from buffer.codec import decode_group, frames_nbytes, group_index
+from buffer.config import BufferConfig
+from buffer.durable_log import DurableLog
+from buffer.errors import BufferError, ProtocolError, RequestError
+from buffer.sample import new_id
+from buffer.store import GroupStore, Lease
+
+_WAIT_SLICE_S = 0.25  # blocked callers re-check leases and deadlines at least this often
+
+
+@dataclass
+class PullResult:
+    lease_id: str
+    group_frames: list[list[bytes]]
+    dropped_stale: int
+    version: int
+
+
+class _Counters:
+    def __init__(self):
+        self.pushed_samples = self.pushed_groups = self.duplicate_pushes = 0
+        self.consumed_samples = self.consumed_groups = 0
+        self.gate_wait_seconds = 0.0
+        self.gate_waits = self.leases_expired = self.nacks = 0
+        self.dropped_samples: Counter = Counter()
+        self.dropped_groups: Counter = Counter()
+        self.bad_messages: Counter = Counter()
+        self.request_errors: Counter = Counter()
+        self.consumed_staleness: Counter = Counter()
+
+
+class BufferCore:
+    def __init__(self, config: BufferConfig, clock=time.monotonic):
+        self.config = config
+        self.limits = config.limits
+        self.clock = clock
+        g = config.gate
+        self.gate = AdmissionGate(g.batch_size, g.eta, g.max_concurrent, g.permit_lease_s)
+        self.store = GroupStore(config.store.capacity_groups, config.store.lease_s)
+        self.enqueued = 0
+        self._pending_dropped = 0
+        self._lock = threading.RLock()
+        self._changed = threading.Condition(self._lock)
+        self.counters = _Counters()
+        self.log: DurableLog | None = None
+        self.started_at = time.time()
+        if config.log.path is not None:
+            self.log = DurableLog(config.log)
+            for record in self.log.replay():
+                self._replay(record)
+
+    # ---- the gate ---------------------------------------------------------------------------
+
+    def acquire_permit(self, worker_id: str, timeout: float = 0.0, permit_id: str | None = None) -> Permit | None:
+        with self._lock:
+            permit = self.try_acquire(worker_id, permit_id)
+            if permit is not None or timeout <= 0:
+                self.finish_gate_wait(0.0, permit is not None)
+                return permit
+            start = self.clock()
+            self.enqueued += 1
+            try:
+                while permit is None and (left := start + timeout - self.clock()) > 0:
+                    self._changed.wait(min(left, _WAIT_SLICE_S))
+                    permit = self.try_acquire(worker_id, permit_id)
+            finally:
+                self.enqueued -= 1
+            self.finish_gate_wait(self.clock() - start, permit is not None)
+            return permit
+
+    def try_acquire(self, worker_id: str, permit_id: str | None = None) -> Permit | None:
+        """One non-blocking attempt; a known permit_id returns its permit (a retried request)."""
+        if not isinstance(worker_id, str) or len(worker_id) > self.limits.max_string_chars:
+            raise ProtocolError("worker_id must be a short string", "bad_args")
+        with self._lock:
+            self._tick_locked()
+            known = permit_id is not None and permit_id in self.gate.permits
+            permit = self.gate.try_acquire(worker_id, self.clock(), permit_id)
+            if permit is not None and not known:
+                self._append({"op": "acquire", "permit": asdict(permit)})
+            return permit
+
+    def finish_gate_wait(self, waited_s: float, granted: bool) -> None:
+        """Account one acquire request that is over (granted or not) after waiting `waited_s`."""
+        with self._lock:
+            if waited_s > 0:
+                self.counters.gate_wait_seconds += waited_s
+                self.counters.gate_waits += 1
+            if not granted:
+                self.gate.rejected += 1
+
+    def release_permit(self, permit_id: str) -> bool:
+        with self._lock:
+            permit = self.gate.release(permit_id)
+            if permit is None:
+                return False
+            self._append({"op": "release", "permit": permit_id})
+            self._changed.notify_all()
+            return True
+
+    def set_version(self, version: int) -> None:
+        with self._lock:
+            if version != self.gate.version:
+                self.gate.set_version(version)
+                self._append({"op": "version", "version": version})
+                self._changed.notify_all()
+
+    def recover(self, version: int) -> None:
+        """Resume a run at learner version v with a fresh buffer: accepted = v·B (see AdmissionGate)."""
+        with self._lock:
+            self.gate.recover(version)
+            self._append({"op": "recover", "version": version})
+            self._changed.notify_all()
+
+    # ---- the store --------------------------------------------------------------------------
+
+    def push_group(self, frames: list, permit_id: str) -> dict:
+        """Validate and accept one group under its permit. Idempotent by sample_id."""
+        frames = [f if type(f) is bytes else bytes(f) for f in frames]
+        if frames_nbytes(frames) > self.limits.max_message_bytes:
+            raise ProtocolError(f"group of {frames_nbytes(frames)} bytes exceeds max_message_bytes", "oversized")
+        with self._lock:
+            self._tick_locked()
+            group = decode_group(frames, self.limits, max_version=self.gate.version)
+            sample_ids = group.sample_ids
+            if self.store.is_duplicate(group.group_id, sample_ids):
+                self.counters.duplicate_pushes += 1
+                return {"samples": len(sample_ids), "duplicate": True}
+            permit = self.gate.permits.get(permit_id)
+            if permit is None:
+                self.gate.consume(permit_id)  # raises the unknown_permit error
+            if permit.ticket != group.prompt_index:
+                raise RequestError(f"group {group.group_id!r} has prompt_index {group.prompt_index} but permit "
+                                   f"{permit_id!r} is for ticket {permit.ticket}", "ticket_mismatch")
+            self.store.check_room()
+            seq = self.store.next_seq
+            self._append({"op": "push", "permit": permit_id, "seq": seq, "frames": frames})
+            self.gate.consume(permit_id)
+            self.store.add(group.group_id, sample_ids, [s.weight_version for s in group.samples], frames, seq)
+            self.counters.pushed_groups += 1
+            self.counters.pushed_samples += len(sample_ids)
+            self._changed.notify_all()
+            return {"samples": len(sample_ids), "duplicate": False}
+
+    def pull_batch(self, batch_size: int, timeout: float = 0.0, lease_id: str | None = None) -> PullResult | None:
+        """The batch_size oldest fresh groups under a lease (a known lease_id returns that lease)."""
+        most = min(self.limits.max_batch_groups, self.store.capacity_groups)
+        if not 1 <= batch_size <= most:
+            raise RequestError(f"batch_size {batch_size} must be in [1, {most}]", "bad_batch_size")
+        with self._lock:
+            result = self.try_pull(batch_size, lease_id)
+            deadline = self.clock() + timeout
+            while result is None and (left := deadline - self.clock()) > 0:
+                self._changed.wait(min(left, _WAIT_SLICE_S))
+                result = self.try_pull(batch_size, lease_id)
+            return result
+
+    def try_pull(self, batch_size: int, lease_id: str | None = None) -> PullResult | None:
+        with self._lock:
+            if lease_id is not None and lease_id in self.store.leases:
+                return self._result(self.store.leases[lease_id], self._pending_dropped)
+            self._tick_locked()
+            self._drop_stale()
+            lease = self.store.lease(batch_size, lease_id or new_id(), self.clock(), self.gate.version)
+            if lease is None:
+                return None
+            dropped, self._pending_dropped = self._pending_dropped, 0
+            return self._result(lease, dropped)
+
+    @staticmethod
+    def _result(lease: Lease, dropped: int) -> PullResult:
+        return PullResult(lease.lease_id, [g.frames for g in lease.groups], dropped, lease.version)
+
+    def _drop_stale(self) -> None:
+        dropped = self.store.drop_stale(self.gate.version, self.gate.eta)
+        if not dropped:
+            return
+        self._append({"op": "drop", "reason": "stale", "groups": [g.group_id for g in dropped]})
+        self._pending_dropped += len(dropped)
+        self.counters.dropped_groups["stale"] += len(dropped)
+        self.counters.dropped_samples["stale"] += sum(len(g.sample_ids) for g in dropped)
+        self._maybe_compact()
+
+    def ack(self, lease_id: str) -> int:
+        """The learner trained on the lease: its groups are consumed, exactly once."""
+        with self._lock:
+            lease = self.store.ack(lease_id, self.clock())
+            if isinstance(lease, int):
+                return lease  # acked before: a retried ack
+            self._append({"op": "ack", "groups": [g.group_id for g in lease.groups]})
+            version = self.gate.version if lease.version is None else lease.version
+            for g in lease.groups:
+                self.counters.consumed_groups += 1
+                self.counters.consumed_samples += len(g.sample_ids)
+                for v in g.sample_versions:
+                    self.counters.consumed_staleness[version - v] += 1
+            self._changed.notify_all()
+            self._maybe_compact()
+            return len(lease.groups)
+
+    def nack(self, lease_id: str) -> int:
+        with self._lock:
+            n = self.store.nack(lease_id)
+            if n:
+                self.counters.nacks += 1
+                self._changed.notify_all()
+            return n
+
+    # ---- housekeeping -----------------------------------------------------------------------
+
+    def tick(self) -> bool:
+        """Reclaim expired permits and leases, sync the log if due. True if waiters may proceed."""
+        with self._lock:
+            changed = self._tick_locked()
+            if changed:
+                self._changed.notify_all()
+            return changed
+
+    def _tick_locked(self) -> bool:
+        now = self.clock()
+        reclaimed = self.gate.reclaim_expired(now)
+        for permit in reclaimed:
+            self._append({"op": "release", "permit": permit.permit_id})
+        expired = self.store.expire_leases(now)
+        self.counters.leases_expired += len(expired)
+        if self.log is not None:
+            self.log.sync_if_due()
+        return bool(reclaimed or expired)
+
+    def next_deadline(self) -> float | None:
+        """The earliest permit or lease expiry (monotonic clock)."""
+        with self._lock:
+            deadlines = [d for d in (min(self.gate.deadlines.values(), default=None),
+                                     self.store.next_lease_deadline()) if d is not None]
+            return min(deadlines, default=None)
+
+    def count_bad_message(self, error: BufferError) -> None:
+        with self._lock:
+            target = self.counters.request_errors if isinstance(error, RequestError) else self.counters.bad_messages
+            target[error.reason] += 1
+
+    def stats(self) -> dict:
+        with self._lock:
+            c, gate, store = self.counters, self.gate, self.store
+            return {
+                "version": gate.version, "eta": gate.eta, "batch_size": gate.batch_size,
+                "max_concurrent": gate.max_concurrent, "store_capacity_groups": store.capacity_groups,
+                "capacity": gate.capacity(), "running": gate.running, "enqueued": self.enqueued,
+                "accepted": gate.accepted, "rejected": gate.rejected,
+                "permits_released": gate.released, "permits_reclaimed": gate.reclaimed,
+                "next_ticket": gate.next_ticket, "free_tickets": len(gate.free_tickets),
+                "groups_ready": len(store.ready), "groups_leased": store.groups_leased,
+                "samples_ready": store.samples_ready(),
+                "bytes_held": store.bytes_held + sum(g.nbytes for lease in store.leases.values() for g in lease.groups),
+                "pushed_samples": c.pushed_samples, "pushed_groups": c.pushed_groups,
+                "duplicate_pushes": c.duplicate_pushes,
+                "consumed_samples": c.consumed_samples, "consumed_groups": c.consumed_groups,
+                "dropped_samples": dict(c.dropped_samples), "dropped_groups": dict(c.dropped_groups),
+                "bad_messages": dict(c.bad_messages), "request_errors": dict(c.request_errors),
+                "gate_wait_seconds": c.gate_wait_seconds, "gate_waits": c.gate_waits,
+                "consumed_staleness": {str(k): v for k, v in sorted(c.consumed_staleness.items())},
+                "leases_expired": c.leases_expired, "nacks": c.nacks,
+                "log_bytes": self.log.size if self.log else 0,
+                "log_fsyncs": self.log.fsyncs if self.log else 0,
+                "log_compactions": self.log.compactions if self.log else 0,
+            }
+
+    def health(self) -> dict:
+        with self._lock:
+            return {"ok": True, "version": self.gate.version, "uptime_s": time.time() - self.started_at,
+                    "groups_ready": len(self.store.ready), "running": self.gate.running,
+                    "durable": self.log is not None}
+
+    def close(self) -> None:
+        with self._lock:
+            if self.log is not None:
+                self.log.close()
+
+    # ---- durability -------------------------------------------------------------------------
+
+    def _append(self, record: dict) -> None:
+        if self.log is not None:
+            self.log.append(record)
+
+    def _replay(self, record: dict) -> None:
+        """Apply one logged event to a freshly built core (no logging, no counters)."""
+        op, now = record["op"], self.clock()
+        if op == "acquire":
+            self.gate.restore_permit(Permit(**record["permit"]), now)
+        elif op == "release":
+            self.gate.release(record["permit"])
+        elif op == "push":
+            group_id, sample_ids, versions = group_index(record["frames"][0])
+            if record["permit"] in self.gate.permits:
+                self.gate.consume(record["permit"])
+            self.store.add(group_id, sample_ids, versions, record["frames"], record["seq"])
+        elif op in ("ack", "drop"):
+            for group_id in record["groups"]:
+                self.store.remove_ready(group_id)
+        elif op == "version":
+            self.gate.version = max(self.gate.version, record["version"])
+        elif op == "recover":
+            self.gate.recover(record["version"])
+        elif op == "snapshot":
+            self.gate.load_state(record["gate"], now)
+            self.store.next_seq = record["next_seq"]
+            for group_id, sample_ids in record["consumed"].items():
+                self.store.remember_ids(group_id, sample_ids)
+        else:
+            raise ValueError(f"buffer log {self.log.path}: unknown record op {op!r}")
+
+    def _maybe_compact(self) -> None:
+        """Rewrite the log as a snapshot + live groups once it is big and mostly consumed."""
+        log = self.log
+        if log is None or log.size < log.config.compact_min_bytes:
+            return
+        live = self.store.live_groups()
+        if log.size < 2 * sum(g.nbytes for g in live) + (1 << 20):
+            return
+        live_ids = {g.group_id for g in live}
+        consumed: dict[str, list[str]] = {}
+        for sid, gid in self.store.sample_group.items():
+            if gid not in live_ids:
+                consumed.setdefault(gid, []).append(sid)
+        snapshot = {"op": "snapshot", "gate": self.gate.state(), "next_seq": self.store.next_seq, "consumed": consumed}
+        pushes = ({"op": "push", "permit": None, "seq": g.seq, "frames": g.frames} for g in live)
+        log.rewrite([snapshot, *pushes])

@@ -1,0 +1,317 @@
+"""The buffer as a ZMQ service: one ROUTER socket, one thread, `BufferCore` behind it.
+
+Requests are `[header, *payload]` (`buffer.codec`), header = {"v", "id", "op", "args"}; the reply
+echoes "id" with {"ok": true, "result": ...} or {"ok": false, "error": {"reason", "message"}}.
+Operations: acquire_permit, release_permit, push_group, pull_batch, ack, nack, set_version,
+recover, stats, health. acquire_permit and pull_batch long-poll: a request that cannot be served
+yet is parked until it can or until its timeout, while the loop keeps serving others.
+
+Every bad message (garbage, truncated, oversized, wrongly typed, invalid sample) gets an error
+reply and is counted by reason in `stats()["bad_messages"]` (refused but well-formed requests in
+`stats()["request_errors"]`); nothing a client sends can stop the loop. The stats keys are listed
+in `buffer.core`.
+
+Binds to 127.0.0.1 by default; CURVE (`buffer.auth`) when `curve.enabled`.
+    python -m buffer serve --config buffer.yaml        (or `etarl buffer serve ...`)
+    python -m buffer keygen DIR
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import signal
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+
+import zmq
+
+from buffer import auth
+from buffer.codec import decode_message_header, encode_message, frames_nbytes
+from buffer.config import BufferConfig
+from buffer.core import BufferCore, PullResult
+from buffer.errors import BufferError, ProtocolError
+
+log = logging.getLogger(__name__)
+_MAX_LOOP_WAIT_S = 0.05  # the loop re-checks deadlines at least this often
+_BATCH = 256  # messages handled before parked requests get another look
+_REQUIRED = object()
+
+
+@dataclass
+class _Parked:
+    identity: bytes
+    request_id: str
+    args: dict
+    start: float
+    deadline: float
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+_ARG_TYPES = {
+    "worker_id": (lambda v: isinstance(v, str), "a string"),
+    "permit_id": (lambda v: isinstance(v, str) and 0 < len(v) <= 256, "a string id"),
+    "lease_id": (lambda v: isinstance(v, str) and 0 < len(v) <= 256, "a string id"),
+    "timeout": (lambda v: _number(v) and 0 <= v <= 86400, "seconds in [0, 86400]"),
+    "batch_size": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an int"),
+    "version": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "an int >= 0"),
+}
+_OP_ARGS = {
+    "acquire_permit": {"worker_id": _REQUIRED, "timeout": 0.0, "permit_id": None},
+    "release_permit": {"permit_id": _REQUIRED},
+    "push_group": {"permit_id": _REQUIRED},
+    "pull_batch": {"batch_size": _REQUIRED, "timeout": 0.0, "lease_id": None},
+    "ack": {"lease_id": _REQUIRED},
+    "nack": {"lease_id": _REQUIRED},
+    "set_version": {"version": _REQUIRED},
+    "recover": {"version": _REQUIRED},
+    "stats": {},
+    "health": {},
+}
+
+
+def parse_args(op: str, args) -> dict:
+    """Check a request's arguments against the op's signature; ProtocolError('bad_args') names the problem."""
+    if not isinstance(args, dict):
+        raise ProtocolError(f"{op}: args must be a map, got {type(args).__name__}", "bad_args")
+    spec = _OP_ARGS[op]
+    unknown = sorted(set(args) - set(spec), key=str)
+    if unknown:
+        raise ProtocolError(f"{op}: unknown arguments {unknown}", "bad_args")
+    out = {}
+    for name, default in spec.items():
+        value = args.get(name, default)
+        if value is _REQUIRED:
+            raise ProtocolError(f"{op}: missing argument {name!r}", "bad_args")
+        check, what = _ARG_TYPES[name]
+        if value is not None and not check(value):
+            raise ProtocolError(f"{op}: argument {name!r} must be {what}, got {value!r:.60}", "bad_args")
+        out[name] = value
+    return out
+
+
+class BufferServer:
+    def __init__(self, config: BufferConfig, core: BufferCore | None = None):
+        self.config = config
+        self.core = core or BufferCore(config)
+        self.context = zmq.Context()
+        self.socket = self.context.socket(zmq.ROUTER)
+        self.socket.linger = 0
+        # A hard cap far above the checked limit, so oversized messages normally get an error reply.
+        self.socket.setsockopt(zmq.MAXMSGSIZE, 4 * config.limits.max_message_bytes)
+        self._authenticator = auth.configure_server(self.socket, config.curve) if config.curve.enabled else None
+        if config.port == 0:
+            self.socket.bind_to_random_port(f"tcp://{config.host}")
+        else:
+            self.socket.bind(config.endpoint)
+        self.endpoint = self.socket.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self._acquires: list[_Parked] = []
+        self._pulls: list[_Parked] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._handlers = {
+            "acquire_permit": self._acquire, "release_permit": self._release, "push_group": self._push,
+            "pull_batch": self._pull, "ack": self._ack, "nack": self._nack, "set_version": self._set_version,
+            "recover": self._recover, "stats": self._stats, "health": self._health,
+        }
+
+    # ---- loop -------------------------------------------------------------------------------
+
+    def serve_forever(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.socket, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                if poller.poll(self._poll_timeout_ms()):
+                    for _ in range(_BATCH):
+                        try:
+                            frames = self.socket.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        self._handle(frames)
+                self.core.tick()
+                self._serve_parked()
+        finally:
+            self._close()
+
+    def start(self) -> "BufferServer":
+        """Serve in a background thread (tests, benchmarks, in-process use)."""
+        self._thread = threading.Thread(target=self.serve_forever, name="buffer-server", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _close(self) -> None:
+        self.socket.close(linger=0)
+        if self._authenticator is not None:
+            self._authenticator.stop()
+        self.context.term()
+        self.core.close()
+
+    def _poll_timeout_ms(self) -> int:
+        deadlines = [p.deadline for p in self._acquires + self._pulls]
+        now = time.monotonic()
+        wait = min([_MAX_LOOP_WAIT_S, *(d - now for d in deadlines)])
+        return max(0, int(wait * 1000))
+
+    # ---- one message ------------------------------------------------------------------------
+
+    def _handle(self, frames: list[bytes]) -> None:
+        identity, request_id = frames[0], None
+        try:
+            if len(frames) < 2:
+                raise ProtocolError("empty message (no header frame)", "bad_envelope")
+            size = frames_nbytes(frames) - len(identity)
+            if size > self.config.limits.max_message_bytes:
+                raise ProtocolError(f"message of {size} bytes exceeds max_message_bytes="
+                                    f"{self.config.limits.max_message_bytes}", "oversized")
+            header = decode_message_header(frames[1], ("id", "op", "args"))
+            request_id = header["id"] if isinstance(header["id"], str) else None
+            op = header["op"]
+            if op not in self._handlers:
+                raise ProtocolError(f"unknown op {op!r:.60}", "unknown_op")
+            args = parse_args(op, header["args"])
+            if op != "push_group" and len(frames) > 2:
+                raise ProtocolError(f"{op} takes no payload frames, got {len(frames) - 2}", "bad_frame_count")
+            reply = self._handlers[op](identity, request_id, args, frames[2:])
+            if reply is not None:
+                self._reply(identity, request_id, *reply)
+        except BufferError as exc:
+            self.core.count_bad_message(exc)
+            self._error(identity, request_id, exc.reason, str(exc))
+        except Exception as exc:  # a bug must cost one request, not the service
+            log.exception("buffer: internal error handling a request")
+            self.core.count_bad_message(ProtocolError(str(exc), "internal"))
+            self._error(identity, request_id, "internal", f"{type(exc).__name__}: {exc}")
+
+    def _reply(self, identity: bytes, request_id, result, payload=()) -> None:
+        message = encode_message({"id": request_id, "ok": True, "result": result}, payload)
+        self.socket.send_multipart([identity, *message], copy=False)
+
+    def _error(self, identity: bytes, request_id, reason: str, message: str) -> None:
+        header = {"id": request_id, "ok": False, "error": {"reason": reason, "message": message[:2000]}}
+        self.socket.send_multipart([identity, *encode_message(header)])
+
+    # ---- operations -------------------------------------------------------------------------
+
+    def _acquire(self, identity, request_id, args, _payload):
+        permit = self.core.try_acquire(args["worker_id"], args["permit_id"])
+        if permit is None and args["timeout"] > 0:
+            now = time.monotonic()
+            self._acquires.append(_Parked(identity, request_id, args, now, now + args["timeout"]))
+            self.core.enqueued += 1
+            return None
+        self.core.finish_gate_wait(0.0, permit is not None)
+        return (None if permit is None else asdict(permit)),
+
+    def _release(self, identity, request_id, args, _payload):
+        return self.core.release_permit(args["permit_id"]),
+
+    def _push(self, identity, request_id, args, payload):
+        return self.core.push_group(payload, args["permit_id"]),
+
+    def _pull(self, identity, request_id, args, _payload):
+        result = self.core.pull_batch(args["batch_size"], 0.0, args["lease_id"])
+        if result is None and args["timeout"] > 0:
+            now = time.monotonic()
+            self._pulls.append(_Parked(identity, request_id, args, now, now + args["timeout"]))
+            return None
+        return self._pull_reply(result)
+
+    @staticmethod
+    def _pull_reply(result: PullResult | None):
+        if result is None:
+            return None, ()
+        meta = {"lease_id": result.lease_id, "dropped_stale": result.dropped_stale, "version": result.version,
+                "group_frames": [len(f) for f in result.group_frames]}
+        return meta, [frame for frames in result.group_frames for frame in frames]
+
+    def _ack(self, identity, request_id, args, _payload):
+        return self.core.ack(args["lease_id"]),
+
+    def _nack(self, identity, request_id, args, _payload):
+        return self.core.nack(args["lease_id"]),
+
+    def _set_version(self, identity, request_id, args, _payload):
+        self.core.set_version(args["version"])
+        return None,
+
+    def _recover(self, identity, request_id, args, _payload):
+        self.core.recover(args["version"])
+        return None,
+
+    def _stats(self, identity, request_id, args, _payload):
+        return self.core.stats(),
+
+    def _health(self, identity, request_id, args, _payload):
+        return self.core.health(),
+
+    # ---- parked long polls ------------------------------------------------------------------
+
+    def _serve_parked(self) -> None:
+        now = time.monotonic()
+        still = []
+        for p in self._acquires:
+            permit = self.core.try_acquire(p.args["worker_id"], p.args["permit_id"])
+            if permit is None and now < p.deadline:
+                still.append(p)
+                continue
+            self.core.enqueued -= 1
+            self.core.finish_gate_wait(now - p.start, permit is not None)
+            self._reply(p.identity, p.request_id, None if permit is None else asdict(permit))
+        self._acquires = still
+        still = []
+        for p in self._pulls:
+            try:
+                result = self.core.pull_batch(p.args["batch_size"], 0.0, p.args["lease_id"])
+            except BufferError as exc:
+                self._error(p.identity, p.request_id, exc.reason, str(exc))
+                continue
+            if result is None and now < p.deadline:
+                still.append(p)
+                continue
+            self._reply(p.identity, p.request_id, *self._pull_reply(result))
+        self._pulls = still
+
+
+# ---- command line ---------------------------------------------------------------------------
+
+def main(argv: list[str]) -> int:
+    """`python -m buffer serve --config X.yaml` | `python -m buffer keygen DIR`; `etarl buffer` delegates here."""
+    parser = argparse.ArgumentParser(prog="etarl buffer", description="the staleness-bounded replay buffer service")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="run the buffer service")
+    serve.add_argument("--config", help="buffer config YAML (or a run config with a `buffer:` section)")
+    serve.add_argument("--port", type=int, help="override the port (0 = any free port)")
+    serve.add_argument("--log-level", default="INFO")
+    keygen = sub.add_parser("keygen", help="write CURVE server and client key pairs into DIR")
+    keygen.add_argument("dir")
+    args = parser.parse_args(argv)
+    if args.command == "keygen":
+        for name, path in auth.keygen(args.dir).items():
+            print(f"{name}: {path}")
+        return 0
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        config = BufferConfig.from_yaml(args.config) if args.config else BufferConfig()
+        if args.port is not None:
+            config = config.model_copy(update={"port": args.port})
+        server = BufferServer(config)
+    except (OSError, ValueError, zmq.ZMQError) as exc:
+        print(f"etarl buffer serve: {exc}", file=sys.stderr)
+        return 2
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: server._stop.set())
+    print(f"buffer serving on {server.endpoint} (curve={'on' if config.curve.enabled else 'off'}, "
+          f"durable={'on' if config.log.path else 'off'})", flush=True)
+    server.serve_forever()
+    return 0

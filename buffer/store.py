@@ -1,0 +1,198 @@
+"""The group store: bounded, groups kept whole, oldest first, leased until acknowledged.
+
+Groups are kept as their wire frames (what was received is what the learner gets, no re-encode).
+`pull` takes the oldest groups by (weight_version, arrival); groups staler than η are dropped and
+counted, never silently. A pulled batch is a lease: `ack` consumes it, `nack` or expiry puts its
+groups back where they were. Sample ids are remembered for the whole run, so a retried push of a
+group that was already accepted (even already consumed) is recognised, and never stored twice.
+Plain state, not thread-safe: `buffer.core.BufferCore` locks it.
+"""
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from buffer.errors import RequestError
+
+
+@dataclass(slots=True)
+class StoredGroup:
+    group_id: str
+    weight_version: int  # the oldest version of its samples
+    sample_ids: tuple[str, ...]
+    sample_versions: tuple[int, ...]
+    frames: list[bytes]
+    seq: int  # arrival order
+    nbytes: int
+
+    @property
+    def order(self) -> tuple[int, int]:
+        return (self.weight_version, self.seq)
+
+
+@dataclass(slots=True)
+class Lease:
+    lease_id: str
+    groups: list[StoredGroup]
+    deadline: float
+    version: int | None  # learner version at pull (staleness is measured against it)
+
+
+class GroupStore:
+    def __init__(self, capacity_groups: int, lease_s: float, remembered_leases: int = 4096):
+        self.capacity_groups = capacity_groups
+        self.lease_s = lease_s
+        self._heap: list[tuple[int, int, str]] = []  # (weight_version, seq, group_id) of ready groups
+        self.ready: dict[str, StoredGroup] = {}
+        self.leases: dict[str, Lease] = {}
+        self.sample_group: dict[str, str] = {}  # every accepted sample id -> its group id
+        self.known_groups: set[str] = set()
+        self.finished_leases: OrderedDict[str, int] = OrderedDict()  # acked lease ids -> groups (idempotent ack)
+        self._expired: OrderedDict[str, list[str]] = OrderedDict()  # expired lease ids -> group ids
+        self._remembered = remembered_leases
+        self.next_seq = 0
+        self.bytes_held = 0
+
+    # ---- sizes ------------------------------------------------------------------------------
+
+    @property
+    def groups_leased(self) -> int:
+        return sum(len(lease.groups) for lease in self.leases.values())
+
+    @property
+    def groups_held(self) -> int:
+        return len(self.ready) + self.groups_leased
+
+    def samples_ready(self) -> int:
+        return sum(len(g.sample_ids) for g in self.ready.values())
+
+    # ---- push -------------------------------------------------------------------------------
+
+    def is_duplicate(self, group_id: str, sample_ids: list[str]) -> bool:
+        """True if this group was accepted before (a retried push); RequestError if it overlaps
+        an accepted group without being it."""
+        owners = {self.sample_group.get(sid) for sid in sample_ids}
+        if owners == {group_id}:
+            return True
+        if owners == {None} and group_id not in self.known_groups:
+            return False
+        raise RequestError(f"group {group_id!r} overlaps an accepted group (reused group id or sample ids "
+                           "with different content)", "conflicting_push")
+
+    def check_room(self) -> None:
+        if self.groups_held >= self.capacity_groups:
+            raise RequestError(f"buffer full ({self.groups_held} of {self.capacity_groups} groups)", "buffer_full")
+
+    def add(self, group_id: str, sample_ids: list[str], sample_versions: list[int], frames: list[bytes],
+            seq: int | None = None) -> StoredGroup:
+        seq = self.next_seq if seq is None else seq
+        self.next_seq = max(self.next_seq, seq + 1)
+        stored = StoredGroup(group_id, min(sample_versions), tuple(sample_ids), tuple(sample_versions), frames, seq,
+                             sum(len(f) for f in frames))
+        self.remember_ids(group_id, sample_ids)
+        self._make_ready(stored)
+        return stored
+
+    def remember_ids(self, group_id: str, sample_ids: list[str]) -> None:
+        """Keep the ids of an accepted group for the whole run (duplicate detection)."""
+        self.known_groups.add(group_id)
+        for sid in sample_ids:
+            self.sample_group[sid] = group_id
+
+    def _make_ready(self, g: StoredGroup) -> None:
+        self.ready[g.group_id] = g
+        self.bytes_held += g.nbytes
+        heapq.heappush(self._heap, (g.weight_version, g.seq, g.group_id))
+
+    def _peek(self) -> tuple[int, int, str] | None:
+        """The oldest ready group's heap entry; entries of groups removed by id are skipped lazily."""
+        while self._heap:
+            version, seq, gid = self._heap[0]
+            g = self.ready.get(gid)
+            if g is not None and g.seq == seq:
+                return self._heap[0]
+            heapq.heappop(self._heap)
+        return None
+
+    def _pop_oldest(self) -> StoredGroup | None:
+        if self._peek() is None:
+            return None
+        return self.remove_ready(heapq.heappop(self._heap)[2])
+
+    def remove_ready(self, group_id: str) -> StoredGroup | None:
+        g = self.ready.pop(group_id, None)
+        if g is not None:
+            self.bytes_held -= g.nbytes
+        return g
+
+    # ---- pull / ack / nack ------------------------------------------------------------------
+
+    def drop_stale(self, version: int, eta: int | None) -> list[StoredGroup]:
+        """Remove ready groups with version − weight_version > η (they are at the front)."""
+        dropped = []
+        if eta is None:
+            return dropped
+        while (top := self._peek()) is not None and version - top[0] > eta:
+            dropped.append(self._pop_oldest())
+        return dropped
+
+    def lease(self, batch_size: int, lease_id: str, now: float, version: int) -> Lease | None:
+        """The batch_size oldest ready groups under a new lease, or None if fewer are ready."""
+        if len(self.ready) < batch_size:
+            return None
+        groups = [self._pop_oldest() for _ in range(batch_size)]
+        lease = Lease(lease_id, groups, now + self.lease_s, version)
+        self.leases[lease_id] = lease
+        return lease
+
+    def ack(self, lease_id: str, now: float) -> Lease | int:
+        """Consume a lease. Returns it, or the group count of an already acked lease.
+        A lease that expired can still be acked while none of its groups was handed out again."""
+        lease = self.leases.pop(lease_id, None)
+        if lease is not None:
+            self._remember_finished(lease_id, len(lease.groups))
+            return lease
+        if lease_id in self.finished_leases:
+            return self.finished_leases[lease_id]
+        if lease_id in self._expired:
+            gids = self._expired[lease_id]
+            if all(gid in self.ready for gid in gids):
+                groups = [self.remove_ready(gid) for gid in gids]
+                del self._expired[lease_id]
+                self._remember_finished(lease_id, len(groups))
+                return Lease(lease_id, groups, now, None)
+            raise RequestError(f"lease {lease_id!r} expired and its groups were handed out again; "
+                               "do not train on it twice", "lease_expired")
+        raise RequestError(f"unknown lease {lease_id!r}", "unknown_lease")
+
+    def _remember_finished(self, lease_id: str, n: int) -> None:
+        self.finished_leases[lease_id] = n
+        while len(self.finished_leases) > self._remembered:
+            self.finished_leases.popitem(last=False)
+
+    def nack(self, lease_id: str) -> int:
+        """Put a lease's groups back in their old places; 0 if the lease is not held (idempotent)."""
+        lease = self.leases.pop(lease_id, None)
+        if lease is None:
+            return 0
+        for g in lease.groups:
+            self._make_ready(g)
+        return len(lease.groups)
+
+    def expire_leases(self, now: float) -> list[Lease]:
+        expired = [lease for lease in self.leases.values() if lease.deadline <= now]
+        for lease in expired:
+            self.nack(lease.lease_id)
+            self._expired[lease.lease_id] = [g.group_id for g in lease.groups]
+            while len(self._expired) > self._remembered:
+                self._expired.popitem(last=False)
+        return expired
+
+    def next_lease_deadline(self) -> float | None:
+        return min((lease.deadline for lease in self.leases.values()), default=None)
+
+    def live_groups(self) -> list[StoredGroup]:
+        """Ready and leased groups, oldest first (for log compaction)."""
+        groups = list(self.ready.values()) + [g for lease in self.leases.values() for g in lease.groups]
+        return sorted(groups, key=lambda g: g.order)
