@@ -16,6 +16,7 @@ The three log-probs keep the names of DESIGN.md: `rollout_log_prob` (μ), `old_l
 """
 from __future__ import annotations
 
+import copy
 import math
 import shutil
 import time
@@ -319,7 +320,8 @@ class Learner:
     # ------------------------------------------------------------------ weights out
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The policy's weights as full CPU tensors (a collective under FSDP: call on every rank)."""
+        """The policy's weights as full CPU tensors: views of the live parameters on CPU, not
+        copies (a collective under FSDP: call on every rank)."""
         if self.config.distributed.strategy == "fsdp":
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -363,12 +365,13 @@ class Learner:
     # ------------------------------------------------------------------ checkpoints
 
     def state_dict(self) -> dict:
-        return {
+        """A snapshot (copies, not live views) of model, optimizer, scheduler and version."""
+        return copy.deepcopy({
             "model": self.full_state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "version": self.version,
-        }
+        })
 
     def load_state_dict(self, state: dict) -> None:
         missing = {"model", "optimizer", "scheduler", "version"} - set(state)

@@ -1,0 +1,251 @@
+"""The learner on a tiny real Qwen2 policy: the step moves log-probs the way the advantages say,
+the three proximal log-prob paths, versions, checkpoints, weight publication, micro-batching,
+the learning-rate schedule, bad input and config errors."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from pydantic import ValidationError
+
+from buffer.sample import Group, Sample
+from learner.batch import BatchError, build_batch
+from learner.config import LearnerConfig
+from learner.trainer import Learner, loglinear_prox_log_prob, lr_factor
+from learner_helpers import build_tiny_policy, max_param_diff, params_of, sample_groups
+from lm.causal_lm import load_causal_lm, response_log_probs
+from lm.weight_sync import resolve_weights
+
+
+@pytest.fixture(scope="module")
+def policy_dir(tmp_path_factory):
+    return build_tiny_policy(tmp_path_factory.mktemp("policy"))
+
+
+@pytest.fixture(scope="module")
+def groups(policy_dir):
+    return sample_groups(policy_dir, n_groups=4, n=4, seed=1)
+
+
+def make_learner(policy_dir, **overrides) -> Learner:
+    return Learner(LearnerConfig(model_path=str(policy_dir), lr=1e-3, **overrides))
+
+
+def group_log_probs(model, groups) -> torch.Tensor:
+    """Sum of response log-probs per sample, in batch order."""
+    samples = [s for g in groups for s in g.samples]
+    with torch.no_grad():
+        lp, mask = response_log_probs(model, [s.prompt_ids.tolist() for s in samples],
+                                      [s.response_ids.tolist() for s in samples])
+    return (lp * mask).sum(-1)
+
+
+def test_train_step_raises_the_log_prob_of_rewarded_responses(policy_dir, groups):
+    learner = make_learner(policy_dir)
+    before_params = params_of(learner.model)
+    before = group_log_probs(learner.model, groups)
+    for step in range(3):
+        metrics = learner.train_step(groups)
+        assert learner.version == step + 1
+    after = group_log_probs(learner.model, groups)
+    assert max_param_diff(before_params, params_of(learner.model)) > 1e-4
+
+    batch = build_batch(groups)
+    rewards = batch.rewards.view(len(groups), -1)
+    above = (rewards > rewards.mean(1, keepdim=True)).flatten()
+    below = (rewards < rewards.mean(1, keepdim=True)).flatten()
+    change = after - before
+    # Every response better than its group's mean got likelier on average, every worse one less likely.
+    assert change[above].mean() > 0.2 and change[below].mean() < -0.2
+    assert change[above].mean() > change[below].mean() + 0.2
+    for key in ("actor/pg_loss", "actor/grad_norm", "actor/lr", "actor/entropy", "actor/pg_clipfrac",
+                "rollout_corr/kl", "rollout_corr/rollout_is_eff_sample_size", "timing_s/old_log_prob",
+                "timing_s/update_actor", "staleness/mean", "reward/mean", "learner/version"):
+        assert key in metrics and np.isfinite(metrics[key]), key
+    assert metrics["learner/version"] == 3.0 and metrics["actor/lr"] == pytest.approx(1e-3)
+
+
+def test_the_three_proximal_paths(policy_dir):
+    """Behaviour log-probs with noise (a different sampler backend) and versions 2 behind."""
+    stale = sample_groups(policy_dir, n_groups=2, n=4, seed=3, version=0, logprob_noise=0.3)
+    model = load_causal_lm(policy_dir)
+    batch = build_batch(stale)
+    with torch.no_grad():
+        current, _ = response_log_probs(model, batch.prompts, batch.responses)
+
+    results = {}
+    for name, overrides in {"recompute": {}, "loglinear": {"prox_logp": "loglinear"},
+                            "bypass": {"rollout_correction": "bypass_ppo_clip"}}.items():
+        learner = make_learner(policy_dir, **overrides)
+        learner.version = 2
+        results[name] = (learner.train_step(stale), params_of(learner.model))
+
+    # recompute: π_old is the learner's own forward pass, so the IS diagnostics measure μ against it.
+    mask = batch.response_mask.bool()
+    want_kl = float((batch.rollout_log_probs - current)[mask].mean())
+    assert results["recompute"][0]["rollout_corr/kl"] == pytest.approx(want_kl, abs=1e-5)
+    assert results["recompute"][0]["timing_s/old_log_prob"] > 0
+    # bypass and loglinear skip the proximal pass.
+    assert results["bypass"][0]["timing_s/old_log_prob"] < results["recompute"][0]["timing_s/old_log_prob"]
+    # loglinear with staleness 2: π_old is 2/3 of the way from μ to π_θ, so its KL is 2/3 of recompute's.
+    assert results["loglinear"][0]["rollout_corr/kl"] == pytest.approx(want_kl * 2 / 3, abs=1e-5)
+    # Three different anchors, three different updates.
+    assert max_param_diff(results["recompute"][1], results["bypass"][1]) > 1e-6
+    assert max_param_diff(results["recompute"][1], results["loglinear"][1]) > 1e-6
+
+
+def test_on_policy_data_makes_the_three_paths_agree(policy_dir, groups):
+    """When μ is the learner's own policy and the data is fresh, π_old = μ = π_θ on every path."""
+    updates = []
+    for overrides in ({}, {"prox_logp": "loglinear"}, {"rollout_correction": "bypass_ppo_clip"}):
+        learner = make_learner(policy_dir, **overrides)
+        learner.train_step(groups)
+        updates.append(params_of(learner.model))
+    assert max_param_diff(updates[0], updates[1]) < 1e-6
+    assert max_param_diff(updates[0], updates[2]) < 1e-6
+
+
+def test_loglinear_interpolates_by_staleness():
+    mu = torch.tensor([[-1.0, -1.0, -1.0]])
+    theta = torch.tensor([[-2.0, -2.0, -2.0]], requires_grad=True)
+    versions = torch.tensor([[5, 4, 1]])
+    prox = loglinear_prox_log_prob(mu, theta, versions, version=5)
+    # staleness 0, 1, 4 -> alpha 0, 1/2, 4/5
+    torch.testing.assert_close(prox, torch.tensor([[-1.0, -1.5, -1.8]]))
+    assert not prox.requires_grad
+
+
+def test_micro_batches_and_minibatches(policy_dir, groups):
+    whole = make_learner(policy_dir)
+    whole.train_step(groups)
+    micro = make_learner(policy_dir, micro_batch_size=3)
+    micro.train_step(groups)
+    # The loss is normalised by the whole minibatch's token count: splitting changes nothing.
+    assert max_param_diff(params_of(whole.model), params_of(micro.model)) < 1e-6
+
+    many = make_learner(policy_dir, ppo_mini_batch_size=2, ppo_epochs=2)
+    metrics = many.train_step(groups)
+    assert metrics["actor/optimizer_steps"] == 4.0 and many.version == 1
+    assert metrics["actor/ppo_kl"] != 0.0  # later minibatches see π_θ drift from π_old
+    with pytest.raises(ValueError, match="not a multiple of ppo_mini_batch_size=3"):
+        make_learner(policy_dir, ppo_mini_batch_size=3).train_step(groups)
+
+
+def test_bad_batches_are_refused_with_the_field_named(policy_dir, groups):
+    learner = make_learner(policy_dir)
+    good = groups[0].samples[0]
+
+    def variant(**changes):
+        fields = dict(sample_id="bad", group_id="gx", prompt_ids=good.prompt_ids, response_ids=good.response_ids,
+                      rollout_log_probs=good.rollout_log_probs, loss_mask=good.loss_mask, reward=1.0,
+                      weight_version=0)
+        fields.update(changes)
+        return [Group(group_id="gx", samples=[Sample(**fields)], prompt_index=0)]
+
+    with pytest.raises(BatchError, match="'weight_version' is 3, ahead of the learner's version 0"):
+        learner.train_step(variant(weight_version=3))
+    nan = good.rollout_log_probs.copy()
+    nan[0] = np.nan
+    with pytest.raises(BatchError, match="'rollout_log_probs' holds NaN"):
+        learner.train_step(variant(rollout_log_probs=nan))
+    with pytest.raises(BatchError, match="'loss_mask' has"):
+        learner.train_step(variant(loss_mask=np.ones(len(good.response_ids) + 1, np.uint8)))
+    with pytest.raises(BatchError, match="zero groups"):
+        learner.train_step([])
+    assert learner.version == 0  # nothing was trained on
+
+
+def test_loss_mask_keeps_tool_tokens_out_of_the_loss(policy_dir):
+    """A response whose only policy token is the first: the others (tool output) get no gradient
+    signal, so changing them alone does not change the update."""
+    base = sample_groups(policy_dir, n_groups=1, n=2, seed=5)
+    updates = []
+    for tool_token in (7, 9):
+        samples = []
+        for s in base[0].samples:
+            response = s.response_ids.copy()
+            response[-1] = tool_token  # the last token is tool output: masked, but in the context
+            mask = np.ones(len(response), np.uint8)
+            mask[-1] = 0
+            samples.append(Sample(sample_id=s.sample_id, group_id=s.group_id, prompt_ids=s.prompt_ids,
+                                  response_ids=response, rollout_log_probs=s.rollout_log_probs, loss_mask=mask,
+                                  reward=s.reward, weight_version=0))
+        learner = make_learner(policy_dir, rollout_correction="bypass_ppo_clip")
+        learner.train_step([Group(group_id=base[0].group_id, samples=samples, prompt_index=0)])
+        updates.append(params_of(learner.model))
+    assert max_param_diff(updates[0], updates[1]) < 1e-7
+
+
+def test_checkpoint_round_trip_gives_the_identical_next_step(policy_dir, groups, tmp_path):
+    first = make_learner(policy_dir, warmup_steps=2, lr_schedule="cosine", total_steps=10)
+    first.train_step(groups)
+    state = first.state_dict()
+    first.save_checkpoint(tmp_path / "ckpt")
+    expected = first.train_step(groups)
+    want = params_of(first.model)
+
+    for restore in ("state_dict", "folder"):
+        again = make_learner(policy_dir, warmup_steps=2, lr_schedule="cosine", total_steps=10)
+        if restore == "state_dict":
+            again.load_state_dict(state)
+        else:
+            again.load_checkpoint(tmp_path / "ckpt")
+        assert again.version == 1
+        got = again.train_step(groups)
+        assert got["actor/lr"] == expected["actor/lr"] and again.version == 2
+        assert max_param_diff(want, params_of(again.model)) == 0.0, restore
+
+    # The policy folder is a loadable HF model.
+    reloaded = load_causal_lm(tmp_path / "ckpt" / "policy")
+    assert max_param_diff(params_of(reloaded), state["model"]) == 0.0
+    with pytest.raises(FileNotFoundError, match="has no trainer.pt"):
+        again.load_checkpoint(tmp_path)
+
+
+def test_weights_published_through_the_object_store_and_a_folder(policy_dir, groups, tmp_path, ray_cluster):
+    batch = build_batch(groups)
+    for sync in ({"mode": "object_store"}, {"mode": "folder", "folder": str(tmp_path / "weights"), "keep_last": 2}):
+        learner = make_learner(policy_dir, weight_sync=sync)
+        payloads = []
+        for _ in range(3):
+            learner.train_step(groups)
+            payloads.append(learner.publish_weights())
+        payload = payloads[-1]
+        assert payload["version"] == 3 and payload["publish_s"] >= 0
+        fresh = load_causal_lm(policy_dir)
+        result = fresh.load_state_dict(resolve_weights(payload), strict=True)
+        assert not result.missing_keys
+        with torch.no_grad():
+            want, _ = response_log_probs(learner.model, batch.prompts, batch.responses)
+            got, _ = response_log_probs(fresh, batch.prompts, batch.responses)
+        assert torch.equal(want, got)
+        if sync["mode"] == "folder":
+            kept = sorted(p.name for p in (tmp_path / "weights").iterdir())
+            assert kept == ["v000002", "v000003"]  # keep_last=2 prunes older versions
+
+
+def test_lr_schedule_warms_up_then_decays():
+    assert [lr_factor(s, 4, "constant", None, 0.0) for s in (0, 1, 3, 9)] == [0.25, 0.5, 1.0, 1.0]
+    assert lr_factor(2, 2, "linear", 12, 0.1) == pytest.approx(1.0)
+    assert lr_factor(7, 2, "linear", 12, 0.1) == pytest.approx(0.1 + 0.9 * 0.5)
+    assert lr_factor(12, 2, "linear", 12, 0.1) == pytest.approx(0.1)
+    assert lr_factor(7, 2, "cosine", 12, 0.0) == pytest.approx(0.5)
+    assert lr_factor(50, 2, "cosine", 12, 0.0) == pytest.approx(0.0)
+
+
+def test_config_errors_name_the_field(policy_dir):
+    with pytest.raises(ValidationError, match="ppo_epoch"):
+        LearnerConfig(model_path=str(policy_dir), ppo_epoch=2)
+    with pytest.raises(ValidationError, match="needs total_steps"):
+        LearnerConfig(model_path=str(policy_dir), lr_schedule="cosine")
+    with pytest.raises(ValidationError, match="bypass mode"):
+        LearnerConfig(model_path=str(policy_dir), prox_logp="loglinear", rollout_correction="bypass_pg_is")
+    with pytest.raises(ValidationError, match="unknown rollout-correction preset"):
+        LearnerConfig(model_path=str(policy_dir), rollout_correction="decoupled_magic")
+    with pytest.raises(ValidationError, match="needs weight_sync.folder"):
+        LearnerConfig(model_path=str(policy_dir), weight_sync={"mode": "folder"})
+    cfg = LearnerConfig(model_path=str(policy_dir), rollout_correction="decoupled_seq_is")
+    assert cfg.rollout_correction.rollout_is == "sequence" and not cfg.bypass_mode
+    assert LearnerConfig.model_validate_json(cfg.model_dump_json()) == cfg  # survives YAML/JSON and pickling
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        Learner(LearnerConfig(model_path=str(policy_dir / "missing")))
