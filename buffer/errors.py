@@ -13,6 +13,16 @@ class BufferError(Exception):
         if reason is not None:
             self.reason = reason
 
+    def __reduce__(self):  # picklable whatever the subclass's __init__ takes (Ray ships errors)
+        return (_restore, (type(self), str(self), dict(self.__dict__)))
+
+
+def _restore(cls, message: str, state: dict) -> "BufferError":
+    error = cls.__new__(cls)
+    Exception.__init__(error, message)
+    error.__dict__.update(state)
+    return error
+
 
 class SampleError(BufferError):
     """A sample or group violates the record contract; names the field and the sample."""

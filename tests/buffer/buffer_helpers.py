@@ -1,0 +1,82 @@
+"""Helpers for the buffer tests: group factory, free ports, a real `python -m buffer serve` process."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from buffer.sample import Group, Sample, new_id
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def make_group(ticket: int, version: int = 0, n: int = 2, tokens: int = 4, rng=None) -> Group:
+    """A valid group of n samples for prompt `ticket`, generated with weights `version`."""
+    rng = rng or np.random.default_rng(ticket)
+    gid = new_id()
+    samples = [
+        Sample(sample_id=new_id(), group_id=gid, prompt_ids=rng.integers(0, 1000, 3), response_ids=rng.integers(0, 1000, tokens),
+               rollout_log_probs=-rng.random(tokens), loss_mask=np.ones(tokens, np.uint8), reward=float(rng.random()),
+               weight_version=version, worker_id="w", finish_reason="stop", metadata={"ticket": ticket})
+        for _ in range(n)
+    ]
+    return Group(gid, samples, ticket)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`python -m buffer serve` as a real child process."""
+
+    def __init__(self, config: dict, tmp_path: Path):
+        self.config = config
+        self.path = tmp_path / "buffer.yaml"
+        self.path.write_text(yaml.safe_dump(config))
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"tcp://127.0.0.1:{self.config['port']}"
+
+    def start(self) -> "ServerProcess":
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        self.proc = subprocess.Popen([sys.executable, "-m", "buffer", "serve", "--config", str(self.path),
+                                      "--log-level", "WARNING"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     env=env, cwd=REPO, text=True)
+        line = self.proc.stdout.readline()
+        if "serving on" not in line:
+            raise RuntimeError(f"buffer server did not start: {line}{self.proc.stdout.read()}")
+        return self
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+
+
+def wait_until(predicate, timeout: float = 10.0, interval: float = 0.02) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()

@@ -1,0 +1,193 @@
+"""The η admission gate: the staleness bound, the capacity formula, tickets (no prompt skipped or
+repeated), recovery and permit reclaim, under random event sequences and real threads."""
+import random
+import threading
+import time
+from collections import Counter
+
+import pytest
+from buffer_helpers import make_group
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from buffer.admission import AdmissionGate
+from buffer.codec import encode_group
+from buffer.config import BufferConfig, GateConfig
+from buffer.core import BufferCore
+from buffer.errors import RequestError
+
+
+class GateMachine(RuleBasedStateMachine):
+    """Many workers acquiring, pushing, failing and dying in any order while the learner advances."""
+
+    @initialize(batch_size=st.integers(1, 4), eta=st.one_of(st.none(), st.integers(0, 3)),
+                max_concurrent=st.integers(1, 12))
+    def setup(self, batch_size, eta, max_concurrent):
+        self.gate = AdmissionGate(batch_size, eta, max_concurrent, lease_s=10.0)
+        self.now = 0.0
+        self.consumed_tickets: list[int] = []
+
+    def _held(self):
+        return sorted(self.gate.permits)
+
+    @rule(worker=st.integers(0, 5))
+    def acquire(self, worker):
+        before = self.gate.capacity()
+        permit = self.gate.try_acquire(f"w{worker}", self.now)
+        if before > 0:
+            assert permit is not None and permit.version == self.gate.version
+        else:
+            assert permit is None
+
+    @precondition(lambda self: self.gate.permits)
+    @rule(data=st.data())
+    def push(self, data):
+        pid = data.draw(st.sampled_from(self._held()))
+        self.consumed_tickets.append(self.gate.consume(pid).ticket)
+
+    @precondition(lambda self: self.gate.permits)
+    @rule(data=st.data())
+    def release(self, data):
+        assert self.gate.release(data.draw(st.sampled_from(self._held()))) is not None
+
+    @rule(dt=st.floats(0.0, 15.0))
+    def time_passes(self, dt):
+        self.now += dt
+        for permit in self.gate.reclaim_expired(self.now):
+            assert permit.permit_id not in self.gate.permits
+
+    @rule(step=st.integers(1, 2))
+    def learner_advances(self, step):
+        self.gate.set_version(self.gate.version + step)
+
+    @rule()
+    def push_with_unknown_permit_is_refused(self):
+        with pytest.raises(RequestError):
+            self.gate.consume("no-such-permit")
+
+    @invariant()
+    def staleness_bound(self):
+        g = self.gate
+        if g.eta is not None:
+            assert g.accepted + g.running <= (g.eta + g.version + 1) * g.batch_size
+
+    @invariant()
+    def capacity_formula(self):
+        g = self.gate
+        expected = g.max_concurrent - g.running
+        if g.eta is not None:
+            expected = min(expected, (g.eta + g.version + 1) * g.batch_size - (g.accepted + g.running))
+        assert g.capacity() == expected
+        assert g.running <= g.max_concurrent
+
+    @invariant()
+    def every_ticket_exactly_once(self):
+        g = self.gate
+        tickets = self.consumed_tickets + [p.ticket for p in g.permits.values()] + list(g.free_tickets)
+        assert sorted(tickets) == list(range(g.next_ticket)), "a prompt was skipped or repeated"
+        assert len(self.consumed_tickets) == g.accepted
+
+    @invariant()
+    def reissued_first(self):
+        if self.gate.free_tickets:
+            assert min(self.gate.free_tickets) < self.gate.next_ticket
+
+
+TestGateMachine = GateMachine.TestCase
+TestGateMachine.settings = settings(max_examples=120, stateful_step_count=40, deadline=None,
+                                    suppress_health_check=[HealthCheck.too_slow])
+
+
+def test_eta_zero_is_synchronous():
+    gate = AdmissionGate(batch_size=2, eta=0, max_concurrent=10, lease_s=10)
+    permits = [gate.try_acquire("w", 0) for _ in range(3)]
+    assert permits[2] is None, "η = 0 admits exactly one batch per version"
+    for p in permits[:2]:
+        gate.consume(p.permit_id)
+    assert gate.try_acquire("w", 0) is None
+    gate.set_version(1)
+    assert gate.capacity() == 2
+
+
+def test_released_tickets_are_reissued_first_smallest_first():
+    gate = AdmissionGate(batch_size=8, eta=None, max_concurrent=8, lease_s=10)
+    p = [gate.try_acquire("w", 0) for _ in range(4)]
+    gate.release(p[2].permit_id)
+    gate.release(p[1].permit_id)
+    assert [gate.try_acquire("w", 0).ticket for _ in range(3)] == [1, 2, 4]
+
+
+def test_reclaim_after_lease_returns_capacity_and_ticket():
+    gate = AdmissionGate(batch_size=1, eta=0, max_concurrent=4, lease_s=5)
+    dead = gate.try_acquire("dead-worker", now=0)
+    assert gate.try_acquire("w", now=1) is None
+    assert gate.reclaim_expired(now=4.9) == []
+    assert gate.reclaim_expired(now=5.0) == [dead]
+    again = gate.try_acquire("w", now=5)
+    assert again.ticket == dead.ticket and gate.reclaimed == 1
+    with pytest.raises(RequestError, match="not held"):
+        gate.consume(dead.permit_id)
+
+
+@pytest.mark.parametrize("eta", [0, 2, None])
+def test_recovery_sets_accepted_to_v_times_b(eta):
+    gate = AdmissionGate(batch_size=4, eta=eta, max_concurrent=100, lease_s=10)
+    gate.try_acquire("stale-permit-of-old-run", 0)
+    gate.recover(5)
+    assert gate.accepted == 20 and gate.running == 0 and gate.version == 5
+    assert gate.capacity() == (100 if eta is None else (eta + 1) * 4)
+    assert gate.try_acquire("w", 0).ticket == 20, "the data cursor resumes after the consumed prompts"
+    with pytest.raises(RequestError):
+        gate.set_version(4)
+
+
+def test_retried_acquire_returns_the_same_permit():
+    gate = AdmissionGate(batch_size=1, eta=0, max_concurrent=4, lease_s=10)
+    first = gate.try_acquire("w", 0, permit_id="p1")
+    assert gate.try_acquire("w", 0, permit_id="p1") == first and gate.running == 1
+
+
+def test_bound_holds_under_real_threads():
+    """Workers race on the real core (acquire with timeouts, push, fail) while the learner advances
+    the version; a monitor checks the bound under the core's lock throughout."""
+    B, eta = 2, 1
+    core = BufferCore(BufferConfig(gate=GateConfig(batch_size=B, eta=eta, max_concurrent=5)))
+    stop = threading.Event()
+    violations, pushed = [], Counter()
+
+    def worker(seed):
+        rng = random.Random(seed)
+        while not stop.is_set():
+            permit = core.acquire_permit(f"w{seed}", timeout=0.05)
+            if permit is None:
+                continue
+            if rng.random() < 0.25:
+                core.release_permit(permit.permit_id)
+            else:
+                core.push_group(encode_group(make_group(permit.ticket, version=core.gate.version)), permit.permit_id)
+                pushed[permit.ticket] += 1
+
+    def monitor():
+        while not stop.is_set():
+            with core._lock:
+                g = core.gate
+                if g.accepted + g.running > (eta + g.version + 1) * B or g.running > g.max_concurrent:
+                    violations.append(g.state())
+            time.sleep(0.001)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)] + [threading.Thread(target=monitor)]
+    for t in threads:
+        t.start()
+    for version in range(1, 15):
+        batch = core.pull_batch(B, timeout=5)
+        assert batch is not None
+        core.ack(batch.lease_id)
+        core.set_version(version)
+    stop.set()
+    for t in threads:
+        t.join()
+    assert not violations
+    assert all(n == 1 for n in pushed.values()), "a prompt was generated twice"
+    assert core.gate.running == 0
+    assert sorted([*pushed, *core.gate.free_tickets]) == list(range(core.gate.next_ticket)), "a prompt was skipped"

@@ -1,0 +1,144 @@
+"""The sample record and its wire codec: round trips, zero copy, and validation that names the
+field and the sample."""
+import msgpack
+import numpy as np
+import pytest
+from buffer_helpers import make_group
+
+from buffer.codec import PROTOCOL_VERSION, decode_group, encode_group
+from buffer.config import SampleLimits
+from buffer.errors import ProtocolError, SampleError
+from buffer.sample import Group, Sample
+
+
+def wire(group):
+    return [bytes(memoryview(f)) for f in encode_group(group)]
+
+
+def test_round_trip_keeps_every_field():
+    g = make_group(ticket=7, version=3, n=3, tokens=5)
+    s = g.samples[1]
+    s.token_rewards = np.array([0.0, 0.5, -1.0, 0.0, 2.0], np.float32)
+    s.token_versions = np.array([3, 3, 4, 4, 5], np.int32)
+    s.loss_mask = np.array([1, 1, 0, 0, 1], np.uint8)
+    s.metadata = {"task": "gsm8k", "turns": 2, "score": 0.5, "ok": True}
+    out = decode_group(wire(g), max_version=5)
+    assert out.group_id == g.group_id and out.prompt_index == 7 and out.weight_version == 3
+    for a, b in zip(g.samples, out.samples):
+        for name in ("sample_id", "group_id", "reward", "weight_version", "worker_id", "created_at",
+                     "finish_reason", "metadata"):
+            assert getattr(a, name) == getattr(b, name), name
+        for name in ("prompt_ids", "response_ids", "rollout_log_probs", "loss_mask", "token_versions"):
+            np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
+            assert getattr(b, name).dtype == getattr(a, name).dtype
+    np.testing.assert_array_equal(out.samples[1].token_rewards, s.token_rewards)
+    assert out.samples[0].token_rewards is None
+
+
+def test_arrays_are_not_copied():
+    g = make_group(ticket=0, tokens=1000)
+    frames = encode_group(g)
+    assert frames[2] is g.samples[0].response_ids  # encode hands out the array's own buffer
+    received = wire(g)
+    out = decode_group(received)
+    view = out.samples[0].response_ids
+    assert np.shares_memory(view, np.frombuffer(received[2], np.uint8))
+    assert not view.flags.writeable
+
+
+def test_header_is_msgpack_with_protocol_version():
+    header = msgpack.unpackb(wire(make_group(0))[0])
+    assert header["v"] == PROTOCOL_VERSION and header["prompt_index"] == 0
+
+
+def corrupt_header(frames, **changes):
+    header = msgpack.unpackb(frames[0])
+    sample_changes = changes.pop("sample", {})
+    header.update(changes)
+    header["samples"][0].update(sample_changes)
+    return [msgpack.packb(header), *frames[1:]]
+
+
+@pytest.mark.parametrize("mutate, field", [
+    (lambda s: s.rollout_log_probs.__setitem__(1, np.nan), "rollout_log_probs"),
+    (lambda s: s.rollout_log_probs.__setitem__(0, 0.25), "rollout_log_probs"),
+    (lambda s: s.loss_mask.__setitem__(0, 2), "loss_mask"),
+    (lambda s: setattr(s, "weight_version", 9), "weight_version"),
+    (lambda s: s.token_versions.__setitem__(2, 9), "token_versions"),
+    (lambda s: s.token_versions.__setitem__(2, 0), "token_versions"),
+    (lambda s: setattr(s, "reward", float("inf")), "reward"),
+    (lambda s: setattr(s, "token_rewards", np.array([np.nan] * 4, np.float32)), "token_rewards"),
+    (lambda s: setattr(s, "metadata", {"x": [1, 2]}), "metadata"),
+    (lambda s: setattr(s, "response_ids", np.array([1, -5, 2, 3], np.int32)), "response_ids"),
+])
+def test_invalid_sample_names_field_and_sample(mutate, field):
+    g = make_group(ticket=0, version=1)
+    s = g.samples[0]
+    s.rollout_log_probs = s.rollout_log_probs.copy()
+    s.loss_mask, s.token_versions = s.loss_mask.copy(), s.token_versions.copy()
+    mutate(s)
+    with pytest.raises(SampleError) as info:
+        decode_group(wire(g), max_version=3)
+    assert info.value.field == field and info.value.sample_id == s.sample_id
+    assert field in str(info.value) and s.sample_id in str(info.value)
+
+
+def test_length_mismatch_is_caught_on_both_sides():
+    g = make_group(ticket=0)
+    g.samples[0].loss_mask = np.ones(3, np.uint8)  # response has 4 tokens
+    with pytest.raises(SampleError, match="loss_mask"):
+        decode_group(wire(g))
+    frames = wire(make_group(ticket=0))
+    frames[3] = frames[3][:-4]  # one log-prob short
+    with pytest.raises(SampleError, match="rollout_log_probs.*frame has 12 bytes, expected 16"):
+        decode_group(frames)
+
+
+def test_size_limits():
+    limits = SampleLimits(max_response_tokens=3, max_group_size=2)
+    with pytest.raises(SampleError, match="n_response"):
+        decode_group(wire(make_group(ticket=0, tokens=4)), limits)
+    with pytest.raises(SampleError, match="max_group_size"):
+        decode_group(wire(make_group(ticket=0, n=3, tokens=2)), limits)
+
+
+@pytest.mark.parametrize("frames_of, reason", [
+    (lambda f: [b"\xc1garbage", *f[1:]], "bad_msgpack"),
+    (lambda f: corrupt_header(f, v=PROTOCOL_VERSION + 1), "bad_protocol_version"),
+    (lambda f: corrupt_header(f, extra=1), "bad_group"),
+    (lambda f: f[:-1], "bad_frame_count"),
+    (lambda f: [msgpack.packb([1, 2, 3])], "bad_group"),
+    (lambda f: [], "bad_group"),
+])
+def test_malformed_group_is_a_protocol_error(frames_of, reason):
+    with pytest.raises(ProtocolError) as info:
+        decode_group(frames_of(wire(make_group(ticket=0))))
+    assert info.value.reason == reason
+
+
+def test_wrongly_typed_header_fields():
+    frames = wire(make_group(ticket=0))
+    with pytest.raises(SampleError, match="weight_version"):
+        decode_group(corrupt_header(frames, sample={"weight_version": "3"}))
+    with pytest.raises(SampleError, match="prompt_index"):
+        decode_group(corrupt_header(frames, prompt_index=-1))
+    with pytest.raises(SampleError, match="reward"):
+        decode_group(corrupt_header(frames, sample={"reward": "high"}))
+
+
+def test_sample_construction_converts_losslessly_and_refuses_lossy():
+    s = Sample(sample_id="s", group_id="g", prompt_ids=[1, 2], response_ids=np.array([3], np.int64),
+               rollout_log_probs=[-0.5], loss_mask=[1], reward=1, weight_version=2)
+    assert s.response_ids.dtype == np.int32 and s.token_versions.tolist() == [2]
+    with pytest.raises(SampleError, match="response_ids"):
+        Sample(sample_id="s", group_id="g", prompt_ids=[1], response_ids=[2**40], rollout_log_probs=[-0.5],
+               loss_mask=[1], reward=1, weight_version=0)
+    with pytest.raises(SampleError, match="prompt_ids"):
+        Sample(sample_id="s", group_id="g", prompt_ids=[[1]], response_ids=[1], rollout_log_probs=[-0.5],
+               loss_mask=[1], reward=1, weight_version=0)
+
+
+def test_group_weight_version_is_the_oldest():
+    g = make_group(ticket=0, version=4, n=3)
+    g.samples[1].weight_version = 2
+    assert Group(g.group_id, g.samples, 0).weight_version == 2
