@@ -1,0 +1,225 @@
+"""The KubeRay manifests in deploy/k8s/: valid against the KubeRay CRD schemas (in
+`<repo>/../shared/kuberay/`) and Kubernetes' own schemas (kubernetes-validate), and they keep the
+promises docs/deploy.md makes (non-root, limits, /dev/shm in memory, GPUs, metrics port, the
+Prometheus wiring). No API server runs here: schema validation is what `kubectl apply
+--validate=strict` would do first."""
+from __future__ import annotations
+
+import copy
+import functools
+from pathlib import Path
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+K8S = REPO / "deploy" / "k8s"
+KUBERAY = REPO.parent / "shared" / "kuberay"
+K8S_VERSION = "1.33.0"  # the oldest Kubernetes release KubeRay's current operator supports well
+
+
+def load(name: str) -> list[dict]:
+    return [doc for doc in yaml.safe_load_all((K8S / name).read_text()) if doc]
+
+
+def the(name: str) -> dict:
+    (doc,) = load(name)
+    return doc
+
+
+def _to_json_schema(node):
+    """OpenAPI v3 (Kubernetes structural schema) -> JSON Schema, strict about unknown fields the
+    way `kubectl --validate=strict` is: an object that lists its properties and does not preserve
+    unknown fields allows no others."""
+    if isinstance(node, list):
+        return [_to_json_schema(item) for item in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: _to_json_schema(v) for k, v in node.items() if not k.startswith("x-kubernetes-") and k != "nullable"}
+    if node.get("x-kubernetes-int-or-string"):
+        out.pop("type", None)
+        out["anyOf"] = [{"type": "integer"}, {"type": "string"}]
+    if node.get("nullable") and "type" in out:
+        out["type"] = [out["type"], "null"]
+    if "properties" in node and "additionalProperties" not in node and not node.get("x-kubernetes-preserve-unknown-fields"):
+        out["additionalProperties"] = False
+    return out
+
+
+def crd_validator(crd_file: str, version: str = "v1") -> jsonschema.Draft7Validator:
+    path = KUBERAY / crd_file
+    if not path.is_file():
+        pytest.skip(f"KubeRay CRD {path} is absent (expected the shared/ folder beside the repo)")
+    return _crd_validator(path, version)
+
+
+@functools.lru_cache(maxsize=None)
+def _crd_validator(path: Path, version: str) -> jsonschema.Draft7Validator:
+    crd = yaml.load(path.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))  # 40k lines
+    (spec,) = [v for v in crd["spec"]["versions"] if v["name"] == version]
+    schema = _to_json_schema(spec["schema"]["openAPIV3Schema"])
+    # apiVersion/kind/metadata are the API server's; only the spec is the CRD's to judge.
+    schema["properties"]["metadata"] = {"type": "object"}
+    return jsonschema.Draft7Validator(schema)
+
+
+def crd_errors(doc: dict, crd_file: str) -> list[str]:
+    return [f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in crd_validator(crd_file).iter_errors(doc)]
+
+
+def pod_templates(cluster_spec: dict) -> dict[str, dict]:
+    groups = {"head": cluster_spec["headGroupSpec"]["template"]}
+    groups.update({g["groupName"]: g["template"] for g in cluster_spec["workerGroupSpecs"]})
+    return groups
+
+
+# ------------------------------------------------------------------ schema validity
+
+
+@pytest.mark.parametrize(("manifest", "crd"), [("raycluster.yaml", "ray.io_rayclusters.yaml"),
+                                               ("rayjob.yaml", "ray.io_rayjobs.yaml")])
+def test_kuberay_manifests_match_the_crd_schema(manifest, crd):
+    doc = the(manifest)
+    assert doc["apiVersion"] == "ray.io/v1"
+    assert crd_errors(doc, crd) == []
+
+
+@pytest.mark.parametrize(("path", "bad"), [
+    (("spec", "headGroupSpec"), {"rayStartParms": {}}),  # misspelled KubeRay field
+    (("spec", "workerGroupSpecs", 1, "template", "spec", "containers", 0), {"resource": {}}),  # pod spec field
+    (("spec", "workerGroupSpecs", 0), {"replicas": "one"}),  # wrong type
+])
+def test_a_misspelled_or_mistyped_field_fails_the_crd_schema(path, bad):
+    doc = copy.deepcopy(the("raycluster.yaml"))
+    node = doc
+    for part in path:
+        node = node[part]
+    node.update(bad)
+    errors = crd_errors(doc, "ray.io_rayclusters.yaml")
+    assert errors and any(next(iter(bad)) in e for e in errors), errors
+
+
+def test_a_misspelled_field_fails_the_rayjob_schema():
+    doc = copy.deepcopy(the("rayjob.yaml"))
+    doc["spec"]["entrypoint_"] = doc["spec"].pop("entrypoint")
+    assert any("entrypoint_" in e for e in crd_errors(doc, "ray.io_rayjobs.yaml"))
+
+
+def test_pod_templates_are_valid_kubernetes_pod_templates():
+    """The pods inside the Ray CRDs, checked again by Kubernetes' own PodTemplate schema."""
+    job = the("rayjob.yaml")
+    templates = dict(pod_templates(the("raycluster.yaml")["spec"]), submitter=job["spec"]["submitterPodTemplate"])
+    for group, template in templates.items():
+        doc = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": group}, "template": template}
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("manifest", ["storage.yaml", "etarl-config.yaml"])
+def test_builtin_kinds_are_valid(manifest):
+    for doc in load(manifest):
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+def test_kubernetes_validate_rejects_a_misspelled_builtin_field():
+    doc = copy.deepcopy(load("storage.yaml")[0])
+    doc["spec"]["acessModes"] = doc["spec"].pop("accessModes")
+    with pytest.raises(kubernetes_validate.ValidationError, match="acessModes"):
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+# ------------------------------------------------------------------ what the manifests promise
+
+
+def test_rayjob_runs_the_same_cluster_as_raycluster():
+    assert the("rayjob.yaml")["spec"]["rayClusterSpec"] == the("raycluster.yaml")["spec"]
+
+
+def test_every_pod_is_non_root_and_limited():
+    job = the("rayjob.yaml")
+    templates = dict(pod_templates(the("raycluster.yaml")["spec"]), submitter=job["spec"]["submitterPodTemplate"])
+    for group, template in templates.items():
+        pod = template["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True, group
+        assert pod["securityContext"]["runAsUser"] != 0, group
+        for container in pod["containers"]:
+            sec = container["securityContext"]
+            assert sec["allowPrivilegeEscalation"] is False and sec["capabilities"]["drop"] == ["ALL"], group
+            res = container["resources"]
+            for kind in ("cpu", "memory"):
+                assert kind in res["requests"] and kind in res["limits"], (group, kind)
+
+
+def test_ray_pods_get_a_memory_backed_dev_shm():
+    for group, template in pod_templates(the("raycluster.yaml")["spec"]).items():
+        pod = template["spec"]
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        (mount,) = [m for m in pod["containers"][0]["volumeMounts"] if m["mountPath"] == "/dev/shm"]
+        assert volumes[mount["name"]]["emptyDir"]["medium"] == "Memory", group
+        assert "sizeLimit" in volumes[mount["name"]]["emptyDir"], group
+
+
+def test_gpu_group_requests_gpus_and_tells_ray():
+    spec = the("raycluster.yaml")["spec"]
+    (gpu,) = [g for g in spec["workerGroupSpecs"] if g["groupName"] == "gpu-workers"]
+    (container,) = gpu["template"]["spec"]["containers"]
+    gpus = container["resources"]["limits"]["nvidia.com/gpu"]
+    assert container["resources"]["requests"]["nvidia.com/gpu"] == gpus and int(gpus) >= 1
+    assert gpu["rayStartParams"]["num-gpus"] == gpus
+    (cpu,) = [g for g in spec["workerGroupSpecs"] if g["groupName"] == "cpu-workers"]
+    assert "nvidia.com/gpu" not in cpu["template"]["spec"]["containers"][0]["resources"]["limits"]
+
+
+def _run_config() -> dict:
+    (cm,) = [d for d in load("etarl-config.yaml") if d["kind"] == "ConfigMap"]
+    return cm, yaml.safe_load(cm["data"]["etarl.yaml"])
+
+
+def test_the_metrics_port_is_wired_from_config_to_pod_to_podmonitor():
+    _, config = _run_config()
+    head = the("raycluster.yaml")["spec"]["headGroupSpec"]["template"]
+    ports = {p["name"]: p["containerPort"] for p in head["spec"]["containers"][0]["ports"]}
+    assert ports["etarl-metrics"] == config["metrics"]["port"]
+    assert config["metrics"]["host"] == "0.0.0.0"  # in the pod network; loopback would hide it
+    assert ports["metrics"] == int(the("raycluster.yaml")["spec"]["headGroupSpec"]["rayStartParams"]["metrics-export-port"])
+
+    (monitor,) = [d for d in load("monitoring.yaml") if d["kind"] == "PodMonitor"]
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    assert selector.items() <= head["metadata"]["labels"].items()
+    endpoints = {e["port"]: e for e in monitor["spec"]["podMetricsEndpoints"]}
+    assert set(endpoints) <= set(ports)
+    jobs = {e["relabelings"][0]["replacement"] for e in endpoints.values()}
+    local = yaml.safe_load((REPO / "deploy" / "prometheus" / "prometheus.yml").read_text())
+    assert jobs <= {c["job_name"] for c in local["scrape_configs"]}  # same job labels as the local set-up
+
+
+def test_the_configmap_is_mounted_where_the_entrypoint_reads_it():
+    cm, _ = _run_config()
+    job = the("rayjob.yaml")["spec"]
+    head = job["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]
+    (volume,) = [v for v in head["volumes"] if v.get("configMap", {}).get("name") == cm["metadata"]["name"]]
+    (mount,) = [m for m in head["containers"][0]["volumeMounts"] if m["name"] == volume["name"]]
+    assert f"--config {mount['mountPath']}/etarl.yaml" in job["entrypoint"]
+    assert "ray.address=auto" in job["entrypoint"]
+
+
+def test_the_real_model_config_is_a_valid_etarl_config():
+    from services.config import build_config
+
+    _, tree = _run_config()
+    config = build_config(tree, source="deploy/k8s/etarl-config.yaml")
+    assert config.ray.address == "auto"
+    assert config.run.model.startswith("/models/")
+    assert config.run.run_dir.startswith("/runs/")
+
+
+def test_prometheusrule_is_rules_yml():
+    import importlib.util
+
+    path = REPO / "deploy" / "prometheus" / "render_prometheusrule.py"
+    spec = importlib.util.spec_from_file_location("render_prometheusrule", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert (K8S / "prometheusrule.yaml").read_text() == module.render(), \
+        "deploy/k8s/prometheusrule.yaml is stale: regenerate it from rules.yml (see its header)"
