@@ -1,0 +1,106 @@
+"""Advantages by hand: GRPO, Dr.GRPO, RLOO and REINFORCE++ with a group baseline, grouped by id
+and spread over valid tokens."""
+from __future__ import annotations
+
+import math
+import statistics
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pydantic import ValidationError
+
+from learner.advantages import AdvantageConfig, compute_advantages, group_index
+
+EPS = 1e-6
+
+
+def per_seq(estimator, rewards, ids, mask=None, **kw):
+    rewards = torch.tensor(rewards, dtype=torch.float64)
+    mask = torch.ones(len(rewards), 3) if mask is None else mask
+    adv = compute_advantages(rewards, ids, mask, AdvantageConfig(estimator=estimator, **kw))
+    return adv, [float(a) for a in adv[:, 0]]
+
+
+def test_grpo_uses_group_mean_and_unbiased_std():
+    _, adv = per_seq("grpo", [1.0, 0.0, 0.0, 2.0, 4.0], ["a", "a", "a", "b", "b"])
+    mean_a, std_a = 1 / 3, statistics.stdev([1.0, 0.0, 0.0])  # stdev is the n−1 estimator
+    mean_b, std_b = 3.0, statistics.stdev([2.0, 4.0])
+    expected = [(1 - mean_a) / (std_a + EPS), (0 - mean_a) / (std_a + EPS), (0 - mean_a) / (std_a + EPS),
+                (2 - mean_b) / (std_b + EPS), (4 - mean_b) / (std_b + EPS)]
+    assert adv == pytest.approx(expected)
+
+
+def test_grpo_group_of_one_has_mean_zero_and_std_one_and_equal_rewards_give_zero():
+    _, adv = per_seq("grpo", [0.7, 1.0, 1.0], ["solo", "x", "x"])
+    assert adv == pytest.approx([0.7 / (1 + EPS), 0.0, 0.0])
+
+
+def test_groups_are_found_by_id_wherever_the_rows_are():
+    _, interleaved = per_seq("grpo", [1.0, 5.0, 0.0, 3.0], ["a", "b", "a", "b"])
+    _, contiguous = per_seq("grpo", [1.0, 0.0, 5.0, 3.0], ["a", "a", "b", "b"])
+    assert interleaved == pytest.approx([contiguous[0], contiguous[2], contiguous[1], contiguous[3]])
+    assert group_index(["q", 7, "q", (1, 2), 7]).tolist() == [0, 1, 0, 2, 1]
+    assert group_index(torch.tensor([4, 4, 9])).tolist() == [0, 0, 1]
+
+
+def test_dr_grpo_drops_the_std():
+    _, adv = per_seq("dr_grpo", [1.0, 0.0, 0.0, 2.0, 4.0, 0.5], ["a", "a", "a", "b", "b", "c"])
+    assert adv == pytest.approx([2 / 3, -1 / 3, -1 / 3, -1.0, 1.0, 0.5])
+
+
+def test_rloo_subtracts_the_mean_of_the_other_samples():
+    _, adv = per_seq("rloo", [1.0, 0.0, 0.0, 2.0, 4.0, 0.5], ["a", "a", "a", "b", "b", "c"])
+    assert adv == pytest.approx([1 - 0.0, 0 - 0.5, 0 - 0.5, 2 - 4, 4 - 2, 0.5])
+
+
+def test_reinforce_pp_baseline_whitens_group_centred_rewards_over_valid_tokens():
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0], [1, 1, 0], [1, 1, 1]], dtype=torch.float32)
+    _, adv = per_seq("reinforce_plus_plus_baseline", [1.0, 0.0, 3.0, 1.0], ["a", "a", "b", "b"], mask)
+    centred = [0.5, -0.5, 1.0, -1.0]
+    tokens = [3, 1, 2, 3]
+    values = [c for c, n in zip(centred, tokens) for _ in range(n)]  # one entry per valid token
+    mean, std = statistics.mean(values), statistics.stdev(values)
+    assert adv == pytest.approx([(c - mean) / math.sqrt(std ** 2 + 1e-8) for c in centred])
+
+
+def test_outcome_advantage_is_spread_over_valid_tokens_only():
+    mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0]], dtype=torch.float32)
+    adv = compute_advantages(torch.tensor([1.0, 0.0, 5.0]), ["g", "g", "h"], mask, AdvantageConfig())
+    a = 0.5 / (statistics.stdev([1.0, 0.0]) + EPS)
+    assert torch.allclose(adv, torch.tensor([[a, a, 0, 0], [-a, -a, -a, -a], [0, 0, 0, 0]]))
+    assert adv.dtype == torch.float32
+
+
+@settings(max_examples=40, deadline=None)
+@given(rewards=st.lists(st.floats(-10, 10), min_size=1, max_size=12), n_groups=st.integers(1, 4),
+       estimator=st.sampled_from(["grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline"]))
+def test_group_centred_estimators_sum_to_zero_in_every_group_of_two_or_more(rewards, n_groups, estimator):
+    ids = [i % n_groups for i in range(len(rewards))]
+    adv, values = per_seq(estimator, rewards, ids)
+    assert torch.isfinite(adv).all()
+    if estimator == "reinforce_plus_plus_baseline":
+        return  # whitened over the batch: centred over tokens, not per group
+    for g in set(ids):
+        members = [v for v, i in zip(values, ids) if i == g]
+        if len(members) > 1:
+            assert sum(members) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_bad_input_is_named():
+    mask = torch.ones(3, 2)
+    with pytest.raises(ValueError, match="reward of row 1 is not finite"):
+        compute_advantages(torch.tensor([1.0, float("nan"), 0.0]), ["a", "a", "b"], mask)
+    with pytest.raises(ValueError, match="group_ids has 2 entries for 3 rewards"):
+        compute_advantages(torch.tensor([1.0, 0.0, 0.0]), ["a", "a"], mask)
+    with pytest.raises(ValueError, match="response_mask has 2 rows for 3 rewards"):
+        compute_advantages(torch.tensor([1.0, 0.0, 0.0]), ["a", "a", "b"], mask[:2])
+    with pytest.raises(ValueError, match=r"one scalar per sequence"):
+        compute_advantages(torch.ones(3, 2), ["a", "a", "b"], mask)
+    with pytest.raises(ValueError, match="1-D integer tensor"):
+        group_index(torch.tensor([0.5, 1.0]))
+    with pytest.raises(ValidationError, match="estimator"):
+        AdvantageConfig(estimator="gae")
+    with pytest.raises(ValidationError, match="eps"):
+        AdvantageConfig(eps=0.0)
