@@ -1,0 +1,1 @@
+"""Generation engines: the interface (base), vLLM (vllm_engine) and transformers (hf_engine)."""

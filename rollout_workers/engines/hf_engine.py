@@ -1,0 +1,103 @@
+"""The transformers engine: `generate` with a KV cache. A portable fallback (no vLLM needed) and a
+deliberately different backend from vLLM, so backend mismatch can be measured and corrected.
+
+Log-probs come from `output_scores`, which are the scores after the logits processors
+(temperature, top-k, top-p), i.e. the distribution actually sampled from, as in vLLM's
+`processed_logprobs`.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from lm.causal_lm import load_causal_lm
+from rollout_workers.engines.base import (
+    Completion,
+    GenerationEngine,
+    Interrupt,
+    SamplingParams,
+    check_prompt,
+)
+
+
+class _InterruptCheck:
+    """A stopping criterion that ends the whole generate() call once interrupt() turns true."""
+
+    def __init__(self, interrupt: Interrupt) -> None:
+        self.interrupt = interrupt
+        self.fired = False
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
+        self.fired = self.fired or bool(self.interrupt())
+        return torch.full((input_ids.shape[0],), self.fired, dtype=torch.bool, device=input_ids.device)
+
+
+class HFEngine(GenerationEngine):
+    def __init__(self, model_dir: str | os.PathLike, dtype: str = "float32", version: int = 0) -> None:
+        self.model = load_causal_lm(model_dir, dtype=dtype).eval()
+        self.dtype = dtype
+        self.version = version
+        self.vocab_size = self.model.config.vocab_size
+        pad = self.model.config.pad_token_id
+        self.pad_id = 0 if pad is None else int(pad)
+
+    def generate_batch(
+        self, requests: list[tuple[list[int], SamplingParams]], interrupt: Interrupt | None = None
+    ) -> list[list[Completion]]:
+        return [self._generate_one(prompt, params, interrupt) for prompt, params in requests]
+
+    @torch.no_grad()
+    def _generate_one(self, prompt_ids: list[int], params: SamplingParams, interrupt: Interrupt | None):
+        from transformers import GenerationConfig, StoppingCriteriaList
+
+        prompt = check_prompt(prompt_ids, self.vocab_size)
+        sample = params.temperature > 0
+        config = GenerationConfig(
+            max_new_tokens=params.max_new_tokens,
+            do_sample=sample,
+            temperature=params.temperature if sample else None,
+            top_k=params.top_k if sample else None,
+            top_p=params.top_p if sample else None,
+            num_return_sequences=params.n,
+            eos_token_id=list(params.stop_token_ids) or None,
+            pad_token_id=self.pad_id,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
+        check = _InterruptCheck(interrupt) if interrupt is not None else None
+        ids = torch.tensor([prompt], dtype=torch.long)
+        with torch.random.fork_rng():
+            if params.seed is not None:
+                torch.manual_seed(params.seed)
+            out = self.model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                generation_config=config,
+                stopping_criteria=StoppingCriteriaList([check]) if check else None,
+            )
+        new_tokens = out.sequences[:, len(prompt) :]
+        # scores[t]: [n, vocab] processed scores at step t; -inf where top-k/top-p masked a token.
+        scores = torch.stack(out.scores, dim=1).float() if out.scores else torch.zeros(params.n, 0, 1)
+        logps = torch.log_softmax(scores, dim=-1).gather(-1, new_tokens[:, :, None]).squeeze(-1)
+        stops = set(params.stop_token_ids)
+        completions = []
+        for row in range(params.n):
+            tokens = new_tokens[row].tolist()
+            end = next((i + 1 for i, t in enumerate(tokens) if t in stops), None)
+            if end is not None:
+                reason = "stop"
+            elif check is not None and check.fired and len(tokens) < params.max_new_tokens:
+                reason, end = "interrupted", len(tokens)
+            else:
+                reason, end = "length", len(tokens)
+            completions.append(Completion(tokens[:end], logps[row, :end].tolist(), reason))
+        return completions
+
+    def load_weights(self, version: int, state_dict: dict[str, torch.Tensor]) -> None:
+        missing, unexpected = self.model.load_state_dict(state_dict, strict=False)
+        # Tied embeddings: lm_head.weight may legitimately be absent from a published state dict.
+        missing = [k for k in missing if not (k == "lm_head.weight" and self.model.config.tie_word_embeddings)]
+        if missing or unexpected:
+            raise ValueError(f"weights do not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        self.version = version

