@@ -214,8 +214,9 @@ def compute_policy_loss(
         if rollout_log_prob is None:
             raise ValueError("bypass mode needs rollout_log_prob (it is the PPO anchor π_old)")
         anchor = check_log_probs("rollout_log_prob", rollout_log_prob, mask).to(log_prob.dtype).detach()
-        weights, loss_mask, corr_metrics = compute_rollout_correction(log_prob, rollout_log_prob, mask,
-                                                                      correction_config)
+        with torch.no_grad():  # w = π_θ/π_rollout is a coefficient, recomputed for every call
+            weights, loss_mask, corr_metrics = compute_rollout_correction(log_prob.detach(), rollout_log_prob,
+                                                                          mask, correction_config)
         metrics.update(corr_metrics)
     else:
         if old_log_prob is None:

@@ -107,6 +107,15 @@ def test_is_std_and_effective_sample_size():
     assert m["rollout_corr/rollout_is_eff_sample_size"] == pytest.approx(1 / ((1.2 ** 2 + 0.8 ** 2) / 2))
 
 
+def test_rejection_and_veto_change_the_mask_never_the_weights():
+    ratios = [[0.3, 1.0, 2.5], [1.0, 1e-6, 1.0], [1.2, 1.1, NAN]]
+    w_plain, mask_plain, _ = run(ratios, rollout_is="token", rollout_is_threshold=2.0)
+    w_rs, mask_rs, _ = run(ratios, rollout_is="token", rollout_is_threshold=2.0, rollout_rs="token_k1",
+                           rollout_rs_threshold="0.5_2.0", rollout_token_veto_threshold=1e-4)
+    assert torch.equal(w_plain, w_rs)
+    assert mask_rs.tolist() == [[0, 1, 0], [0, 0, 0], [1, 1, 0]] and mask_plain.tolist() == [[1, 1, 1], [1, 1, 1], [1, 1, 0]]
+
+
 # ---- rejection ---------------------------------------------------------------------------------
 
 
@@ -414,6 +423,7 @@ def test_each_preset_resolves_to_its_documented_combination(name):
     cfg = getattr(Cfg, name)()
     expected = Cfg(**DOCUMENTED_PRESETS[name])
     assert cfg == expected
+    assert Cfg(**cfg.model_dump()) == cfg  # survives a YAML / JSON round trip
     if cfg.rollout_rs is None:
         assert cfg.rejection_criteria == ()
 
