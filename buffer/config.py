@@ -39,7 +39,7 @@ class LogConfig(_Strict):
     path: Path | None = None
     fsync: Literal["always", "interval"] = "always"
     fsync_interval_ms: int = Field(100, ge=1)
-    compact_min_bytes: int = Field(64 << 20, ge=0, description="compact once the log is this big and mostly dead")
+    compact_min_bytes: int = Field(64 << 20, ge=0, description="compact once the log is this big and twice its size after the last compaction")
 
 
 class SampleLimits(_Strict):

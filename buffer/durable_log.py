@@ -57,6 +57,7 @@ class DurableLog:
         self._dirty = False
         self._last_sync = time.monotonic()
         self._fd = -1
+        self.base_size = 0
 
     def replay(self) -> Iterator[dict]:
         """Yield the stored records, cutting off a torn tail, then open the log for appending."""
@@ -70,6 +71,7 @@ class DurableLog:
 
     def _open(self) -> None:
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        self.base_size = self.size  # the size at open or right after compaction
 
     @property
     def size(self) -> int:

@@ -177,7 +177,7 @@ class BufferServer:
             header = decode_message_header(frames[1], ("id", "op", "args"))
             request_id = header["id"] if isinstance(header["id"], str) else None
             op = header["op"]
-            if op not in self._handlers:
+            if not isinstance(op, str) or op not in self._handlers:
                 raise ProtocolError(f"unknown op {op!r:.60}", "unknown_op")
             args = parse_args(op, header["args"])
             if op != "push_group" and len(frames) > 2:
