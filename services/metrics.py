@@ -25,13 +25,14 @@ from __future__ import annotations
 import logging
 import math
 import re
+import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, generate_latest, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
@@ -133,23 +134,46 @@ STEP_METRICS: tuple[MetricSpec, ...] = (
     _step("timing_s/weight_sync", "seconds publishing the new weights"),
 )
 
-# The buffer's stats() dict (buffer.core.BufferCore.stats), served by the buffer service itself or
-# relayed by the controller. Labelled families take a dict {label value: number} under their key.
+# The buffer's stats() dict (keys documented in buffer/core.py), served by the buffer service's
+# exporter or relayed by the controller. Labelled families take a dict {label value: number}.
 BUFFER_METRICS: tuple[MetricSpec, ...] = (
-    _buffer("buffer_groups", "gauge", "groups", "groups waiting in the buffer"),
-    _buffer("buffer_capacity_groups", "gauge", "capacity", "groups the buffer can hold"),
-    _buffer("buffer_leased_groups", "gauge", "leased", "groups pulled but not yet acknowledged"),
     _buffer("buffer_version", "gauge", "version", "learner version the buffer's gate knows"),
+    _buffer("staleness_bound_versions", "gauge", "eta", "the eta bound; NaN when unbounded"),
+    _buffer("gate_batch_size_groups", "gauge", "batch_size", "B, groups per learner step"),
+    _buffer("gate_max_concurrent_permits", "gauge", "max_concurrent", "permits allowed at once"),
+    _buffer("gate_capacity_permits", "gauge", "capacity", "permits the eta gate would grant now"),
     _buffer("gate_permits_running", "gauge", "running", "permits held by generating workers"),
-    _buffer("gate_capacity_groups", "gauge", "gate_capacity", "permits the eta gate would grant now"),
-    _buffer("gate_permits_granted_total", "counter", "granted", "permits granted"),
-    _buffer("gate_permits_refused_total", "counter", "refused", "permit requests refused by the gate"),
-    _buffer("gate_permits_released_total", "counter", "released", "permits returned unused"),
-    _buffer("gate_permits_reclaimed_total", "counter", "reclaimed", "permits of dead holders reclaimed"),
-    _buffer("groups_pushed_total", "counter", "pushed", "groups accepted into the buffer"),
-    _buffer("groups_consumed_total", "counter", "consumed", "groups acknowledged by the learner"),
-    _buffer("groups_dropped_total", "counter", "dropped", "groups dropped, by reason", ("reason",)),
-    _buffer("buffer_bad_messages_total", "counter", "bad_messages", "malformed requests answered with an error"),
+    _buffer("gate_requests_waiting", "gauge", "enqueued", "permit requests waiting for the gate"),
+    _buffer("gate_accepted_groups_total", "counter", "accepted", "groups admitted by the gate"),
+    _buffer("gate_rejected_requests_total", "counter", "rejected", "permit requests that ended without a permit"),
+    _buffer("gate_permits_released_total", "counter", "permits_released", "permits returned unused"),
+    _buffer("gate_permits_reclaimed_total", "counter", "permits_reclaimed", "permits of dead holders reclaimed"),
+    _buffer("gate_wait_seconds_total", "counter", "gate_wait_seconds", "seconds permit requests waited"),
+    _buffer("gate_waits_total", "counter", "gate_waits", "permit requests that waited"),
+    _buffer("buffer_groups", "gauge", "groups_ready", "groups waiting in the buffer"),
+    _buffer("buffer_capacity_groups", "gauge", "store_capacity_groups", "groups the buffer can hold"),
+    _buffer("buffer_leased_groups", "gauge", "groups_leased", "groups pulled but not yet acknowledged"),
+    _buffer("buffer_samples", "gauge", "samples_ready", "samples waiting in the buffer"),
+    _buffer("buffer_bytes", "gauge", "bytes_held", "bytes of sample data held"),
+    _buffer("samples_pushed_total", "counter", "pushed_samples", "samples accepted into the buffer"),
+    _buffer("groups_pushed_total", "counter", "pushed_groups", "groups accepted into the buffer"),
+    _buffer("duplicate_pushes_total", "counter", "duplicate_pushes", "retried pushes ignored as duplicates"),
+    _buffer("samples_consumed_total", "counter", "consumed_samples", "samples the learner trained on (acked)"),
+    _buffer("groups_consumed_total", "counter", "consumed_groups", "groups the learner trained on (acked)"),
+    _buffer("samples_dropped_total", "counter", "dropped_samples", "samples dropped, by reason", ("reason",)),
+    _buffer("groups_dropped_total", "counter", "dropped_groups", "groups dropped, by reason", ("reason",)),
+    _buffer("buffer_bad_messages_total", "counter", "bad_messages", "malformed messages and invalid samples, by reason",
+            ("reason",)),
+    _buffer("buffer_request_errors_total", "counter", "request_errors", "refused requests, by reason", ("reason",)),
+    _buffer("buffer_leases_expired_total", "counter", "leases_expired", "pulled batches returned by lease expiry"),
+    _buffer("buffer_nacks_total", "counter", "nacks", "pulled batches handed back"),
+    _buffer("buffer_log_bytes", "gauge", "log_bytes", "size of the durable log"),
+    _buffer("buffer_log_fsyncs_total", "counter", "log_fsyncs", "fsyncs of the durable log"),
+    _buffer("buffer_log_compactions_total", "counter", "log_compactions", "compactions of the durable log"),
+    _buffer("consumed_staleness_versions", "histogram", "consumed_staleness",
+            "staleness of consumed samples (learner version at pull minus sample version), a bucket per version"),
+    _buffer("consumed_samples_over_eta_total", "counter", "consumed_staleness",
+            "consumed samples staler than eta (must stay 0)"),
 )
 
 WORKER_METRICS: tuple[MetricSpec, ...] = (
@@ -165,13 +189,10 @@ WORKER_METRICS: tuple[MetricSpec, ...] = (
 )
 
 EXPORTER_METRICS: tuple[MetricSpec, ...] = (
+    _own("buffer_up", "gauge", "1 while the buffer answers for its stats"),
     _own("learner_version", "gauge", "the learner's weight version (policy version i)"),
     _own("learner_steps_total", "counter", "learner steps completed"),
     _own("learner_last_step_timestamp_seconds", "gauge", "unix time of the last completed learner step"),
-    _own("staleness_bound_versions", "gauge", "the eta bound; NaN when unbounded"),
-    _own("consumed_staleness_versions", "histogram", "staleness of consumed samples, one bucket per version"),
-    _own("consumed_staleness_max_versions", "gauge", "largest staleness in the last learner step's batch"),
-    _own("samples_consumed_total", "counter", "samples the learner trained on"),
     _own("worker_restarts_total", "counter", "rollout worker restarts", ("worker",)),
     _own("worker_up", "gauge", "1 while the controller hears from the worker", ("worker",)),
 )
@@ -227,81 +248,63 @@ class MetricsExporter:
     """Serves etarl's metrics on http://host:port/metrics from the snapshots it is given.
 
     Thread-safe: the controller records from its loop while the HTTP thread scrapes.
-    `port=None` serves nothing (tests and embedding read `collect()` or `exposition()`);
-    `port=0` takes a free port, then `.port` says which.
+    `port=None` serves nothing (read `exposition()`); `port=0` takes a free port, then `.port`
+    says which. Bind to 127.0.0.1 unless a pod network must reach it (KubeRay: 0.0.0.0).
     """
 
-    def __init__(self, port: int | None = None, host: str = "127.0.0.1", *, eta: int | None = None):
-        if eta is not None and (not isinstance(eta, int) or isinstance(eta, bool) or eta < 0):
-            raise ValueError(f"eta must be a non-negative int or None, got {eta!r}")
+    def __init__(self, port: int | None = None, host: str = "127.0.0.1"):
         self._lock = threading.Lock()
-        self._eta = eta
-        self._buckets = staleness_buckets(eta)
-        self._bucket_counts = [0] * (len(self._buckets) + 1)  # last: above the top bucket
-        self._staleness_sum = 0.0
         self._step: dict[str, float] = {}
         self._buffer: dict[str, object] = {}
-        self._buffer_source: Callable[[], Mapping[str, object]] | None = None
+        self._buffer_up: float | None = None
         self._workers: dict[str, dict[str, float]] = {}
         self._worker_up: dict[str, float] = {}
         self._restarts: dict[str, int] = {}
         self._version: float | None = None
         self._steps = 0
         self._last_step_at: float | None = None
-        self._samples_consumed = 0
-        self._last_max_staleness: float | None = None
         self._warned: set[str] = set()
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_Collector(self))
         self._server = None
-        self._thread = None
         self.port: int | None = None
         if port is not None:
-            self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+            self._server, _ = start_http_server(port, addr=host, registry=self.registry)
             self.port = self._server.server_port
 
     # -- recording -----------------------------------------------------------------------
-    def record_step(self, step_metrics: Mapping[str, object], *, version: int | None = None,
-                    staleness: Iterable[int] = ()) -> None:
-        """One learner step: its verl-style metrics dict, the new version, and the staleness
-        (learner version at consumption minus sample version) of each sample it trained on."""
+    def record_step(self, step_metrics: Mapping[str, object], *, version: int | None = None) -> None:
+        """One finished learner step: its verl-style metrics dict and the learner's new version.
+        Numbers (and numpy/torch scalars) are exported; other values are skipped."""
         values = {}
         for key, raw in step_metrics.items():
             value = _number(raw)
             if value is not None:
                 values[prometheus_name(str(key))] = value
-        observed = [int(s) for s in staleness]
-        if any(s < 0 for s in observed):
-            raise ValueError(f"staleness must be >= 0 (a sample from the future?), got {min(observed)}")
         with self._lock:
             for name, value in values.items():
                 if name in _OTHER_NAMES:
-                    self._warn_once(name, f"step metric maps to {name}, which another source owns; not exported")
+                    self._warn_once(name, f"a step metric maps to {name}, which another source owns; not exported")
                     continue
                 self._step[name] = value
             self._steps += 1
             self._last_step_at = time.time()
             if version is not None:
                 self._version = float(version)
-            self._samples_consumed += len(observed)
-            if observed:
-                self._last_max_staleness = float(max(observed))
-            for s in observed:
-                self._bucket_counts[min(s, len(self._buckets))] += 1
-                self._staleness_sum += s
 
     def record_buffer_stats(self, stats: Mapping[str, object]) -> None:
         """The latest `stats()` of the buffer (cumulative counters, current gauges)."""
         with self._lock:
             self._buffer = dict(stats)
+            self._buffer_up = 1.0
 
-    def set_buffer_source(self, stats_fn: Callable[[], Mapping[str, object]]) -> None:
-        """Read the buffer's stats at every scrape (the standalone buffer service uses this)."""
+    def record_buffer_down(self) -> None:
+        """The buffer did not answer for its stats; its last values stay, `etarl_buffer_up` is 0."""
         with self._lock:
-            self._buffer_source = stats_fn
+            self._buffer_up = 0.0
 
     def record_worker_stats(self, worker_id: str, stats: Mapping[str, object]) -> None:
-        """The latest stats of one rollout worker."""
+        """The latest stats of one rollout worker (cumulative counters, current gauges)."""
         if not isinstance(worker_id, str) or not worker_id:
             raise ValueError(f"worker_id must be a non-empty string, got {worker_id!r}")
         values = {k: v for k, v in ((k, _number(v)) for k, v in stats.items()) if v is not None}
@@ -321,8 +324,6 @@ class MetricsExporter:
     # -- reading ---------------------------------------------------------------------------
     def exposition(self) -> str:
         """The text a scrape would get."""
-        from prometheus_client import generate_latest
-
         return generate_latest(self.registry).decode()
 
     def close(self) -> None:
@@ -336,27 +337,18 @@ class MetricsExporter:
             self._warned.add(key)
             log.warning(message)
 
-    def _snapshot(self):
-        source = self._buffer_source
-        if source is not None:
-            try:
-                self.record_buffer_stats(source())
-            except Exception as exc:  # a scrape must still answer with what it has
-                log.warning("reading buffer stats for a scrape failed: %s", exc)
+    def _snapshot(self) -> dict:
         with self._lock:
             return {
                 "step": dict(self._step),
                 "buffer": dict(self._buffer),
+                "buffer_up": self._buffer_up,
                 "workers": {w: dict(v) for w, v in self._workers.items()},
                 "worker_up": dict(self._worker_up),
                 "restarts": dict(self._restarts),
                 "version": self._version,
                 "steps": self._steps,
                 "last_step_at": self._last_step_at,
-                "samples_consumed": self._samples_consumed,
-                "max_staleness": self._last_max_staleness,
-                "bucket_counts": list(self._bucket_counts),
-                "staleness_sum": self._staleness_sum,
             }
 
 
@@ -364,9 +356,49 @@ _SPEC_BY_NAME = {spec.name: spec for spec in CATALOGUE}
 _OTHER_NAMES = frozenset(spec.name for spec in CATALOGUE if spec.source != "step")
 
 
-def _family(spec: MetricSpec):
+def _family(spec: MetricSpec, value: float | None = None):
     cls = CounterMetricFamily if spec.kind == "counter" else GaugeMetricFamily
-    return cls(spec.name, spec.help, labels=spec.labels)
+    family = cls(spec.name, spec.help, labels=spec.labels)
+    if value is not None:
+        family.add_metric([], value)
+    return family
+
+
+def _staleness_counts(raw: object) -> dict[int, float]:
+    """The buffer's {staleness: count} (keys may be strings after a JSON/msgpack trip)."""
+    if not isinstance(raw, Mapping):
+        return {}
+    counts = {}
+    for key, value in raw.items():
+        number = _number(value)
+        try:
+            staleness = int(key)
+        except (TypeError, ValueError):
+            continue
+        if number is not None and staleness >= 0:
+            counts[staleness] = number
+    return counts
+
+
+def _staleness_families(stats: Mapping[str, object]):
+    """The histogram with a bucket per version (0..η) and the count of samples above η."""
+    if "consumed_staleness" not in stats:
+        return
+    counts = _staleness_counts(stats["consumed_staleness"])
+    eta = stats.get("eta")
+    eta = eta if isinstance(eta, int) and not isinstance(eta, bool) and eta >= 0 else None
+    cumulative, buckets = 0.0, []
+    for bound in staleness_buckets(eta):
+        cumulative += counts.get(bound, 0.0)
+        buckets.append((floatToGoString(bound), cumulative))
+    total = sum(counts.values())
+    buckets.append(("+Inf", total))
+    histogram = HistogramMetricFamily(_SPEC_BY_NAME["etarl_consumed_staleness_versions"].name,
+                                      _SPEC_BY_NAME["etarl_consumed_staleness_versions"].help)
+    histogram.add_metric([], buckets, sum(s * n for s, n in counts.items()))
+    yield histogram
+    over = sum(n for s, n in counts.items() if s > eta) if eta is not None else 0.0
+    yield _family(_SPEC_BY_NAME["etarl_consumed_samples_over_eta_total"], over)
 
 
 class _Collector(Collector):
@@ -386,68 +418,49 @@ class _Collector(Collector):
     def _step_families(step: dict[str, float]):
         for name, value in sorted(step.items()):
             spec = _SPEC_BY_NAME.get(name) or MetricSpec(name, "gauge", "learner step metric", "step")
-            family = GaugeMetricFamily(spec.name, spec.help)
-            family.add_metric([], value)
-            yield family
+            yield _family(spec, value)
 
     @staticmethod
     def _buffer_families(stats: dict[str, object]):
+        yield from _staleness_families(stats)
         for spec in BUFFER_METRICS:
-            if spec.key not in stats:
+            if spec.key not in stats or spec.key == "consumed_staleness":
                 continue
             raw = stats[spec.key]
-            family = _family(spec)
             if spec.labels:
                 if not isinstance(raw, Mapping):
                     continue
+                family = _family(spec)
                 for label, value in sorted(raw.items()):
                     number = _number(value)
                     if number is not None:
                         family.add_metric([str(label)], number)
-            else:
-                number = _number(raw)
-                if number is None:
-                    continue
-                family.add_metric([], number)
-            yield family
+                yield family
+            elif raw is None and spec.key == "eta":
+                yield _family(spec, math.nan)  # unbounded
+            elif (number := _number(raw)) is not None:
+                yield _family(spec, number)
 
     @staticmethod
     def _worker_families(workers: dict[str, dict[str, float]]):
         for spec in WORKER_METRICS:
-            family = _family(spec)
-            present = False
-            for worker_id, stats in sorted(workers.items()):
-                if spec.key in stats:
-                    family.add_metric([worker_id], stats[spec.key])
-                    present = True
-            if present:
+            rows = [(w, stats[spec.key]) for w, stats in sorted(workers.items()) if spec.key in stats]
+            if rows:
+                family = _family(spec)
+                for worker_id, value in rows:
+                    family.add_metric([worker_id], value)
                 yield family
 
-    def _own_families(self, snap: dict):
-        exporter = self._exporter
+    @staticmethod
+    def _own_families(snap: dict):
         spec = _SPEC_BY_NAME
+        if snap["buffer_up"] is not None:
+            yield _family(spec["etarl_buffer_up"], snap["buffer_up"])
         if snap["version"] is not None:
-            family = _family(spec["etarl_learner_version"])
-            family.add_metric([], snap["version"])
-            yield family
-        steps = _family(spec["etarl_learner_steps_total"])
-        steps.add_metric([], snap["steps"])
-        yield steps
+            yield _family(spec["etarl_learner_version"], snap["version"])
+        yield _family(spec["etarl_learner_steps_total"], snap["steps"])
         if snap["last_step_at"] is not None:
-            family = _family(spec["etarl_learner_last_step_timestamp_seconds"])
-            family.add_metric([], snap["last_step_at"])
-            yield family
-        bound = _family(spec["etarl_staleness_bound_versions"])
-        bound.add_metric([], math.nan if exporter._eta is None else float(exporter._eta))
-        yield bound
-        consumed = _family(spec["etarl_samples_consumed_total"])
-        consumed.add_metric([], snap["samples_consumed"])
-        yield consumed
-        yield self._staleness_histogram(snap)
-        if snap["max_staleness"] is not None:
-            family = _family(spec["etarl_consumed_staleness_max_versions"])
-            family.add_metric([], snap["max_staleness"])
-            yield family
+            yield _family(spec["etarl_learner_last_step_timestamp_seconds"], snap["last_step_at"])
         restarts = _family(spec["etarl_worker_restarts_total"])
         for worker_id in sorted(set(snap["restarts"]) | set(snap["worker_up"])):
             restarts.add_metric([worker_id], snap["restarts"].get(worker_id, 0))
@@ -457,14 +470,55 @@ class _Collector(Collector):
             up.add_metric([worker_id], value)
         yield up
 
-    def _staleness_histogram(self, snap: dict):
-        spec = _SPEC_BY_NAME["etarl_consumed_staleness_versions"]
-        counts = snap["bucket_counts"]
-        cumulative, buckets = 0, []
-        for bound, count in zip(self._exporter._buckets, counts):
-            cumulative += count
-            buckets.append((floatToGoString(bound), cumulative))
-        buckets.append(("+Inf", cumulative + counts[-1]))
-        family = HistogramMetricFamily(spec.name, spec.help)
-        family.add_metric([], buckets, snap["staleness_sum"])
-        return family
+
+def serve_buffer_metrics(argv: list[str] | None = None) -> int:
+    """The standalone buffer service's exporter: a small process (or Kubernetes sidecar) that asks
+    the service for its stats every --interval seconds and serves them under etarl's names; a
+    scrape never waits on the service (a dead one shows as etarl_buffer_up 0).
+
+        python -m services.metrics --buffer tcp://127.0.0.1:5557 --port 9401 [--config buffer.yaml]
+
+    `--config` supplies the CURVE client keys when the service requires them.
+    """
+    import argparse
+    import signal
+
+    from buffer.client import BufferClient
+    from buffer.config import BufferConfig, ClientConfig
+
+    parser = argparse.ArgumentParser(prog="python -m services.metrics", description=serve_buffer_metrics.__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--buffer", help="the service's endpoint (default: the config's)")
+    parser.add_argument("--config", help="buffer config YAML, or a run config with a `buffer:` section")
+    parser.add_argument("--port", type=int, default=9401, help="serve /metrics here (0: any free port)")
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 only inside a pod network)")
+    parser.add_argument("--interval", type=float, default=2.0, help="seconds between reads of the stats")
+    args = parser.parse_args(argv)
+    try:
+        config = BufferConfig.from_yaml(args.config) if args.config else BufferConfig()
+        # Short timeouts: a scrape must answer (with the last stats) before Prometheus gives up on it.
+        client = BufferClient(args.buffer or config.endpoint, ClientConfig(request_timeout_s=2.0, retries=1),
+                              config.curve, config.limits)
+        exporter = MetricsExporter(port=args.port, host=args.host)
+    except (OSError, ValueError) as exc:
+        print(f"etarl buffer exporter: {exc}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    print(f"serving the metrics of {client.endpoint} on http://{args.host}:{exporter.port}/metrics", flush=True)
+    while True:
+        try:
+            exporter.record_buffer_stats(client.stats())
+        except Exception as exc:  # unreachable or refusing: keep serving the last values
+            exporter.record_buffer_down()
+            log.warning("the buffer at %s did not answer for its stats: %s", client.endpoint, exc)
+        if stop.wait(args.interval):
+            break
+    exporter.close()
+    client.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(serve_buffer_metrics())

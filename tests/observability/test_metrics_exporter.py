@@ -11,8 +11,10 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.metrics import (
+    BUFFER_METRICS,
     CATALOGUE,
     STEP_METRICS,
+    WORKER_METRICS,
     MetricsExporter,
     catalogue_names,
     prometheus_name,
@@ -61,7 +63,7 @@ def test_catalogue_conventions():
 
 
 def test_step_metrics_are_exported_by_the_rule_including_unknown_keys():
-    exporter = MetricsExporter(eta=4)
+    exporter = MetricsExporter()
     exporter.record_step({
         "rollout_corr/kl": 0.02,
         "timing_s/weight_sync": np.float32(0.5),
@@ -84,74 +86,69 @@ def test_step_metrics_are_exported_by_the_rule_including_unknown_keys():
 
 def test_a_step_key_cannot_overwrite_another_sources_metric():
     exporter = MetricsExporter()
-    exporter.record_buffer_stats({"groups": 3})
+    exporter.record_buffer_stats({"groups_ready": 3})
     exporter.record_step({"buffer/groups": 99})  # maps to etarl_buffer_groups, which the buffer owns
     assert samples(exporter)[("etarl_buffer_groups", ())] == 3
 
 
-def test_staleness_histogram_has_one_bucket_per_version():
+def test_staleness_histogram_has_one_bucket_per_version_from_the_buffers_counts():
     assert staleness_buckets(0) == (0,)
     assert staleness_buckets(3) == (0, 1, 2, 3)
     assert len(staleness_buckets(None)) == 17
-    exporter = MetricsExporter(eta=3)
-    exporter.record_step({}, staleness=[0, 0, 1, 3])
-    exporter.record_step({}, staleness=[2, 5])  # 5 > eta: lands in +Inf only, and shows as the max
+    exporter = MetricsExporter()
+    # The buffer counts consumed samples by staleness; string keys, as after a msgpack/JSON trip.
+    exporter.record_buffer_stats({"eta": 3, "consumed_staleness": {"0": 2, "1": 1, "3": 1, "5": 2}})
     got = samples(exporter)
     buckets = {dict(labels)["le"]: v for (name, labels), v in got.items() if name.endswith("_bucket")}
-    assert buckets == {"0.0": 2, "1.0": 3, "2.0": 4, "3.0": 5, "+Inf": 6}
+    assert buckets == {"0.0": 2, "1.0": 3, "2.0": 3, "3.0": 4, "+Inf": 6}
     assert got[("etarl_consumed_staleness_versions_count", ())] == 6
-    assert got[("etarl_consumed_staleness_versions_sum", ())] == 11
-    assert got[("etarl_consumed_staleness_max_versions", ())] == 5
-    assert got[("etarl_samples_consumed_total", ())] == 6
+    assert got[("etarl_consumed_staleness_versions_sum", ())] == 0 + 1 + 3 + 10
+    assert got[("etarl_consumed_samples_over_eta_total", ())] == 2
+    assert got[("etarl_staleness_bound_versions", ())] == 3
 
 
-def test_unbounded_eta_exports_nan_bound():
-    assert math.isnan(samples(MetricsExporter(eta=None))[("etarl_staleness_bound_versions", ())])
-
-
-@pytest.mark.parametrize("eta", [-1, 1.5, True, "4"])
-def test_bad_eta_is_refused(eta):
-    with pytest.raises(ValueError, match="eta"):
-        MetricsExporter(eta=eta)
-
-
-def test_negative_staleness_is_refused_and_nothing_is_recorded():
-    exporter = MetricsExporter(eta=2)
-    with pytest.raises(ValueError, match="staleness"):
-        exporter.record_step({"rollout_corr/kl": 1.0}, version=1, staleness=[0, -1])
+def test_unbounded_eta_exports_nan_bound_and_sixteen_buckets():
+    exporter = MetricsExporter()
+    exporter.record_buffer_stats({"eta": None, "consumed_staleness": {"40": 1}})
     got = samples(exporter)
-    assert got[("etarl_learner_steps_total", ())] == 0
-    assert ("etarl_rollout_corr_kl", ()) not in got
+    assert math.isnan(got[("etarl_staleness_bound_versions", ())])
+    assert got[("etarl_consumed_samples_over_eta_total", ())] == 0
+    buckets = {dict(labels)["le"]: v for (name, labels), v in got.items() if name.endswith("_bucket")}
+    assert len(buckets) == 18 and buckets["16.0"] == 0 and buckets["+Inf"] == 1
+
+
+def test_malformed_staleness_entries_are_skipped():
+    exporter = MetricsExporter()
+    exporter.record_buffer_stats({"eta": 1, "consumed_staleness": {"0": 1, "x": 5, "-1": 3, "1": "many"}})
+    assert samples(exporter)[("etarl_consumed_staleness_versions_count", ())] == 1
 
 
 def test_buffer_stats_become_counters_gauges_and_labelled_families():
     exporter = MetricsExporter()
-    exporter.record_buffer_stats({"groups": 4, "capacity": 64, "pushed": 10, "dropped": {"stale": 2, "expired": 1},
-                                  "running": 3, "not_in_the_catalogue": 5})
+    exporter.record_buffer_stats({"groups_ready": 4, "store_capacity_groups": 64, "pushed_samples": 10,
+                                  "dropped_groups": {"stale": 2}, "request_errors": {"buffer_full": 1},
+                                  "running": 3, "not_in_the_catalogue": 5, "version": None})
     got = samples(exporter)
     assert got[("etarl_buffer_groups", ())] == 4
     assert got[("etarl_buffer_capacity_groups", ())] == 64
-    assert got[("etarl_groups_pushed_total", ())] == 10
+    assert got[("etarl_samples_pushed_total", ())] == 10
     assert got[("etarl_gate_permits_running", ())] == 3
     assert got[("etarl_groups_dropped_total", (("reason", "stale"),))] == 2
-    assert got[("etarl_groups_dropped_total", (("reason", "expired"),))] == 1
+    assert got[("etarl_buffer_request_errors_total", (("reason", "buffer_full"),))] == 1
     assert not any("not_in_the_catalogue" in name for name, _ in got)
-    assert ("etarl_groups_consumed_total", ()) not in got  # absent in the stats: not invented
+    assert ("etarl_groups_consumed_total", ()) not in got  # absent from the stats: not invented
+    assert ("etarl_buffer_version", ()) not in got  # not a number: skipped
 
 
-def test_buffer_source_is_read_at_every_scrape_and_a_failing_source_keeps_the_last_values():
-    state = {"groups": 1}
+def test_buffer_up_follows_the_last_read():
     exporter = MetricsExporter()
-    exporter.set_buffer_source(lambda: dict(state))
-    assert samples(exporter)[("etarl_buffer_groups", ())] == 1
-    state["groups"] = 7
-    assert samples(exporter)[("etarl_buffer_groups", ())] == 7
-
-    def broken():
-        raise ConnectionError("buffer down")
-
-    exporter.set_buffer_source(broken)
-    assert samples(exporter)[("etarl_buffer_groups", ())] == 7
+    assert not any(name == "etarl_buffer_up" for name, _ in samples(exporter))  # no buffer known yet
+    exporter.record_buffer_stats({"groups_ready": 7})
+    assert samples(exporter)[("etarl_buffer_up", ())] == 1
+    exporter.record_buffer_down()
+    got = samples(exporter)
+    assert got[("etarl_buffer_up", ())] == 0
+    assert got[("etarl_buffer_groups", ())] == 7  # the last values stay
 
 
 def test_worker_stats_carry_a_worker_label_and_restarts_count():
@@ -179,14 +176,12 @@ def test_worker_stats_need_a_worker_id(worker_id):
 
 
 def test_every_exported_name_is_in_the_catalogue():
-    exporter = MetricsExporter(eta=2)
-    exporter.record_step({spec.key: 0.5 for spec in STEP_METRICS}, version=1, staleness=[0, 1])
-    exporter.record_buffer_stats({"groups": 1, "capacity": 8, "leased": 0, "version": 1, "running": 1, "gate_capacity": 2,
-                                  "granted": 3, "refused": 1, "released": 0, "reclaimed": 0, "pushed": 2,
-                                  "consumed": 1, "dropped": {"stale": 0}, "bad_messages": 0})
-    exporter.record_worker_stats("w0", {"version": 1, "groups": 1, "samples": 4, "tokens": 40, "gate_wait_s": 0.1,
-                                        "weight_load_s": 0.2, "generate_s": 1.0, "reward_failures": 0,
-                                        "reward_mean": 0.5})
+    exporter = MetricsExporter()
+    exporter.record_step({spec.key: 0.5 for spec in STEP_METRICS}, version=1)
+    stats = {spec.key: ({"stale": 1} if spec.labels else 1) for spec in BUFFER_METRICS}
+    stats.update(eta=2, consumed_staleness={"0": 3, "1": 1})
+    exporter.record_buffer_stats(stats)
+    exporter.record_worker_stats("w0", {spec.key: 1.0 for spec in WORKER_METRICS})
     exporter.record_worker_restart("w0")
     exposed = {name for name, _ in samples(exporter)}
     assert exposed == catalogue_names()  # all of it, and nothing else

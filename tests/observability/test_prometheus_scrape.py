@@ -18,12 +18,13 @@ ETA = 2
 
 @pytest.fixture(scope="module")
 def scraped(tmp_path_factory):
-    exporter = MetricsExporter(port=0, eta=ETA)
-    exporter.record_buffer_stats({"groups": 5, "capacity": 64, "dropped": {"stale": 1}, "pushed": 12})
+    exporter = MetricsExporter(port=0)
+    exporter.record_buffer_stats({"eta": ETA, "groups_ready": 5, "store_capacity_groups": 64, "pushed_samples": 12,
+                                  "dropped_groups": {"stale": 1}, "consumed_staleness": {"0": 1, "1": 2, "2": 1}})
     for worker, version in (("w0", 3), ("w1", 2)):
         exporter.record_worker_stats(worker, {"version": version, "tokens": 1000, "samples": 16, "gate_wait_s": 0.5})
     exporter.record_step({"rollout_corr/rollout_is_eff_sample_size": 0.8, "timing_s/step": 1.25,
-                          "actor/pg_clipfrac": 0.1}, version=3, staleness=[0, 1, 1, 2])
+                          "actor/pg_clipfrac": 0.1}, version=3)
     server = PrometheusServer(tmp_path_factory.mktemp("prom"), {"etarl-controller": [f"127.0.0.1:{exporter.port}"]})
     try:
         server.wait_for("etarl_learner_version")
@@ -60,8 +61,8 @@ def test_the_staleness_histogram_has_a_bucket_per_version(scraped):
 def test_an_alert_fires_when_a_consumed_sample_is_staler_than_eta(scraped):
     exporter, server = scraped
     assert not [a for a in server.api("alerts")["alerts"] if a["labels"]["alertname"] == "EtarlStalenessAboveEta"]
-    exporter.record_step({}, version=4, staleness=[ETA + 1])
-    server.wait_for("etarl_consumed_staleness_max_versions", lambda rows: rows and rows[0]["value"] == ETA + 1)
+    exporter.record_buffer_stats({"eta": ETA, "consumed_staleness": {"0": 1, "1": 2, "2": 1, str(ETA + 1): 1}})
+    server.wait_for("etarl_consumed_samples_over_eta_total", lambda rows: rows and rows[0]["value"] == 1)
     end = time.monotonic() + 30
     while time.monotonic() < end:
         firing = [a for a in server.api("alerts")["alerts"] if a["labels"]["alertname"] == "EtarlStalenessAboveEta"]
@@ -70,7 +71,6 @@ def test_an_alert_fires_when_a_consumed_sample_is_staler_than_eta(scraped):
         time.sleep(0.5)
     assert firing and firing[0]["state"] == "firing", firing
     assert firing[0]["labels"]["severity"] == "critical"
-    exporter.record_step({}, version=5, staleness=[0])  # leave the module's exporter sane
 
 
 def test_every_rule_loads_and_evaluates_without_error(scraped):

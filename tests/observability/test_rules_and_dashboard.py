@@ -58,7 +58,7 @@ def test_every_dashboard_query_names_exported_metrics():
 
 def test_the_alerts_the_issue_asks_for_exist():
     alerts = {r["alert"]: r["expr"] for r in rules() if "alert" in r}
-    assert "etarl_staleness_bound_versions" in alerts["EtarlStalenessAboveEta"]
+    assert "etarl_consumed_samples_over_eta_total" in alerts["EtarlStalenessAboveEta"]
     assert "< 0.3" in alerts["EtarlLowEffectiveSampleSize"]
     assert "kl" in alerts["EtarlHighRolloutKL"]
     assert "etarl_learner_last_step_timestamp_seconds" in alerts["EtarlLearnerStalled"]
@@ -76,6 +76,16 @@ def test_the_alerts_the_issue_asks_for_exist():
 ])
 def test_the_dashboard_shows(topic, metric):
     assert any(metric in expr for _, expr in dashboard_exprs()), topic
+
+
+def test_dashboard_json_is_the_builders_output():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("build_dashboard", REPO / "deploy" / "grafana" / "build_dashboard.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert DASHBOARD.read_text() == module.render(), \
+        "deploy/grafana/etarl-dashboard.json is stale: python deploy/grafana/build_dashboard.py > it"
 
 
 def test_dashboard_is_importable_grafana_json():
