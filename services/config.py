@@ -27,7 +27,8 @@ class RunConfig(BaseModel):
     steps: int = Field(40, ge=1, description="learner steps (weight versions) to run")
     seed: int = 0
     run_dir: Optional[str] = Field(None, description="where logs, plots and checkpoints go; None: runs/<time>")
-    model: Optional[str] = Field(None, description="HF model folder; None builds the tiny warm-started model")
+    model: str = Field("tiny", description="HF model folder, or 'tiny': the built-in warm-started tiny model")
+    cache_dir: str = Field(".cache", description="where the tiny model is built once and reused")
     eval_every: int = Field(10, ge=0, description="evaluate every N steps (0: only at start and end)")
     checkpoint_every: int = Field(0, ge=0, description="checkpoint every N steps (0: only at the end)")
     keep_checkpoints: int = Field(2, ge=1)
@@ -42,6 +43,9 @@ class RayConfig(BaseModel):
     num_cpus: Optional[int] = Field(None, ge=1, description="CPUs of the embedded cluster (None: all)")
     namespace: str = "etarl"
     worker_max_restarts: int = Field(3, ge=0, description="Ray restarts of a crashed rollout worker")
+    worker_num_cpus: float = Field(1.0, ge=0, description="Ray CPUs reserved per rollout worker")
+    learner_num_cpus: float = Field(1.0, ge=0, description="Ray CPUs reserved per learner rank")
+    log_to_driver: bool = Field(False, description="show the actors' logs in this terminal")
 
 
 class EvalConfig(BaseModel):
@@ -52,6 +56,7 @@ class EvalConfig(BaseModel):
     k: int = Field(4, ge=1)
     temperature: float = Field(1.0, gt=0)
     max_new_tokens: Optional[int] = Field(None, ge=1, description="None: the rollout setting")
+    engine: Optional[Literal["vllm", "hf"]] = Field(None, description="None: the rollout engine kind")
 
     @model_validator(mode="after")
     def _k_within_n(self):
@@ -109,7 +114,8 @@ def format_validation_error(exc: ValidationError, model: type[BaseModel], source
         else:
             got = err.get("input")
             shown = "" if isinstance(got, dict) else f" (got {got!r})"
-            lines.append(f"  {key}: {err['msg']}{shown}")
+            msg = err["msg"].removeprefix("Value error, ")
+            lines.append(f"  {key}: {msg}{shown}" if loc else f"  {msg}")
     return ConfigError(f"invalid config ({source}):\n" + "\n".join(lines))
 
 
@@ -126,3 +132,132 @@ def read_yaml(path: str | os.PathLike) -> dict:
     if not isinstance(data, dict):
         raise ConfigError(f"config file {str(path)!r} must hold a mapping at the top, got {type(data).__name__}")
     return data
+
+
+class MetricsConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    port: Optional[int] = Field(None, ge=0, le=65535, description="serve /metrics for Prometheus on this "
+                                "port (0: any free port; None: off)")
+    host: str = "127.0.0.1"
+
+
+# ---------------------------------------------------------------- the tree
+
+from buffer.config import BufferConfig  # noqa: E402  (after the generic part on purpose: it needs none of it)
+from learner.config import LearnerConfig  # noqa: E402
+from rollout_workers.config import RolloutConfig  # noqa: E402
+
+TINY_MODEL = "tiny"
+MODES = {"synchronous": 0, "one_step_off": 1}
+
+
+class EtarlConfig(BaseModel):
+    """The whole run. `run.model` is the one home of the model path (the learner and the workers
+    get it from here); `buffer.gate.eta` the one home of η; `mode` is a named η."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    mode: Literal["synchronous", "one_step_off", "async"] = Field(
+        "async", description="synchronous: eta=0; one_step_off: eta=1; async: eta from buffer.gate.eta (>= 1 or null)")
+    run: RunConfig = Field(default_factory=RunConfig)
+    ray: RayConfig = Field(default_factory=RayConfig)
+    buffer: BufferConfig = Field(default_factory=lambda: BufferConfig(transport="ray"))
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    learner: LearnerConfig
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fill_shared_values(cls, data: Any):
+        """Copy the values with one home (model path, η of a named mode, seed) into the
+        components that need them; an explicit contradiction is an error naming both keys."""
+        if not isinstance(data, dict):
+            return data
+        data = {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items()}
+        run = data.get("run") if isinstance(data.get("run"), dict) else {}
+        learner = data.setdefault("learner", {})
+        if isinstance(learner, dict):
+            model = run.get("model", TINY_MODEL) or TINY_MODEL
+            if "model_path" in learner and learner["model_path"] != model:
+                raise ValueError(f"learner.model_path ({learner['model_path']!r}) differs from run.model "
+                                 f"({model!r}); set the model once, in run.model")
+            learner["model_path"] = model
+            learner.setdefault("seed", run.get("seed", 0))
+        mode = data.get("mode", "async")
+        if mode in MODES:
+            buffer = data.setdefault("buffer", {"transport": "ray"})
+            if isinstance(buffer, dict):
+                gate = dict(buffer.get("gate") or {})
+                if "eta" in gate and gate["eta"] != MODES[mode]:
+                    raise ValueError(f"mode={mode} means buffer.gate.eta={MODES[mode]}, but buffer.gate.eta="
+                                     f"{gate['eta']!r}; drop one of them")
+                gate["eta"] = MODES[mode]
+                buffer["gate"] = gate
+        return data
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.mode == "async" and self.buffer.gate.eta == 0:
+            raise ValueError("mode=async with buffer.gate.eta=0 is synchronous; use mode=synchronous")
+        if self.eval.max_new_tokens is None:
+            self.eval.max_new_tokens = self.rollout.sampling.max_new_tokens
+        if abs(self.learner.temperature - self.rollout.sampling.temperature) > 1e-9:
+            raise ValueError(
+                f"learner.temperature ({self.learner.temperature}) must equal rollout.sampling.temperature "
+                f"({self.rollout.sampling.temperature}): the learner's log-probs must describe the sampler")
+        return self
+
+    @property
+    def eta(self) -> Optional[int]:
+        return self.buffer.gate.eta
+
+    @property
+    def batch_size(self) -> int:
+        """Groups per learner step (B of the η gate)."""
+        return self.buffer.gate.batch_size
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+    # presets ---------------------------------------------------------------------------
+    @classmethod
+    def synchronous(cls, **overrides: Any) -> "EtarlConfig":
+        """η = 0: every sample comes from the current weights; generation and training alternate."""
+        return build_config({"mode": "synchronous"}, overrides)
+
+    @classmethod
+    def one_step_off(cls, **overrides: Any) -> "EtarlConfig":
+        """η = 1: generation of step i+1 overlaps training of step i."""
+        return build_config({"mode": "one_step_off"}, overrides)
+
+    @classmethod
+    def fully_async(cls, eta: Optional[int] = 4, **overrides: Any) -> "EtarlConfig":
+        """Workers never wait for the learner beyond the η bound (None: unbounded)."""
+        return build_config({"mode": "async", "buffer": {"transport": "ray", "gate": {"eta": eta}}}, overrides)
+
+
+def build_config(tree: dict, overrides: dict[str, Any] | list[str] | None = None, source: str = "config") -> EtarlConfig:
+    """Validate a config tree after applying dotted overrides (`{"a.b": v}` or `["a.b=v"]`)."""
+    import copy
+
+    tree = copy.deepcopy(tree)
+    items = overrides.items() if isinstance(overrides, dict) else map(parse_override, overrides or [])
+    for key, value in items:
+        set_dotted(tree, key, value)
+    try:
+        return EtarlConfig.model_validate(tree)
+    except ValidationError as exc:
+        raise format_validation_error(exc, EtarlConfig, source) from None
+
+
+DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "default.yaml"
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> EtarlConfig:
+    """A YAML file (default: configs/default.yaml, the embedded default) plus `key=value` overrides."""
+    path = Path(path) if path else DEFAULT_CONFIG
+    tree = read_yaml(path)
+    source = f"{path}" + (f" + {len(overrides)} override(s)" if overrides else "")
+    return build_config(tree, overrides, source=source)

@@ -68,7 +68,7 @@ def evaluate(
     greedy = generate(batch, 1, 0.0, seed)
     greedy_rewards = [score(p, outs[0]) for p, outs in zip(prompts, greedy)]
     metrics = {
-        "eval/greedy_accuracy": float(np.mean([r >= correct_threshold for r in greedy_rewards])),
+        "eval/accuracy": float(np.mean([r >= correct_threshold for r in greedy_rewards])),
         "eval/greedy_reward": float(np.mean(greedy_rewards)),
         "eval/num_prompts": float(len(prompts)),
     }
@@ -80,3 +80,66 @@ def evaluate(
         metrics["eval/pass@1"] = mean_pass_at_k(counts, n_samples, 1)
         metrics["eval/sampled_reward"] = float(np.mean(rewards))
     return metrics
+
+
+class PolicyEvaluator:
+    """Greedy accuracy and pass@k of a policy on held-out prompts, with a generation engine of
+    its own (built once; new weights are loaded in place before each evaluation)."""
+
+    def __init__(self, engine, tokenizer, prompts: Sequence[EvalPrompt], score: ScoreFn, eval_config,
+                 max_new_tokens: int, stop_token_ids: tuple[int, ...], seed: int = 0):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.prompts = list(prompts)
+        self.score = score
+        self.cfg = eval_config
+        self.max_new_tokens = max_new_tokens
+        self.stop_token_ids = stop_token_ids
+        self.seed = seed
+        self.loaded_version: int | None = None
+
+    @classmethod
+    def from_config(cls, cfg, model_dir) -> "PolicyEvaluator":
+        from lm.causal_lm import load_tokenizer
+        from rollout_workers.engines import make_engine
+        from rollout_workers.rewards import resolve_reward
+        from rollout_workers.tasks import heldout_problems
+
+        tokenizer = load_tokenizer(model_dir)
+        problems = heldout_problems(cfg.rollout.task, cfg.eval.num_prompts, seed=cfg.run.seed)
+        prompts = [EvalPrompt(tokenizer(p.prompt, add_special_tokens=False)["input_ids"], p.answer, p.prompt)
+                   for p in problems]
+        reward_fn = resolve_reward(cfg.rollout.reward)
+
+        def score(prompt: EvalPrompt, response: list[int]) -> float:
+            text = tokenizer.decode(response, skip_special_tokens=True)
+            return float(reward_fn(text, prompt.answer))
+
+        engine_cfg = cfg.rollout.engine.model_copy(update={"kind": cfg.eval.engine or cfg.rollout.engine.kind})
+        engine = make_engine(engine_cfg, model_dir, seed=cfg.run.seed)
+        stop = tuple(t for t in (tokenizer.eos_token_id,) if t is not None)
+        return cls(engine, tokenizer, prompts, score, cfg.eval, cfg.eval.max_new_tokens, stop, cfg.run.seed)
+
+    def _generate(self, batch: list[list[int]], n: int, temperature: float, seed: int) -> list[list[list[int]]]:
+        from rollout_workers.engines.base import SamplingParams
+
+        params = SamplingParams(n=n, temperature=temperature, max_new_tokens=self.max_new_tokens,
+                                stop_token_ids=self.stop_token_ids, seed=seed)
+        outputs = self.engine.generate_batch([(p, params) for p in batch])
+        return [[list(c.token_ids) for c in completions] for completions in outputs]
+
+    def evaluate_payload(self, payload: dict | None) -> dict[str, float]:
+        """Load the published weights (None: keep the engine's current ones) and evaluate."""
+        if payload is not None and payload["version"] != self.loaded_version:
+            from lm.weight_sync import resolve_weights
+
+            self.engine.load_weights(payload["version"], resolve_weights(payload))
+            self.loaded_version = payload["version"]
+        metrics = evaluate(self._generate, self.score, self.prompts, self.cfg.n_samples, self.cfg.k,
+                           self.cfg.temperature, seed=self.seed)
+        if self.loaded_version is not None:
+            metrics["eval/version"] = float(self.loaded_version)
+        return metrics
+
+    def close(self) -> None:
+        self.engine.close()

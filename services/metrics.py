@@ -59,6 +59,7 @@ class MetricSpec:
     labels: tuple[str, ...] = ()
 
 
+STEP_BOOKKEEPING_KEYS = frozenset({"step", "version", "time"})
 _INVALID = re.compile(r"[^a-z0-9_]+")
 _TIMING_PREFIX = "timing_s/"
 
@@ -99,7 +100,9 @@ def _own(name: str, kind: Kind, help: str, labels: tuple[str, ...] = ()) -> Metr
 
 
 # The learner's per-step metrics that the dashboards and alerts rely on. Any other numeric key a
-# step reports is exported too, named by `prometheus_name`, as a gauge.
+# step reports is exported too, named by `prometheus_name`, as a gauge, except the bookkeeping
+# keys, which have their own metrics (etarl_learner_steps_total, etarl_learner_version,
+# etarl_learner_last_step_timestamp_seconds).
 STEP_METRICS: tuple[MetricSpec, ...] = (
     _step("rollout_corr/kl", "KL(pi_rollout || pi_old), k1 estimator"),
     _step("rollout_corr/k3_kl", "KL(pi_rollout || pi_old), k3 estimator"),
@@ -127,7 +130,8 @@ STEP_METRICS: tuple[MetricSpec, ...] = (
     _step("actor/lr", "learning rate"),
     _step("reward/mean", "mean reward of the consumed batch"),
     _step("eval/accuracy", "greedy accuracy on the held-out prompts"),
-    _step("timing_s/step", "learner step seconds"),
+    _step("timing_s/step", "seconds of the learner's update step (proximal log-probs and update)"),
+    _step("timing_s/step_total", "seconds of the whole step: wait for data, train, publish weights"),
     _step("timing_s/wait_data", "seconds the learner waited for a batch"),
     _step("timing_s/old_log_prob", "seconds recomputing the proximal log-probs"),
     _step("timing_s/update_actor", "seconds in the policy update"),
@@ -176,16 +180,25 @@ BUFFER_METRICS: tuple[MetricSpec, ...] = (
             "consumed samples staler than eta (must stay 0)"),
 )
 
+# A rollout worker's stats() dict (rollout_workers/worker.py), relayed by the controller.
 WORKER_METRICS: tuple[MetricSpec, ...] = (
-    _worker("worker_weight_version", "gauge", "version", "weight version loaded by the worker"),
-    _worker("worker_groups_generated_total", "counter", "groups", "groups generated and pushed"),
-    _worker("worker_samples_produced_total", "counter", "samples", "samples generated and pushed"),
-    _worker("worker_tokens_generated_total", "counter", "tokens", "response tokens generated"),
-    _worker("worker_gate_wait_seconds_total", "counter", "gate_wait_s", "seconds blocked on the eta gate"),
+    _worker("worker_weight_version", "gauge", "loaded_version", "weight version loaded by the worker"),
+    _worker("worker_groups_generated_total", "counter", "groups_total", "groups generated and pushed"),
+    _worker("worker_samples_produced_total", "counter", "samples_total", "samples generated and pushed"),
+    _worker("worker_tokens_generated_total", "counter", "tokens_total", "response tokens generated"),
+    _worker("worker_generation_seconds_total", "counter", "generation_s", "seconds generating"),
+    _worker("worker_gate_wait_seconds_total", "counter", "gate_blocked_s", "seconds blocked on the eta gate"),
     _worker("worker_weight_load_seconds_total", "counter", "weight_load_s", "seconds loading new weights"),
-    _worker("worker_generation_seconds_total", "counter", "generate_s", "seconds generating"),
-    _worker("worker_reward_failures_total", "counter", "reward_failures", "reward calls that failed or timed out"),
-    _worker("worker_reward_mean", "gauge", "reward_mean", "mean reward of the worker's recent groups"),
+    _worker("worker_weight_loads_total", "counter", "weight_loads_total", "weight versions loaded"),
+    _worker("worker_failed_generations_total", "counter", "failed_generations_total", "generations that failed"),
+    _worker("worker_interrupted_generations_total", "counter", "interrupted_generations_total",
+            "generations interrupted by new weights and continued"),
+    _worker("worker_permits_released_total", "counter", "permits_released_total", "permits given back unused"),
+    _worker("worker_reward_calls_total", "counter", "reward_calls_total", "reward function calls"),
+    _worker("worker_reward_failures_total", "counter", "reward_failures_total", "reward calls that failed"),
+    _worker("worker_reward_timeouts_total", "counter", "reward_timeouts_total", "reward calls that timed out"),
+    _worker("worker_reward_mean", "gauge", "reward_mean", "mean reward of the worker's recent samples"),
+    _worker("worker_tokens_per_second", "gauge", "tokens_per_s", "tokens per second of generation time"),
 )
 
 EXPORTER_METRICS: tuple[MetricSpec, ...] = (
@@ -278,7 +291,7 @@ class MetricsExporter:
         Numbers (and numpy/torch scalars) are exported; other values are skipped."""
         values = {}
         for key, raw in step_metrics.items():
-            value = _number(raw)
+            value = None if key in STEP_BOOKKEEPING_KEYS else _number(raw)
             if value is not None:
                 values[prometheus_name(str(key))] = value
         with self._lock:

@@ -12,7 +12,7 @@ METRICS_FILE = "metrics.jsonl"
 # One PNG per panel: (file stem, title, y label, metric keys drawn as lines).
 PANELS = [
     ("reward", "Training reward", "mean reward", ["reward/mean"]),
-    ("eval_accuracy", "Held-out evaluation", "accuracy", ["eval/greedy_accuracy", "eval/pass@1", "eval/pass@k"]),
+    ("eval_accuracy", "Held-out evaluation", "accuracy", ["eval/accuracy", "eval/pass@1", "eval/pass@k"]),
     ("staleness", "Staleness of consumed samples", "versions", ["staleness/mean", "staleness/max"]),
     ("kl", "Rollout/training mismatch", "KL", ["rollout_corr/kl", "rollout_corr/k3_kl"]),
     ("ess", "IS effective sample size", "ESS (fraction)", ["rollout_corr/rollout_is_eff_sample_size"]),

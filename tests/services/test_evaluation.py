@@ -51,7 +51,7 @@ def test_evaluate_greedy_accuracy_and_pass_at_k():
 
     metrics = evaluate(generate, score, prompts, n_samples=4, k=2, temperature=0.7)
     assert calls == [(1, 0.0), (4, 0.7)]
-    assert metrics["eval/greedy_accuracy"] == pytest.approx(0.5)
+    assert metrics["eval/accuracy"] == pytest.approx(0.5)
     counts = [0, 1, 2, 3]
     assert metrics["eval/pass@2"] == pytest.approx(sum(pass_at_k(4, c, 2) for c in counts) / 4)
     assert metrics["eval/pass@1"] == pytest.approx(sum(counts) / 16)

@@ -38,7 +38,7 @@ def test_plot_run_draws_a_png_per_panel_with_data(tmp_path):
                   "rollout_corr/kl": 0.001 * step, "rollout_corr/rollout_is_eff_sample_size": 0.97,
                   "throughput/samples_per_s": 40.0}
         if step % 5 == 0:
-            record.update({"eval/greedy_accuracy": 0.4 + step / 100, "eval/pass@4": 0.8})
+            record.update({"eval/accuracy": 0.4 + step / 100, "eval/pass@4": 0.8})
         log.write(record)
     log.close()
     written = plot_run(tmp_path)

@@ -1,0 +1,108 @@
+"""The `etarl` command (console script `etarl = services.cli:main`).
+
+    etarl train [--config F] [--resume RUN_DIR] [key=value ...]   run (or continue) training
+    etarl eval  [--config F] [--model DIR | --run RUN_DIR] [key=value ...]   held-out evaluation
+    etarl plot  RUN_DIR                                           redraw a run's PNG plots
+    etarl config [--config F] [key=value ...]                     print the resolved config
+    etarl buffer serve|keygen ...                                 the standalone buffer service
+
+The same entry works as a `ray job submit` entrypoint: `ray job submit -- etarl train
+ray.address=auto ...` joins the job's cluster instead of starting an embedded one.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+EXIT_CONFIG_ERROR = 2
+
+
+def _add_config_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", "-c", help="YAML config file (default: the embedded default)")
+    parser.add_argument("overrides", nargs="*", metavar="key=value",
+                        help="dotted overrides, e.g. learner.lr=3e-5 buffer.eta=2 mode=synchronous")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="etarl", description="Asynchronous RL for LLMs with bounded staleness.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="run (or resume) training")
+    _add_config_args(train)
+    train.add_argument("--resume", metavar="RUN_DIR",
+                       help="continue the run in RUN_DIR from its latest checkpoint (its saved config "
+                            "plus any overrides, e.g. run.steps=80 to extend it)")
+
+    ev = sub.add_parser("eval", help="evaluate a policy on the held-out prompts (greedy accuracy, pass@k)")
+    _add_config_args(ev)
+    where = ev.add_mutually_exclusive_group()
+    where.add_argument("--model", help="HF model folder (default: the config's model)")
+    where.add_argument("--run", metavar="RUN_DIR", help="the policy of a run's latest checkpoint")
+
+    plot = sub.add_parser("plot", help="redraw the PNG plots of a run from its metrics.jsonl")
+    plot.add_argument("run_dir", metavar="RUN_DIR")
+
+    show = sub.add_parser("config", help="print the resolved config as YAML")
+    _add_config_args(show)
+
+    buf = sub.add_parser("buffer", help="the standalone buffer service: serve | keygen")
+    buf.add_argument("buffer_args", nargs=argparse.REMAINDER, help="arguments of `python -m buffer`")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # `buffer` hands its arguments over untouched (they have their own --help and flags).
+    if argv[:1] == ["buffer"]:
+        from buffer.server import main as buffer_main
+
+        return buffer_main(argv[1:]) or 0
+    args = build_parser().parse_args(argv)
+    from services.config import ConfigError
+
+    try:
+        return _dispatch(args)
+    except ConfigError as exc:
+        print(f"etarl: {exc}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    except FileNotFoundError as exc:
+        print(f"etarl: {exc}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+
+
+def _dispatch(args) -> int:
+    from services.config import load_config
+
+    if args.command == "plot":
+        from services.plots import plot_run
+
+        for path in plot_run(args.run_dir):
+            print(path)
+        return 0
+    if args.command == "config":
+        print(load_config(args.config, args.overrides).to_yaml(), end="")
+        return 0
+    if args.command == "train":
+        from services.controller import resume_config, run_training
+
+        if args.resume:
+            cfg = resume_config(args.resume, args.config, args.overrides)
+        else:
+            cfg = load_config(args.config, args.overrides)
+        result = run_training(cfg, resume=args.resume)
+        print(json.dumps(result.summary(), indent=1))
+        return 0 if result.completed or result.interrupted else 1
+    if args.command == "eval":
+        from services.controller import evaluate_model
+
+        cfg = load_config(args.config, args.overrides)
+        metrics = evaluate_model(cfg, model=args.model, run_dir=args.run)
+        print(json.dumps(metrics, indent=1))
+        return 0
+    raise AssertionError(args.command)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""The config tree: YAML + dotted overrides, presets and modes, and errors that name the key."""
+import pytest
+
+from services.config import (
+    DEFAULT_CONFIG, ConfigError, EtarlConfig, build_config, load_config, parse_override,
+)
+
+
+def test_default_config_is_the_embedded_async_run():
+    cfg = load_config()
+    assert cfg.mode == "async" and cfg.eta == 4
+    assert cfg.run.model == "tiny" and cfg.learner.model_path == "tiny"
+    assert cfg.buffer.transport == "ray"
+    assert cfg.ray.address == "local"
+    # decoupled token-TIS: token-level IS, not bypass
+    assert cfg.learner.rollout_correction.rollout_is == "token"
+    assert cfg.learner.rollout_correction.bypass_mode is False
+
+
+def test_overrides_are_typed_by_yaml_then_by_the_field():
+    assert parse_override("run.steps=7") == ("run.steps", 7)
+    assert parse_override("learner.betas=[0.9, 0.95]") == ("learner.betas", [0.9, 0.95])
+    assert parse_override("buffer.gate.eta=null") == ("buffer.gate.eta", None)
+    assert parse_override("run.progress=false") == ("run.progress", False)
+    cfg = load_config(None, ["learner.lr=3e-5", "buffer.gate.eta=2", "run.steps=7", "run.progress=false",
+                             "learner.rollout_correction=decoupled_seq_is"])
+    assert cfg.learner.lr == pytest.approx(3e-5) and cfg.eta == 2 and cfg.run.steps == 7
+    assert cfg.run.progress is False
+    assert cfg.learner.rollout_correction.rollout_is == "sequence"
+
+
+def test_modes_set_eta_and_contradictions_are_errors():
+    assert load_config(None, ["mode=synchronous"]).eta == 0
+    assert load_config(None, ["mode=one_step_off"]).eta == 1
+    assert EtarlConfig.synchronous().eta == 0
+    assert EtarlConfig.one_step_off().eta == 1
+    assert EtarlConfig.fully_async(eta=None).eta is None
+    with pytest.raises(ConfigError, match=r"mode=synchronous means buffer.gate.eta=0"):
+        load_config(None, ["mode=synchronous", "buffer.gate.eta=3"])
+    with pytest.raises(ConfigError, match="use mode=synchronous"):
+        load_config(None, ["buffer.gate.eta=0"])
+
+
+def test_unknown_keys_name_the_full_dotted_key_and_suggest():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["learner.learning_rate=1e-5"])
+    assert "learner.learning_rate: unknown key" in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["buffer.gate.etaa=3"])
+    assert "buffer.gate.etaa: unknown key (did you mean buffer.gate.eta?)" in str(err.value)
+    with pytest.raises(ConfigError, match=r"nosuchsection: unknown key"):
+        load_config(None, ["nosuchsection.x=1"])
+
+
+def test_bad_values_name_the_key_and_the_value():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["learner.lr=fast"])
+    assert "learner.lr" in str(err.value) and "'fast'" in str(err.value)
+    with pytest.raises(ConfigError, match=r"run.steps: Input should be greater than or equal to 1"):
+        load_config(None, ["run.steps=0"])
+    with pytest.raises(ConfigError, match=r"learner.rollout_correction"):
+        load_config(None, ["learner.rollout_correction=no_such_preset"])
+    with pytest.raises(ConfigError, match="not of the form"):
+        load_config(None, ["learner.lr"])
+    with pytest.raises(ConfigError, match="is a value, not a section"):
+        load_config(None, ["run.steps.x=1"])
+
+
+def test_config_files_errors(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("run: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    bad.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="mapping at the top"):
+        load_config(bad)
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("run:\n  stepz: 3\n")
+    with pytest.raises(ConfigError, match=rf"{typo}.*\n  run.stepz: unknown key \(did you mean run.steps\?\)"):
+        load_config(typo)
+
+
+def test_model_path_has_one_home():
+    cfg = load_config(None, ["run.model=/some/model"])
+    assert cfg.learner.model_path == "/some/model"
+    with pytest.raises(ConfigError, match="set the model once, in run.model"):
+        load_config(None, ["learner.model_path=/other"])
+
+
+def test_resolved_config_round_trips_through_yaml(tmp_path):
+    cfg = load_config(None, ["run.steps=5", "mode=one_step_off"])
+    path = tmp_path / "resolved.yaml"
+    path.write_text(cfg.to_yaml())
+    again = load_config(path)
+    assert again == cfg
+
+
+@pytest.mark.parametrize("path", sorted(DEFAULT_CONFIG.parent.glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_is_valid(path):
+    load_config(path)
