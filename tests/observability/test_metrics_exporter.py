@@ -72,6 +72,7 @@ def test_step_metrics_are_exported_by_the_rule_including_unknown_keys():
         "note": "text is not a number",
         "vector": [1, 2],
         "rollout_corr/chi2_seq": float("nan"),
+        "step": 3, "version": 9, "time": 1.7e9,
     }, version=9)
     got = samples(exporter)
     assert got[("etarl_rollout_corr_kl", ())] == pytest.approx(0.02)
@@ -82,6 +83,7 @@ def test_step_metrics_are_exported_by_the_rule_including_unknown_keys():
     assert got[("etarl_learner_version", ())] == 9
     assert got[("etarl_learner_steps_total", ())] == 1
     assert not any(name.startswith(("etarl_note", "etarl_vector")) for name, _ in got)
+    assert not {"etarl_step", "etarl_version", "etarl_time"} & {name for name, _ in got}  # own metrics instead
 
 
 def test_a_step_key_cannot_overwrite_another_sources_metric():
@@ -153,8 +155,9 @@ def test_buffer_up_follows_the_last_read():
 
 def test_worker_stats_carry_a_worker_label_and_restarts_count():
     exporter = MetricsExporter()
-    exporter.record_worker_stats("w0", {"version": 4, "tokens": 1200, "gate_wait_s": 1.5})
-    exporter.record_worker_stats("w1", {"version": 3, "tokens": 800})
+    exporter.record_worker_stats("w0", {"loaded_version": 4, "tokens_total": 1200, "gate_blocked_s": 1.5,
+                                        "worker_id": "w0", "last_error": ""})
+    exporter.record_worker_stats("w1", {"loaded_version": 3, "tokens_total": 800})
     exporter.record_worker_restart("w1")
     exporter.record_worker_restart("w1")
     exporter.record_worker_down("w1")

@@ -22,7 +22,8 @@ def scraped(tmp_path_factory):
     exporter.record_buffer_stats({"eta": ETA, "groups_ready": 5, "store_capacity_groups": 64, "pushed_samples": 12,
                                   "dropped_groups": {"stale": 1}, "consumed_staleness": {"0": 1, "1": 2, "2": 1}})
     for worker, version in (("w0", 3), ("w1", 2)):
-        exporter.record_worker_stats(worker, {"version": version, "tokens": 1000, "samples": 16, "gate_wait_s": 0.5})
+        exporter.record_worker_stats(worker, {"loaded_version": version, "tokens_total": 1000, "samples_total": 16,
+                                              "gate_blocked_s": 0.5})
     exporter.record_step({"rollout_corr/rollout_is_eff_sample_size": 0.8, "timing_s/step": 1.25,
                           "actor/pg_clipfrac": 0.1}, version=3)
     server = PrometheusServer(tmp_path_factory.mktemp("prom"), {"etarl-controller": [f"127.0.0.1:{exporter.port}"]})
