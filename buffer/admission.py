@@ -17,7 +17,7 @@ never over-admits. The gate is plain state, not thread-safe: `buffer.core.Buffer
 from __future__ import annotations
 
 import heapq
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from buffer.errors import RequestError
 from buffer.sample import new_id
@@ -29,6 +29,9 @@ class Permit:
     ticket: int  # the prompt index this generation is for
     worker_id: str
     version: int  # the learner version when the permit was granted
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
 
 
 class AdmissionGate:
@@ -144,7 +147,7 @@ class AdmissionGate:
         return {
             "version": self.version, "accepted": self.accepted, "rejected": self.rejected,
             "released": self.released, "reclaimed": self.reclaimed, "next_ticket": self.next_ticket,
-            "free_tickets": sorted(self.free_tickets), "permits": [asdict(p) for p in self.permits.values()],
+            "free_tickets": sorted(self.free_tickets), "permits": [p.to_dict() for p in self.permits.values()],
         }
 
     def load_state(self, state: dict, now: float) -> None:

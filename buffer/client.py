@@ -17,7 +17,7 @@ import zmq
 
 from buffer import auth
 from buffer.admission import Permit
-from buffer.codec import decode_group, decode_message_header, encode_group, encode_message, split_groups
+from buffer.codec import decode_group, decode_message_header, encode_group, encode_message, unpack_frames
 from buffer.config import BufferConfig, ClientConfig, CurveConfig, SampleLimits
 from buffer.errors import BufferUnavailable, ProtocolError, RemoteError
 from buffer.sample import Group, PulledBatch, new_id
@@ -62,7 +62,7 @@ class BufferClient:
                                                    "lease_id": new_id()}, wait=timeout)
         if result is None:
             return None
-        groups = [decode_group(f, self.limits) for f in split_groups(frames, result["group_frames"])]
+        groups = [decode_group(unpack_frames(packed), self.limits) for packed in frames]
         return PulledBatch(result["lease_id"], groups, result["dropped_stale"], result["version"])
 
     def ack(self, lease_id: str) -> int:

@@ -6,9 +6,15 @@ buffers, per sample in the order of `buffer.sample.ARRAY_FIELDS` (token_rewards 
 present). Encoding hands out the numpy buffers themselves; decoding wraps the received frames
 with `np.frombuffer` (read-only views, no copy).
 
-Service messages (`encode_message` / `decode_message`) use the same idea:
+The store keeps an accepted group as one *packed group* (`pack_frames`): its frames back to
+back, 8-byte aligned, after a length table. The durable log records it and a pull reply sends
+one frame per group, which `unpack_frames` cuts into zero-copy views again (one frame per group
+instead of ~5 per sample keeps ZMQ's per-frame cost off the hot path).
+
+Service messages (`encode_message`, `decode_message_header`) use the same idea:
 `[header, *payload]`, header = {"v", "id", "op", "args"} for a request and
-{"v", "id", "ok", "result" | "error"} for a reply; payload frames are groups back to back.
+{"v", "id", "ok", "result" | "error"} for a reply; the payload is a group's frames (push) or one
+packed group per frame (pull).
 
 Decoding validates everything and raises `SampleError` (naming field and sample) or
 `ProtocolError`: frame count and sizes, dtypes (implied by the layout, checked by size),
@@ -18,6 +24,7 @@ lengths that agree, finite log-probs <= 0, loss mask in {0, 1}, versions not ahe
 from __future__ import annotations
 
 import math
+import struct
 import sys
 from typing import Any, Sequence
 
@@ -36,6 +43,9 @@ _SAMPLE_KEYS = {
     "metadata", "n_prompt", "n_response", "has_token_rewards",
 }
 _GROUP_KEYS = {"v", "group_id", "prompt_index", "samples"}
+# (field, little-endian wire dtype, length key in the sample header), in frame order
+_WIRE_LAYOUT = [(name, dtype.newbyteorder("<"), "n_prompt" if name == "prompt_ids" else "n_response")
+                for name, dtype in ARRAY_FIELDS.items()]
 
 
 def pack(obj: Any) -> bytes:
@@ -145,18 +155,17 @@ def _decode_sample(meta: dict, group_id: str, frames: Sequence, cursor: int, lim
     for key, limit in lengths.items():
         if not _is_int(meta[key]) or not 0 <= meta[key] <= limit:
             raise SampleError(key, sid, f"must be an int in [0, {limit}], got {meta[key]!r}")
-    arrays = {}
-    for name, dtype in ARRAY_FIELDS.items():
+    arrays = {"token_rewards": None}
+    for name, dtype, length_key in _WIRE_LAYOUT:
         if name == "token_rewards" and not meta["has_token_rewards"]:
-            arrays[name] = None
             continue
-        n = meta["n_prompt"] if name == "prompt_ids" else meta["n_response"]
+        n = meta[length_key]
         buf = frames[cursor]
         cursor += 1
-        size = memoryview(buf).nbytes
+        size = len(buf) if type(buf) is bytes else memoryview(buf).nbytes
         if size != n * dtype.itemsize:
             raise SampleError(name, sid, f"frame has {size} bytes, expected {n * dtype.itemsize} for {dtype}[{n}]")
-        arrays[name] = np.frombuffer(buf, dtype=dtype.newbyteorder("<"), count=n)
+        arrays[name] = np.frombuffer(buf, dtype=dtype, count=n)
     for key in ("worker_id", "finish_reason"):
         if not isinstance(meta[key], str):
             raise SampleError(key, sid, f"must be a string, got {type(meta[key]).__name__}")
@@ -176,7 +185,9 @@ def _decode_sample(meta: dict, group_id: str, frames: Sequence, cursor: int, lim
 
 
 def validate_group(group: Group, limits: SampleLimits, max_version: int | None) -> None:
-    """The record contract; raises SampleError naming the field and the sample."""
+    """The record contract; raises SampleError naming the field and the sample. The array checks
+    run once over the whole group (a few numpy calls); only a failing group is searched sample by
+    sample to name the culprit."""
     if not group.samples:
         raise SampleError("samples", None, f"group {group.group_id!r} is empty")
     if len(group.samples) > limits.max_group_size:
@@ -186,10 +197,19 @@ def validate_group(group: Group, limits: SampleLimits, max_version: int | None) 
         if s.sample_id in seen:
             raise SampleError("sample_id", s.sample_id, f"appears twice in group {group.group_id!r}")
         seen.add(s.sample_id)
-        validate_sample(s, group.group_id, limits, max_version)
+        _validate_shape_and_scalars(s, group.group_id, limits, max_version)
+    if not _group_arrays_valid(group.samples, max_version):
+        for s in group.samples:
+            _validate_arrays(s, max_version)
+        raise SampleError("samples", None, f"group {group.group_id!r} failed an array check")  # unreachable
 
 
 def validate_sample(s: Sample, group_id: str, limits: SampleLimits, max_version: int | None) -> None:
+    _validate_shape_and_scalars(s, group_id, limits, max_version)
+    _validate_arrays(s, max_version)
+
+
+def _validate_shape_and_scalars(s: Sample, group_id: str, limits: SampleLimits, max_version: int | None) -> None:
     sid = s.sample_id
     if s.group_id != group_id:
         raise SampleError("group_id", sid, f"is {s.group_id!r} but the sample is in group {group_id!r}")
@@ -202,6 +222,38 @@ def validate_sample(s: Sample, group_id: str, limits: SampleLimits, max_version:
         arr = getattr(s, name)
         if arr is not None and len(arr) != t:
             raise SampleError(name, sid, f"has length {len(arr)}, response_ids has {t}")
+    if not math.isfinite(s.reward):
+        raise SampleError("reward", sid, f"must be finite, got {s.reward}")
+    if s.weight_version < 0:
+        raise SampleError("weight_version", sid, f"must be >= 0, got {s.weight_version}")
+    if max_version is not None and s.weight_version > max_version:
+        raise SampleError("weight_version", sid, f"{s.weight_version} is ahead of the learner (version {max_version})")
+    _validate_scalars(s, limits)
+
+
+def _group_arrays_valid(samples: list[Sample], max_version: int | None) -> bool:
+    """All of `_validate_arrays` at once for the whole group."""
+    def cat(*names):
+        return np.concatenate([getattr(s, n) for s in samples for n in names])
+
+    ids, lp, mask, tv = cat("prompt_ids", "response_ids"), cat("rollout_log_probs"), cat("loss_mask"), cat("token_versions")
+    if ids.size and ids.min() < 0:
+        return False
+    # max() is NaN if any NaN (and NaN <= 0 is False); a float64 sum is finite iff every value is
+    if lp.size and not (lp.max() <= 0 and math.isfinite(lp.sum(dtype=np.float64))):
+        return False
+    if mask.size and mask.max() > 1:
+        return False
+    if tv.size:
+        starts = np.repeat([s.weight_version for s in samples], [len(s.token_versions) for s in samples])
+        if (tv < starts).any() or (max_version is not None and tv.max() > max_version):
+            return False
+    rewards = [s.token_rewards for s in samples if s.token_rewards is not None]
+    return not rewards or math.isfinite(np.concatenate(rewards).sum(dtype=np.float64))
+
+
+def _validate_arrays(s: Sample, max_version: int | None) -> None:
+    sid = s.sample_id
     if (s.prompt_ids < 0).any() or (s.response_ids < 0).any():
         field = "prompt_ids" if (s.prompt_ids < 0).any() else "response_ids"
         raise SampleError(field, sid, "token ids must be >= 0")
@@ -214,18 +266,6 @@ def validate_sample(s: Sample, group_id: str, limits: SampleLimits, max_version:
         raise SampleError("loss_mask", sid, "values must be 0 or 1")
     if s.token_rewards is not None and not np.isfinite(s.token_rewards).all():
         raise SampleError("token_rewards", sid, "not finite")
-    if not math.isfinite(s.reward):
-        raise SampleError("reward", sid, f"must be finite, got {s.reward}")
-    _validate_versions(s, max_version)
-    _validate_scalars(s, limits)
-
-
-def _validate_versions(s: Sample, max_version: int | None) -> None:
-    sid = s.sample_id
-    if s.weight_version < 0:
-        raise SampleError("weight_version", sid, f"must be >= 0, got {s.weight_version}")
-    if max_version is not None and s.weight_version > max_version:
-        raise SampleError("weight_version", sid, f"{s.weight_version} is ahead of the learner (version {max_version})")
     tv = s.token_versions
     if len(tv):
         if int(tv.min()) < s.weight_version:
@@ -269,15 +309,35 @@ def decode_message_header(frame, required: Sequence[str]) -> dict:
     return header
 
 
-def split_groups(frames: Sequence, counts: Sequence[int]) -> list[list]:
-    """Cut back-to-back group frames into one list per group, by the given frame counts."""
-    if sum(counts) != len(frames) or any(not _is_int(c) or c < 1 for c in counts):
-        raise ProtocolError(f"group frame counts {list(counts)} do not add up to {len(frames)} frames", "bad_frame_count")
-    out, start = [], 0
-    for n in counts:
-        out.append(list(frames[start:start + n]))
-        start += n
-    return out
+def pack_frames(frames: Sequence) -> bytes:
+    """One contiguous buffer: u32 count, u32 sizes[count], then each frame padded to 8 bytes."""
+    sizes = [memoryview(f).nbytes for f in frames]
+    parts = [struct.pack(f"<{len(sizes) + 1}I", len(sizes), *sizes)]
+    parts.append(bytes(-len(parts[0]) % 8))
+    for frame, size in zip(frames, sizes):
+        parts.append(frame)
+        if size % 8:
+            parts.append(bytes(-size % 8))
+    return b"".join(parts)
+
+
+def unpack_frames(packed) -> list[memoryview]:
+    """The frames of a packed group, as views into it (no copy)."""
+    view = memoryview(packed).cast("B")
+    if view.nbytes < 4:
+        raise ProtocolError(f"packed group of {view.nbytes} bytes has no length table", "bad_packed_group")
+    (count,) = struct.unpack_from("<I", view)
+    table = 4 * (count + 1)
+    if count == 0 or table > view.nbytes:
+        raise ProtocolError(f"packed group claims {count} frames in {view.nbytes} bytes", "bad_packed_group")
+    sizes = struct.unpack_from(f"<{count}I", view, 4)
+    frames, offset = [], table + (-table % 8)
+    for size in sizes:
+        if offset + size > view.nbytes:
+            raise ProtocolError("packed group is shorter than its length table says", "bad_packed_group")
+        frames.append(view[offset:offset + size])
+        offset += size + (-size % 8)
+    return frames
 
 
 def frames_nbytes(frames: Sequence) -> int:

@@ -1,8 +1,8 @@
 """`BufferCore`: the η gate + the group store + the optional durable log, behind one lock.
 
 Both transports wrap it: the ZMQ service (`buffer.server`) and the Ray actor
-(`services.buffer_actor`). Groups travel as wire frames (`buffer.codec`); the core validates them
-on push and hands the same frames out on pull. Every state change is written to the durable log
+(`services.buffer_actor`). Groups arrive as wire frames (`buffer.codec`); the core validates them,
+keeps them packed, and hands the packed groups out on pull. Every state change is written to the durable log
 (when configured) before the caller gets an answer; on start the log is replayed, so permits,
 tickets, versions and unconsumed groups survive a crash (leases do not: leased groups are ready
 again, and a learner that trained on one must ack it before the lease expires).
@@ -38,10 +38,10 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from buffer.admission import AdmissionGate, Permit
-from buffer.codec import decode_group, frames_nbytes, group_index
+from buffer.codec import decode_group, frames_nbytes, group_index, pack_frames, unpack_frames
 from buffer.config import BufferConfig
 from buffer.durable_log import DurableLog
 from buffer.errors import BufferError, ProtocolError, RequestError
@@ -54,7 +54,7 @@ _WAIT_SLICE_S = 0.25  # blocked callers re-check leases and deadlines at least t
 @dataclass
 class PullResult:
     lease_id: str
-    group_frames: list[list[bytes]]
+    groups: list[bytes]  # packed groups (buffer.codec.unpack_frames)
     dropped_stale: int
     version: int
 
@@ -120,7 +120,7 @@ class BufferCore:
             known = permit_id is not None and permit_id in self.gate.permits
             permit = self.gate.try_acquire(worker_id, self.clock(), permit_id)
             if permit is not None and not known:
-                self._append({"op": "acquire", "permit": asdict(permit)})
+                self._append({"op": "acquire", "permit": permit.to_dict()})
             return permit
 
     def finish_gate_wait(self, waited_s: float, granted: bool) -> None:
@@ -159,7 +159,6 @@ class BufferCore:
 
     def push_group(self, frames: list, permit_id: str) -> dict:
         """Validate and accept one group under its permit. Idempotent by sample_id."""
-        frames = [f if type(f) is bytes else bytes(f) for f in frames]
         if frames_nbytes(frames) > self.limits.max_message_bytes:
             raise ProtocolError(f"group of {frames_nbytes(frames)} bytes exceeds max_message_bytes", "oversized")
         with self._lock:
@@ -177,9 +176,10 @@ class BufferCore:
                                    f"{permit_id!r} is for ticket {permit.ticket}", "ticket_mismatch")
             self.store.check_room()
             seq = self.store.next_seq
-            self._append({"op": "push", "permit": permit_id, "seq": seq, "frames": frames})
+            packed = pack_frames(frames)
+            self._append({"op": "push", "permit": permit_id, "seq": seq, "group": packed})
             self.gate.consume(permit_id)
-            self.store.add(group.group_id, sample_ids, [s.weight_version for s in group.samples], frames, seq)
+            self.store.add(group.group_id, sample_ids, [s.weight_version for s in group.samples], packed, seq)
             self.counters.pushed_groups += 1
             self.counters.pushed_samples += len(sample_ids)
             self._changed.notify_all()
@@ -212,7 +212,7 @@ class BufferCore:
 
     @staticmethod
     def _result(lease: Lease, dropped: int) -> PullResult:
-        return PullResult(lease.lease_id, [g.frames for g in lease.groups], dropped, lease.version)
+        return PullResult(lease.lease_id, [g.packed for g in lease.groups], dropped, lease.version)
 
     def _drop_stale(self) -> None:
         dropped = self.store.drop_stale(self.gate.version, self.gate.eta)
@@ -333,10 +333,10 @@ class BufferCore:
         elif op == "release":
             self.gate.release(record["permit"])
         elif op == "push":
-            group_id, sample_ids, versions = group_index(record["frames"][0])
+            group_id, sample_ids, versions = group_index(unpack_frames(record["group"])[0])
             if record["permit"] in self.gate.permits:
                 self.gate.consume(record["permit"])
-            self.store.add(group_id, sample_ids, versions, record["frames"], record["seq"])
+            self.store.add(group_id, sample_ids, versions, record["group"], record["seq"])
         elif op in ("ack", "drop"):
             for group_id in record["groups"]:
                 self.store.remove_ready(group_id)
@@ -364,5 +364,5 @@ class BufferCore:
             if gid not in live_ids:
                 consumed.setdefault(gid, []).append(sid)
         snapshot = {"op": "snapshot", "gate": self.gate.state(), "next_seq": self.store.next_seq, "consumed": consumed}
-        pushes = ({"op": "push", "permit": None, "seq": g.seq, "frames": g.frames} for g in live)
+        pushes = ({"op": "push", "permit": None, "seq": g.seq, "group": g.packed} for g in live)
         log.rewrite([snapshot, *pushes])

@@ -32,6 +32,8 @@ ARRAY_FIELDS: dict[str, np.dtype] = {
 def as_field_array(value, field_name: str, sample_id: str | None) -> np.ndarray:
     """`value` as a 1-D array of the field's canonical dtype; refuses conversions that lose data."""
     dtype = ARRAY_FIELDS[field_name]
+    if type(value) is np.ndarray and value.dtype == dtype and value.ndim == 1:
+        return value  # the common case, kept cheap: decode builds many samples
     arr = np.asarray(value)
     if arr.ndim != 1:
         raise SampleError(field_name, sample_id, f"expected a 1-D array, got shape {arr.shape}")

@@ -24,7 +24,7 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import zmq
 
@@ -211,7 +211,7 @@ class BufferServer:
             self.core.enqueued += 1
             return None
         self.core.finish_gate_wait(0.0, permit is not None)
-        return (None if permit is None else asdict(permit)),
+        return (None if permit is None else permit.to_dict()),
 
     def _release(self, identity, request_id, args, _payload):
         return self.core.release_permit(args["permit_id"]),
@@ -231,9 +231,8 @@ class BufferServer:
     def _pull_reply(result: PullResult | None):
         if result is None:
             return None, ()
-        meta = {"lease_id": result.lease_id, "dropped_stale": result.dropped_stale, "version": result.version,
-                "group_frames": [len(f) for f in result.group_frames]}
-        return meta, [frame for frames in result.group_frames for frame in frames]
+        meta = {"lease_id": result.lease_id, "dropped_stale": result.dropped_stale, "version": result.version}
+        return meta, result.groups  # one packed group per frame
 
     def _ack(self, identity, request_id, args, _payload):
         return self.core.ack(args["lease_id"]),
@@ -267,7 +266,7 @@ class BufferServer:
                 continue
             self.core.enqueued -= 1
             self.core.finish_gate_wait(now - p.start, permit is not None)
-            self._reply(p.identity, p.request_id, None if permit is None else asdict(permit))
+            self._reply(p.identity, p.request_id, None if permit is None else permit.to_dict())
         self._acquires = still
         still = []
         for p in self._pulls:

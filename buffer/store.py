@@ -1,6 +1,6 @@
 """The group store: bounded, groups kept whole, oldest first, leased until acknowledged.
 
-Groups are kept as their wire frames (what was received is what the learner gets, no re-encode).
+Groups are kept packed (`buffer.codec.pack_frames`): the validated wire frames, re-sent as is.
 `pull` takes the oldest groups by (weight_version, arrival); groups staler than η are dropped and
 counted, never silently. A pulled batch is a lease: `ack` consumes it, `nack` or expiry puts its
 groups back where they were. Sample ids are remembered for the whole run, so a retried push of a
@@ -22,7 +22,7 @@ class StoredGroup:
     weight_version: int  # the oldest version of its samples
     sample_ids: tuple[str, ...]
     sample_versions: tuple[int, ...]
-    frames: list[bytes]
+    packed: bytes  # the group's wire frames, packed
     seq: int  # arrival order
     nbytes: int
 
@@ -84,12 +84,12 @@ class GroupStore:
         if self.groups_held >= self.capacity_groups:
             raise RequestError(f"buffer full ({self.groups_held} of {self.capacity_groups} groups)", "buffer_full")
 
-    def add(self, group_id: str, sample_ids: list[str], sample_versions: list[int], frames: list[bytes],
+    def add(self, group_id: str, sample_ids: list[str], sample_versions: list[int], packed: bytes,
             seq: int | None = None) -> StoredGroup:
         seq = self.next_seq if seq is None else seq
         self.next_seq = max(self.next_seq, seq + 1)
-        stored = StoredGroup(group_id, min(sample_versions), tuple(sample_ids), tuple(sample_versions), frames, seq,
-                             sum(len(f) for f in frames))
+        stored = StoredGroup(group_id, min(sample_versions), tuple(sample_ids), tuple(sample_versions), packed, seq,
+                             len(packed))
         self.remember_ids(group_id, sample_ids)
         self._make_ready(stored)
         return stored

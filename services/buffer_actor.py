@@ -2,8 +2,8 @@
 
 `BufferActor` holds the core and a housekeeping thread (permit and lease expiry, log sync); it
 is a threaded actor, so blocking calls (long-polled acquire and pull) wait without stopping
-others. Groups cross the actor boundary as the same wire frames the ZMQ service uses, so both
-transports validate and store identically. `RayBufferClient` has the methods of
+others. Groups cross the actor boundary as the same wire frames (push) and packed groups (pull) the ZMQ
+service uses, so both transports validate and store identically. `RayBufferClient` has the methods of
 `buffer.client.BufferClient`.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ import threading
 import ray
 
 from buffer.admission import Permit
-from buffer.codec import decode_group, encode_group
+from buffer.codec import decode_group, encode_group, unpack_frames
 from buffer.config import BufferConfig
 from buffer.core import BufferCore, PullResult
 from buffer.errors import BufferError, RemoteError
@@ -108,7 +108,7 @@ class RayBufferClient:
         result = self._get(self.actor.pull_batch.remote(int(batch_size), float(timeout), new_id()), timeout)
         if result is None:
             return None
-        groups = [decode_group(frames, self.config.limits) for frames in result.group_frames]
+        groups = [decode_group(unpack_frames(packed), self.config.limits) for packed in result.groups]
         return PulledBatch(result.lease_id, groups, result.dropped_stale, result.version)
 
     def ack(self, lease_id: str) -> int:

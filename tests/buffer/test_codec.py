@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from buffer_helpers import make_group
 
-from buffer.codec import PROTOCOL_VERSION, decode_group, encode_group
+from buffer.codec import PROTOCOL_VERSION, decode_group, encode_group, pack_frames, unpack_frames
 from buffer.config import SampleLimits
 from buffer.errors import ProtocolError, SampleError
 from buffer.sample import Group, Sample
@@ -142,3 +142,22 @@ def test_group_weight_version_is_the_oldest():
     g = make_group(ticket=0, version=4, n=3)
     g.samples[1].weight_version = 2
     assert Group(g.group_id, g.samples, 0).weight_version == 2
+
+
+def test_packed_group_round_trip_is_aligned_and_zero_copy():
+    frames = wire(make_group(ticket=0, n=3, tokens=7))
+    packed = pack_frames(frames)
+    views = unpack_frames(packed)
+    assert [bytes(v) for v in views] == frames
+    base = np.frombuffer(packed, np.uint8)
+    for v in views[1:]:
+        arr = np.frombuffer(v, np.uint8)
+        assert np.shares_memory(arr, base) and arr.ctypes.data % 8 == 0
+    assert decode_group(views).group_id == decode_group(frames).group_id
+
+
+@pytest.mark.parametrize("packed", [b"", b"\x00\x00\x00\x00", b"\x05\x00\x00\x00", b"\x01\x00\x00\x00\xff\x00\x00\x00"])
+def test_broken_packed_group_is_a_protocol_error(packed):
+    with pytest.raises(ProtocolError) as info:
+        unpack_frames(packed)
+    assert info.value.reason == "bad_packed_group"

@@ -8,7 +8,7 @@ import pytest
 from buffer_helpers import make_group
 
 from buffer.client import BufferClient
-from buffer.codec import encode_group
+from buffer.codec import encode_group, unpack_frames
 from buffer.config import BufferConfig, ClientConfig, GateConfig, LogConfig
 from buffer.core import BufferCore
 
@@ -88,7 +88,7 @@ def test_replay_restores_gate_tickets_versions_and_store(tmp_path):
     assert again.acquire_permit("w").ticket == 3, "the released ticket is still reissued first"
     assert again.push_group(encode_group(pushed[0]), permits[0].permit_id)["duplicate"], "consumed ids are remembered"
     last = again.pull_batch(1)
-    assert last.group_frames[0] == [bytes(f) for f in encode_group(pushed[2])]
+    assert [bytes(f) for f in unpack_frames(last.groups[0])] == [bytes(memoryview(f)) for f in encode_group(pushed[2])]
 
 
 def test_compaction_keeps_live_groups_and_consumed_ids(tmp_path):

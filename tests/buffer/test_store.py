@@ -38,8 +38,8 @@ def push(core, version=None, n=2):
 
 
 def pulled_ids(result):
-    from buffer.codec import group_index
-    return [group_index(frames[0])[0] for frames in result.group_frames]
+    from buffer.codec import group_index, unpack_frames
+    return [group_index(unpack_frames(packed)[0])[0] for packed in result.groups]
 
 
 def test_pull_takes_oldest_by_version_then_arrival():
