@@ -36,6 +36,7 @@ from services.plots import MetricLog, plot_run
 log = logging.getLogger("etarl")
 
 BUFFER_STATE_FILE = "buffer.msgpack"
+QUIET_VLLM = os.environ.get("VLLM_LOGGING_LEVEL", "ERROR")  # vLLM's warnings drown the progress bar
 CONFIG_FILE = "config.yaml"
 
 
@@ -44,34 +45,33 @@ CONFIG_FILE = "config.yaml"
 
 def _buffer_actor_class():
     """The buffer actor plus the two calls a checkpoint needs: a consistent snapshot of the gate
-    (tickets, cursor, counters) and of the groups held, and its restore into a fresh buffer."""
-    from buffer.admission import Permit  # noqa: F401  (the gate state refers to it)
-    from buffer.codec import group_index
+    (tickets, cursor, counters) and of the groups held, and its restore into a fresh buffer.
+    Both speak the records of the buffer's own durable-log compaction (a `snapshot` record, then
+    one `push` per live group), so the restore is the buffer's own log replay."""
     from services.buffer_actor import BufferActor
 
     class CheckpointableBufferActor(BufferActor):
-        def snapshot(self) -> dict:
+        def snapshot(self) -> list[dict]:
             core = self.core
             with core._lock:
                 gate = core.gate.state()
                 # Generations in flight now do not survive a resume: their tickets are reissued.
                 gate["free_tickets"] = sorted(gate["free_tickets"] + [p["ticket"] for p in gate["permits"]])
                 gate["permits"] = []
-                groups = [{"seq": g.seq, "frames": list(g.frames)} for g in core.store.live_groups()]
-                return {"gate": gate, "next_seq": core.store.next_seq, "groups": groups}
+                head = {"op": "snapshot", "gate": gate, "next_seq": core.store.next_seq, "consumed": {}}
+                pushes = [{"op": "push", "permit": None, "seq": g.seq, "group": g.packed}
+                          for g in core.store.live_groups()]
+                return [head, *pushes]
 
-        def restore(self, state: dict) -> dict:
+        def restore(self, records: list[dict]) -> dict:
             core = self.core
             with core._lock:
                 if core.store.ready or core.gate.running or core.gate.accepted:
                     raise RuntimeError("restore needs a fresh buffer")
-                core.gate.load_state(state["gate"], core.clock())
-                for g in state["groups"]:
-                    group_id, sample_ids, versions = group_index(g["frames"][0])
-                    core.store.add(group_id, sample_ids, versions, g["frames"], g["seq"])
-                core.store.next_seq = max(core.store.next_seq, state["next_seq"])
+                for record in records:
+                    core._replay(record)
                 core._changed.notify_all()
-                return {"groups": len(state["groups"]), "version": core.gate.version,
+                return {"groups": len(records) - 1, "version": core.gate.version,
                         "next_ticket": core.gate.next_ticket, "free_tickets": len(core.gate.free_tickets)}
 
     return CheckpointableBufferActor
@@ -200,7 +200,7 @@ def start_ray(cfg: EtarlConfig) -> None:
 
     if ray.is_initialized():
         return
-    env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "VLLM_LOGGING_LEVEL": QUIET_VLLM}
     if cfg.ray.address == "local":
         # Logical CPUs: enough for every actor; the real cores are shared by all of them.
         needed = cfg.rollout.num_workers + cfg.learner.distributed.world_size
@@ -237,6 +237,7 @@ class Controller:
 
         cfg = self.cfg
         (self.run_dir / CONFIG_FILE).write_text(cfg.to_yaml())
+        os.environ["VLLM_LOGGING_LEVEL"] = QUIET_VLLM  # the evaluator's engine runs in this process
         self.model_dir = resolve_model(cfg)
         start_ray(cfg)
         from learner.distributed import LearnerGroup
