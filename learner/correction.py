@@ -14,7 +14,8 @@ The math, option names, presets and metric names follow verl's rollout-correctio
   `rollout_is` is None. `modified_response_mask` (same dtype as the input mask) is the response
   mask with rejected tokens / sequences set to 0: it only ever shrinks. `metrics` maps
   `rollout_corr/<name>` to Python floats.
-- `check_log_probs(name, tensor, mask)`: the input check every learner entry point shares.
+- `check_token_values(name, tensor, mask)`, `check_mask(mask)`: the input checks every learner
+  entry point shares.
 
 In decoupled mode `old_log_prob` is the proximal policy π_old; in bypass mode the caller passes
 the current policy's detached log-probs, so ρ = π_θ/π_rollout (see `learner.losses`).
@@ -413,23 +414,24 @@ def check_mask(response_mask: torch.Tensor, shape: Optional[torch.Size] = None) 
     return response_mask != 0
 
 
-def check_log_probs(name: str, log_prob: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Check a [B, T] log-prob tensor against the (bool) mask and return it with padding zeroed.
+def check_token_values(name: str, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Check a [B, T] float tensor (log-probs, advantages, entropy) against the bool mask and
+    return it with padding zeroed (the autograd graph is kept).
 
     Values at padding are ignored (they may be anything, NaN included); a non-finite value on a
     valid token is an error that names the tensor, the row and the column."""
-    if not isinstance(log_prob, torch.Tensor):
-        raise ValueError(f"{name} must be a tensor, got {type(log_prob).__name__}")
-    if log_prob.shape != mask.shape:
-        raise ValueError(f"{name} has shape {tuple(log_prob.shape)}, but response_mask has {tuple(mask.shape)}")
-    if not log_prob.is_floating_point():
-        raise ValueError(f"{name} must be a floating-point tensor, got {log_prob.dtype}")
-    bad = ~torch.isfinite(log_prob) & mask
+    if not isinstance(values, torch.Tensor):
+        raise ValueError(f"{name} must be a tensor, got {type(values).__name__}")
+    if values.shape != mask.shape:
+        raise ValueError(f"{name} has shape {tuple(values.shape)}, but response_mask has {tuple(mask.shape)}")
+    if not values.is_floating_point():
+        raise ValueError(f"{name} must be a floating-point tensor, got {values.dtype}")
+    bad = ~torch.isfinite(values.detach()) & mask
     if bad.any():
         row, col = (int(i) for i in bad.nonzero()[0])
-        raise ValueError(f"{name} is not finite ({log_prob[row, col].item()}) at row {row}, token {col} "
+        raise ValueError(f"{name} is not finite ({values[row, col].item()}) at row {row}, token {col} "
                          f"({int(bad.sum())} such valid tokens)")
-    return torch.where(mask, log_prob, torch.zeros((), dtype=log_prob.dtype, device=log_prob.device))
+    return torch.where(mask, values, torch.zeros((), dtype=values.dtype, device=values.device))
 
 
 def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
@@ -485,8 +487,8 @@ def compute_rollout_correction(
         raise TypeError(f"config must be a RolloutCorrectionConfig, got {type(config).__name__}")
     mask = check_mask(response_mask)
     dtype = compute_dtype(old_log_prob, rollout_log_prob)
-    old = check_log_probs("old_log_prob", old_log_prob.detach(), mask).to(dtype)
-    rollout = check_log_probs("rollout_log_prob", rollout_log_prob.detach(), mask).to(dtype)
+    old = check_token_values("old_log_prob", old_log_prob.detach(), mask).to(dtype)
+    rollout = check_token_values("rollout_log_prob", rollout_log_prob.detach(), mask).to(dtype)
     log_ratio = old - rollout  # 0 at padding
     seq_valid = mask.any(-1)
     stats: dict[str, torch.Tensor] = {}
@@ -533,8 +535,9 @@ def _is_weights(log_ratio, mask, seq_valid, config, stats) -> torch.Tensor:
     # they are the true extremes even beyond the safety bound.
     if config.rollout_is == "sequence":
         seq_log = torch.where(seq_valid, seq_log, zero)
+        # exp of the true log extremes, capped at exp(20) against overflow (small ones just underflow)
         stats["rollout_is_max"] = torch.exp(_masked_max(seq_log, seq_valid).clamp(max=SAFETY_BOUND))
-        stats["rollout_is_min"] = torch.exp(_masked_min(seq_log, seq_valid).clamp(min=-SAFETY_BOUND * 5))
+        stats["rollout_is_min"] = torch.exp(_masked_min(seq_log, seq_valid).clamp(max=SAFETY_BOUND))
         stats["rollout_is_ratio_fraction_high"] = masked_mean((seq_log > math.log(upper)).to(zero.dtype), seq_valid)
         stats["rollout_is_ratio_fraction_low"] = masked_mean((seq_log < math.log(low)).to(zero.dtype), seq_valid)
     else:
@@ -635,8 +638,9 @@ def _veto(log_ratio, mask, seq_valid, threshold, keep, stats) -> None:
 def _offpolicy_stats(old, rollout, log_ratio, mask, seq_valid, stats) -> None:
     """KL, K3, perplexities and χ² between the training-side policy and the rollout policy."""
     safe = log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND)
-    mean_old = masked_mean_rows(old, mask)
-    mean_rollout = masked_mean_rows(rollout, mask)
+    # Per-sequence means in float64: a perplexity of a very unlikely sequence overflows float32.
+    mean_old = masked_mean_rows(old, mask).double()
+    mean_rollout = masked_mean_rows(rollout, mask).double()
     stats["training_ppl"] = masked_mean(torch.exp(-mean_old), seq_valid)
     stats["training_log_ppl"] = masked_mean(-mean_old, seq_valid)
     stats["rollout_ppl"] = masked_mean(torch.exp(-mean_rollout), seq_valid)

@@ -44,8 +44,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from learner.correction import (
     SAFETY_BOUND,
     RolloutCorrectionConfig,
-    check_log_probs,
     check_mask,
+    check_token_values,
     compute_rollout_correction,
     masked_mean,
     to_floats,
@@ -203,43 +203,10 @@ def compute_policy_loss(
     """The scalar policy loss (PPO / REINFORCE + KL − entropy) and its metrics. See the module
     docstring for the modes. `old_log_prob` may be None in bypass mode (π_old := π_rollout)."""
     mask = check_mask(response_mask)
-    log_prob = _check_grad_input("log_prob", log_prob, mask)
-    advantages = _check_grad_input("advantages", advantages, mask).detach()
-    metrics: dict[str, float] = {}
-
-    if correction_config.bypass_mode:
-        if precomputed_correction is not None:
-            raise ValueError("precomputed_correction is for decoupled mode: in bypass mode the weights "
-                             "depend on π_θ and are recomputed for every call")
-        if rollout_log_prob is None:
-            raise ValueError("bypass mode needs rollout_log_prob (it is the PPO anchor π_old)")
-        anchor = check_log_probs("rollout_log_prob", rollout_log_prob, mask).to(log_prob.dtype).detach()
-        with torch.no_grad():  # w = π_θ/π_rollout is a coefficient, recomputed for every call
-            weights, loss_mask, corr_metrics = compute_rollout_correction(log_prob.detach(), rollout_log_prob,
-                                                                          mask, correction_config)
-        metrics.update(corr_metrics)
-    else:
-        if old_log_prob is None:
-            raise ValueError("decoupled mode needs old_log_prob (the proximal policy); set bypass_mode "
-                             "to use the rollout log-probs instead")
-        anchor = check_log_probs("old_log_prob", old_log_prob, mask).to(log_prob.dtype).detach()
-        if precomputed_correction is not None:
-            weights, loss_mask = precomputed_correction
-            loss_mask = check_mask(loss_mask, mask.shape)
-            if (loss_mask & ~mask).any():
-                raise ValueError("precomputed_correction's mask keeps tokens that response_mask excludes")
-        else:
-            if rollout_log_prob is None:
-                raise ValueError("decoupled mode needs rollout_log_prob to compute the correction "
-                                 "(or pass precomputed_correction)")
-            weights, loss_mask, corr_metrics = compute_rollout_correction(old_log_prob, rollout_log_prob,
-                                                                          mask, correction_config)
-            metrics.update(corr_metrics)
-    loss_mask = check_mask(loss_mask)
-    if weights is not None:
-        if weights.shape != mask.shape:
-            raise ValueError(f"IS weights have shape {tuple(weights.shape)}, expected {tuple(mask.shape)}")
-        weights = weights.detach().to(log_prob.dtype)
+    log_prob = _upcast(check_token_values("log_prob", log_prob, mask))
+    advantages = _upcast(check_token_values("advantages", advantages, mask)).detach()
+    anchor, weights, loss_mask, metrics = _anchor_and_correction(
+        log_prob, old_log_prob, rollout_log_prob, mask, correction_config, precomputed_correction)
 
     stats: dict[str, torch.Tensor] = {}
     reinforce = correction_config.bypass_mode and correction_config.loss_type == "reinforce"
@@ -268,14 +235,14 @@ def compute_policy_loss(
     if loss_config.kl_coef > 0:
         if ref_log_prob is None:
             raise ValueError("kl_coef > 0 needs ref_log_prob (the reference policy's log-probs)")
-        ref = check_log_probs("ref_log_prob", ref_log_prob, mask).to(log_prob.dtype).detach()
+        ref = check_token_values("ref_log_prob", ref_log_prob, mask).to(log_prob.dtype).detach()
         kl_loss = agg(kl_penalty(log_prob, ref, loss_config.kl_estimator))
         loss = loss + loss_config.kl_coef * kl_loss
         stats["actor/kl_loss"] = kl_loss.detach()
     if entropy is not None or loss_config.entropy_coeff > 0:
         if entropy is None:
             raise ValueError("entropy_coeff > 0 needs entropy (per-token entropy of π_θ, [batch, tokens])")
-        entropy = _check_grad_input("entropy", entropy, mask)
+        entropy = _upcast(check_token_values("entropy", entropy, mask))
         entropy_loss = agg(entropy)
         if loss_config.entropy_coeff > 0:
             loss = loss - loss_config.entropy_coeff * entropy_loss
@@ -288,19 +255,40 @@ def compute_policy_loss(
     return loss, metrics
 
 
-def _check_grad_input(name: str, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Like check_log_probs, but keeps the graph and upcasts half precision to float32."""
-    if not isinstance(x, torch.Tensor):
-        raise ValueError(f"{name} must be a tensor, got {type(x).__name__}")
-    if x.shape != mask.shape:
-        raise ValueError(f"{name} has shape {tuple(x.shape)}, but response_mask has {tuple(mask.shape)}")
-    if not x.is_floating_point():
-        raise ValueError(f"{name} must be a floating-point tensor, got {x.dtype}")
-    bad = ~torch.isfinite(x.detach()) & mask
-    if bad.any():
-        row, col = (int(i) for i in bad.nonzero()[0])
-        raise ValueError(f"{name} is not finite ({x[row, col].item()}) at row {row}, token {col}")
-    if x.dtype in (torch.float16, torch.bfloat16):
-        x = x.float()
-    # Zero the padding so NaN/inf there cannot leak into sums (the gradient there is 0 anyway).
-    return torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
+def _upcast(x: torch.Tensor) -> torch.Tensor:
+    """Losses are summed in at least float32, whatever precision the model's log-probs have."""
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+
+
+def _anchor_and_correction(log_prob, old_log_prob, rollout_log_prob, mask, config, precomputed):
+    """(PPO anchor log-probs, IS weights or None, loss mask, rollout_corr metrics) for the mode."""
+    metrics: dict[str, float] = {}
+    if config.bypass_mode:
+        if precomputed is not None:
+            raise ValueError("precomputed_correction is for decoupled mode: in bypass mode the weights "
+                             "depend on π_θ and are recomputed for every call")
+        if rollout_log_prob is None:
+            raise ValueError("bypass mode needs rollout_log_prob (it is the PPO anchor π_old)")
+        anchor = check_token_values("rollout_log_prob", rollout_log_prob, mask)
+        with torch.no_grad():  # w = π_θ/π_rollout is a coefficient, recomputed for every call
+            weights, loss_mask, metrics = compute_rollout_correction(log_prob.detach(), rollout_log_prob, mask,
+                                                                     config)
+    else:
+        if old_log_prob is None:
+            raise ValueError("decoupled mode needs old_log_prob (the proximal policy); set bypass_mode "
+                             "to use the rollout log-probs instead")
+        anchor = check_token_values("old_log_prob", old_log_prob, mask)
+        if precomputed is not None:
+            weights, loss_mask = precomputed
+            if (check_mask(loss_mask, mask.shape) & ~mask).any():
+                raise ValueError("precomputed_correction's mask keeps tokens that response_mask excludes")
+        elif rollout_log_prob is None:
+            raise ValueError("decoupled mode needs rollout_log_prob to compute the correction "
+                             "(or pass precomputed_correction)")
+        else:
+            weights, loss_mask, metrics = compute_rollout_correction(old_log_prob, rollout_log_prob, mask, config)
+    if weights is not None:
+        if weights.shape != mask.shape:
+            raise ValueError(f"IS weights have shape {tuple(weights.shape)}, expected {tuple(mask.shape)}")
+        weights = weights.detach().to(log_prob.dtype)
+    return anchor.to(log_prob.dtype).detach(), weights, check_mask(loss_mask), metrics

@@ -77,6 +77,18 @@ def test_safety_bound_keeps_weights_finite_and_metrics_report_true_extremes():
     assert m["rollout_corr/rollout_is_ratio_fraction_high"] == 1.0  # e^55 > 1e12, judged unclamped
 
 
+def test_extreme_log_probs_give_finite_metrics_in_float32():
+    rollout = torch.full((2, 4), -1.0)
+    old = rollout + torch.tensor([[30.0, 40.0, 35.0, 25.0], [-100.0, -90.0, -95.0, -99.0]])
+    for cfg in (Cfg(rollout_is="sequence"), Cfg(rollout_is="token", rollout_is_batch_normalize=True),
+                Cfg(rollout_rs="seq_sum_k1,seq_max_k3", rollout_rs_threshold="0.5_2,1.0")):
+        _, mask, m = compute_rollout_correction(old, rollout, torch.ones(2, 4), cfg)
+        assert all(math.isfinite(v) for v in m.values()), {k: v for k, v in m.items() if not math.isfinite(v)}
+    # row 1 has mean log-prob −97: its perplexity e^97 is beyond float32 (row 0 adds ~0)
+    assert m["rollout_corr/training_ppl"] == pytest.approx(math.exp(97.0) / 2, rel=1e-5)
+    assert mask.sum() == 0
+
+
 def test_icepop_zeroes_weights_outside_the_band_and_keeps_the_mask():
     w, mask, m = run([[0.4, 1.0, 6.0, 5.0, NAN]], rollout_is="token", rollout_is_threshold="0.5_5.0")
     assert torch.allclose(w, torch.tensor([[0.0, 1.0, 0.0, 5.0, 0.0]], dtype=w.dtype))
@@ -473,7 +485,7 @@ def build(c, normalize=False):
 
 @settings(max_examples=60, deadline=None)
 @given(c=any_config, seed=st.integers(0, 2 ** 31 - 1), batch=st.integers(1, 6), tokens=st.integers(1, 9),
-       spread=st.sampled_from([0.01, 0.3, 2.0, 30.0]))
+       spread=st.sampled_from([0.01, 0.3, 2.0, 30.0, 100.0]))
 def test_invariants_weights_capped_zero_at_padding_mask_only_shrinks(c, seed, batch, tokens, spread):
     cfg = build(c)
     old, rollout, mask = random_batch(torch.Generator().manual_seed(seed), batch, tokens, spread)

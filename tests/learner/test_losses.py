@@ -402,6 +402,15 @@ def test_float32_agrees_with_float64():
             assert m32[key] == pytest.approx(m64[key], rel=1e-4, abs=1e-6)
 
 
+def test_half_precision_log_probs_are_summed_in_float32():
+    lp, old, rollout, adv, mask = random_inputs(torch.Generator().manual_seed(8), 4, 6)
+    lp16 = lp.detach().to(torch.bfloat16).requires_grad_()
+    loss, _ = compute_policy_loss(lp16, old.float(), rollout.float(), adv.to(torch.bfloat16), mask,
+                                  Cfg.decoupled_token_is(), LOSS)
+    loss.backward()
+    assert loss.dtype == torch.float32 and lp16.grad.dtype == torch.bfloat16 and torch.isfinite(lp16.grad).all()
+
+
 def test_policy_loss_config_validation():
     with pytest.raises(ValidationError, match="clip_ratio_c"):
         PolicyLossConfig(clip_ratio_c=1.0)
