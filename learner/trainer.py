@@ -16,6 +16,7 @@ The three log-probs keep the names of DESIGN.md: `rollout_log_prob` (μ), `old_l
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import shutil
@@ -36,9 +37,9 @@ from lm.weight_sync import save_weights_folder
 
 TRAINER_STATE_FILE = "trainer.pt"
 POLICY_DIR = "policy"
-# Files of an HF folder that are not weights: copied beside a saved policy so it stays loadable.
 # Loss-side metrics that are sums over the minibatch (each micro-batch adds its share).
 _ADDITIVE_METRICS = frozenset({"actor/pg_loss", "actor/entropy", "actor/kl_loss"})
+# Files of an HF folder that are not weights: copied beside a saved policy so it stays loadable.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                     "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja")
 
@@ -73,15 +74,13 @@ def lr_factor(step: int, warmup_steps: int, schedule: str, total_steps: int | No
     return min_ratio + (1.0 - min_ratio) * shape
 
 
-def _timed(metrics: dict, key: str):
-    class _Timer:
-        def __enter__(self):
-            self.start = time.perf_counter()
-
-        def __exit__(self, *exc):
-            metrics[key] = metrics.get(key, 0.0) + time.perf_counter() - self.start
-
-    return _Timer()
+@contextlib.contextmanager
+def _timed(timing: dict, key: str):
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        timing[key] = timing.get(key, 0.0) + time.perf_counter() - start
 
 
 class Learner:
@@ -166,7 +165,7 @@ class Learner:
         self.scheduler.step()
         self.version += 1
 
-        metrics = self._combine(partial, shard_stats, timing)
+        metrics = self._combine(partial, len(grad_norms), shard_stats, timing)
         metrics.update(self._batch_metrics(batch))
         metrics["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
         metrics["actor/optimizer_steps"] = float(len(grad_norms))
@@ -185,13 +184,13 @@ class Learner:
 
     def _minibatch_groups(self, num_groups: int) -> list[list[list[int]]]:
         """Per epoch, the minibatches as lists of group positions. Shuffling is seeded by the
-        version, so a resumed run repeats the same order."""
-        size = self.config.ppo_mini_batch_size or num_groups
-        if num_groups % size:
-            raise ValueError(f"the batch holds {num_groups} groups, not a multiple of ppo_mini_batch_size={size}")
-        if size < self.comm.world_size:
-            raise ValueError(f"a minibatch of {size} groups cannot feed {self.comm.world_size} learner ranks "
+        version, so a resumed run repeats the same order. A rank may sit out a minibatch smaller
+        than the world (it still joins the gradient sum, with zeros)."""
+        if num_groups < self.comm.world_size:
+            raise ValueError(f"a batch of {num_groups} groups cannot feed {self.comm.world_size} learner ranks "
                              f"(each rank needs at least one group)")
+        # The last minibatch may be smaller (the buffer drops stale groups from a pull).
+        size = self.config.ppo_mini_batch_size or num_groups
         epochs = []
         gen = torch.Generator().manual_seed(self.config.seed * 1_000_003 + self.version)
         for _ in range(self.config.ppo_epochs):
@@ -215,7 +214,7 @@ class Learner:
         want_entropy = cfg.policy_loss.entropy_coeff > 0 or cfg.compute_entropy
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = defaultdict(float)
-        micro = cfg.micro_batch_size or len(local)
+        micro = cfg.micro_batch_size or max(1, len(local))
         for start in range(0, len(local), micro):
             rows = local[start : start + micro]
             mb = shard.select(rows)
@@ -279,12 +278,13 @@ class Learner:
 
     # ------------------------------------------------------------------ metrics
 
-    def _combine(self, partial: dict[str, list[float]], shard_stats: dict[str, float],
+    def _combine(self, partial: dict[str, list[float]], num_minibatches: int, shard_stats: dict[str, float],
                  timing: dict[str, float]) -> dict[str, float]:
-        """One dict for the step. Loss-side metrics are per-rank shares: mean over minibatches,
-        summed over ranks. The up-front correction's statistics describe each rank's shard:
-        averaged over ranks (maxima by max, minima by min). Timings: the slowest rank."""
-        losses = {k: sum(v) / len(v) for k, v in partial.items()}
+        """One dict for the step. Loss-side metrics are per-rank shares of each minibatch's
+        value: summed over ranks, averaged over minibatches. The up-front correction's statistics
+        describe each rank's shard: averaged over ranks (maxima by max, minima by min). Timings:
+        the slowest rank."""
+        losses = {k: sum(v) / num_minibatches for k, v in partial.items()}
         out = self._reduce(losses, "sum")
         shard_stats = {k: v for k, v in shard_stats.items() if k not in out}
         out.update(self._reduce({k: v for k, v in shard_stats.items() if k.endswith("_max")}, "max"))

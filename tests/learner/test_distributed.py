@@ -22,10 +22,12 @@ def policy_dir(tmp_path_factory):
 @pytest.mark.parametrize("overrides", [
     # two minibatches (one group per rank each), micro-batches of 3 sequences, token-mean
     {"ppo_mini_batch_size": 2, "micro_batch_size": 3},
+    # minibatches of 3 and 1 groups: rank 1 sits out the second one
+    {"ppo_mini_batch_size": 3},
     # bypass REINFORCE with sequence IS and a sequence-mean aggregation, two epochs
     {"rollout_correction": "bypass_pg_is", "ppo_epochs": 2,
      "policy_loss": {"loss_agg_mode": "seq-mean-token-mean"}},
-], ids=["decoupled-minibatches", "bypass-seq-mean"])
+], ids=["decoupled-minibatches", "uneven-minibatches", "bypass-seq-mean"])
 def test_two_gloo_ranks_make_the_update_of_one_rank(policy_dir, ray_cluster, overrides):
     groups = sample_groups(policy_dir, n_groups=4, n=3, seed=4, logprob_noise=0.2)
     config = dict(model_path=str(policy_dir), lr=1e-3, **overrides)
@@ -52,12 +54,13 @@ def test_two_gloo_ranks_make_the_update_of_one_rank(policy_dir, ray_cluster, ove
         group.shutdown()
 
 
-def test_a_minibatch_smaller_than_the_world_is_refused(policy_dir):
+def test_a_batch_smaller_than_the_world_is_refused(policy_dir):
     from learner.distributed import LocalComm
 
-    class TwoRanks(LocalComm):  # the check runs before any collective
-        world_size = 2
+    class ThreeRanks(LocalComm):  # the check runs before any collective
+        world_size = 3
 
-    learner = Learner(LearnerConfig(model_path=str(policy_dir), ppo_mini_batch_size=1), comm=TwoRanks())
-    with pytest.raises(ValueError, match="cannot feed 2 learner ranks"):
+    learner = Learner(LearnerConfig(model_path=str(policy_dir)), comm=ThreeRanks())
+    with pytest.raises(ValueError, match="a batch of 2 groups cannot feed 3 learner ranks"):
         learner.train_step(sample_groups(policy_dir, n_groups=2, n=2))
+    assert learner.version == 0
