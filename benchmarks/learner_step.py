@@ -1,0 +1,119 @@
+"""Learner step cost by proximal log-prob path, and weight publication cost by channel.
+
+    .venv/bin/python benchmarks/learner_step.py [--groups 8] [--n 4] [--response 64] [--steps 3]
+
+Builds a small random Qwen2 policy as an HF folder, then in one run measures:
+  * seconds per learner step with prox_logp=recompute (one extra no-grad pass), loglinear
+    (AReaL's approximation, no extra pass) and bypass mode, and the ratio recompute / loglinear;
+  * seconds per weight publication through the Ray object store (one ray.put) and as a versioned
+    safetensors folder, with the payload size, and the seconds a consumer needs to resolve it.
+Prints the numbers; asserts nothing about time.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from buffer.sample import Group, Sample
+from learner.config import LearnerConfig
+from learner.trainer import Learner
+from lm.weight_sync import resolve_weights
+
+
+def build_policy(folder: Path, vocab: int, hidden: int, layers: int) -> Path:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 3,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=512, tie_word_embeddings=True)
+    Qwen2ForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+def random_groups(groups: int, n: int, prompt_len: int, response_len: int, vocab: int, version: int) -> list[Group]:
+    """Token ids and behaviour log-probs drawn at random: the step's cost does not depend on them."""
+    rng = np.random.default_rng(0)
+    out = []
+    for g in range(groups):
+        prompt = rng.integers(1, vocab, prompt_len)
+        samples = [Sample(sample_id=f"{g}-{i}", group_id=f"g{g}", prompt_ids=prompt,
+                          response_ids=rng.integers(1, vocab, response_len),
+                          rollout_log_probs=-rng.exponential(3.0, response_len).astype(np.float32),
+                          loss_mask=np.ones(response_len, np.uint8), reward=float(rng.random()),
+                          weight_version=version)
+                   for i in range(n)]
+        out.append(Group(group_id=f"g{g}", samples=samples, prompt_index=g))
+    return out
+
+
+def time_steps(config: LearnerConfig, groups, steps: int) -> tuple[float, float]:
+    learner = Learner(config)
+    learner.version = 1  # samples one version old: loglinear interpolates
+    learner.train_step(groups)  # warm-up
+    totals, prox = [], []
+    for _ in range(steps):
+        metrics = learner.train_step(groups)
+        totals.append(metrics["timing_s/step"])
+        prox.append(metrics["timing_s/old_log_prob"])
+    return statistics.median(totals), statistics.median(prox)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--groups", type=int, default=8)
+    parser.add_argument("--n", type=int, default=4)
+    parser.add_argument("--prompt", type=int, default=32)
+    parser.add_argument("--response", type=int, default=64)
+    parser.add_argument("--vocab", type=int, default=2048)
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=3)
+    args = parser.parse_args()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+
+    with tempfile.TemporaryDirectory() as tmp:
+        policy = build_policy(Path(tmp) / "policy", args.vocab, args.hidden, args.layers)
+        groups = random_groups(args.groups, args.n, args.prompt, args.response, args.vocab, version=0)
+        base = dict(model_path=str(policy), lr=1e-5, micro_batch_size=16)
+        print(f"batch: {args.groups} groups x {args.n} = {args.groups * args.n} sequences, "
+              f"{args.prompt}+{args.response} tokens; torch threads {torch.get_num_threads()}")
+        results = {}
+        for name, overrides in (("recompute", {}), ("loglinear", {"prox_logp": "loglinear"}),
+                                ("bypass", {"rollout_correction": "bypass_ppo_clip"})):
+            step_s, prox_s = time_steps(LearnerConfig(**base, **overrides), groups, args.steps)
+            results[name] = step_s
+            print(f"  step {name:9s}: {step_s:7.3f} s/step  (proximal pass {prox_s:.3f} s)")
+        print(f"  recompute / loglinear step time: {results['recompute'] / results['loglinear']:.2f}x")
+
+        import ray
+
+        ray.init(num_cpus=1, _node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False)
+        try:
+            for mode in ("object_store", "folder"):
+                sync = {"mode": mode, "folder": str(Path(tmp) / "weights")} if mode == "folder" else {"mode": mode}
+                learner = Learner(LearnerConfig(**base, weight_sync=sync))
+                publish, resolve = [], []
+                for _ in range(args.steps):
+                    payload = learner.publish_weights()
+                    publish.append(payload["publish_s"])
+                    start = time.perf_counter()
+                    state = resolve_weights(payload)
+                    resolve.append(time.perf_counter() - start)
+                    learner.version += 1
+                mb = sum(t.numel() * t.element_size() for t in state.values()) / 2**20
+                print(f"  weight sync {mode:12s}: publish {statistics.median(publish) * 1e3:8.1f} ms, "
+                      f"resolve {statistics.median(resolve) * 1e3:8.1f} ms, {mb:.1f} MiB")
+        finally:
+            ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()
