@@ -106,6 +106,11 @@ class Learner:
         )
         self.version = int(version)
         self._published: list[Path] = []
+        # The KL penalty's reference: the initial policy, frozen.
+        self.ref_model = None
+        if config.policy_loss.kl_coef > 0:
+            self.ref_model = load_causal_lm(config.model_path, dtype=config.dtype, device=str(self.device)).eval()
+            self.ref_model.requires_grad_(False)
 
     # ------------------------------------------------------------------ set-up
 
@@ -152,6 +157,10 @@ class Learner:
                 old_log_prob, _ = self._log_probs(shard, grad=False)
                 is_weights, mask, shard_stats = compute_rollout_correction(
                     old_log_prob, shard.rollout_log_probs, shard.response_mask, cfg.rollout_correction)
+        ref_log_prob = None
+        if self.ref_model is not None:
+            with _timed(timing, "timing_s/ref"):
+                ref_log_prob, _ = self._log_probs(shard, grad=False, model=self.ref_model)
 
         lr = self.optimizer.param_groups[0]["lr"]
         partial: dict[str, list[float]] = defaultdict(list)
@@ -161,7 +170,7 @@ class Learner:
                 for mb_groups in epoch:
                     local = [row_of[r] for r in batch.rows_of_groups(self._my_part(mb_groups))]
                     grad_norms.append(self._minibatch_update(shard, local, shard_adv, old_log_prob, is_weights,
-                                                             mask, partial))
+                                                             mask, ref_log_prob, partial))
         self.scheduler.step()
         self.version += 1
 
@@ -201,7 +210,7 @@ class Learner:
         return epochs
 
     def _minibatch_update(self, shard: TrainBatch, local: list[int], advantages, old_log_prob, is_weights,
-                          mask, partial) -> float:
+                          mask, ref_log_prob, partial) -> float:
         """Forward/backward over this rank's part of one minibatch in micro-batches, sum the
         gradients over ranks, clip and step. Returns the gradient norm."""
         cfg = self.config
@@ -221,6 +230,8 @@ class Learner:
             width = mb.response_mask.shape[1]
             log_prob, entropy = self._log_probs(mb, grad=True, with_entropy=want_entropy)
             extra = {}
+            if ref_log_prob is not None:
+                extra["ref_log_prob"] = ref_log_prob[rows, :width]
             if self._recompute_prox:
                 old = old_log_prob[rows, :width]
                 weights = None if is_weights is None else is_weights[rows, :width]
@@ -258,16 +269,17 @@ class Learner:
         self.optimizer.step()
         return norm
 
-    def _log_probs(self, batch: TrainBatch, grad: bool, with_entropy: bool = False):
-        """(log π(response tokens), entropy or None) for a sub-batch; the no-grad pass runs in
-        micro-batches."""
+    def _log_probs(self, batch: TrainBatch, grad: bool, with_entropy: bool = False, model=None):
+        """(log π(response tokens), entropy or None) for a sub-batch under the policy (or the
+        given model); the no-grad pass runs in micro-batches."""
         cfg = self.config
+        model = model or self.model
         chunk = len(batch) if grad else (cfg.micro_batch_size or len(batch))
         width = batch.response_mask.shape[1]
         log_probs, entropies = [], []
         with torch.set_grad_enabled(grad):
             for start in range(0, len(batch), chunk):
-                out = response_log_probs(self.model, batch.prompts[start : start + chunk],
+                out = response_log_probs(model, batch.prompts[start : start + chunk],
                                          batch.responses[start : start + chunk], cfg.temperature,
                                          cfg.pad_token_id, with_entropy=with_entropy)
                 log_probs.append(torch.nn.functional.pad(out[0], (0, width - out[0].shape[1])))

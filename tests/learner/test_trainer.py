@@ -105,6 +105,15 @@ def test_on_policy_data_makes_the_three_paths_agree(policy_dir, groups):
     assert max_param_diff(updates[0], updates[2]) < 1e-6
 
 
+def test_kl_penalty_to_the_initial_policy(policy_dir, groups):
+    learner = make_learner(policy_dir, policy_loss={"kl_coef": 0.1})
+    first = learner.train_step(groups)
+    second = learner.train_step(groups)
+    assert first["actor/kl_loss"] == pytest.approx(0.0, abs=1e-7)  # π_θ = π_ref before the first update
+    assert second["actor/kl_loss"] > 1e-4  # after it they differ, and the penalty sees it
+    assert second["timing_s/ref"] > 0
+
+
 def test_loglinear_interpolates_by_staleness():
     mu = torch.tensor([[-1.0, -1.0, -1.0]])
     theta = torch.tensor([[-2.0, -2.0, -2.0]], requires_grad=True)
