@@ -39,9 +39,9 @@ TRAINER_STATE_FILE = "trainer.pt"
 POLICY_DIR = "policy"
 # Loss-side metrics that are sums over the minibatch (each micro-batch adds its share).
 _ADDITIVE_METRICS = frozenset({"actor/pg_loss", "actor/entropy", "actor/kl_loss"})
-# Files of an HF folder that are not weights: copied beside a saved policy so it stays loadable.
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-                    "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja")
+# Weight files of an HF folder; every other file of the source (tokenizer, chat template, ...) is
+# copied beside a saved policy so the folder stays usable as a model.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json", ".lock")
 
 
 def loglinear_prox_log_prob(rollout_log_prob: torch.Tensor, log_prob: torch.Tensor,
@@ -407,17 +407,17 @@ class Learner:
                            f"unexpected {result.unexpected_keys}")
 
     def save_policy(self, folder) -> Path | None:
-        """The policy as an HF folder (config, safetensors, tokenizer files of the source)."""
+        """The policy as an HF folder: config and safetensors weights, plus the source folder's
+        other files (tokenizer and the like)."""
         state = self.full_state_dict()
         if self.comm.rank != 0:
             return None
         folder = Path(folder)
         model = self.model
         model.save_pretrained(folder, state_dict=state, safe_serialization=True)
-        source = Path(self.config.model_path)
-        for name in _TOKENIZER_FILES:
-            if (source / name).is_file():
-                shutil.copy2(source / name, folder / name)
+        for f in Path(self.config.model_path).iterdir():
+            if f.is_file() and not f.name.endswith(_WEIGHT_SUFFIXES) and not (folder / f.name).exists():
+                shutil.copy2(f, folder / f.name)
         return folder
 
     def save_checkpoint(self, folder) -> Path | None:

@@ -187,6 +187,7 @@ def test_loss_mask_keeps_tool_tokens_out_of_the_loss(policy_dir):
 
 
 def test_checkpoint_round_trip_gives_the_identical_next_step(policy_dir, groups, tmp_path):
+    (policy_dir / "tokenizer.json").write_text("{}")  # stands in for the source's tokenizer
     first = make_learner(policy_dir, warmup_steps=2, lr_schedule="cosine", total_steps=10)
     first.train_step(groups)
     state = first.state_dict()
@@ -205,8 +206,9 @@ def test_checkpoint_round_trip_gives_the_identical_next_step(policy_dir, groups,
         assert got["actor/lr"] == expected["actor/lr"] and again.version == 2
         assert max_param_diff(want, params_of(again.model)) == 0.0, restore
 
-    # The policy folder is a loadable HF model.
+    # The policy folder is a loadable HF model and keeps the source's non-weight files.
     reloaded = load_causal_lm(tmp_path / "ckpt" / "policy")
+    assert (tmp_path / "ckpt" / "policy" / "tokenizer.json").read_text() == "{}"
     assert max_param_diff(params_of(reloaded), state["model"]) == 0.0
     with pytest.raises(FileNotFoundError, match="has no trainer.pt"):
         again.load_checkpoint(tmp_path)
