@@ -303,6 +303,7 @@ class Controller:
             ).remote(rollout_cfg, worker_id, self.buffer.client, self.weight_store)
             self.workers.append(handle)
         self.worker_refs = [w.run.remote() for w in self.workers]
+        self.worker_failures = [0] * len(self.workers)
 
     def stop(self) -> None:
         import ray
@@ -317,6 +318,9 @@ class Controller:
             for w in self.workers:
                 ray.kill(w)
             self.workers = []
+        if self.evaluator is not None:
+            self.evaluator.close()
+            self.evaluator = None
         if self.learner is not None:
             self.learner.shutdown()
             self.learner = None
@@ -348,6 +352,8 @@ class Controller:
                 if self.exporter is not None:
                     self.exporter.record_step(record, version=self.version)  # staleness: from the buffer's stats
                     self.exporter.record_buffer_stats(self.buffer.client.stats())
+                    for stats in self.worker_stats():
+                        self.exporter.record_worker_stats(stats["worker_id"], stats)
                 progress.update(1)
                 progress.set_postfix_str(_postfix(record, self.evals), refresh=False)
                 if cfg.run.checkpoint_every and self.step % cfg.run.checkpoint_every == 0 and self.step < cfg.run.steps:
@@ -405,14 +411,32 @@ class Controller:
         return record
 
     def _check_workers(self) -> None:
-        """A worker whose run() ended with an error (beyond Ray's restarts) stops the run loudly."""
+        """Restart the loop of a worker that Ray restarted after a crash; a worker that fails more
+        often than ray.worker_max_restarts, or returns an error, stops the run loudly."""
         import ray
 
         done, _ = ray.wait(self.worker_refs, num_returns=len(self.worker_refs), timeout=0)
         for ref in done:
-            ray.get(ref)  # raises the worker's error
-        if done and len(done) == len(self.worker_refs):
-            raise RuntimeError("every rollout worker stopped; no more data will come")
+            index = self.worker_refs.index(ref)
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError as exc:
+                self.worker_failures[index] += 1
+                if self.worker_failures[index] > self.cfg.ray.worker_max_restarts:
+                    raise RuntimeError(f"rollout worker-{index} died {self.worker_failures[index]} times") from exc
+                log.warning("rollout worker-%d died (%s); Ray restarts it, its permits come back", index,
+                            type(exc).__name__)
+                if self.exporter is not None:
+                    self.exporter.record_worker_restart(f"worker-{index}")
+                self.worker_refs[index] = self.workers[index].run.remote()
+                continue
+            if not self.stop_requested.is_set():
+                raise RuntimeError(f"rollout worker-{index} stopped on its own")
+
+    def worker_stats(self) -> list[dict]:
+        import ray
+
+        return ray.get([w.stats.remote() for w in self.workers], timeout=30)
 
     def evals_at(self, step: int) -> bool:
         return any(e.get("step") == step for e in self.evals)
