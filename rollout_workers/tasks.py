@@ -138,3 +138,21 @@ class PromptSet:
         if ticket < 0:
             raise ValueError(f"ticket must be >= 0, got {ticket}")
         return self.problems[ticket % len(self.problems)]
+
+
+def train_prompts(task) -> PromptSet:
+    """The training prompt set of a `rollout_workers.config.TaskConfig`."""
+    if task.kind == "file":
+        return PromptSet(load_prompt_file(task.path, task.prompt_key, task.answer_key))
+    return PromptSet(mixed_problems(list(task.families), list(task.difficulties), "train", task.num_prompts, task.seed))
+
+
+def heldout_problems(task, count: int, seed: int | None = None) -> list[Problem]:
+    """Up to `count` held-out problems of a TaskConfig (never in its training set)."""
+    if task.kind == "file":
+        if not task.heldout_path:
+            raise ValueError("task.kind=file has no task.heldout_path: there is no held-out set to evaluate on")
+        return load_prompt_file(task.heldout_path, task.prompt_key, task.answer_key)[:count]
+    return mixed_problems(
+        list(task.families), list(task.difficulties), "heldout", count, task.seed if seed is None else seed
+    )

