@@ -112,6 +112,8 @@ def build_batch(groups, learner_version: int | None = None) -> TrainBatch:
         raise BatchError("cannot build a training batch from zero groups")
     rows, group_index, group_ids, sample_ids = [], [], [], []
     for position, group in enumerate(groups):
+        if not hasattr(group, "samples") or not hasattr(group, "group_id"):
+            raise BatchError(f"item {position} of the batch is a {type(group).__name__}, not a Group")
         if not group.samples:
             raise BatchError(f"group {group.group_id!r} has no samples")
         for sample in group.samples:

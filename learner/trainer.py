@@ -221,6 +221,7 @@ class Learner:
         counts = self.comm.all_reduce_sum(torch.tensor([tokens, seqs, len(local)], dtype=torch.float64))
         global_tokens, global_seqs, global_rows = counts.tolist()
         want_entropy = cfg.policy_loss.entropy_coeff > 0 or cfg.compute_entropy
+        entropy_grad = cfg.policy_loss.entropy_coeff > 0  # reported only: no graph needed
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = defaultdict(float)
         micro = cfg.micro_batch_size or max(1, len(local))
@@ -228,7 +229,7 @@ class Learner:
             rows = local[start : start + micro]
             mb = shard.select(rows)
             width = mb.response_mask.shape[1]
-            log_prob, entropy = self._log_probs(mb, grad=True, with_entropy=want_entropy)
+            log_prob, entropy = self._log_probs(mb, grad=True, with_entropy=want_entropy, entropy_grad=entropy_grad)
             extra = {}
             if ref_log_prob is not None:
                 extra["ref_log_prob"] = ref_log_prob[rows, :width]
@@ -269,7 +270,8 @@ class Learner:
         self.optimizer.step()
         return norm
 
-    def _log_probs(self, batch: TrainBatch, grad: bool, with_entropy: bool = False, model=None):
+    def _log_probs(self, batch: TrainBatch, grad: bool, with_entropy: bool = False, entropy_grad: bool = True,
+                   model=None):
         """(log π(response tokens), entropy or None) for a sub-batch under the policy (or the
         given model); the no-grad pass runs in micro-batches."""
         cfg = self.config
@@ -281,7 +283,7 @@ class Learner:
             for start in range(0, len(batch), chunk):
                 out = response_log_probs(model, batch.prompts[start : start + chunk],
                                          batch.responses[start : start + chunk], cfg.temperature,
-                                         cfg.pad_token_id, with_entropy=with_entropy)
+                                         cfg.pad_token_id, with_entropy=with_entropy, entropy_grad=entropy_grad)
                 log_probs.append(torch.nn.functional.pad(out[0], (0, width - out[0].shape[1])))
                 if with_entropy:
                     entropies.append(torch.nn.functional.pad(out[2], (0, width - out[2].shape[1])))

@@ -65,12 +65,14 @@ def response_log_probs(
     temperature: float = 1.0,
     pad_id: int = 0,
     with_entropy: bool = False,
+    entropy_grad: bool = True,
 ):
     """Log-probs of each response token under `model` (logits divided by temperature), as
     [B, T] right-padded with zeros, and the [B, T] response mask; with `with_entropy`, also the
     [B, T] entropy of the tempered next-token distribution at each response position (the
-    learner's entropy bonus and metric). Gradients flow unless the caller wraps this in
-    torch.no_grad()."""
+    learner's entropy bonus and metric; `entropy_grad=False` computes it without a graph, which
+    saves a [T, vocab] activation per row when it is only reported). Gradients flow unless the
+    caller wraps this in torch.no_grad()."""
     input_ids, attention, response_mask, resp_width = pad_sequences(prompts, responses, pad_id)
     device = next(model.parameters()).device
     logits = model(input_ids=input_ids.to(device), attention_mask=attention.to(device)).logits
@@ -90,7 +92,8 @@ def response_log_probs(
         lp = log_dist.gather(-1, targets[:, None]).squeeze(-1)
         rows.append(torch.nn.functional.pad(lp, (0, resp_width - len(r))))
         if with_entropy:
-            ent = -(log_dist.exp() * log_dist).sum(-1)
+            with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
+                ent = -(log_dist.exp() * log_dist).sum(-1)
             entropies.append(torch.nn.functional.pad(ent, (0, resp_width - len(r))))
     if with_entropy:
         return torch.stack(rows), response_mask.to(device), torch.stack(entropies)

@@ -105,6 +105,20 @@ def test_on_policy_data_makes_the_three_paths_agree(policy_dir, groups):
     assert max_param_diff(updates[0], updates[2]) < 1e-6
 
 
+def test_entropy_metric_and_bonus(policy_dir, groups):
+    batch = build_batch(groups)
+    model = load_causal_lm(policy_dir)
+    with torch.no_grad():
+        _, mask, entropy = response_log_probs(model, batch.prompts, batch.responses, with_entropy=True)
+    want = float((entropy * mask).sum() / mask.sum())  # token-mean over the batch, before the update
+
+    plain, bonus = make_learner(policy_dir), make_learner(policy_dir, policy_loss={"entropy_coeff": 0.05})
+    assert plain.train_step(groups)["actor/entropy"] == pytest.approx(want, rel=1e-5)
+    assert bonus.train_step(groups)["actor/entropy"] == pytest.approx(want, rel=1e-5)
+    # The bonus is part of the loss only when its coefficient is set: the updates differ.
+    assert max_param_diff(params_of(plain.model), params_of(bonus.model)) > 1e-6
+
+
 def test_kl_penalty_to_the_initial_policy(policy_dir, groups):
     learner = make_learner(policy_dir, policy_loss={"kl_coef": 0.1})
     first = learner.train_step(groups)
@@ -160,6 +174,8 @@ def test_bad_batches_are_refused_with_the_field_named(policy_dir, groups):
         learner.train_step(variant(rollout_log_probs=nan))
     with pytest.raises(BatchError, match="'loss_mask' has"):
         learner.train_step(variant(loss_mask=np.ones(len(good.response_ids) + 1, np.uint8)))
+    with pytest.raises(BatchError, match="item 1 of the batch is a dict, not a Group"):
+        learner.train_step([groups[0], {"samples": []}])
     with pytest.raises(BatchError, match="zero groups"):
         learner.train_step([])
     assert learner.version == 0  # nothing was trained on
