@@ -8,7 +8,10 @@
 3. Memory: resident memory the buffer process gains holding 10,000 such samples, against their
    raw array bytes (goal <= 1.5x).
 
-    python benchmarks/buffer_throughput.py [--samples 40000] [--group-size 8] [--producers 2]
+The machine may be shared: raw and service runs alternate for --rounds rounds and the medians
+are compared, so a burst of outside load does not land on one side only.
+
+    python benchmarks/buffer_throughput.py [--samples 24000] [--group-size 8] [--producers 2] [--rounds 3]
 """
 from __future__ import annotations
 
@@ -192,7 +195,8 @@ def run_memory(workdir: Path, samples: int, group_size: int) -> tuple[int, int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--samples", type=int, default=40000)
+    parser.add_argument("--samples", type=int, default=24000)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--producers", type=int, default=2)
     parser.add_argument("--batch-groups", type=int, default=8)
@@ -202,13 +206,21 @@ def main() -> None:
     sample_bytes = PROMPT_TOKENS * 4 + RESPONSE_TOKENS * 13
     print(f"samples of {sample_bytes} bytes, groups of {args.group_size}, {args.producers} producer processes, "
           f"{groups * args.group_size} samples per run, {os.cpu_count()} CPUs, loadavg {os.getloadavg()[0]:.1f}")
+    raws, services, p50s, p99s = [], [], [], []
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
-        raw = run_raw(groups, args.group_size, args.producers)
-        service, p50, p99 = run_service(workdir, groups, args.group_size, args.producers, args.batch_groups)
+        for _ in range(args.rounds):
+            raws.append(run_raw(groups, args.group_size, args.producers))
+            service, p50, p99 = run_service(workdir, groups, args.group_size, args.producers, args.batch_groups)
+            services.append(service)
+            p50s.append(p50)
+            p99s.append(p99)
         grown, raw_bytes = run_memory(workdir, args.memory_samples, args.group_size)
-    print(f"raw PUSH/PULL + codec : {raw:10.0f} samples/s  ({raw * sample_bytes / 1e6:.0f} MB/s)")
-    print(f"buffer service        : {service:10.0f} samples/s  ({service * sample_bytes / 1e6:.0f} MB/s)")
+    print("per round (raw, service) samples/s: " + ", ".join(f"({r:.0f}, {s:.0f})" for r, s in zip(raws, services)))
+    raw, service = float(np.median(raws)), float(np.median(services))
+    p50, p99 = float(np.median(p50s)), float(np.median(p99s))
+    print(f"raw PUSH/PULL + codec : {raw:10.0f} samples/s (median)  ({raw * sample_bytes / 1e6:.0f} MB/s)")
+    print(f"buffer service        : {service:10.0f} samples/s (median)  ({service * sample_bytes / 1e6:.0f} MB/s)")
     print(f"ratio service/raw     : {service / raw:10.2f}   (goal >= 0.5)")
     print(f"push round trip       : p50 {p50 * 1e3:.2f} ms, p99 {p99 * 1e3:.2f} ms  (group of {args.group_size})")
     print(f"memory for {args.memory_samples} samples : {grown / 1e6:.1f} MB resident vs {raw_bytes / 1e6:.1f} MB raw "

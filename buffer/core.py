@@ -98,17 +98,16 @@ class BufferCore:
         with self._lock:
             permit = self.try_acquire(worker_id, permit_id)
             if permit is not None or timeout <= 0:
-                self.finish_gate_wait(0.0, permit is not None)
+                self.finish_gate_wait(permit is not None)
                 return permit
             start = self.clock()
-            self.enqueued += 1
+            self.start_gate_wait()
             try:
                 while permit is None and (left := start + timeout - self.clock()) > 0:
                     self._changed.wait(min(left, _WAIT_SLICE_S))
                     permit = self.try_acquire(worker_id, permit_id)
             finally:
-                self.enqueued -= 1
-            self.finish_gate_wait(self.clock() - start, permit is not None)
+                self.finish_gate_wait(permit is not None, start)
             return permit
 
     def try_acquire(self, worker_id: str, permit_id: str | None = None) -> Permit | None:
@@ -123,11 +122,18 @@ class BufferCore:
                 self._append({"op": "acquire", "permit": permit.to_dict()})
             return permit
 
-    def finish_gate_wait(self, waited_s: float, granted: bool) -> None:
-        """Account one acquire request that is over (granted or not) after waiting `waited_s`."""
+    def start_gate_wait(self) -> None:
+        """An acquire request starts waiting for capacity (the ZMQ server parks it)."""
         with self._lock:
-            if waited_s > 0:
-                self.counters.gate_wait_seconds += waited_s
+            self.enqueued += 1
+
+    def finish_gate_wait(self, granted: bool, started: float | None = None) -> None:
+        """Account one acquire request that is over, granted or not; `started` (core clock) is
+        when a request that waited called `start_gate_wait`."""
+        with self._lock:
+            if started is not None:
+                self.enqueued -= 1
+                self.counters.gate_wait_seconds += self.clock() - started
                 self.counters.gate_waits += 1
             if not granted:
                 self.gate.rejected += 1

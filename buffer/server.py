@@ -23,7 +23,6 @@ import math
 import signal
 import sys
 import threading
-import time
 from dataclasses import dataclass
 
 import zmq
@@ -159,7 +158,7 @@ class BufferServer:
 
     def _poll_timeout_ms(self) -> int:
         deadlines = [p.deadline for p in self._acquires + self._pulls]
-        now = time.monotonic()
+        now = self.core.clock()
         wait = min([_MAX_LOOP_WAIT_S, *(d - now for d in deadlines)])
         return max(0, int(wait * 1000))
 
@@ -206,11 +205,11 @@ class BufferServer:
     def _acquire(self, identity, request_id, args, _payload):
         permit = self.core.try_acquire(args["worker_id"], args["permit_id"])
         if permit is None and args["timeout"] > 0:
-            now = time.monotonic()
+            now = self.core.clock()
             self._acquires.append(_Parked(identity, request_id, args, now, now + args["timeout"]))
-            self.core.enqueued += 1
+            self.core.start_gate_wait()
             return None
-        self.core.finish_gate_wait(0.0, permit is not None)
+        self.core.finish_gate_wait(permit is not None)
         return (None if permit is None else permit.to_dict()),
 
     def _release(self, identity, request_id, args, _payload):
@@ -222,7 +221,7 @@ class BufferServer:
     def _pull(self, identity, request_id, args, _payload):
         result = self.core.pull_batch(args["batch_size"], 0.0, args["lease_id"])
         if result is None and args["timeout"] > 0:
-            now = time.monotonic()
+            now = self.core.clock()
             self._pulls.append(_Parked(identity, request_id, args, now, now + args["timeout"]))
             return None
         return self._pull_reply(result)
@@ -257,15 +256,14 @@ class BufferServer:
     # ---- parked long polls ------------------------------------------------------------------
 
     def _serve_parked(self) -> None:
-        now = time.monotonic()
+        now = self.core.clock()
         still = []
         for p in self._acquires:
             permit = self.core.try_acquire(p.args["worker_id"], p.args["permit_id"])
             if permit is None and now < p.deadline:
                 still.append(p)
                 continue
-            self.core.enqueued -= 1
-            self.core.finish_gate_wait(now - p.start, permit is not None)
+            self.core.finish_gate_wait(permit is not None, p.start)
             self._reply(p.identity, p.request_id, None if permit is None else permit.to_dict())
         self._acquires = still
         still = []
