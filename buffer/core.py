@@ -4,8 +4,9 @@ Both transports wrap it: the ZMQ service (`buffer.server`) and the Ray actor
 (`services.buffer_actor`). Groups arrive as wire frames (`buffer.codec`); the core validates them,
 keeps them packed, and hands the packed groups out on pull. Every state change is written to the durable log
 (when configured) before the caller gets an answer; on start the log is replayed, so permits,
-tickets, versions and unconsumed groups survive a crash (leases do not: leased groups are ready
-again, and a learner that trained on one must ack it before the lease expires).
+tickets, versions, unconsumed groups and leases survive a crash (a learner that trained on a
+leased batch acks it after the restart, so no group is delivered twice; a lease nobody acks comes
+back when it expires).
 
 Methods with a `timeout` block up to that long (long poll); the ZMQ server calls them with
 timeout 0 and parks waiting requests itself.
@@ -207,12 +208,13 @@ class BufferCore:
     def try_pull(self, batch_size: int, lease_id: str | None = None) -> PullResult | None:
         with self._lock:
             if lease_id is not None and lease_id in self.store.leases:
-                return self._result(self.store.leases[lease_id], self._pending_dropped)
+                return self._result(self.store.leases[lease_id], 0)  # a retried pull
             self._tick_locked()
             self._drop_stale()
             lease = self.store.lease(batch_size, lease_id or new_id(), self.clock(), self.gate.version)
             if lease is None:
                 return None
+            self._append({"op": "lease", **_lease_record(lease)})
             dropped, self._pending_dropped = self._pending_dropped, 0
             return self._result(lease, dropped)
 
@@ -236,7 +238,7 @@ class BufferCore:
             lease = self.store.ack(lease_id, self.clock())
             if isinstance(lease, int):
                 return lease  # acked before: a retried ack
-            self._append({"op": "ack", "groups": [g.group_id for g in lease.groups]})
+            self._append({"op": "ack", "lease": lease_id, "groups": [g.group_id for g in lease.groups]})
             version = self.gate.version if lease.version is None else lease.version
             for g in lease.groups:
                 self.counters.consumed_groups += 1
@@ -251,6 +253,7 @@ class BufferCore:
         with self._lock:
             n = self.store.nack(lease_id)
             if n:
+                self._append({"op": "nack", "lease": lease_id})
                 self.counters.nacks += 1
                 self._changed.notify_all()
             return n
@@ -272,6 +275,8 @@ class BufferCore:
             self._append({"op": "release", "permit": permit.permit_id})
         expired = self.store.expire_leases(now)
         self.counters.leases_expired += len(expired)
+        for lease in expired:
+            self._append({"op": "nack", "lease": lease.lease_id})
         if self.log is not None:
             self.log.sync_if_due()
         return bool(reclaimed or expired)
@@ -343,9 +348,19 @@ class BufferCore:
             if record["permit"] in self.gate.permits:
                 self.gate.consume(record["permit"])
             self.store.add(group_id, sample_ids, versions, record["group"], record["seq"])
+        elif op == "lease":
+            groups = [g for gid in record["groups"] if (g := self.store.remove_ready(gid)) is not None]
+            self.store.leases[record["lease"]] = Lease(record["lease"], groups, now + self.store.lease_s,
+                                                       record["version"])
+        elif op == "nack":
+            self.store.nack(record["lease"])
+        elif op == "ack" and record.get("lease") in self.store.leases:
+            self.store.ack(record["lease"], now)  # also remembers it: a retried ack is answered
         elif op in ("ack", "drop"):
             for group_id in record["groups"]:
                 self.store.remove_ready(group_id)
+            if record.get("lease") is not None:
+                self.store.finished_leases[record["lease"]] = len(record["groups"])
         elif op == "version":
             self.gate.version = max(self.gate.version, record["version"])
         elif op == "recover":
@@ -371,4 +386,9 @@ class BufferCore:
                 consumed.setdefault(gid, []).append(sid)
         snapshot = {"op": "snapshot", "gate": self.gate.state(), "next_seq": self.store.next_seq, "consumed": consumed}
         pushes = ({"op": "push", "permit": None, "seq": g.seq, "group": g.packed} for g in live)
-        log.rewrite([snapshot, *pushes])
+        leases = ({"op": "lease", **_lease_record(lease)} for lease in self.store.leases.values())
+        log.rewrite([snapshot, *pushes, *leases])
+
+
+def _lease_record(lease: Lease) -> dict:
+    return {"lease": lease.lease_id, "groups": [g.group_id for g in lease.groups], "version": lease.version}

@@ -101,6 +101,7 @@ class BufferServer:
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.ROUTER)
         self.socket.linger = 0
+        self.socket.router_mandatory = 1  # a reply to a gone client fails instead of vanishing
         # A hard cap far above the checked limit, so oversized messages normally get an error reply.
         self.socket.setsockopt(zmq.MAXMSGSIZE, 4 * config.limits.max_message_bytes)
         self._authenticator = auth.configure_server(self.socket, config.curve) if config.curve.enabled else None
@@ -183,7 +184,7 @@ class BufferServer:
                 raise ProtocolError(f"{op} takes no payload frames, got {len(frames) - 2}", "bad_frame_count")
             reply = self._handlers[op](identity, request_id, args, frames[2:])
             if reply is not None:
-                self._reply(identity, request_id, *reply)
+                self._deliver(identity, request_id, op, *reply)
         except BufferError as exc:
             self.core.count_bad_message(exc)
             self._error(identity, request_id, exc.reason, str(exc))
@@ -192,13 +193,27 @@ class BufferServer:
             self.core.count_bad_message(ProtocolError(str(exc), "internal"))
             self._error(identity, request_id, "internal", f"{type(exc).__name__}: {exc}")
 
-    def _reply(self, identity: bytes, request_id, result, payload=()) -> None:
+    def _send(self, identity: bytes, message: list) -> bool:
+        try:
+            self.socket.send_multipart([identity, *message], flags=zmq.NOBLOCK, copy=False)
+            return True
+        except zmq.ZMQError:  # the client is gone (EHOSTUNREACH) or not reading (EAGAIN)
+            return False
+
+    def _deliver(self, identity: bytes, request_id, op: str, result, payload=()) -> None:
+        """Send a result; a permit or lease that cannot reach its client is handed back at once
+        (the client's retry, if any, gets it again by its id)."""
         message = encode_message({"id": request_id, "ok": True, "result": result}, payload)
-        self.socket.send_multipart([identity, *message], copy=False)
+        if self._send(identity, message) or result is None:
+            return
+        if op == "acquire_permit":
+            self.core.release_permit(result["permit_id"])
+        elif op == "pull_batch":
+            self.core.nack(result["lease_id"])
 
     def _error(self, identity: bytes, request_id, reason: str, message: str) -> None:
         header = {"id": request_id, "ok": False, "error": {"reason": reason, "message": message[:2000]}}
-        self.socket.send_multipart([identity, *encode_message(header)])
+        self._send(identity, encode_message(header))
 
     # ---- operations -------------------------------------------------------------------------
 
@@ -264,7 +279,7 @@ class BufferServer:
                 still.append(p)
                 continue
             self.core.finish_gate_wait(permit is not None, p.start)
-            self._reply(p.identity, p.request_id, None if permit is None else permit.to_dict())
+            self._deliver(p.identity, p.request_id, "acquire_permit", None if permit is None else permit.to_dict())
         self._acquires = still
         still = []
         for p in self._pulls:
@@ -276,7 +291,7 @@ class BufferServer:
             if result is None and now < p.deadline:
                 still.append(p)
                 continue
-            self._reply(p.identity, p.request_id, *self._pull_reply(result))
+            self._deliver(p.identity, p.request_id, "pull_batch", *self._pull_reply(result))
         self._pulls = still
 
 

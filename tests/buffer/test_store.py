@@ -6,7 +6,7 @@ import threading
 from collections import Counter
 
 import pytest
-from buffer_helpers import make_group
+from buffer_helpers import make_group, wait_until
 
 from buffer.client import BufferClient
 from buffer.codec import encode_group
@@ -201,5 +201,34 @@ def test_client_reports_refusals_with_reason():
                 client.push_group(make_group(0), "forged-permit")
             assert info.value.reason == "unknown_permit"
             assert client.stats()["request_errors"] == {"unknown_permit": 1}
+    finally:
+        server.stop()
+
+
+def test_batch_for_a_vanished_learner_is_handed_back_at_once():
+    """A learner parks a long pull and dies; the batch that would have gone to it is not stuck in
+    a lease until expiry: the next learner gets it right away."""
+    import time
+
+    import msgpack
+    import zmq
+
+    server = BufferServer(BufferConfig(port=0, gate=GateConfig(batch_size=1, eta=None))).start()
+    try:
+        ctx = zmq.Context()
+        doomed = ctx.socket(zmq.DEALER)
+        doomed.connect(server.endpoint)
+        doomed.send(msgpack.packb({"v": 1, "id": "x", "op": "pull_batch", "args": {"batch_size": 1, "timeout": 30}}))
+        with BufferClient(server.endpoint) as client:
+            assert wait_until(lambda: len(server._pulls) == 1)
+            doomed.close(linger=0)
+            time.sleep(0.2)
+            permit = client.acquire_permit("w")
+            group = make_group(permit.ticket)
+            client.push_group(group, permit.permit_id)
+            batch = client.pull_batch(1, timeout=5)
+            assert batch is not None and batch.groups[0].group_id == group.group_id
+            assert client.ack(batch.lease_id) == 1
+        ctx.term()
     finally:
         server.stop()
