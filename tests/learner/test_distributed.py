@@ -20,14 +20,13 @@ def policy_dir(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("overrides", [
-    # two minibatches (one group per rank each), micro-batches of 3 sequences, token-mean
-    {"ppo_mini_batch_size": 2, "micro_batch_size": 3},
-    # minibatches of 3 and 1 groups: rank 1 sits out the second one
-    {"ppo_mini_batch_size": 3},
+    # decoupled token-TIS, token-mean; minibatches of 3 and 1 groups (rank 1 sits out the second),
+    # micro-batches of 2 sequences
+    {"ppo_mini_batch_size": 3, "micro_batch_size": 2},
     # bypass REINFORCE with sequence IS and a sequence-mean aggregation, two epochs
     {"rollout_correction": "bypass_pg_is", "ppo_epochs": 2,
      "policy_loss": {"loss_agg_mode": "seq-mean-token-mean"}},
-], ids=["decoupled-minibatches", "uneven-minibatches", "bypass-seq-mean"])
+], ids=["decoupled-uneven-minibatches", "bypass-seq-mean"])
 def test_two_gloo_ranks_make_the_update_of_one_rank(policy_dir, ray_cluster, overrides):
     groups = sample_groups(policy_dir, n_groups=4, n=3, seed=4, logprob_noise=0.2)
     config = dict(model_path=str(policy_dir), lr=1e-3, **overrides)
