@@ -54,16 +54,20 @@ def random_groups(groups: int, n: int, prompt_len: int, response_len: int, vocab
     return out
 
 
-def time_steps(config: LearnerConfig, groups, steps: int) -> tuple[float, float]:
-    learner = Learner(config)
-    learner.version = 1  # samples one version old: loglinear interpolates
-    learner.train_step(groups)  # warm-up
-    totals, prox = [], []
-    for _ in range(steps):
-        metrics = learner.train_step(groups)
-        totals.append(metrics["timing_s/step"])
-        prox.append(metrics["timing_s/old_log_prob"])
-    return statistics.median(totals), statistics.median(prox)
+def time_steps(configs: dict[str, LearnerConfig], groups, steps: int) -> dict[str, tuple[float, float]]:
+    """Median (step seconds, proximal-pass seconds) per config. The learners take turns, step by
+    step, so a change in the machine's load hits every config alike."""
+    learners = {name: Learner(cfg) for name, cfg in configs.items()}
+    timings = {name: ([], []) for name in configs}
+    for round_ in range(steps + 1):
+        for name, learner in learners.items():
+            learner.version = max(learner.version, 1)  # samples one version old: loglinear interpolates
+            metrics = learner.train_step(groups)
+            learner.version -= 1  # keep the batch's staleness fixed
+            if round_:  # round 0 warms up
+                timings[name][0].append(metrics["timing_s/step"])
+                timings[name][1].append(metrics["timing_s/old_log_prob"])
+    return {name: (statistics.median(t), statistics.median(p)) for name, (t, p) in timings.items()}
 
 
 def main() -> None:
@@ -75,7 +79,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=2048)
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=5)
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 
@@ -85,13 +89,13 @@ def main() -> None:
         base = dict(model_path=str(policy), lr=1e-5, micro_batch_size=16)
         print(f"batch: {args.groups} groups x {args.n} = {args.groups * args.n} sequences, "
               f"{args.prompt}+{args.response} tokens; torch threads {torch.get_num_threads()}")
-        results = {}
-        for name, overrides in (("recompute", {}), ("loglinear", {"prox_logp": "loglinear"}),
-                                ("bypass", {"rollout_correction": "bypass_ppo_clip"})):
-            step_s, prox_s = time_steps(LearnerConfig(**base, **overrides), groups, args.steps)
-            results[name] = step_s
+        configs = {name: LearnerConfig(**base, **overrides) for name, overrides in (
+            ("recompute", {}), ("loglinear", {"prox_logp": "loglinear"}),
+            ("bypass", {"rollout_correction": "bypass_ppo_clip"}))}
+        results = time_steps(configs, groups, args.steps)
+        for name, (step_s, prox_s) in results.items():
             print(f"  step {name:9s}: {step_s:7.3f} s/step  (proximal pass {prox_s:.3f} s)")
-        print(f"  recompute / loglinear step time: {results['recompute'] / results['loglinear']:.2f}x")
+        print(f"  recompute / loglinear step time: {results['recompute'][0] / results['loglinear'][0]:.2f}x")
 
         import ray
 
