@@ -1,0 +1,48 @@
+"""The tiny-model kit: an ordinary HF folder (Qwen2 config, locally trained tokenizer), warm-started
+to solve some held-out prompts but not all, built once per spec and reused."""
+from __future__ import annotations
+
+import pytest
+
+from lm.causal_lm import load_causal_lm, load_tokenizer
+from rollout_workers.config import TaskConfig
+from rollout_workers.tasks import ALPHABET
+from rollout_workers.tiny_model import TinyModelSpec, ensure_tiny_model, tiny_model_info
+
+
+def test_tiny_model_is_an_hf_folder_with_its_tokenizer(tiny_model_dir):
+    model = load_causal_lm(tiny_model_dir)
+    tokenizer = load_tokenizer(tiny_model_dir)
+    assert model.config.model_type == "qwen2" and model.config.hidden_size // model.config.num_attention_heads == 32  # vLLM CPU head size
+    ids = tokenizer("347+589=", add_special_tokens=False)["input_ids"]
+    assert len(ids) == 8 and tokenizer.unk_token_id not in ids  # one token per character
+    assert tokenizer.decode(ids + [tokenizer.eos_token_id], skip_special_tokens=True) == "347+589="
+    assert all(tokenizer.convert_tokens_to_ids(ch) != tokenizer.unk_token_id for ch in ALPHABET)
+    assert len(tokenizer) <= model.config.vocab_size <= 64
+
+
+def test_warm_start_solves_some_heldout_prompts_but_not_all(tiny_model_dir):
+    info = tiny_model_info(tiny_model_dir)
+    accuracy = info["heldout_greedy_accuracy"]
+    default_task = TaskConfig()
+    for difficulty in default_task.difficulties:
+        assert 0.0 < accuracy[f"add/{difficulty}"] < 1.0, accuracy  # room for RL to improve
+    assert accuracy["add/1"] > accuracy["add/3"]  # harder levels are harder
+
+
+def test_ensure_tiny_model_builds_once_per_spec(tiny_model_dir, tmp_path):
+    assert ensure_tiny_model(tiny_model_dir.parent) == tiny_model_dir  # cached: no rebuild
+    stamp = (tiny_model_dir / "config.json").stat().st_mtime_ns
+    assert ensure_tiny_model(tiny_model_dir.parent) == tiny_model_dir
+    assert (tiny_model_dir / "config.json").stat().st_mtime_ns == stamp
+
+    small = TinyModelSpec(hidden_size=64, num_heads=2, num_kv_heads=1, intermediate_size=128,
+                          difficulties=[1], warm_start_steps=3, batch_size=8)
+    logs = []
+    folder = ensure_tiny_model(tmp_path, small, log=logs.append)
+    assert folder.name == small.cache_key() != tiny_model_dir.name
+    assert any("warm start step 2" in line for line in logs)
+    assert load_causal_lm(folder).config.hidden_size == 64
+    assert ensure_tiny_model(tmp_path, small, log=logs.append) == folder and len(list(tmp_path.iterdir())) == 2
+    with pytest.raises(ValueError, match="extra"):
+        TinyModelSpec(hidden=3)

@@ -1,0 +1,251 @@
+"""The rollout worker against a real buffer service (ZMQ server in this process, or the Ray actor):
+tagged groups, weight updates between and within generations, failures that release permits,
+a hanging reward, graceful stop, and a killed worker whose permit comes back."""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from rollout_helpers import perturbed
+
+from buffer.client import BufferClient
+from buffer.config import BufferConfig, GateConfig
+from buffer.server import BufferServer
+from lm.causal_lm import load_causal_lm, response_log_probs
+from lm.weight_sync import WeightStore, save_weights_folder
+from rollout_workers.config import EngineConfig, RolloutConfig, SamplingConfig, TaskConfig
+from rollout_workers.rewards import math_reward
+from rollout_workers.tasks import train_prompts
+from rollout_workers.worker import RolloutWorker
+
+
+@pytest.fixture
+def buffer():
+    server = BufferServer(BufferConfig(port=0, gate=GateConfig(batch_size=4, eta=None, permit_lease_s=60))).start()
+    client = BufferClient(server.endpoint)
+    yield client
+    client.close()
+    server.stop()
+
+
+def config(model_dir, **changes) -> RolloutConfig:
+    base = dict(model_path=str(model_dir), sampling=SamplingConfig(n=4, max_new_tokens=8, seed=0),
+                weight_poll_s=0.0, acquire_timeout_s=0.2, error_backoff_s=0.0, groups_per_batch=2)
+    return RolloutConfig(**{**base, **changes})
+
+
+def pull_all(client, count):
+    batch = client.pull_batch(count, timeout=5.0)
+    assert batch is not None, client.stats()
+    client.ack(batch.lease_id)
+    return batch.groups
+
+
+def assert_log_probs_match(model, group, tol=1e-4):
+    prompts = [s.prompt_ids.tolist() for s in group.samples]
+    responses = [s.response_ids.tolist() for s in group.samples]
+    with torch.no_grad():
+        lp, _ = response_log_probs(model, prompts, responses)
+    for row, s in enumerate(group.samples):
+        np.testing.assert_allclose(s.rollout_log_probs, lp[row, : len(s.response_ids)].numpy(), atol=tol)
+
+
+def test_worker_pushes_scored_tagged_groups(tiny_model_dir, vllm_engine, hf_model, tokenizer, buffer):
+    cfg = config(tiny_model_dir)
+    worker = RolloutWorker(cfg, "worker-a", buffer, WeightStore(), engine=vllm_engine)
+    stats = worker.run(max_groups=4)
+    groups = sorted(pull_all(buffer, 4), key=lambda g: g.prompt_index)
+    prompts = train_prompts(cfg.task)
+    assert [g.prompt_index for g in groups] == [0, 1, 2, 3]  # tickets are the data cursor
+    for group in groups:
+        problem = prompts.problem(group.prompt_index)
+        assert len(group.samples) == 4
+        assert tokenizer.decode(group.samples[0].prompt_ids.tolist()) == problem.prompt
+        for s in group.samples:
+            assert s.worker_id == "worker-a" and s.weight_version == 0 and s.group_id == group.group_id
+            assert s.token_versions.tolist() == [0] * len(s.response_ids)
+            assert s.loss_mask.tolist() == [1] * len(s.response_ids)
+            text = tokenizer.decode(s.response_ids.tolist(), skip_special_tokens=True)
+            assert s.reward == math_reward(text, problem.answer)
+            assert s.metadata["ticket"] == group.prompt_index and s.metadata["family"] == "add"
+        assert_log_probs_match(hf_model, group)
+    assert stats["groups_total"] == 4 and stats["samples_total"] == 16 and stats["loaded_version"] == 0
+    assert stats["tokens_per_s"] > 0 and 0.0 <= stats["reward_mean"] <= 1.0
+    assert buffer.stats()["running"] == 0
+    worker.close()
+
+
+def test_worker_loads_published_weights_before_generating(tiny_model_dir, vllm_engine, buffer, tmp_path,
+                                                           restore_vllm_weights):
+    """A (re)started worker resumes with the store's current weights, from a folder payload."""
+    new_weights = perturbed(restore_vllm_weights, scale=0.05, seed=1)
+    store = WeightStore()
+    store.publish({"version": 3, "kind": "folder", "path": str(save_weights_folder(new_weights, tmp_path / "v3", 3))})
+    worker = RolloutWorker(config(tiny_model_dir), "worker-b", buffer, store, engine=vllm_engine)
+    stats = worker.run(max_groups=2)
+    assert stats["loaded_version"] == 3 and stats["weight_loads_total"] == 1 and stats["weight_load_s"] > 0
+    model = load_causal_lm(tiny_model_dir).eval()
+    model.load_state_dict(new_weights)
+    for group in pull_all(buffer, 2):
+        assert all(s.weight_version == 3 and set(s.token_versions.tolist()) == {3} for s in group.samples)
+        assert_log_probs_match(model, group)
+    worker.close()
+
+
+class PublishDuringGeneration(WeightStore):
+    """A weight store whose learner publishes version 1 while the worker is generating: on the
+    `after`-th version check (the first checks happen before and between engine steps)."""
+
+    def __init__(self, payload: dict, after: int):
+        super().__init__()
+        self.pending, self.after, self.checks = payload, after, 0
+
+    def latest_version(self) -> int:
+        self.checks += 1
+        if self.pending is not None and self.checks >= self.after:
+            self.publish(self.pending)
+            self.pending = None
+        return super().latest_version()
+
+
+def test_interrupt_on_update_continues_with_new_weights_and_tags_tokens(tiny_model_dir, buffer, tmp_path):
+    """The transformers engine stops after the first token when weights arrive; the rest of
+    each response comes from version 1 and is tagged so, the first token keeps version 0."""
+    base = load_causal_lm(tiny_model_dir).state_dict()
+    new_weights = perturbed(base, scale=0.05, seed=2)
+    payload = {"version": 1, "kind": "folder", "path": str(save_weights_folder(new_weights, tmp_path / "v1", 1))}
+    # Check 1: before acquiring (nothing yet); 2: the first interrupt check, after token one.
+    store = PublishDuringGeneration(payload, after=2)
+    cfg = config(tiny_model_dir, engine=EngineConfig(kind="hf"), interrupt_on_update=True, groups_per_batch=1)
+    worker = RolloutWorker(cfg, "worker-c", buffer, store)
+    stats = worker.run(max_groups=1)
+    (group,) = pull_all(buffer, 1)
+    assert stats["interrupted_generations_total"] == 1 and stats["loaded_version"] == 1
+    for s in group.samples:
+        versions = s.token_versions.tolist()
+        assert s.weight_version == 0 and versions[0] == 0 and set(versions[1:]) == {1}, versions
+        assert len(versions) >= 2
+    # Each token's log-prob is that of the weights that produced it.
+    old_model, new_model = load_causal_lm(tiny_model_dir).eval(), load_causal_lm(tiny_model_dir).eval()
+    new_model.load_state_dict(new_weights)
+    prompts = [s.prompt_ids.tolist() for s in group.samples]
+    responses = [s.response_ids.tolist() for s in group.samples]
+    with torch.no_grad():
+        old_lp, _ = response_log_probs(old_model, prompts, responses)
+        new_lp, _ = response_log_probs(new_model, prompts, responses)
+    for row, s in enumerate(group.samples):
+        expected = torch.where(torch.tensor(s.token_versions) == 0, old_lp[row, : len(s.response_ids)],
+                               new_lp[row, : len(s.response_ids)])
+        np.testing.assert_allclose(s.rollout_log_probs, expected.numpy(), atol=1e-4)
+    worker.close()
+
+
+def test_hanging_and_crashing_rewards_are_scored_as_failed(tiny_model_dir, vllm_engine, buffer):
+    cfg = config(tiny_model_dir, reward="rollout_helpers:hang", reward_timeout_s=0.5, groups_per_batch=1,
+                 sampling=SamplingConfig(n=2, max_new_tokens=8, seed=0))
+    worker = RolloutWorker(cfg, "worker-d", buffer, WeightStore(), engine=vllm_engine)
+    stats = worker.run(max_groups=1)
+    (group,) = pull_all(buffer, 1)
+    assert [s.reward for s in group.samples] == [0.0, 0.0]
+    assert stats["reward_timeouts_total"] == 2 and stats["reward_failures_total"] == 2
+    worker.close()
+
+
+def test_failed_generation_releases_its_permit_and_the_worker_carries_on(tiny_model_dir, vllm_engine, buffer, tmp_path):
+    """A prompt longer than the engine's context fails to generate: the permit goes back (its
+    ticket is reissued), the failure is counted, and the worker does not die."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "%s=", "answer": "1"}\n' % ("1+" * 40))
+    cfg = config(tiny_model_dir, task=TaskConfig(kind="file", path=str(prompts)), groups_per_batch=1)
+    worker = RolloutWorker(cfg, "worker-e", buffer, WeightStore(), engine=vllm_engine)
+    runner = threading.Thread(target=worker.run)
+    runner.start()
+    deadline = time.monotonic() + 60
+    while worker.counters["failed_generations_total"] < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert worker.stop(timeout=60)
+    runner.join(timeout=10)
+    stats, buffer_stats = worker.stats(), buffer.stats()
+    assert stats["failed_generations_total"] >= 2 and "max_model_len" in stats["last_error"]
+    assert buffer_stats["permits_released"] == stats["permits_released_total"] >= 2
+    assert buffer_stats["running"] == 0
+    # Ticket 1 (the long prompt) never made it; the good one did, as often as it was drawn.
+    assert {g.prompt_index % 2 for g in pull_all(buffer, stats["groups_total"])} == {0}
+    worker.close()
+
+
+def test_stop_interrupts_generation_and_returns_the_permit(tiny_model_dir, buffer):
+    """Graceful stop mid-generation: the in-flight permit is released, run() returns."""
+    cfg = config(tiny_model_dir, engine=EngineConfig(kind="hf"), groups_per_batch=1,
+                 reward="rollout_helpers:length_reward",
+                 sampling=SamplingConfig(n=2, max_new_tokens=8, stop_token_ids=[], seed=0))
+    worker = RolloutWorker(cfg, "worker-f", buffer, WeightStore())
+    worker._ensure_started()
+    in_generation = threading.Event()
+    real_interrupt = worker._interrupt
+
+    def interrupt():  # the engine asks between tokens; hold it there until stop() is called
+        in_generation.set()
+        worker._stop.wait(30)
+        return real_interrupt()
+
+    worker._interrupt = interrupt
+    runner = threading.Thread(target=worker.run)
+    runner.start()
+    assert in_generation.wait(60)
+    assert worker.stop(timeout=60)
+    runner.join(timeout=10)
+    buffer_stats, stats = buffer.stats(), worker.stats()
+    assert buffer_stats["running"] == 0 and buffer_stats["permits_released"] == 1
+    assert stats["permits_released_total"] == 1 and stats["groups_total"] == 0
+    assert stats["failed_generations_total"] == 0  # a stop is not a failure
+    worker.close()
+
+
+def test_bad_config_is_refused(tiny_model_dir):
+    with pytest.raises(ValueError, match="extra"):
+        RolloutConfig(model_path=str(tiny_model_dir), engine={"kind": "hf", "bogus": 1})
+    with pytest.raises(ValueError, match="task.path"):
+        TaskConfig(kind="file")
+    with pytest.raises(ValueError, match="model_path"):
+        RolloutWorker(RolloutConfig(), "w", None, WeightStore())
+
+
+@pytest.mark.slow
+def test_killed_ray_worker_returns_its_permit(ray_cluster, tiny_model_dir):
+    """A worker actor killed while it holds a permit (stuck in a hanging reward) loses it to
+    the buffer's lease: the ticket is reclaimed and handed to the next worker."""
+    import ray
+
+    from services.buffer_actor import RayBufferClient, create_buffer_actor
+
+    buffer_cfg = BufferConfig(transport="ray", gate=GateConfig(batch_size=4, eta=None, permit_lease_s=2.0))
+    client = RayBufferClient(create_buffer_actor(buffer_cfg), buffer_cfg)
+    cfg = config(tiny_model_dir, engine=EngineConfig(kind="hf"), reward="rollout_helpers:hang",
+                 reward_timeout_s=600, groups_per_batch=1, sampling=SamplingConfig(n=1, max_new_tokens=4, seed=0))
+    helpers = str(Path(__file__).parent)
+    store = ray.remote(WeightStore).options(num_cpus=0).remote()
+    actor = ray.remote(RolloutWorker).options(
+        num_cpus=0, max_concurrency=2, max_restarts=0,
+        runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([helpers, str(Path(helpers).parents[1])])}},
+    ).remote(cfg, "worker-k", client, store)
+    actor.run.remote()
+    deadline = time.monotonic() + 120
+    while client.stats()["running"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert client.stats()["running"] == 1  # the worker holds ticket 0, mid-group
+    ray.kill(actor, no_restart=True)
+    deadline = time.monotonic() + 60
+    permit = None
+    while permit is None and time.monotonic() < deadline:
+        permit = client.acquire_permit("worker-next", timeout=0.5)
+        if permit is not None and permit.ticket != 0:
+            client.release_permit(permit.permit_id)
+            permit = None
+    assert permit is not None and permit.ticket == 0
+    assert client.stats()["permits_reclaimed"] == 1
