@@ -65,8 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eta", type=int, default=4)
     parser.add_argument("overrides", nargs="*", help="config overrides applied to both runs")
     args = parser.parse_args(argv)
-    common = [f"run.steps={args.steps}", "run.eval_every=0", "run.progress=false", "eval.num_prompts=1",
-              "eval.n_samples=0", "run.checkpoint_every=0", *args.overrides]
+    common = [f"run.steps={args.steps}", "eval.enabled=false", "run.progress=false", "run.checkpoint_every=0", *args.overrides]
     results = {}
     with tempfile.TemporaryDirectory(prefix="etarl-bench-") as tmp:
         for name, mode in (("sync (eta=0)", ["mode=synchronous"]),

@@ -16,6 +16,8 @@ from typing import Any, Literal, Optional
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from rollout_workers.tiny_model import TinyModelSpec
+
 
 class ConfigError(ValueError):
     """A config file or override that cannot be used; the message names the dotted key."""
@@ -29,6 +31,8 @@ class RunConfig(BaseModel):
     run_dir: Optional[str] = Field(None, description="where logs, plots and checkpoints go; None: runs/<time>")
     model: str = Field("tiny", description="HF model folder, or 'tiny': the built-in warm-started tiny model")
     cache_dir: str = Field(".cache", description="where the tiny model is built once and reused")
+    tiny_model: TinyModelSpec = Field(default_factory=TinyModelSpec, description="the tiny model "
+                                      "(model: tiny): its size and how far its supervised warm start goes")
     eval_every: int = Field(10, ge=0, description="evaluate every N steps (0: only at start and end)")
     checkpoint_every: int = Field(0, ge=0, description="checkpoint every N steps (0: only at the end)")
     keep_checkpoints: int = Field(2, ge=1)
@@ -51,6 +55,7 @@ class RayConfig(BaseModel):
 class EvalConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
+    enabled: bool = Field(True, description="evaluate at the start, every run.eval_every steps and at the end")
     num_prompts: int = Field(64, ge=1, description="held-out prompts per evaluation")
     n_samples: int = Field(4, ge=0, description="sampled answers per prompt for pass@k (0: greedy only)")
     k: int = Field(4, ge=1)

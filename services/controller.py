@@ -179,7 +179,7 @@ def resolve_model(cfg: EtarlConfig) -> Path:
     if cfg.run.model == TINY_MODEL:
         from rollout_workers.tiny_model import ensure_tiny_model
 
-        return ensure_tiny_model(Path(cfg.run.cache_dir) / "tiny-model", log=log.info)
+        return ensure_tiny_model(Path(cfg.run.cache_dir) / "tiny-model", cfg.run.tiny_model, log=log.info)
     try:
         return check_model_dir(cfg.run.model)
     except FileNotFoundError as exc:
@@ -209,8 +209,8 @@ def start_ray(cfg: EtarlConfig) -> None:
                  namespace=cfg.ray.namespace, log_to_driver=cfg.ray.log_to_driver,
                  runtime_env={"env_vars": env})
     else:
-        ray.init(address=cfg.ray.address, namespace=cfg.ray.namespace, log_to_driver=cfg.ray.log_to_driver,
-                 runtime_env={"env_vars": env})
+        # Inside a cluster (or a `ray job submit` job) the job's runtime environment applies.
+        ray.init(address=cfg.ray.address, namespace=cfg.ray.namespace, log_to_driver=cfg.ray.log_to_driver)
 
 
 class Controller:
@@ -339,7 +339,7 @@ class Controller:
         metric_log = MetricLog(self.run_dir, resume_after_step=self.step if self.resume_from else None)
         progress = _progress(cfg, self.step)
         try:
-            if self.resume_from is None:
+            if self.resume_from is None and cfg.eval.enabled:
                 self._evaluate(metric_log, progress)
             while self.step < cfg.run.steps and not self.stop_requested.is_set():
                 record = self._train_step()
@@ -359,7 +359,7 @@ class Controller:
                 if cfg.run.checkpoint_every and self.step % cfg.run.checkpoint_every == 0 and self.step < cfg.run.steps:
                     self.save_checkpoint()
             completed = self.step >= cfg.run.steps
-            if completed and not self.evals_at(self.step):
+            if completed and cfg.eval.enabled and not self.evals_at(self.step):
                 metric_log.write({"step": self.step, "version": self.version, **self._evaluate(None, progress)})
             self.save_checkpoint()
         finally:
@@ -443,7 +443,7 @@ class Controller:
 
     def _eval_due(self) -> bool:
         every = self.cfg.run.eval_every
-        return bool(every) and self.step % every == 0
+        return self.cfg.eval.enabled and bool(every) and self.step % every == 0
 
     def _evaluate(self, metric_log: MetricLog | None, progress) -> dict:
         from services.evaluation import PolicyEvaluator

@@ -89,8 +89,8 @@ def _interrupt_when(run_dir, min_step: int, timeout_s: float = 300.0):
 
 def test_ctrl_c_then_resume_loses_and_repeats_no_sample(ray_cluster, tiny_model_dir, tmp_path):
     run_dir = tmp_path / "run"
-    cfg = e2e_config(tiny_model_dir, run_dir, "run.steps=40", "run.checkpoint_every=2", "run.eval_every=0",
-                     "eval.num_prompts=8", "eval.n_samples=0", "buffer.gate.batch_size=4", "rollout.sampling.n=4")
+    cfg = e2e_config(tiny_model_dir, run_dir, "run.steps=40", "run.checkpoint_every=2", "eval.enabled=false",
+                     "buffer.gate.batch_size=4", "rollout.sampling.n=4")
     _interrupt_when(run_dir, 3)
     first = run_training(cfg)
     assert first.interrupted and not first.completed
