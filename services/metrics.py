@@ -225,18 +225,6 @@ def catalogue_names() -> frozenset[str]:
     return frozenset(n for spec in CATALOGUE for n in exposed_names(spec))
 
 
-def _check_catalogue() -> None:
-    seen: set[str] = set()
-    for spec in CATALOGUE:
-        assert spec.name.startswith(f"{NAMESPACE}_"), spec.name
-        assert (spec.kind == "counter") == spec.name.endswith("_total"), spec.name
-        assert spec.name not in seen, f"metric {spec.name} declared twice"
-        seen.add(spec.name)
-
-
-_check_catalogue()
-
-
 def _number(value: object) -> float | None:
     """A float for ints, floats, bools and numpy/torch scalars; None for anything else."""
     if isinstance(value, (bool, int, float)):
