@@ -23,6 +23,8 @@ from rollout_workers.rewards import math_reward
 from rollout_workers.tasks import train_prompts
 from rollout_workers.worker import RolloutWorker
 
+pytestmark = pytest.mark.timeout(180)  # a stuck worker loop fails its test instead of the suite
+
 
 @pytest.fixture
 def buffer():
@@ -86,6 +88,7 @@ def test_worker_loads_published_weights_before_generating(tiny_model_dir, vllm_e
     new_weights = perturbed(restore_vllm_weights, scale=0.05, seed=1)
     store = WeightStore()
     store.publish({"version": 3, "kind": "folder", "path": str(save_weights_folder(new_weights, tmp_path / "v3", 3))})
+    buffer.set_version(3)  # the learner is at version 3 (the buffer refuses versions from the future)
     worker = RolloutWorker(config(tiny_model_dir), "worker-b", buffer, store, engine=vllm_engine)
     stats = worker.run(max_groups=2)
     assert stats["loaded_version"] == 3 and stats["weight_loads_total"] == 1 and stats["weight_load_s"] > 0
@@ -121,6 +124,7 @@ def test_interrupt_on_update_continues_with_new_weights_and_tags_tokens(tiny_mod
     payload = {"version": 1, "kind": "folder", "path": str(save_weights_folder(new_weights, tmp_path / "v1", 1))}
     # Check 1: before acquiring (nothing yet); 2: the first interrupt check, after token one.
     store = PublishDuringGeneration(payload, after=2)
+    buffer.set_version(1)
     cfg = config(tiny_model_dir, engine=EngineConfig(kind="hf"), interrupt_on_update=True, groups_per_batch=1)
     worker = RolloutWorker(cfg, "worker-c", buffer, store)
     stats = worker.run(max_groups=1)
