@@ -378,16 +378,41 @@ class BufferCore:
         log = self.log
         if log is None or log.size < max(log.config.compact_min_bytes, 2 * log.base_size):
             return  # the doubling keeps compaction amortised O(1) per write
-        live = self.store.live_groups()
-        live_ids = {g.group_id for g in live}
-        consumed: dict[str, list[str]] = {}
-        for sid, gid in self.store.sample_group.items():
-            if gid not in live_ids:
-                consumed.setdefault(gid, []).append(sid)
-        snapshot = {"op": "snapshot", "gate": self.gate.state(), "next_seq": self.store.next_seq, "consumed": consumed}
-        pushes = ({"op": "push", "permit": None, "seq": g.seq, "group": g.packed} for g in live)
-        leases = ({"op": "lease", **_lease_record(lease)} for lease in self.store.leases.values())
-        log.rewrite([snapshot, *pushes, *leases])
+        log.rewrite(self.snapshot_records())
+
+    def snapshot_records(self, keep_in_flight: bool = True, keep_consumed_ids: bool = True) -> list[dict]:
+        """The state as log records: one `snapshot` (gate, cursor, ids of consumed groups), one
+        `push` per live group, one `lease` per leased batch. `keep_in_flight=False` is a
+        checkpoint's view: work in flight does not survive a resume, so the tickets of held permits
+        go back to the reissue pool and leased groups are ready again (no `lease` records)."""
+        with self._lock:
+            gate = self.gate.state()
+            if not keep_in_flight:
+                gate["free_tickets"] = sorted(gate["free_tickets"] + [p["ticket"] for p in gate["permits"]])
+                gate["permits"] = []
+            live = self.store.live_groups()
+            consumed: dict[str, list[str]] = {}
+            if keep_consumed_ids:
+                live_ids = {g.group_id for g in live}
+                for sid, gid in self.store.sample_group.items():
+                    if gid not in live_ids:
+                        consumed.setdefault(gid, []).append(sid)
+            head = {"op": "snapshot", "gate": gate, "next_seq": self.store.next_seq, "consumed": consumed}
+            pushes = [{"op": "push", "permit": None, "seq": g.seq, "group": g.packed} for g in live]
+            leases = [{"op": "lease", **_lease_record(lease)} for lease in self.store.leases.values()]
+            return [head, *pushes, *(leases if keep_in_flight else [])]
+
+    def restore(self, records: list[dict]) -> None:
+        """Load `snapshot_records()` (of another buffer, e.g. from a checkpoint) into this fresh one;
+        with a durable log, the log is rewritten to hold exactly that state."""
+        with self._lock:
+            if self.store.groups_held or self.gate.running or self.gate.accepted or self.store.sample_group:
+                raise RequestError("restore needs a fresh buffer (this one already holds state)", "not_fresh")
+            for record in records:
+                self._replay(record)
+            if self.log is not None:
+                self.log.rewrite(self.snapshot_records())
+            self._changed.notify_all()
 
 
 def _lease_record(lease: Lease) -> dict:
