@@ -31,11 +31,12 @@ from buffer import auth
 from buffer.codec import decode_message_header, encode_message, frames_nbytes
 from buffer.config import BufferConfig
 from buffer.core import BufferCore, PullResult
-from buffer.errors import BufferError, ProtocolError
+from buffer.errors import BufferError, ProtocolError, RequestError
 
 log = logging.getLogger(__name__)
 _MAX_LOOP_WAIT_S = 0.05  # the loop re-checks deadlines at least this often
 _BATCH = 256  # messages handled before parked requests get another look
+_MAX_PARKED = 4096  # long polls waiting at once; more are refused (a flood must not eat memory)
 _REQUIRED = object()
 
 
@@ -217,11 +218,16 @@ class BufferServer:
 
     # ---- operations -------------------------------------------------------------------------
 
+    def _park(self, queue: list, identity, request_id, args) -> None:
+        if len(self._acquires) + len(self._pulls) >= _MAX_PARKED:
+            raise RequestError(f"{_MAX_PARKED} requests are already waiting; retry later", "too_many_waiting")
+        now = self.core.clock()
+        queue.append(_Parked(identity, request_id, args, now, now + args["timeout"]))
+
     def _acquire(self, identity, request_id, args, _payload):
         permit = self.core.try_acquire(args["worker_id"], args["permit_id"])
         if permit is None and args["timeout"] > 0:
-            now = self.core.clock()
-            self._acquires.append(_Parked(identity, request_id, args, now, now + args["timeout"]))
+            self._park(self._acquires, identity, request_id, args)
             self.core.start_gate_wait()
             return None
         self.core.finish_gate_wait(permit is not None)
@@ -236,8 +242,7 @@ class BufferServer:
     def _pull(self, identity, request_id, args, _payload):
         result = self.core.pull_batch(args["batch_size"], 0.0, args["lease_id"])
         if result is None and args["timeout"] > 0:
-            now = self.core.clock()
-            self._pulls.append(_Parked(identity, request_id, args, now, now + args["timeout"]))
+            self._park(self._pulls, identity, request_id, args)
             return None
         return self._pull_reply(result)
 
@@ -272,9 +277,11 @@ class BufferServer:
 
     def _serve_parked(self) -> None:
         now = self.core.clock()
-        still = []
+        still, gate_open = [], True
         for p in self._acquires:
-            permit = self.core.try_acquire(p.args["worker_id"], p.args["permit_id"])
+            # capacity is shared: after one refusal the others only need their deadlines checked
+            permit = self.core.try_acquire(p.args["worker_id"], p.args["permit_id"]) if gate_open else None
+            gate_open = permit is not None
             if permit is None and now < p.deadline:
                 still.append(p)
                 continue

@@ -232,3 +232,26 @@ def test_batch_for_a_vanished_learner_is_handed_back_at_once():
         ctx.term()
     finally:
         server.stop()
+
+
+def test_parked_acquire_is_admitted_when_the_learner_advances():
+    server = BufferServer(BufferConfig(port=0, gate=GateConfig(batch_size=1, eta=0, max_concurrent=4))).start()
+    try:
+        with BufferClient(server.endpoint) as worker, BufferClient(server.endpoint) as learner:
+            first = worker.acquire_permit("w1")
+            assert worker.acquire_permit("w1", timeout=0.2) is None, "η = 0: one group per version"
+            waiting = {}
+            thread = threading.Thread(target=lambda: waiting.setdefault("p", worker.acquire_permit("w2", timeout=20)))
+            thread.start()
+            assert wait_until(lambda: learner.stats()["enqueued"] == 1)
+            worker_group = make_group(first.ticket)
+            learner.push_group(worker_group, first.permit_id)
+            learner.ack(learner.pull_batch(1, timeout=1).lease_id)
+            learner.set_version(1)
+            thread.join()
+            stats = learner.stats()
+        assert waiting["p"].version == 1 and waiting["p"].ticket == 1
+        assert stats["enqueued"] == 0 and stats["gate_waits"] == 2 and stats["rejected"] == 1
+        assert stats["gate_wait_seconds"] > 0.2
+    finally:
+        server.stop()
