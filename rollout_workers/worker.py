@@ -219,6 +219,7 @@ class RolloutWorker:
         """Loop until stop() (or at least `max_groups` pushed groups); returns the final stats."""
         with self._running:
             self._ensure_started()
+            self._started_at = time.time()  # rates count from the first generation, not start-up
             pushed = 0
             while not self._stop.is_set() and (max_groups is None or pushed < max_groups):
                 if self.load_latest_weights():
