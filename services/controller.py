@@ -45,34 +45,19 @@ CONFIG_FILE = "config.yaml"
 
 def _buffer_actor_class():
     """The buffer actor plus the two calls a checkpoint needs: a consistent snapshot of the gate
-    (tickets, cursor, counters) and of the groups held, and its restore into a fresh buffer.
-    Both speak the records of the buffer's own durable-log compaction (a `snapshot` record, then
-    one `push` per live group), so the restore is the buffer's own log replay."""
+    (tickets, cursor, counters) and of the groups held, as the buffer's own log records, and
+    their restore into a fresh buffer (the buffer's own log replay)."""
     from services.buffer_actor import BufferActor
 
     class CheckpointableBufferActor(BufferActor):
         def snapshot(self) -> list[dict]:
-            core = self.core
-            with core._lock:
-                gate = core.gate.state()
-                # Generations in flight now do not survive a resume: their tickets are reissued.
-                gate["free_tickets"] = sorted(gate["free_tickets"] + [p["ticket"] for p in gate["permits"]])
-                gate["permits"] = []
-                head = {"op": "snapshot", "gate": gate, "next_seq": core.store.next_seq, "consumed": {}}
-                pushes = [{"op": "push", "permit": None, "seq": g.seq, "group": g.packed}
-                          for g in core.store.live_groups()]
-                return [head, *pushes]
+            # Generations in flight do not survive a resume: their tickets go back to be reissued.
+            return self.core.snapshot_records(keep_permits=False, keep_consumed_ids=False)
 
         def restore(self, records: list[dict]) -> dict:
-            core = self.core
-            with core._lock:
-                if core.store.ready or core.gate.running or core.gate.accepted:
-                    raise RuntimeError("restore needs a fresh buffer")
-                for record in records:
-                    core._replay(record)
-                core._changed.notify_all()
-                return {"groups": len(records) - 1, "version": core.gate.version,
-                        "next_ticket": core.gate.next_ticket, "free_tickets": len(core.gate.free_tickets)}
+            self.core.restore(records)
+            stats = self.core.stats()
+            return {k: stats[k] for k in ("version", "groups_ready", "next_ticket", "free_tickets")}
 
     return CheckpointableBufferActor
 
@@ -127,15 +112,34 @@ class BufferHandle:
                 self.process.kill()
 
 
+class ZmqBufferClient:
+    """A `buffer.client.BufferClient` that travels to Ray actors: pickled as its settings, it
+    opens its own socket in the process that first uses it (sockets do not cross processes)."""
+
+    def __init__(self, config):
+        self._settings = config
+        self._client = None
+
+    def __getstate__(self):
+        return {"_settings": self._settings, "_client": None}
+
+    def __getattr__(self, name):
+        if name.startswith("__") or name in ("_settings", "_client"):
+            raise AttributeError(name)
+        if self._client is None:
+            from buffer.client import BufferClient
+
+            self._client = BufferClient.from_config(self._settings)
+        return getattr(self._client, name)
+
+
 def _start_zmq_buffer(cfg: EtarlConfig, run_dir: Path):
     """The standalone buffer service as a child process (`python -m buffer serve`), and a client."""
-    from buffer.client import BufferClient
-
     config_file = run_dir / "buffer.yaml"
     config_file.write_text(yaml.safe_dump({"buffer": cfg.buffer.model_dump(mode="json")}))
     process = subprocess.Popen([sys.executable, "-m", "buffer", "serve", "--config", str(config_file)],
                                stdout=open(run_dir / "buffer.out", "ab"), stderr=subprocess.STDOUT)
-    client = BufferClient(cfg.buffer.endpoint, cfg.buffer.client, cfg.buffer.curve)
+    client = ZmqBufferClient(cfg.buffer)
     deadline = time.monotonic() + 60
     while True:
         if process.poll() is not None:
