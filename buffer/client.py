@@ -17,7 +17,8 @@ import zmq
 
 from buffer import auth
 from buffer.admission import Permit
-from buffer.codec import decode_group, decode_message_header, encode_group, encode_message, unpack_frames
+from buffer.codec import (decode_group, decode_message_header, encode_group, encode_message, pack_frames,
+                          unpack_frames)
 from buffer.config import BufferConfig, ClientConfig, CurveConfig, SampleLimits
 from buffer.errors import BufferUnavailable, ProtocolError, RemoteError
 from buffer.sample import Group, PulledBatch, new_id
@@ -54,7 +55,7 @@ class BufferClient:
     def push_group(self, group: Group, permit_id: str) -> dict:
         """Push a finished group under its permit. Returns {"samples": n, "duplicate": bool};
         a retried push of the same sample ids is a no-op with duplicate=True."""
-        return self._call("push_group", {"permit_id": permit_id}, encode_group(group))[0]
+        return self._call("push_group", {"permit_id": permit_id}, [pack_frames(encode_group(group))])[0]
 
     def pull_batch(self, batch_size: int, timeout: float = 0.0) -> PulledBatch | None:
         """The `batch_size` oldest groups under a lease, or None if fewer are ready within `timeout`."""

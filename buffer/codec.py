@@ -6,15 +6,16 @@ buffers, per sample in the order of `buffer.sample.ARRAY_FIELDS` (token_rewards 
 present). Encoding hands out the numpy buffers themselves; decoding wraps the received frames
 with `np.frombuffer` (read-only views, no copy).
 
-The store keeps an accepted group as one *packed group* (`pack_frames`): its frames back to
-back, 8-byte aligned, after a length table. The durable log records it and a pull reply sends
-one frame per group, which `unpack_frames` cuts into zero-copy views again (one frame per group
-instead of ~5 per sample keeps ZMQ's per-frame cost off the hot path).
+On the service a group travels as one *packed group* (`pack_frames`): its frames back to back,
+8-byte aligned, after a length table; `unpack_frames` cuts it into zero-copy views again. The
+push sends it (one memcpy on the client), the store keeps exactly those bytes, the durable log
+records them and a pull reply sends them (one frame per group instead of ~5 per sample keeps
+ZMQ's per-frame cost off the hot path).
 
 Service messages (`encode_message`, `decode_message_header`) use the same idea:
 `[header, *payload]`, header = {"v", "id", "op", "args"} for a request and
-{"v", "id", "ok", "result" | "error"} for a reply; the payload is a group's frames (push) or one
-packed group per frame (pull).
+{"v", "id", "ok", "result" | "error"} for a reply; the payload is one packed group (push) or
+one packed group per frame (pull).
 
 Decoding validates everything and raises `SampleError` (naming field and sample) or
 `ProtocolError`: frame count and sizes, dtypes (implied by the layout, checked by size),

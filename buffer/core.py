@@ -42,7 +42,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from buffer.admission import AdmissionGate, Permit
-from buffer.codec import decode_group, frames_nbytes, group_index, pack_frames, unpack_frames
+from buffer.codec import decode_group, group_index, pack_frames, unpack_frames
 from buffer.config import BufferConfig
 from buffer.durable_log import DurableLog
 from buffer.errors import BufferError, ProtocolError, RequestError
@@ -164,10 +164,13 @@ class BufferCore:
 
     # ---- the store --------------------------------------------------------------------------
 
-    def push_group(self, frames: list, permit_id: str) -> dict:
-        """Validate and accept one group under its permit. Idempotent by sample_id."""
-        if frames_nbytes(frames) > self.limits.max_message_bytes:
-            raise ProtocolError(f"group of {frames_nbytes(frames)} bytes exceeds max_message_bytes", "oversized")
+    def push_group(self, group, permit_id: str) -> dict:
+        """Validate and accept one group under its permit. Idempotent by sample_id. `group` is a
+        packed group (what the transports send) or the group's frames (`encode_group`)."""
+        packed = bytes(group) if not isinstance(group, (list, tuple)) else pack_frames(group)
+        if len(packed) > self.limits.max_message_bytes:
+            raise ProtocolError(f"group of {len(packed)} bytes exceeds max_message_bytes", "oversized")
+        frames = unpack_frames(packed)
         with self._lock:
             self._tick_locked()
             group = decode_group(frames, self.limits, max_version=self.gate.version)
@@ -183,7 +186,6 @@ class BufferCore:
                                    f"{permit_id!r} is for ticket {permit.ticket}", "ticket_mismatch")
             self.store.check_room()
             seq = self.store.next_seq
-            packed = pack_frames(frames)
             self._append({"op": "push", "permit": permit_id, "seq": seq, "group": packed})
             self.gate.consume(permit_id)
             self.store.add(group.group_id, sample_ids, [s.weight_version for s in group.samples], packed, seq)

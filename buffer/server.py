@@ -237,7 +237,9 @@ class BufferServer:
         return self.core.release_permit(args["permit_id"]),
 
     def _push(self, identity, request_id, args, payload):
-        return self.core.push_group(payload, args["permit_id"]),
+        if len(payload) != 1:
+            raise ProtocolError(f"push_group takes one packed group frame, got {len(payload)} frames", "bad_frame_count")
+        return self.core.push_group(payload[0], args["permit_id"]),
 
     def _pull(self, identity, request_id, args, _payload):
         result = self.core.pull_batch(args["batch_size"], 0.0, args["lease_id"])

@@ -2,8 +2,8 @@
 
 `BufferActor` holds the core and a housekeeping thread (permit and lease expiry, log sync); it
 is a threaded actor, so blocking calls (long-polled acquire and pull) wait without stopping
-others. Groups cross the actor boundary as the same wire frames (push) and packed groups (pull) the ZMQ
-service uses, so both transports validate and store identically. `RayBufferClient` has the methods of
+others. Groups cross the actor boundary as the same packed groups the ZMQ service uses, so both
+transports validate and store identically. `RayBufferClient` has the methods of
 `buffer.client.BufferClient`.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ import threading
 import ray
 
 from buffer.admission import Permit
-from buffer.codec import decode_group, encode_group, unpack_frames
+from buffer.codec import decode_group, encode_group, pack_frames, unpack_frames
 from buffer.config import BufferConfig
 from buffer.core import BufferCore, PullResult
 from buffer.errors import BufferError, RemoteError
@@ -39,8 +39,8 @@ class BufferActor:
     def release_permit(self, permit_id: str) -> bool:
         return self.core.release_permit(permit_id)
 
-    def push_group(self, frames: list[bytes], permit_id: str) -> dict:
-        return self.core.push_group(frames, permit_id)
+    def push_group(self, packed: bytes, permit_id: str) -> dict:
+        return self.core.push_group(packed, permit_id)
 
     def pull_batch(self, batch_size: int, timeout: float = 0.0, lease_id: str | None = None) -> PullResult | None:
         return self.core.pull_batch(batch_size, timeout, lease_id)
@@ -101,8 +101,7 @@ class RayBufferClient:
         return self._get(self.actor.release_permit.remote(permit_id))
 
     def push_group(self, group: Group, permit_id: str) -> dict:
-        frames = [bytes(f) if not isinstance(f, bytes) else f for f in encode_group(group)]
-        return self._get(self.actor.push_group.remote(frames, permit_id))
+        return self._get(self.actor.push_group.remote(pack_frames(encode_group(group)), permit_id))
 
     def pull_batch(self, batch_size: int, timeout: float = 0.0) -> PulledBatch | None:
         result = self._get(self.actor.pull_batch.remote(int(batch_size), float(timeout), new_id()), timeout)

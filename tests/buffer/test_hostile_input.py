@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from buffer.client import BufferClient
-from buffer.codec import PROTOCOL_VERSION, encode_group
+from buffer.codec import PROTOCOL_VERSION, encode_group, pack_frames
 
 MAX_MESSAGE = 64 * 1024
 
@@ -49,6 +49,10 @@ def request(op, args=None, request_id="r", v=PROTOCOL_VERSION, **extra):
 def good_push_frames(client):
     permit = client.acquire_permit("w")
     return permit, [bytes(memoryview(f)) for f in encode_group(make_group(permit.ticket))]
+
+
+def packed(frames):
+    return [pack_frames(frames)]
 
 
 CASES = {
@@ -91,14 +95,16 @@ def test_bad_groups_in_pushes(raw, server):
     with BufferClient(server.endpoint) as client:
         permit, frames = good_push_frames(client)
         header = request("push_group", {"permit_id": permit.permit_id})
-        assert exchange(raw, [header, *frames[:-1]])["error"]["reason"] == "bad_frame_count"
+        assert exchange(raw, [header, *packed(frames[:-1])])["error"]["reason"] == "bad_frame_count"
+        assert exchange(raw, [header, *frames])["error"]["reason"] == "bad_frame_count", "unpacked frames"
+        assert exchange(raw, [header, packed(frames)[0][:-9]])["error"]["reason"] == "bad_packed_group"
         group = msgpack.unpackb(frames[0])
         group["samples"][0]["weight_version"] = 10**6
-        reply = exchange(raw, [header, msgpack.packb(group), *frames[1:]])
+        reply = exchange(raw, [header, *packed([msgpack.packb(group), *frames[1:]])])
         assert reply["error"]["reason"] == "bad_sample" and "ahead of the learner" in reply["error"]["message"]
         truncated = [*frames[:-1], frames[-1][:-1]]
-        assert "expected" in exchange(raw, [header, *truncated])["error"]["message"]
-        assert exchange(raw, [header, *frames])["ok"], "the same permit still works with a good group"
+        assert "expected" in exchange(raw, [header, *packed(truncated)])["error"]["message"]
+        assert exchange(raw, [header, *packed(frames)])["ok"], "the same permit still works with a good group"
         assert client.stats()["running"] == 0
 
 
