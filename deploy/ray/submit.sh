@@ -71,7 +71,8 @@ fi
 "$RAY" job logs --address "$address" --follow "$submission_id" || true
 status="$("$RAY" job status --address "$address" "$submission_id" 2>&1 | tail -n 5)"
 echo "$status"
-case "$status" in
-  *SUCCEEDED*) exit 0 ;;
-  *) echo "[submit] job $submission_id did not succeed" >&2; exit 1 ;;
-esac
+if grep -qiE "succeeded" <<<"$status"; then
+  exit 0
+fi
+echo "[submit] job $submission_id did not succeed" >&2
+exit 1

@@ -26,7 +26,7 @@ SUBMIT = REPO / "deploy" / "ray" / "submit.sh"
 VENV_BIN = Path(sys.executable).parent
 
 # A few steps of the tiny model, cheap evaluation; the same overrides a laptop smoke test would use.
-TINY_RUN = ["run.steps=2", "buffer.gate.batch_size=2", "rollout.sampling.n=4", "eval.num_prompts=4",
+TINY_RUN = ["run.steps=1", "buffer.gate.batch_size=2", "rollout.sampling.n=4", "eval.num_prompts=4",
             "eval.n_samples=0", "run.eval_every=0", "run.checkpoint_every=0", "run.progress=false"]
 
 
@@ -80,7 +80,7 @@ def ray_head():
 def stop_session(proc: subprocess.Popen) -> None:
     """SIGTERM to `ray start --block` and its session (GCS, raylet, dashboard, workers), a short
     grace period, then SIGKILL whatever of that session is left."""
-    for sig, grace in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+    for sig, grace in ((signal.SIGTERM, 5), (signal.SIGKILL, 10)):
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
@@ -116,12 +116,12 @@ def test_help_describes_the_script():
 def test_a_short_training_job_succeeds_on_a_local_cluster(ray_head, tmp_path):
     run_dir = tmp_path / "run"
     result = run_submit("--address", ray_head, "--submission-id", f"etarl-test-{os.getpid()}", "--",
-                        *TINY_RUN, f"run.run_dir={run_dir}")
+                        *TINY_RUN, f"run.run_dir={run_dir}", f"run.cache_dir={REPO / '.cache'}")
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-6000:]
-    assert "SUCCEEDED" in output
+    assert "succeeded" in output.lower()
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    assert max(r.get("step", 0) for r in steps) == 2
+    assert max(r.get("step", 0) for r in steps) == 1
 
 
 @pytest.mark.slow
