@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1"}
 
@@ -107,9 +107,13 @@ class BufferConfig(_Strict):
         data = yaml.safe_load(path.read_text()) or {}
         if not isinstance(data, dict):
             raise ValueError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
+        section = ""
         if isinstance(data.get("buffer"), dict):
-            data = data["buffer"]
-        return cls.model_validate(data)
+            data, section = data["buffer"], " (section buffer)"
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            raise ValueError(f"{path}{section}: {exc}") from None
 
     @classmethod
     def synchronous(cls, batch_size: int = 8) -> "BufferConfig":
