@@ -1,0 +1,185 @@
+"""The exactly-once audit: after a run (or a fault), every accepted group was consumed exactly once
+or is still accounted for, and no consumed sample was staler than η.
+
+Two records are compared:
+  - the run's log: which groups and tickets each learner step trained on, and the weight versions
+    of their samples (`metrics.jsonl` rows with `audit/*` keys, or `Consumption`s a test builds);
+  - the buffer's log: the durable log of the buffer service (`buffer.log.path`) or the buffer
+    records a checkpoint holds (`buffer.msgpack`); both are the buffer's own log records
+    (`acquire`, `release`, `push`, `ack`, `drop`, `lease`, `nack`, `version`, `recover`, `snapshot`).
+
+A group is *lost* if the buffer accepted it (or a client was told its push succeeded) and it is
+neither consumed by the run, nor still held by the buffer, nor dropped as stale (dropped groups
+are counted, not lost). A group or ticket is *duplicated* if it was consumed more than once.
+Every ticket (prompt number) the gate handed out must be consumed, held, waiting to be reissued,
+or dropped, exactly one of those.
+"""
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable
+
+import msgpack
+
+from buffer.codec import unpack, unpack_frames
+from buffer.durable_log import read_records
+
+
+@dataclass
+class Consumption:
+    """One trained batch: the groups and tickets, and the learner version that trained on them."""
+
+    version: int
+    group_ids: list[str]
+    tickets: list[int]
+    sample_versions: list[int]
+    step: int | None = None
+
+    @property
+    def staleness(self) -> int:
+        return max((self.version - v for v in self.sample_versions), default=0)
+
+
+def read_run_log(run_dir: str | Path) -> list[Consumption]:
+    """The consumption record of a run: the `audit/*` keys of its `metrics.jsonl` (the version
+    logged is the one the step produced, so the step trained at version − 1)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    out = []
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        if "audit/groups" in row:
+            out.append(Consumption(int(row["version"]) - 1, list(row["audit/groups"]), list(row["audit/tickets"]),
+                                   list(row["audit/sample_versions"]), row.get("step")))
+    return out
+
+
+def read_buffer_log(path: str | Path) -> list[dict]:
+    """The intact records of a buffer's durable log (a torn tail is ignored, as replay does)."""
+    return read_records(Path(path))[0]
+
+
+def read_checkpoint_buffer(checkpoint: str | Path, name: str = "buffer.msgpack") -> list[dict]:
+    """The buffer records a checkpoint holds (a `snapshot` record and one `push` per live group)."""
+    return msgpack.unpackb((Path(checkpoint) / name).read_bytes(), raw=False)
+
+
+@dataclass
+class BufferHistory:
+    """What the buffer's records say happened."""
+
+    pushed: dict[str, int] = field(default_factory=dict)  # group id -> ticket, every push
+    live: dict[str, int] = field(default_factory=dict)  # held now (ready or leased)
+    acked: Counter = field(default_factory=Counter)  # group id -> acks
+    dropped: dict[str, int] = field(default_factory=dict)
+    pushed_twice: list[str] = field(default_factory=list)
+    next_ticket: int = 0
+    free_tickets: set[int] = field(default_factory=set)
+    held_tickets: dict[str, int] = field(default_factory=dict)  # permit id -> ticket
+    full_history: bool = True  # False when the records start at a snapshot (compaction, checkpoint)
+
+
+def replay(records: Iterable[dict]) -> BufferHistory:
+    h = BufferHistory()
+    for r in records:
+        op = r["op"]
+        if op == "snapshot":
+            h.full_history = False
+            gate = r["gate"]
+            h.next_ticket = gate["next_ticket"]
+            h.free_tickets = set(gate["free_tickets"])
+            h.held_tickets = {p["permit_id"]: p["ticket"] for p in gate["permits"]}
+        elif op == "acquire":
+            permit = r["permit"]
+            h.held_tickets[permit["permit_id"]] = permit["ticket"]
+            h.free_tickets.discard(permit["ticket"])
+            h.next_ticket = max(h.next_ticket, permit["ticket"] + 1)
+        elif op == "release":
+            ticket = h.held_tickets.pop(r["permit"], None)
+            if ticket is not None:
+                h.free_tickets.add(ticket)
+        elif op == "push":
+            header = unpack(unpack_frames(r["group"])[0])
+            gid, ticket = header["group_id"], header["prompt_index"]
+            if gid in h.pushed:
+                h.pushed_twice.append(gid)
+            h.pushed[gid] = h.live[gid] = ticket
+            h.held_tickets.pop(r.get("permit"), None)
+        elif op in ("ack", "drop"):
+            for gid in r["groups"]:
+                ticket = h.live.pop(gid, h.pushed.get(gid, -1))
+                if op == "ack":
+                    h.acked[gid] += 1
+                else:
+                    h.dropped[gid] = ticket
+        elif op == "recover":  # a fresh gate: permits of the old run are forgotten
+            h.held_tickets.clear()
+            h.free_tickets.clear()
+    return h
+
+
+@dataclass
+class AuditReport:
+    consumed_groups: int
+    consumed_samples: int
+    in_buffer_groups: int
+    dropped_groups: int
+    lost_groups: list[str]
+    duplicated_groups: list[str]
+    lost_tickets: list[int]
+    duplicated_tickets: list[int]
+    over_eta: list[tuple[int | None, int]]  # (step, staleness) of batches staler than η
+    worst_staleness: int
+
+    @property
+    def ok(self) -> bool:
+        return not (self.lost_groups or self.duplicated_groups or self.lost_tickets or self.duplicated_tickets
+                    or self.over_eta)
+
+    def problems(self) -> list[str]:
+        out = []
+        for name in ("lost_groups", "duplicated_groups", "lost_tickets", "duplicated_tickets", "over_eta"):
+            value = getattr(self, name)
+            if value:
+                out.append(f"{name}: {len(value)} ({value[:5]}{' ...' if len(value) > 5 else ''})")
+        return out
+
+    def __str__(self) -> str:
+        head = (f"consumed {self.consumed_groups} groups ({self.consumed_samples} samples), "
+                f"{self.in_buffer_groups} in the buffer, {self.dropped_groups} dropped stale, "
+                f"worst staleness {self.worst_staleness}")
+        return head + ("; OK" if self.ok else "; " + "; ".join(self.problems()))
+
+
+def audit(consumptions: list[Consumption], buffer_records: Iterable[dict], eta: int | None,
+          acknowledged: Iterable[str] = ()) -> AuditReport:
+    """Check the run's consumption record against the buffer's records (see the module doc).
+    `acknowledged`: group ids whose push a client saw succeed (they must not be lost)."""
+    h = replay(buffer_records)
+    consumed = Counter(g for c in consumptions for g in c.group_ids)
+    tickets = Counter(t for c in consumptions for t in c.tickets)
+    duplicated = sorted({g for g, n in consumed.items() if n > 1} | {g for g, n in h.acked.items() if n > 1}
+                        | set(h.pushed_twice))
+    accounted = set(consumed) | set(h.live) | set(h.dropped)
+    # Acked in the buffer but absent from the run's record: trained on by nobody who logged it.
+    expected = set(acknowledged) | set(h.pushed) | set(h.acked)
+    lost = sorted(expected - accounted)
+
+    holders = Counter(tickets)
+    for source in (h.live.values(), h.dropped.values(), h.free_tickets, h.held_tickets.values()):
+        holders.update(source)
+    issued = max(h.next_ticket, max(holders, default=-1) + 1)
+    lost_tickets = [t for t in range(issued) if holders[t] == 0]
+    duplicated_tickets = sorted(t for t, n in holders.items() if n > 1)
+
+    over = [(c.step, c.staleness) for c in consumptions if eta is not None and c.staleness > eta]
+    return AuditReport(
+        consumed_groups=sum(consumed.values()), consumed_samples=sum(len(c.sample_versions) for c in consumptions),
+        in_buffer_groups=len(h.live), dropped_groups=len(h.dropped), lost_groups=lost,
+        duplicated_groups=duplicated, lost_tickets=lost_tickets, duplicated_tickets=duplicated_tickets,
+        over_eta=over, worst_staleness=max((c.staleness for c in consumptions), default=0),
+    )
