@@ -18,7 +18,7 @@ def test_loads_own_file_or_run_section(tmp_path):
 def test_unknown_keys_and_missing_files_say_where(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("gate: {etaa: 3}\n")
-    with pytest.raises(ValueError, match=r"bad\.yaml.*etaa"):
+    with pytest.raises(ValueError, match=r"(?s)bad\.yaml.*etaa"):
         BufferConfig.from_yaml(bad)
     with pytest.raises(FileNotFoundError, match="nope.yaml"):
         BufferConfig.from_yaml(tmp_path / "nope.yaml")
