@@ -15,7 +15,7 @@ from buffer_helpers import ServerProcess, free_port, make_group, wait_until  # n
 
 from services.audit import Consumption  # noqa: E402
 
-__all__ = ["ServerProcess", "free_port", "make_group", "wait_until", "ReplyLosingProxy", "consume_batch"]
+__all__ = ["ServerProcess", "free_port", "make_group", "wait_until", "ReplyLosingProxy", "consume_batch", "consumption"]
 
 
 class ReplyLosingProxy:
@@ -107,5 +107,10 @@ def consume_batch(client, batch_size: int, timeout: float = 1.0) -> Consumption 
     if batch is None:
         return None
     client.ack(batch.lease_id)
+    return consumption(batch)
+
+
+def consumption(batch) -> Consumption:
+    """The audit's record of a trained `PulledBatch`."""
     return Consumption(batch.version, [g.group_id for g in batch.groups], [g.prompt_index for g in batch.groups],
                        [s.weight_version for g in batch.groups for s in g.samples])
