@@ -58,17 +58,19 @@ def free_port() -> int:
 
 # ---- producers (child processes) ------------------------------------------------------------
 
-def raw_producer(endpoint: str, groups: int, group_size: int, seed: int, start) -> None:
+def raw_producer(endpoint: str, groups: int, group_size: int, seed: int, start, cpu) -> None:
     rng = np.random.default_rng(seed)
     payloads = [make_group(i, group_size, rng) for i in range(min(groups, 64))]
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PUSH)
     sock.connect(endpoint)
     start.wait()
+    cpu0 = time.process_time()
     for i in range(groups):
         sock.send_multipart(encode_group(payloads[i % len(payloads)]), copy=False)
     sock.close(linger=-1)
     ctx.term()
+    cpu.put(time.process_time() - cpu0)
 
 
 def service_producer(endpoint: str, groups: int, group_size: int, seed: int, start, rtts) -> None:
@@ -77,6 +79,7 @@ def service_producer(endpoint: str, groups: int, group_size: int, seed: int, sta
     client = BufferClient(endpoint)
     times = []
     start.wait()
+    cpu0 = time.process_time()
     for i in range(groups):
         permit = client.acquire_permit(f"producer-{seed}", timeout=30)
         t = templates[i % len(templates)]
@@ -87,34 +90,41 @@ def service_producer(endpoint: str, groups: int, group_size: int, seed: int, sta
         client.push_group(group, permit.permit_id)
         times.append(time.perf_counter() - t0)
     client.close()
-    rtts.put(times)
+    rtts.put((times, time.process_time() - cpu0))
 
 
 # ---- the three measurements -----------------------------------------------------------------
 
-def run_raw(total_groups: int, group_size: int, producers: int) -> float:
+def server_cpu(proc: psutil.Process) -> float:
+    t = proc.cpu_times()
+    return t.user + t.system
+
+
+def run_raw(total_groups: int, group_size: int, producers: int) -> tuple[float, float]:
+    """(samples/s, CPU seconds of all processes per sample)."""
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
     port = pull.bind_to_random_port("tcp://127.0.0.1")
     spawn = mp.get_context("spawn")
-    start = spawn.Event()
+    start, cpu = spawn.Event(), spawn.Queue()
     per = total_groups // producers
-    procs = [spawn.Process(target=raw_producer, args=(f"tcp://127.0.0.1:{port}", per, group_size, i, start))
+    procs = [spawn.Process(target=raw_producer, args=(f"tcp://127.0.0.1:{port}", per, group_size, i, start, cpu))
              for i in range(producers)]
     for p in procs:
         p.start()
     time.sleep(1.0)  # let the children import and connect
     start.set()
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     samples = 0
     for _ in range(per * producers):
         samples += len(decode_group(pull.recv_multipart(copy=False)))
-    elapsed = time.perf_counter() - t0
+    elapsed, cpu_s = time.perf_counter() - t0, time.process_time() - cpu0
+    cpu_s += sum(cpu.get() for _ in procs)
     for p in procs:
         p.join()
     pull.close()
     ctx.term()
-    return samples / elapsed
+    return samples / elapsed, cpu_s / samples
 
 
 def start_server(workdir: Path, **config) -> tuple[subprocess.Popen, str]:
@@ -140,8 +150,10 @@ def run_service(workdir: Path, total_groups: int, group_size: int, producers: in
     learner = BufferClient(endpoint)
     learner.health()
     time.sleep(1.0)
+    server_proc = psutil.Process(server.pid)
+    server_cpu0 = server_cpu(server_proc)
     start.set()
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     samples, groups = 0, 0
     while groups < per * producers:
         batch = learner.pull_batch(min(batch_groups, per * producers - groups), timeout=30)
@@ -149,13 +161,16 @@ def run_service(workdir: Path, total_groups: int, group_size: int, producers: in
         groups += len(batch.groups)
         samples += len(batch.samples)
     elapsed = time.perf_counter() - t0
-    times = np.concatenate([rtts.get() for _ in procs])
+    cpu_s = time.process_time() - cpu0 + server_cpu(server_proc) - server_cpu0
+    results = [rtts.get() for _ in procs]
+    times = np.concatenate([r[0] for r in results])
+    cpu_s += sum(r[1] for r in results)
     for p in procs:
         p.join()
     learner.close()
     server.terminate()
     server.wait()
-    return samples / elapsed, np.percentile(times, 50), np.percentile(times, 99)
+    return samples / elapsed, np.percentile(times, 50), np.percentile(times, 99), cpu_s / samples
 
 
 def run_memory(workdir: Path, samples: int, group_size: int) -> tuple[int, int]:
@@ -206,13 +221,16 @@ def main() -> None:
     sample_bytes = PROMPT_TOKENS * 4 + RESPONSE_TOKENS * 13
     print(f"samples of {sample_bytes} bytes, groups of {args.group_size}, {args.producers} producer processes, "
           f"{groups * args.group_size} samples per run, {os.cpu_count()} CPUs, loadavg {os.getloadavg()[0]:.1f}")
-    raws, services, p50s, p99s = [], [], [], []
+    raws, services, p50s, p99s, raw_cpu, service_cpu = [], [], [], [], [], []
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         for _ in range(args.rounds):
-            raws.append(run_raw(groups, args.group_size, args.producers))
-            service, p50, p99 = run_service(workdir, groups, args.group_size, args.producers, args.batch_groups)
+            rate, cpu = run_raw(groups, args.group_size, args.producers)
+            raws.append(rate)
+            raw_cpu.append(cpu)
+            service, p50, p99, cpu = run_service(workdir, groups, args.group_size, args.producers, args.batch_groups)
             services.append(service)
+            service_cpu.append(cpu)
             p50s.append(p50)
             p99s.append(p99)
         grown, raw_bytes = run_memory(workdir, args.memory_samples, args.group_size)
@@ -222,6 +240,9 @@ def main() -> None:
     print(f"raw PUSH/PULL + codec : {raw:10.0f} samples/s (median)  ({raw * sample_bytes / 1e6:.0f} MB/s)")
     print(f"buffer service        : {service:10.0f} samples/s (median)  ({service * sample_bytes / 1e6:.0f} MB/s)")
     print(f"ratio service/raw     : {service / raw:10.2f}   (goal >= 0.5)")
+    rc, sc = float(np.median(raw_cpu)) * 1e6, float(np.median(service_cpu)) * 1e6
+    print(f"CPU per sample        : raw {rc:.0f} us, service {sc:.0f} us (all processes; raw/service = {rc / sc:.2f},"
+          " a load-independent view of the same ratio)")
     print(f"push round trip       : p50 {p50 * 1e3:.2f} ms, p99 {p99 * 1e3:.2f} ms  (group of {args.group_size})")
     print(f"memory for {args.memory_samples} samples : {grown / 1e6:.1f} MB resident vs {raw_bytes / 1e6:.1f} MB raw "
           f"arrays = {grown / raw_bytes:.2f}x   (goal <= 1.5x)")
