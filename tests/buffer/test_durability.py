@@ -8,7 +8,7 @@ import pytest
 from buffer_helpers import make_group
 
 from buffer.client import BufferClient
-from buffer.codec import encode_group, unpack_frames
+from buffer.codec import encode_group
 from buffer.config import BufferConfig, ClientConfig, GateConfig, LogConfig
 from buffer.core import BufferCore
 
@@ -20,12 +20,14 @@ def test_sigkill_mid_stream_loses_nothing_acknowledged(server_process, tmp_path,
     server = server_process(**config)
     client_settings = ClientConfig(request_timeout_s=1.0, retries=30, retry_backoff_s=0.05)
     acknowledged, consumed, errors = set(), Counter(), []
-    total_groups, killed = 60, threading.Event()
+    total_groups, resume = 60, threading.Event()
 
     def pusher():
         try:
             with BufferClient(server.endpoint, client_settings) as client:
                 for i in range(total_groups):
+                    if i == total_groups // 2:
+                        resume.wait()  # so that the kill lands while pushes stream in
                     permit = client.acquire_permit("w", timeout=5)
                     group = make_group(permit.ticket)
                     client.push_group(group, permit.permit_id)  # retried across the restart
@@ -41,9 +43,9 @@ def test_sigkill_mid_stream_loses_nothing_acknowledged(server_process, tmp_path,
         puller.ack(batch.lease_id)
         consumed.update(s.sample_id for s in batch.samples)
     in_flight = puller.pull_batch(2, timeout=10)  # trained on, but the ack comes after the crash
-    assert len(acknowledged) < total_groups * 2, "the kill must land mid-stream"
+    resume.set()
     server.kill()
-    killed.set()
+    assert len(acknowledged) < total_groups * 2, "the kill must land mid-stream"
     server.start()
     assert puller.ack(in_flight.lease_id) == 2, "the lease survives the restart"
     consumed.update(s.sample_id for s in in_flight.samples)
