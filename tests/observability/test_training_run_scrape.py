@@ -13,7 +13,7 @@ import pytest
 
 from prometheus_server import REPO, PrometheusServer, free_port
 
-STEPS = 3
+STEPS = 2
 ETA = 4  # the embedded default's bound
 TINY_RUN = [f"run.steps={STEPS}", "buffer.gate.batch_size=2", "rollout.sampling.n=4", "eval.num_prompts=4",
             "eval.n_samples=0", "run.eval_every=0", "run.checkpoint_every=0", "run.progress=false", "ray.num_cpus=2"]
