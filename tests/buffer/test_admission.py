@@ -180,7 +180,7 @@ def test_bound_holds_under_real_threads():
     for t in threads:
         t.start()
     for version in range(1, 15):
-        batch = core.pull_batch(B, timeout=5)
+        batch = core.pull_batch(B, timeout=60)
         assert batch is not None
         core.ack(batch.lease_id)
         core.set_version(version)

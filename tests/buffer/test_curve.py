@@ -14,7 +14,8 @@ from buffer.config import BufferConfig, ClientConfig, CurveConfig
 from buffer.errors import BufferUnavailable
 from buffer.server import BufferServer
 
-QUICK = ClientConfig(request_timeout_s=0.5, retries=0)
+QUICK = ClientConfig(request_timeout_s=0.5, retries=0)  # for clients that must be refused
+PATIENT = ClientConfig(request_timeout_s=10, retries=1)
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +44,7 @@ def server(keys):
 
 
 def test_authorized_client_is_served(server, keys):
-    with BufferClient(server.endpoint, QUICK, curve(keys)) as client:
+    with BufferClient(server.endpoint, PATIENT, curve(keys)) as client:
         assert client.health()["ok"]
 
 
@@ -67,7 +68,7 @@ def test_keys_from_environment_variables(server, keys, monkeypatch):
     monkeypatch.setenv(auth.ENV_CLIENT_SECRET, secret.decode())
     monkeypatch.setenv(auth.ENV_CLIENT_PUBLIC, public.decode())
     monkeypatch.setenv(auth.ENV_SERVER_PUBLIC, server_public.decode())
-    with BufferClient(server.endpoint, QUICK, CurveConfig(enabled=True)) as client:
+    with BufferClient(server.endpoint, PATIENT, CurveConfig(enabled=True)) as client:
         assert client.health()["ok"]
     monkeypatch.setenv(auth.ENV_CLIENT_SECRET, "too-short")
     with pytest.raises(ValueError, match="not a 40-character") as info:

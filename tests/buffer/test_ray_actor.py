@@ -1,10 +1,9 @@
 """The Ray actor transport runs the same core: permits, pushes, long-polled pulls, acks, the
 η gate across versions, and errors with the same reasons as the ZMQ client."""
 import threading
-import time
 
 import pytest
-from buffer_helpers import make_group
+from buffer_helpers import make_group, wait_until
 
 from buffer.config import BufferConfig, GateConfig
 from buffer.errors import RemoteError
@@ -35,7 +34,7 @@ def test_round_trip_and_gate_through_the_actor(client):
     waiter = {}
     thread = threading.Thread(target=lambda: waiter.setdefault("permit", client.acquire_permit("w", timeout=10)))
     thread.start()
-    time.sleep(0.3)
+    assert wait_until(lambda: client.stats()["enqueued"] == 1)
     client.set_version(1)  # the learner advances: the blocked acquire is admitted
     thread.join()
     assert waiter["permit"] is not None and waiter["permit"].version == 1

@@ -222,7 +222,7 @@ def test_batch_for_a_vanished_learner_is_handed_back_at_once():
         with BufferClient(server.endpoint) as client:
             assert wait_until(lambda: len(server._pulls) == 1)
             doomed.close(linger=0)
-            time.sleep(0.2)
+            time.sleep(1.0)  # the server's I/O thread notices the disconnect
             permit = client.acquire_permit("w")
             group = make_group(permit.ticket)
             client.push_group(group, permit.permit_id)
