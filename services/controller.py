@@ -52,7 +52,7 @@ def _buffer_actor_class():
     class CheckpointableBufferActor(BufferActor):
         def snapshot(self) -> list[dict]:
             # Generations in flight do not survive a resume: their tickets go back to be reissued.
-            return self.core.snapshot_records(keep_permits=False, keep_consumed_ids=False)
+            return self.core.snapshot_records(keep_in_flight=False, keep_consumed_ids=False)
 
         def restore(self, records: list[dict]) -> dict:
             self.core.restore(records)
