@@ -87,13 +87,13 @@ class BufferHandle:
 
         return ray.get(self.actor.snapshot.remote()) if self.actor is not None else None
 
-    def restore(self, state: dict) -> dict:
+    def restore(self, records: list[dict]) -> dict:
         import ray
 
         if self.actor is None:
-            raise ConfigError("resuming with buffer.transport=zmq relies on the buffer service's durable log "
-                              "(buffer.log.path); the checkpoint holds no buffer contents")
-        return ray.get(self.actor.restore.remote(state))
+            raise ConfigError("this checkpoint holds the buffer of a buffer.transport=ray run; resume it with "
+                              "buffer.transport=ray")
+        return ray.get(self.actor.restore.remote(records))
 
     def close(self) -> None:
         import ray
@@ -271,8 +271,15 @@ class Controller:
         self.consumed_tickets = list(state["consumed_tickets"])
         self.evals = list(state.get("evals", []))
         buffer_file = checkpoint / BUFFER_STATE_FILE
-        with open(buffer_file, "rb") as f:
-            restored = self.buffer.restore(msgpack.unpackb(f.read(), raw=False))
+        if buffer_file.is_file():
+            restored = self.buffer.restore(msgpack.unpackb(buffer_file.read_bytes(), raw=False))
+        elif self.cfg.buffer.transport == "zmq" and self.cfg.buffer.log.path is not None:
+            # The service replayed its own durable log; the gate restarts its count at v·B.
+            self.buffer.client.recover(self.version)
+            restored = "the buffer service's durable log"
+        else:
+            raise ConfigError(f"checkpoint {checkpoint} holds no buffer state ({BUFFER_STATE_FILE}); a run with "
+                              "buffer.transport=zmq resumes from the service's durable log (set buffer.log.path)")
         log.info("resumed from %s: step %d, version %d, buffer %s", checkpoint, self.step, self.version, restored)
         return state
 

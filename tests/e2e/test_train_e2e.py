@@ -15,6 +15,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import msgpack
 import pytest
@@ -24,12 +25,15 @@ from services.config import load_config
 from services.controller import BUFFER_STATE_FILE, run_training
 from services.plots import read_metrics
 
+REPO = Path(__file__).resolve().parents[2]
+
 pytestmark = pytest.mark.slow
 
 
-def e2e_config(model_dir, run_dir, *overrides):
+def e2e_config(run_dir, *overrides):
+    """The embedded default (reverse task, tiny model built once under the repo's .cache)."""
     return load_config(None, [
-        f"run.model={model_dir}", f"run.run_dir={run_dir}", "run.progress=false",
+        f"run.cache_dir={REPO / '.cache'}", f"run.run_dir={run_dir}", "run.progress=false",
         # the session's Ray cluster has 2 logical CPUs; the actors share the real ones anyway
         "ray.worker_num_cpus=0", "ray.learner_num_cpus=0", *overrides,
     ])
@@ -39,10 +43,10 @@ def step_records(run_dir):
     return [r for r in read_metrics(run_dir) if "audit/tickets" in r]
 
 
-def test_async_run_learns_and_stays_within_eta(ray_cluster, tiny_model_dir, tmp_path):
-    eta = 4
-    cfg = e2e_config(tiny_model_dir, tmp_path / "run", f"buffer.gate.eta={eta}", "run.eval_every=0",
-                     "run.checkpoint_every=0", "eval.num_prompts=200")
+def test_async_run_learns_and_stays_within_eta(ray_cluster, tmp_path):
+    eta, prompts = 4, 300
+    cfg = e2e_config(tmp_path / "run", f"buffer.gate.eta={eta}", "run.steps=160", "run.eval_every=0",
+                     "run.checkpoint_every=0", f"eval.num_prompts={prompts}", "eval.n_samples=4")
     result = run_training(cfg)
     assert result.completed and result.version == cfg.run.steps
 
@@ -58,14 +62,16 @@ def test_async_run_learns_and_stays_within_eta(ray_cluster, tiny_model_dir, tmp_
     tickets = [t for r in records for t in r["audit/tickets"]]
     assert len(tickets) == len(set(tickets)) == cfg.run.steps * cfg.batch_size
 
-    # Learning: held-out greedy accuracy (n = 200 prompts) rises above the warm start by more than
-    # four standard errors of the difference of two such estimates.
+    # Learning, on held-out prompts: the sampled accuracy (pass@1 from 4 samples per prompt) rises
+    # above the warm start's by more than 3 standard errors of a difference of two such estimates
+    # (counted per prompt, the conservative way), and greedy accuracy does not fall.
     first, last = result.evals[0], result.evals[-1]
     assert first["step"] == 0 and last["step"] == cfg.run.steps
-    p0, p1 = first["eval/accuracy"], last["eval/accuracy"]
+    p0, p1 = first["eval/pass@1"], last["eval/pass@1"]
     pooled = (p0 + p1) / 2
-    noise = math.sqrt(2 * pooled * (1 - pooled) / 200)
-    assert p1 - p0 > max(4 * noise, 0.1), f"held-out accuracy {p0:.3f} -> {p1:.3f} (noise {noise:.3f})"
+    noise = math.sqrt(2 * pooled * (1 - pooled) / prompts)
+    assert p1 - p0 > max(3 * noise, 0.08), f"held-out pass@1 {p0:.3f} -> {p1:.3f} (noise {noise:.3f})"
+    assert last["eval/accuracy"] >= first["eval/accuracy"] - 2 * noise
     assert (tmp_path / "run" / "plots" / "eval_accuracy.png").is_file()
 
 
@@ -87,9 +93,9 @@ def _interrupt_when(run_dir, min_step: int, timeout_s: float = 300.0):
     return thread
 
 
-def test_ctrl_c_then_resume_loses_and_repeats_no_sample(ray_cluster, tiny_model_dir, tmp_path):
+def test_ctrl_c_then_resume_loses_and_repeats_no_sample(ray_cluster, tmp_path):
     run_dir = tmp_path / "run"
-    cfg = e2e_config(tiny_model_dir, run_dir, "run.steps=40", "run.checkpoint_every=2", "eval.enabled=false",
+    cfg = e2e_config(run_dir, "run.steps=40", "run.checkpoint_every=2", "eval.enabled=false",
                      "buffer.gate.batch_size=4", "rollout.sampling.n=4")
     _interrupt_when(run_dir, 3)
     first = run_training(cfg)
