@@ -11,7 +11,7 @@
 The machine may be shared: raw and service runs alternate for --rounds rounds and the medians
 are compared, so a burst of outside load does not land on one side only.
 
-    python benchmarks/buffer_throughput.py [--samples 24000] [--group-size 8] [--producers 2] [--rounds 3]
+    python benchmarks/buffer_throughput.py [--samples 24000] [--group-size 8] [--producers 4] [--rounds 3]
 """
 from __future__ import annotations
 
@@ -213,7 +213,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=24000)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--group-size", type=int, default=8)
-    parser.add_argument("--producers", type=int, default=2)
+    parser.add_argument("--producers", type=int, default=4, help="rollout workers pushing at once")
     parser.add_argument("--batch-groups", type=int, default=8)
     parser.add_argument("--memory-samples", type=int, default=10000)
     args = parser.parse_args()
