@@ -363,7 +363,7 @@ class Controller:
                 if self.exporter is not None:
                     self.exporter.record_step(record, version=self.version)  # staleness: from the buffer's stats
                     self.exporter.record_buffer_stats(self.buffer.client.stats())
-                    for stats in self.worker_stats():
+                    for stats in self.worker_stats(timeout=5.0):
                         self.exporter.record_worker_stats(stats["worker_id"], stats)
                 progress.update(1)
                 progress.set_postfix_str(_postfix(record, self.evals), refresh=False)
@@ -444,10 +444,19 @@ class Controller:
             if not self.stop_requested.is_set():
                 raise RuntimeError(f"rollout worker-{index} stopped on its own")
 
-    def worker_stats(self) -> list[dict]:
+    def worker_stats(self, timeout: float = 30.0) -> list[dict]:
+        """Stats of the workers that answer. A dead or restarting worker (Ray restarts it; its
+        vLLM engine takes a while) is skipped and shown down, never stopping the run."""
         import ray
 
-        return ray.get([w.stats.remote() for w in self.workers], timeout=30)
+        stats = []
+        for index, ref in enumerate([w.stats.remote() for w in self.workers]):
+            try:
+                stats.append(ray.get(ref, timeout=timeout))
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                if self.exporter is not None:
+                    self.exporter.record_worker_down(f"worker-{index}")
+        return stats
 
     def evals_at(self, step: int) -> bool:
         return any(e.get("step") == step for e in self.evals)
