@@ -2,21 +2,21 @@
 from __future__ import annotations
 
 import pytest
-from fault_helpers import ServerProcess, free_port
+
+from services.chaos import BufferService
 
 
 @pytest.fixture
 def buffer_service(tmp_path):
-    """A factory of real `python -m buffer serve` processes (same port across restarts); all are
-    stopped at the end of the test."""
+    """A factory of real `python -m buffer serve` processes (same port and log across restarts);
+    all are stopped at the end of the test."""
     started = []
 
-    def start(**config) -> ServerProcess:
-        config.setdefault("port", free_port())
-        proc = ServerProcess(config, tmp_path).start()
-        started.append(proc)
-        return proc
+    def start(**config) -> BufferService:
+        service = BufferService(config, tmp_path).start()
+        started.append(service)
+        return service
 
     yield start
-    for proc in started:
-        proc.stop()
+    for service in started:
+        service.stop()

