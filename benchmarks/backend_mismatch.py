@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import experiment_lib as lib  # noqa: E402
 import torch  # noqa: E402
 
+from learner.correction import RolloutCorrectionConfig, compute_rollout_correction  # noqa: E402
 from lm.causal_lm import load_causal_lm, load_tokenizer  # noqa: E402
 
 METHODS = {
@@ -56,6 +57,7 @@ def parse_args(argv):
     p.add_argument("--groups", type=int, help="prompts per learner step (default 16)")
     p.add_argument("--out", type=Path, default=lib.RESULTS_DIR)
     p.add_argument("--name", help="file stem (default backend_mismatch[_quick])")
+    p.add_argument("--from-json", type=Path, help="redraw the PNG and the tables from a saved JSON, no training")
     args = p.parse_args(argv)
     args.methods = args.methods.split(",") if args.methods else list(METHODS)
     unknown = [m for m in args.methods if m not in METHODS]
@@ -74,10 +76,19 @@ def make_vllm(model_dir: Path, dtype: str, seed: int = 0):
 
 def token_gap(rollouts: lib.Rollouts, model, state: dict, batches: int) -> dict[str, float]:
     """Sample `batches` batches with the engine at `state` and compare its log-probs (μ) with the
-    float32 model's (π) on the same tokens."""
+    float32 model's (π) on the same tokens. Also: which sequences the geo-RS preset's rejection
+    (the real correction code, π as π_old) would drop, split by reward."""
     rollouts.load(-1, 0, state)
-    d = torch.cat([lib.logp_deltas(model, rollouts.sample(10_000 + step), rollouts.settings.temperature)
-                   for step in range(batches)])
+    deltas, rejected, rewards = [], [], []
+    geo = RolloutCorrectionConfig.preset(METHODS["geo_rs"])
+    for step in range(batches):
+        groups = rollouts.sample(10_000 + step)
+        log_prob, mu, mask = lib.sampler_and_learner_log_probs(model, groups, rollouts.settings.temperature)
+        deltas.append((mu - log_prob)[mask.bool()].double())
+        _, kept, _ = compute_rollout_correction(log_prob, mu, mask, geo)
+        rejected.append(kept.sum(1) == 0)
+        rewards.append(torch.tensor([s.reward for g in groups for s in g.samples]))
+    d, rejected, rewards = torch.cat(deltas), torch.cat(rejected), torch.cat(rewards)
     return {
         "tokens": int(d.numel()),
         "mean_abs_dlogp": float(d.abs().mean()),
@@ -87,6 +98,9 @@ def token_gap(rollouts: lib.Rollouts, model, state: dict, batches: int) -> dict[
         "k1_kl_mu_pi": float(d.mean()),  # mean(log μ − log π) over tokens drawn from μ
         "k1_kl_stderr": float(d.std() / d.numel() ** 0.5),
         "k3_kl_mu_pi": float((torch.exp(-d) + d - 1).mean()),
+        "geo_rs_rejected_frac": float(rejected.double().mean()),
+        "geo_rs_rejected_frac_reward1": float(rejected[rewards > 0].double().mean()),
+        "geo_rs_rejected_frac_reward0": float(rejected[rewards == 0].double().mean()),
     }
 
 
@@ -119,20 +133,20 @@ def summarise(results: dict) -> dict:
     return summary
 
 
-def plot(path: Path, results: dict, settings) -> Path:
+def plot(path: Path, results: dict, samples: int) -> Path:
     def lines(where, key):
         return {m: lib.series(runs, where, key) for m, runs in results.items()}
 
     panels = [("held-out greedy accuracy", "learner step", lines("evals", "accuracy")),
               ("held-out P(exact answer)", "learner step", lines("evals", "p_exact")),
               ("k1 KL estimate mean(log μ − log π) before the step", "learner step", lines("steps", "gap/k1")),
+              ("mean |log μ − log π| before the step", "learner step", lines("steps", "gap/mean_abs_dlogp")),
               ("entropy (nats/token)", "learner step", lines("steps", "actor/entropy")),
               ("response length (tokens)", "learner step", lines("steps", "response_length/mean"))]
-    return lib.plot_curves(path, f"bf16 vLLM sampler vs fp32 learner: {settings.samples} samples per run", panels)
+    return lib.plot_curves(path, f"bf16 vLLM sampler vs fp32 learner: {samples} samples per run", panels)
 
 
-def main(argv: list[str] | None = None) -> dict:
-    args = parse_args(argv)
+def train(args, argv) -> dict:
     lib.setup_torch()
     changes = {"steps": args.steps or (12 if args.quick else 40),
                "difficulties": [int(d) for d in args.difficulties.split(",")]}
@@ -166,12 +180,11 @@ def main(argv: list[str] | None = None) -> dict:
             run_group(engine, prefix, presets, args, settings, model_dir, tokenizer, heldout, results)
         finally:
             engine.close()
-
-    summary = summarise(results)
-    out = {
+    return {
         "experiment": "backend_mismatch",
         "command": "benchmarks/backend_mismatch.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "settings": settings.model_dump(),
+        "samples_per_run": settings.samples,
         "seeds": args.seeds,
         "methods": {**{m: METHODS[m] for m in args.methods},
                     **({} if args.no_reference else {REFERENCE: f"{REFERENCE_PRESET}, float32 vLLM sampler"})},
@@ -180,23 +193,43 @@ def main(argv: list[str] | None = None) -> dict:
         "token_gap": gap,
         "machine": lib.machine_info(),
         "wall_seconds": round(time.perf_counter() - started, 1),
-        "summary": summary,
+        "summary": summarise(results),
         "runs": results,
     }
-    lib.write_json(args.out / f"{args.name}.json", out)
-    plot(args.out / f"{args.name}_curves.png", results, settings)
-    print_table(summary)
-    print(f"wrote {args.out / args.name}.json and PNG in {out['wall_seconds']:.0f}s")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    if args.from_json:
+        out = lib.read_json(args.from_json)
+        out["summary"] = summarise(out["runs"])
+    else:
+        out = train(args, argv)
+        lib.write_json(args.out / f"{args.name}.json", out)
+    samples = out.get("samples_per_run") or lib.ToySettings(**out["settings"]).samples
+    plot(args.out / f"{args.name}_curves.png", out["runs"], samples)
+    print(gap_table(out["token_gap"]))
+    print()
+    print(table(out["summary"]))
+    print(f"wrote {args.out / args.name}.json and PNG")
     return out
 
 
-def print_table(summary: dict) -> None:
-    keys = ("final_accuracy", "final_p_exact", "k1_kl_mean_over_training", "mean_abs_dlogp_over_training",
-            "entropy_last5",
-            "response_length_last5", "rejected_fraction")
-    print(f"\n{'method':>16s}" + "".join(f"{k:>28s}" for k in keys))
-    for method, stats in summary.items():
-        print(f"{method:>16s}" + "".join(f"{stats[k]['mean']:>18.4g} ± {stats[k]['std']:<7.2g}" for k in keys))
+def gap_table(gap: dict) -> str:
+    keys = ["tokens", "mean_abs_dlogp", "p99_abs_dlogp", "max_abs_dlogp", "frac_abs_dlogp_over_0.01",
+            "k1_kl_mu_pi", "k1_kl_stderr", "k3_kl_mu_pi", "geo_rs_rejected_frac", "geo_rs_rejected_frac_reward1",
+            "geo_rs_rejected_frac_reward0"]
+    keys = [k for k in keys if all(k in g for g in gap.values())]
+    return lib.markdown_table(["sampler"] + keys, [[dtype] + [f"{g[k]:.3g}" if isinstance(g[k], float) else str(g[k])
+                                                              for k in keys] for dtype, g in gap.items()])
+
+
+def table(summary: dict) -> str:
+    keys = ["final_accuracy", "final_p_exact", "train_reward_last5", "k1_kl_mean_over_training",
+            "mean_abs_dlogp_over_training", "entropy_last5", "response_length_last5", "rejected_fraction"]
+    digits = {"k1_kl_mean_over_training": 5, "mean_abs_dlogp_over_training": 4}
+    return lib.markdown_table(["method"] + keys,
+                              [[m] + [lib.fmt(s[k], digits.get(k, 3)) for k in keys] for m, s in summary.items()])
 
 
 if __name__ == "__main__":

@@ -171,15 +171,22 @@ class Rollouts:
 
 
 @torch.no_grad()
-def logp_deltas(model, groups: list[Group], temperature: float = 1.0) -> torch.Tensor:
-    """log μ − log π over every response token of the groups: μ the sampler's recorded log-probs,
-    π the given model's (a float32 learner). Its mean is the k1 estimate of KL(μ‖π)."""
+def sampler_and_learner_log_probs(model, groups: list[Group], temperature: float = 1.0):
+    """([B, T] learner log-probs π, [B, T] sampler log-probs μ, [B, T] response mask) for every
+    sample of the groups; μ is what the engine recorded, π the given (float32) model's."""
     samples = [s for g in groups for s in g.samples]
     log_prob, mask = response_log_probs(model, [list(s.prompt_ids) for s in samples],
                                         [list(s.response_ids) for s in samples], temperature)
     mu = torch.zeros_like(log_prob)
     for row, s in enumerate(samples):
         mu[row, : len(s.rollout_log_probs)] = torch.from_numpy(s.rollout_log_probs)
+    return log_prob, mu, mask
+
+
+def logp_deltas(model, groups: list[Group], temperature: float = 1.0) -> torch.Tensor:
+    """log μ − log π over every response token of the groups. Its mean is the k1 estimate of
+    KL(μ‖π) (the tokens were drawn from μ)."""
+    log_prob, mu, mask = sampler_and_learner_log_probs(model, groups, temperature)
     return (mu - log_prob)[mask.bool()].double()
 
 
@@ -272,33 +279,58 @@ def write_json(path: Path, data: dict) -> Path:
     return path
 
 
-def plot_curves(path: Path, title: str, panels: list[tuple[str, str, dict[str, list[tuple[list, list]]]]]) -> Path:
-    """One PNG with a panel per (y label, source, {legend label: [(xs, ys) per seed]}); each label
-    is drawn as its seed mean with a band from the min to the max over seeds."""
+def plot_curves(path: Path, title: str, panels: list[tuple[str, str, dict[str, list[tuple[list, list]]]]],
+                columns: int = 3) -> Path:
+    """One PNG with a panel per (y label, x label, {legend label: [(xs, ys) per seed]}); each
+    label is drawn as its seed mean with a band from the min to the max over seeds."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.0), squeeze=False)
-    for ax, (ylabel, xlabel, lines) in zip(axes[0], panels):
-        for label, series in lines.items():
-            width = min(len(xs) for xs, _ in series)
-            xs = np.asarray(series[0][0][:width])
-            ys = np.asarray([s[1][:width] for s in series], dtype=float)
+    columns = min(columns, len(panels))
+    rows = -(-len(panels) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(5.2 * columns, 3.8 * rows), squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
+    for ax, (ylabel, xlabel, lines) in zip(axes.flat, panels):
+        for label, runs in lines.items():
+            width = min(len(xs) for xs, _ in runs)
+            xs = np.asarray(runs[0][0][:width])
+            ys = np.asarray([r[1][:width] for r in runs], dtype=float)
             (line,) = ax.plot(xs, np.nanmean(ys, axis=0), label=label, lw=1.6)
-            if len(series) > 1:
+            if len(runs) > 1:
                 ax.fill_between(xs, np.nanmin(ys, axis=0), np.nanmax(ys, axis=0), color=line.get_color(), alpha=0.15)
         ax.set_xlabel(xlabel)
-        ax.set_ylabel(ylabel)
+        ax.set_ylabel(ylabel, fontsize=9)
         ax.grid(alpha=0.3)
-    axes[0][-1].legend(fontsize=7, loc="best")
+        ax.legend(fontsize=7, loc="best")
     fig.suptitle(title)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def fmt(stats: dict, digits: int = 3) -> str:
+    """'mean ± std' of a mean_spread dict (std over seeds; the mean alone for one seed, '–' for
+    a metric the method does not report)."""
+    if not math.isfinite(stats["mean"]):
+        return "–"
+    if stats["n"] < 2:
+        return f"{stats['mean']:.{digits}f}"
+    return f"{stats['mean']:.{digits}f} ± {stats['std']:.{digits}f}"
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(Path(path).read_text())
 
 
 def series(runs: list[dict], where: str, key: str) -> list[tuple[list, list]]:

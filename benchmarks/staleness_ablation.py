@@ -56,6 +56,7 @@ def parse_args(argv):
     p.add_argument("--groups", type=int, help="prompts per learner step (default 16)")
     p.add_argument("--out", type=Path, default=lib.RESULTS_DIR)
     p.add_argument("--name", help="file stem (default staleness_ablation[_quick])")
+    p.add_argument("--from-json", type=Path, help="redraw the PNGs and the table from a saved JSON, no training")
     args = p.parse_args(argv)
     etas = (args.etas or ("0,4," + UNBOUNDED if args.quick else ",".join(ALL_ETAS))).split(",")
     bad = [e for e in etas if e != UNBOUNDED and not e.isdigit()]
@@ -100,16 +101,14 @@ def summarise(results: dict, etas: list[str]) -> dict:
     return summary
 
 
-def plot(path: Path, results: dict, etas: list[str], settings: lib.ToySettings) -> Path:
+def plot(path: Path, results: dict, etas: list[str], samples: int) -> Path:
     panels = []
-    for method in results:
-        panels.append((f"{method}: held-out greedy accuracy", "learner step",
-                       {f"η={eta}": lib.series(results[method][eta], "evals", "accuracy") for eta in etas}))
-    for method in results:
-        panels.append((f"{method}: P(exact answer)", "learner step",
-                       {f"η={eta}": lib.series(results[method][eta], "evals", "p_exact") for eta in etas}))
-    return lib.plot_curves(path, f"Staleness ablation: {settings.samples} samples per run, mean and min-max over seeds",
-                           panels)
+    for key, label in (("accuracy", "held-out greedy accuracy"), ("p_exact", "held-out P(exact answer)")):
+        for method in results:
+            panels.append((f"{method}: {label}", "learner step",
+                           {f"η={eta}": lib.series(results[method][eta], "evals", key) for eta in etas}))
+    return lib.plot_curves(path, f"Staleness ablation: {samples} samples per run, mean and min-max over seeds",
+                           panels, columns=2)
 
 
 def plot_final(path: Path, summary: dict, etas: list[str]) -> Path:
@@ -137,8 +136,7 @@ def plot_final(path: Path, summary: dict, etas: list[str]) -> Path:
     return path
 
 
-def main(argv: list[str] | None = None) -> dict:
-    args = parse_args(argv)
+def train(args, argv) -> dict:
     lib.setup_torch()
     settings = settings_from(args)
     model_dir = lib.tiny_model_dir()
@@ -157,11 +155,11 @@ def main(argv: list[str] | None = None) -> dict:
                 run = lib.train_run(config, rollouts, heldout, behaviour_schedule(eta), settings,
                                     label=f"seed {seed} η={eta:>9s} {method:13s}")
                 results[method][eta].append(run)
-    summary = summarise(results, args.etas)
-    out = {
+    return {
         "experiment": "staleness_ablation",
         "command": "benchmarks/staleness_ablation.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "settings": settings.model_dump(),
+        "samples_per_run": settings.samples,
         "etas": args.etas,
         "seeds": args.seeds,
         "methods": METHODS,
@@ -170,26 +168,37 @@ def main(argv: list[str] | None = None) -> dict:
         "engine": "transformers (HFEngine), float32; learner float32",
         "machine": lib.machine_info(),
         "wall_seconds": round(time.perf_counter() - started, 1),
-        "summary": summary,
+        "summary": summarise(results, args.etas),
         "runs": results,
     }
-    lib.write_json(args.out / f"{args.name}.json", out)
-    plot(args.out / f"{args.name}_curves.png", results, args.etas, settings)
-    plot_final(args.out / f"{args.name}_final.png", summary, args.etas)
-    print_table(summary, args.etas)
-    print(f"wrote {args.out / args.name}.json and PNGs in {out['wall_seconds']:.0f}s")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    if args.from_json:
+        out = lib.read_json(args.from_json)
+        out["summary"] = summarise(out["runs"], out["etas"])
+    else:
+        out = train(args, argv)
+        lib.write_json(args.out / f"{args.name}.json", out)
+    samples = out.get("samples_per_run") or lib.ToySettings(**out["settings"]).samples
+    plot(args.out / f"{args.name}_curves.png", out["runs"], out["etas"], samples)
+    plot_final(args.out / f"{args.name}_final.png", out["summary"], out["etas"])
+    print(table(out["summary"], out["etas"]))
+    print(f"wrote {args.out / args.name}.json and PNGs")
     return out
 
 
-def print_table(summary: dict, etas: list[str]) -> None:
-    print(f"\n{'η':>10s}" + "".join(f"{m + ' acc':>26s}{m + ' P(exact)':>26s}" for m in summary))
+def table(summary: dict, etas: list[str]) -> str:
+    """Markdown: per η, each method's final accuracy, P(exact), and the measured gap and clipping."""
+    header = ["η"] + [f"{m} {col}" for m in summary for col in ("accuracy", "P(exact)")]
+    header += [f"{m} {col}" for m in summary for col in ("rollout_corr/kl", "clipfrac")]
+    rows = []
     for eta in etas:
-        row = f"{eta:>10s}"
-        for method in summary:
-            for key in ("final_accuracy", "final_p_exact"):
-                s = summary[method][eta][key]
-                row += f"{s['mean']:>17.3f} ± {s['std']:.3f}"
-        print(row)
+        row = [eta] + [lib.fmt(summary[m][eta][k]) for m in summary for k in ("final_accuracy", "final_p_exact")]
+        row += [lib.fmt(summary[m][eta][k], 4) for m in summary for k in ("rollout_corr_kl", "pg_clipfrac")]
+        rows.append(row)
+    return lib.markdown_table(header, rows)
 
 
 if __name__ == "__main__":
