@@ -33,7 +33,9 @@ class SamplingConfig(_Strict):
 class TaskConfig(_Strict):
     kind: Literal["synthetic", "file"] = "synthetic"
     families: list[Literal["add", "reverse"]] = Field(default_factory=lambda: ["add"])
-    difficulties: list[int] = Field(default_factory=lambda: [3], description="synthetic difficulty levels, mixed")
+    # The default matches the tiny model's warm start: 2-digit addition is half learned (greedy ~0.5,
+    # sampled ~0.3, pass@8 ~0.8 on held-out prompts), so RL has signal and room to improve.
+    difficulties: list[int] = Field(default_factory=lambda: [2], description="synthetic difficulty levels, mixed")
     num_prompts: int = Field(20000, ge=1, description="train prompts (tickets wrap around after the last)")
     seed: int = 0
     path: str | None = Field(None, description="kind=file: train prompts, .jsonl or .parquet")
@@ -70,7 +72,7 @@ class RolloutConfig(_Strict):
 
     @classmethod
     def tiny_vllm(cls, **changes) -> "RolloutConfig":
-        """The built-in tiny model on vLLM: 3-digit addition, groups of 8."""
+        """The built-in tiny model on vLLM: 2-digit addition, groups of 8."""
         return cls(**changes)
 
     @classmethod

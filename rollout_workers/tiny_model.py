@@ -41,7 +41,7 @@ class TinyModelSpec(BaseModel):
     max_positions: int = 64
     families: list[str] = ["add"]
     difficulties: list[int] = [1, 2, 3]
-    warm_start_steps: int = 800
+    warm_start_steps: int = 750
     batch_size: int = 64
     learning_rate: float = 3e-3
     seed: int = 0
