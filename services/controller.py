@@ -38,6 +38,7 @@ log = logging.getLogger("etarl")
 BUFFER_STATE_FILE = "buffer.msgpack"
 QUIET_VLLM = os.environ.get("VLLM_LOGGING_LEVEL", "ERROR")  # vLLM's warnings drown the progress bar
 CONFIG_FILE = "config.yaml"
+_WORKER_BACK_AFTER_S = 5.0  # a restarted worker whose loop ran this long is back
 
 
 # ------------------------------------------------------------------ the buffer, checkpointable
@@ -315,6 +316,7 @@ class Controller:
             self.workers.append(handle)
         self.worker_refs = [w.run.remote() for w in self.workers]
         self.worker_failures = [0] * len(self.workers)
+        self.worker_resubmitted_at: list[float | None] = [None] * len(self.workers)  # set while restarting
 
     def stop(self) -> None:
         import ray
@@ -423,22 +425,33 @@ class Controller:
 
     def _check_workers(self) -> None:
         """Restart the loop of a worker that Ray restarted after a crash; a worker that fails more
-        often than ray.worker_max_restarts, or returns an error, stops the run loudly."""
+        often than ray.worker_max_restarts, or returns an error, stops the run loudly. While Ray
+        restarts the actor, calls to it fail at once (ActorUnavailableError): those retries are
+        not new deaths; the worker counts as back once its loop has run for a few seconds."""
         import ray
 
-        done, _ = ray.wait(self.worker_refs, num_returns=len(self.worker_refs), timeout=0)
+        done, pending = ray.wait(self.worker_refs, num_returns=len(self.worker_refs), timeout=0)
+        now = time.monotonic()
+        for ref in pending:
+            index = self.worker_refs.index(ref)
+            since = self.worker_resubmitted_at[index]
+            if since is not None and now - since > _WORKER_BACK_AFTER_S:
+                self.worker_resubmitted_at[index] = None
         for ref in done:
             index = self.worker_refs.index(ref)
             try:
                 ray.get(ref)
             except ray.exceptions.RayActorError as exc:
-                self.worker_failures[index] += 1
-                if self.worker_failures[index] > self.cfg.ray.worker_max_restarts:
-                    raise RuntimeError(f"rollout worker-{index} died {self.worker_failures[index]} times") from exc
-                log.warning("rollout worker-%d died (%s); Ray restarts it, its permits come back", index,
-                            type(exc).__name__)
-                if self.exporter is not None:
-                    self.exporter.record_worker_restart(f"worker-{index}")
+                restarting = self.worker_resubmitted_at[index] is not None
+                if not restarting or not isinstance(exc, ray.exceptions.ActorUnavailableError):
+                    self.worker_failures[index] += 1
+                    if self.worker_failures[index] > self.cfg.ray.worker_max_restarts:
+                        raise RuntimeError(f"rollout worker-{index} died {self.worker_failures[index]} times") from exc
+                    log.warning("rollout worker-%d died (%s); Ray restarts it, its permits come back", index,
+                                type(exc).__name__)
+                    if self.exporter is not None:
+                        self.exporter.record_worker_restart(f"worker-{index}")
+                self.worker_resubmitted_at[index] = now
                 self.worker_refs[index] = self.workers[index].run.remote()
                 continue
             if not self.stop_requested.is_set():
