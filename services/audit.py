@@ -42,6 +42,12 @@ class Consumption:
     def staleness(self) -> int:
         return max((self.version - v for v in self.sample_versions), default=0)
 
+    @classmethod
+    def of_batch(cls, batch) -> "Consumption":
+        """The record of a trained `buffer.sample.PulledBatch`."""
+        return cls(batch.version, [g.group_id for g in batch.groups], [g.prompt_index for g in batch.groups],
+                   [s.weight_version for g in batch.groups for s in g.samples])
+
 
 def read_run_log(run_dir: str | Path) -> list[Consumption]:
     """The consumption record of a run: the `audit/*` keys of its `metrics.jsonl` (the version

@@ -13,7 +13,7 @@ from buffer_helpers import make_group, wait_until  # noqa: E402
 
 from services.audit import Consumption  # noqa: E402
 
-__all__ = ["make_group", "wait_until", "consume_batch", "consumption"]
+__all__ = ["make_group", "wait_until", "consume_batch"]
 
 
 def consume_batch(client, batch_size: int, timeout: float = 1.0) -> Consumption | None:
@@ -22,10 +22,5 @@ def consume_batch(client, batch_size: int, timeout: float = 1.0) -> Consumption 
     if batch is None:
         return None
     client.ack(batch.lease_id)
-    return consumption(batch)
+    return Consumption.of_batch(batch)
 
-
-def consumption(batch) -> Consumption:
-    """The audit's record of a trained `PulledBatch`."""
-    return Consumption(batch.version, [g.group_id for g in batch.groups], [g.prompt_index for g in batch.groups],
-                       [s.weight_version for g in batch.groups for s in g.samples])

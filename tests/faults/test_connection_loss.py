@@ -6,11 +6,11 @@ holds the buffer's replies and drops them with the closed connection."""
 import threading
 
 import pytest
-from fault_helpers import consume_batch, consumption, make_group, wait_until
+from fault_helpers import consume_batch, make_group, wait_until
 
 from buffer.client import BufferClient
 from buffer.config import ClientConfig
-from services.audit import audit, read_buffer_log
+from services.audit import Consumption, audit, read_buffer_log
 from services.chaos import ReplyLosingProxy
 
 IMPATIENT = ClientConfig(request_timeout_s=0.5, retries=30, retry_backoff_s=0.05)
@@ -84,7 +84,7 @@ def test_retries_after_lost_replies_do_nothing_twice(setup, tmp_path):
     assert acked == 2 and observer.stats()["consumed_groups"] == 2
     assert proxy.dropped_bytes > 0, "no reply was actually lost"
 
-    consumptions = [consumption(batch), consume_batch(client, 2)]
+    consumptions = [Consumption.of_batch(batch), consume_batch(client, 2)]
     report = audit(consumptions, read_buffer_log(tmp_path / "buffer.log"), eta=2, acknowledged=acknowledged)
     assert report.ok and report.consumed_groups == 4 and report.in_buffer_groups == 0, str(report)
 
