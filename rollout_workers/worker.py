@@ -246,6 +246,10 @@ class RolloutWorker:
         """Generate and push a group per permit; every permit not consumed by a push is released."""
         pushed = 0
         try:
+            # A permit granted at learner version v needs weights >= v (they were published before
+            # the gate moved to v): else its samples start stale and, at η = 0, are all dropped.
+            if max(p.version for p in permits) > self.engine.version:
+                self.load_latest_weights()
             groups = self.generate_groups([p.ticket for p in permits])
             for permit, group in zip(permits, groups):
                 self.client.push_group(group, permit.permit_id)

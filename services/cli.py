@@ -97,7 +97,12 @@ def _dispatch(args) -> int:
     if args.command == "eval":
         from services.controller import evaluate_model
 
-        cfg = load_config(args.config, args.overrides)
+        if args.run and not args.config:  # a run is evaluated on its own task and settings
+            from services.controller import resume_config
+
+            cfg = resume_config(args.run, None, args.overrides)
+        else:
+            cfg = load_config(args.config, args.overrides)
         metrics = evaluate_model(cfg, model=args.model, run_dir=args.run)
         print(json.dumps(metrics, indent=1))
         return 0
