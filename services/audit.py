@@ -37,6 +37,8 @@ class Consumption:
     tickets: list[int]
     sample_versions: list[int]
     step: int | None = None
+    dropped_stale: int = 0  # groups the buffer dropped as too stale when serving this pull
+
 
     @property
     def staleness(self) -> int:
@@ -46,7 +48,7 @@ class Consumption:
     def of_batch(cls, batch) -> "Consumption":
         """The record of a trained `buffer.sample.PulledBatch`."""
         return cls(batch.version, [g.group_id for g in batch.groups], [g.prompt_index for g in batch.groups],
-                   [s.weight_version for g in batch.groups for s in g.samples])
+                   [s.weight_version for g in batch.groups for s in g.samples], dropped_stale=batch.dropped_stale)
 
 
 def read_run_log(run_dir: str | Path) -> list[Consumption]:
@@ -60,7 +62,8 @@ def read_run_log(run_dir: str | Path) -> list[Consumption]:
         row = json.loads(line)
         if "audit/groups" in row:
             out.append(Consumption(int(row["version"]) - 1, list(row["audit/groups"]), list(row["audit/tickets"]),
-                                   list(row["audit/sample_versions"]), row.get("step")))
+                                   list(row["audit/sample_versions"]), row.get("step"),
+                                   int(row.get("buffer/dropped_stale_groups", 0))))
     return out
 
 
@@ -86,7 +89,8 @@ class BufferHistory:
     next_ticket: int = 0
     free_tickets: set[int] = field(default_factory=set)
     held_tickets: dict[str, int] = field(default_factory=dict)  # permit id -> ticket
-    full_history: bool = True  # False when the records start at a snapshot (compaction, checkpoint)
+    settled: set[str] = field(default_factory=set)  # acked or dropped before a snapshot (compaction)
+    snapshot_cursor: int = 0  # tickets below it were issued before the last snapshot
 
 
 def replay(records: Iterable[dict]) -> BufferHistory:
@@ -94,9 +98,9 @@ def replay(records: Iterable[dict]) -> BufferHistory:
     for r in records:
         op = r["op"]
         if op == "snapshot":
-            h.full_history = False
+            h.settled |= set(r.get("consumed", {}))
             gate = r["gate"]
-            h.next_ticket = gate["next_ticket"]
+            h.next_ticket = h.snapshot_cursor = gate["next_ticket"]
             h.free_tickets = set(gate["free_tickets"])
             h.held_tickets = {p["permit_id"]: p["ticket"] for p in gate["permits"]}
         elif op == "acquire":
@@ -164,13 +168,21 @@ class AuditReport:
 def audit(consumptions: list[Consumption], buffer_records: Iterable[dict], eta: int | None,
           acknowledged: Iterable[str] = ()) -> AuditReport:
     """Check the run's consumption record against the buffer's records (see the module doc).
-    `acknowledged`: group ids whose push a client saw succeed (they must not be lost)."""
+    `acknowledged`: group ids whose push a client saw succeed (they must not be lost).
+    A compacted log keeps only the ids of groups settled before the compaction, acked or dropped
+    alike; those the run did not consume must be explained by the drops the pulls reported."""
     h = replay(buffer_records)
     consumed = Counter(g for c in consumptions for g in c.group_ids)
+    settled_unconsumed = h.settled - set(consumed)
+    reported_drops = sum(c.dropped_stale for c in consumptions)
+    settled_drops = max(0, reported_drops - len(h.dropped))
     tickets = Counter(t for c in consumptions for t in c.tickets)
     duplicated = sorted({g for g, n in consumed.items() if n > 1} | {g for g, n in h.acked.items() if n > 1}
                         | set(h.pushed_twice))
     accounted = set(consumed) | set(h.live) | set(h.dropped)
+    drops_explain_settled = len(settled_unconsumed) <= settled_drops
+    if drops_explain_settled:
+        accounted |= settled_unconsumed
     # Acked in the buffer but absent from the run's record: trained on by nobody who logged it.
     expected = set(acknowledged) | set(h.pushed) | set(h.acked)
     lost = sorted(expected - accounted)
@@ -180,12 +192,15 @@ def audit(consumptions: list[Consumption], buffer_records: Iterable[dict], eta: 
         holders.update(source)
     issued = max(h.next_ticket, max(holders, default=-1) + 1)
     lost_tickets = [t for t in range(issued) if holders[t] == 0]
+    if drops_explain_settled:  # the tickets of groups dropped before a compaction are not in the log
+        explained = [t for t in lost_tickets if t < h.snapshot_cursor][: len(settled_unconsumed)]
+        lost_tickets = [t for t in lost_tickets if t not in set(explained)]
     duplicated_tickets = sorted(t for t, n in holders.items() if n > 1)
 
     over = [(c.step, c.staleness) for c in consumptions if eta is not None and c.staleness > eta]
     return AuditReport(
         consumed_groups=sum(consumed.values()), consumed_samples=sum(len(c.sample_versions) for c in consumptions),
-        in_buffer_groups=len(h.live), dropped_groups=len(h.dropped), lost_groups=lost,
+        in_buffer_groups=len(h.live), dropped_groups=max(len(h.dropped), reported_drops), lost_groups=lost,
         duplicated_groups=duplicated, lost_tickets=lost_tickets, duplicated_tickets=duplicated_tickets,
         over_eta=over, worst_staleness=max((c.staleness for c in consumptions), default=0),
     )

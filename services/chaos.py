@@ -109,7 +109,7 @@ def listening_sockets(processes: list[psutil.Process]) -> list[tuple[str, str, i
     out = []
     for p in processes:
         try:
-            title = " ".join(p.cmdline())[:60]
+            title = f"{p.name()}: {' '.join(p.cmdline())[:200]}"
             for c in p.net_connections(kind="tcp"):
                 if c.status == psutil.CONN_LISTEN:
                     out.append((title, c.laddr.ip, c.laddr.port))
@@ -182,7 +182,11 @@ class ReplyLosingProxy:
 
     def _accept(self) -> None:
         client, _ = self.listener.accept()
-        server = socket.create_connection(self.target)
+        try:
+            server = socket.create_connection(self.target)
+        except OSError:  # the server is down (being restarted): the client will connect again
+            client.close()
+            return
         self._pairs[client] = (server, False)
         self._pairs[server] = (client, True)
         for sock in (client, server):

@@ -69,3 +69,30 @@ def test_staleness_above_eta_is_caught(history):
     late = dataclasses.replace(consumed[1], version=consumed[1].version + 5)
     report = audit([consumed[0], late], records, eta=1)
     assert report.over_eta == [(None, 6)] and report.worst_staleness == 6
+
+
+def test_a_compacted_log_needs_reported_drops_to_explain_what_it_settled(tmp_path):
+    """After compaction the log keeps only the ids of settled groups (acked or dropped alike): a
+    group the run did not train on is accounted for only by a drop the buffer reported."""
+    path = tmp_path / "b.log"
+    core = BufferCore(BufferConfig(gate=GateConfig(batch_size=1, eta=0, max_concurrent=8),
+                                   log=LogConfig(path=path, compact_min_bytes=0)))
+    groups = []
+    for version in (0, 1):
+        core.set_version(version)
+        permit = core.acquire_permit("w")
+        groups.append(make_group(permit.ticket, version=version))
+        core.push_group(encode_group(groups[-1]), permit.permit_id)
+    result = core.pull_batch(1)  # drops the version-0 group as too stale, leases the other
+    core.ack(result.lease_id)
+    core.close()
+    records = read_buffer_log(path)
+    assert records[0]["op"] == "snapshot" and not any(r["op"] == "drop" for r in records), "compacted"
+    fresh = groups[1]
+    trained = Consumption(result.version, [fresh.group_id], [fresh.prompt_index],
+                          [s.weight_version for s in fresh.samples], dropped_stale=result.dropped_stale)
+    acknowledged = {g.group_id for g in groups}
+    assert result.dropped_stale == 1
+    assert audit([trained], records, eta=0, acknowledged=acknowledged).ok
+    unexplained = dataclasses.replace(trained, dropped_stale=0)
+    assert audit([unexplained], records, eta=0, acknowledged=acknowledged).lost_groups == [groups[0].group_id]

@@ -15,6 +15,7 @@ One run with both faults (the costly part is starting Ray and vLLM), several tes
 """
 from __future__ import annotations
 
+import time
 
 import pytest
 
@@ -62,9 +63,11 @@ def faulted_run(tiny_model_dir, tmp_path_factory):
         seen["sockets"] = listening_sockets(first.processes())
         seen["metrics_port"] = port
 
+        seen["grpc_without_token"] = probe_ray_grpc(first)
+
         # 1. the rollout worker, killed while it holds a permit
-        first.wait_for(lambda: (metric(port, "etarl_gate_permits_running") or 0) > 0, "a permit in flight", interval=0.05)
         (worker,) = first.titled("ray::RolloutWorker")
+        assert frozen_holding_permits(first, worker, port), "never caught the worker holding a permit"
         seen["version_at_worker_kill"] = metric(port, "etarl_learner_version")
         seen["steps_at_worker_kill"] = len(first.steps())
         worker.kill()
@@ -102,6 +105,44 @@ def faulted_run(tiny_model_dir, tmp_path_factory):
     seen["target"] = target
     seen["run_dir"] = run_dir
     return seen
+
+
+def frozen_holding_permits(run, worker, port, attempts: int = 30) -> bool:
+    """SIGSTOP the (only) worker; after the next learner step the exporter's buffer stats were
+    taken with the worker frozen, so the running-permits gauge says whether it holds permits. If
+    not (or the learner starved), let it go on and try again. True: frozen holding permits."""
+    for _ in range(attempts):
+        worker.suspend()
+        step = len(run.steps())
+        deadline = time.monotonic() + 5
+        while len(run.steps()) <= step and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)  # the step's line is written just before the exporter reads the buffer
+        if len(run.steps()) > step and (metric(port, "etarl_gate_permits_running") or 0) > 0:
+            return True
+        worker.resume()
+        time.sleep(0.2)
+    return False
+
+
+def probe_ray_grpc(run) -> dict:
+    """A gRPC call without Ray's token to each socket the GCS and the raylet listen on: the status."""
+    import grpc
+
+    codes = {}
+    for title, ip, port in listening_sockets(run.processes()):
+        if not any(name in title for name in ("gcs_server", "raylet")):
+            continue
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        call = channel.unary_unary("/ray.rpc.NodeInfoGcsService/GetAllNodeInfo",
+                                   request_serializer=lambda b: b, response_deserializer=lambda b: b)
+        try:
+            call(b"", timeout=10)
+            codes[(title, ip, port)] = "OK"
+        except grpc.RpcError as exc:
+            codes[(title, ip, port)] = exc.code().name
+        channel.close()
+    return codes
 
 
 def _latest_step(run_dir) -> int:
@@ -160,6 +201,12 @@ def test_a_local_run_listens_on_loopback(faulted_run):
     assert [ip for _, ip, _ in exporter] == ["127.0.0.1"], sockets
     dashboards = [s for s in sockets if "dashboard/dashboard.py" in s[0]]
     assert all(ip in ("127.0.0.1", "::1") for _, ip, _ in dashboards), dashboards
-    ray_core = ("ray::", "/ray/core/src/ray/", "ray/dashboard/", "ray/_private/")
+    ray_core = ("ray::", "/ray/core/src/ray/", "ray/dashboard/", "ray/_private/", "services.cli")
     exposed = [s for s in sockets if s[1] not in ("127.0.0.1", "::1")]
     assert all(any(mark in title for mark in ray_core) for title, _, _ in exposed), exposed
+
+
+def test_ray_refuses_calls_without_its_token(faulted_run):
+    """What guards Ray's wildcard-bound gRPC servers: its token authentication."""
+    codes = faulted_run["grpc_without_token"]
+    assert codes and set(codes.values()) == {"UNAUTHENTICATED"}, codes
