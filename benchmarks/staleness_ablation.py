@@ -166,6 +166,7 @@ def train(args, argv) -> dict:
         "staleness": {"eta=k": "batch i sampled with version max(0, i-k)",
                       UNBOUNDED: f"batch i sampled with version i // {UNBOUNDED_SPEEDUP}"},
         "engine": "transformers (HFEngine), float32; learner float32",
+        "model": lib.model_record(model_dir),
         "machine": lib.machine_info(),
         "wall_seconds": round(time.perf_counter() - started, 1),
         "summary": summarise(results, args.etas),
