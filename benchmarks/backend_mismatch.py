@@ -121,6 +121,7 @@ def summarise(results: dict) -> dict:
         summary[method] = {
             "final_accuracy": lib.mean_spread([r["final"]["accuracy"] for r in runs]),
             "final_p_exact": lib.mean_spread([r["final"]["p_exact"] for r in runs]),
+            "curve_accuracy": lib.mean_spread([lib.curve_mean(r, "accuracy") for r in runs]),
             "k1_kl_mean_over_training": lib.mean_spread([lib.tail_mean(r, "gap/k1", 10**6) for r in runs]),
             "mean_abs_dlogp_over_training": lib.mean_spread(
                 [lib.tail_mean(r, "gap/mean_abs_dlogp", 10**6) for r in runs]),
@@ -226,7 +227,7 @@ def gap_table(gap: dict) -> str:
 
 
 def table(summary: dict) -> str:
-    keys = ["final_accuracy", "final_p_exact", "train_reward_last5", "k1_kl_mean_over_training",
+    keys = ["final_accuracy", "final_p_exact", "curve_accuracy", "train_reward_last5", "k1_kl_mean_over_training",
             "mean_abs_dlogp_over_training", "entropy_last5", "response_length_last5", "rejected_fraction"]
     digits = {"k1_kl_mean_over_training": 5, "mean_abs_dlogp_over_training": 4}
     return lib.markdown_table(["method"] + keys,

@@ -269,6 +269,12 @@ def mean_spread(values: list[float]) -> dict[str, float]:
     }
 
 
+def curve_mean(run: dict, key: str) -> float:
+    """The mean of a held-out metric over every evaluation after the start: a lower-noise summary
+    of a training curve than its last point."""
+    return float(np.mean([e[key] for e in run["evals"][1:]]))
+
+
 def tail_mean(run: dict, key: str, last: int = 5) -> float:
     values = [r[key] for r in run["steps"][-last:] if key in r and math.isfinite(r[key])]
     return float(np.mean(values)) if values else float("nan")

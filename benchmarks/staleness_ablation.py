@@ -92,6 +92,8 @@ def summarise(results: dict, etas: list[str]) -> dict:
             summary[method][eta] = {
                 "final_accuracy": lib.mean_spread([r["final"]["accuracy"] for r in runs]),
                 "final_p_exact": lib.mean_spread([r["final"]["p_exact"] for r in runs]),
+                "curve_accuracy": lib.mean_spread([lib.curve_mean(r, "accuracy") for r in runs]),
+                "curve_p_exact": lib.mean_spread([lib.curve_mean(r, "p_exact") for r in runs]),
                 "train_reward_last5": lib.mean_spread([lib.tail_mean(r, "reward/mean") for r in runs]),
                 "mean_staleness": lib.mean_spread([lib.tail_mean(r, "staleness/mean", 10**6) for r in runs]),
                 "rollout_corr_kl": lib.mean_spread([lib.tail_mean(r, "rollout_corr/kl", 10**6) for r in runs]),
@@ -117,19 +119,20 @@ def plot_final(path: Path, summary: dict, etas: list[str]) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     xs = list(range(len(etas)))
     for ax, key, label in ((axes[0], "final_accuracy", "final held-out greedy accuracy"),
-                           (axes[1], "final_p_exact", "final held-out P(exact answer)")):
+                           (axes[1], "final_p_exact", "final held-out P(exact answer)"),
+                           (axes[2], "curve_p_exact", "held-out P(exact), mean over the curve")):
         for shift, method in zip((-0.08, 0.08), summary):
             stats = [summary[method][eta][key] for eta in etas]
             ax.errorbar([x + shift for x in xs], [s["mean"] for s in stats], yerr=[s["std"] for s in stats],
                         marker="o", capsize=3, label=method)
-        ax.set_xticks(xs, [f"η={e}" for e in etas])
+        ax.set_xticks(xs, [f"η={e}" if e != UNBOUNDED else "unb." for e in etas])
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
-    axes[1].legend()
-    fig.suptitle("Final accuracy by staleness bound (mean ± std over seeds)")
+    axes[-1].legend()
+    fig.suptitle("Held-out accuracy by staleness bound (mean ± std over seeds)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -191,15 +194,14 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def table(summary: dict, etas: list[str]) -> str:
-    """Markdown: per η, each method's final accuracy, P(exact), and the measured gap and clipping."""
-    header = ["η"] + [f"{m} {col}" for m in summary for col in ("accuracy", "P(exact)")]
-    header += [f"{m} {col}" for m in summary for col in ("rollout_corr/kl", "clipfrac")]
-    rows = []
-    for eta in etas:
-        row = [eta] + [lib.fmt(summary[m][eta][k]) for m in summary for k in ("final_accuracy", "final_p_exact")]
-        row += [lib.fmt(summary[m][eta][k], 4) for m in summary for k in ("rollout_corr_kl", "pg_clipfrac")]
-        rows.append(row)
-    return lib.markdown_table(header, rows)
+    """Markdown: per η and method, final and curve-mean held-out accuracy and P(exact), and the
+    measured rollout_corr/kl and clip fraction (means over steps)."""
+    keys = [("final_accuracy", "final acc", 3), ("final_p_exact", "final P(exact)", 3),
+            ("curve_accuracy", "curve-mean acc", 3), ("curve_p_exact", "curve-mean P(exact)", 3),
+            ("rollout_corr_kl", "rollout_corr/kl", 4), ("pg_clipfrac", "clipfrac", 4)]
+    rows = [[eta, method] + [lib.fmt(summary[method][eta][k], d) for k, _, d in keys]
+            for eta in etas for method in summary]
+    return lib.markdown_table(["η", "method"] + [label for _, label, _ in keys], rows)
 
 
 if __name__ == "__main__":
