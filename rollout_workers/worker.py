@@ -99,7 +99,8 @@ class RolloutWorker:
         stop = list(s.stop_token_ids)
         if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in stop:
             stop.append(self.tokenizer.eos_token_id)
-        # A group's seed follows its ticket, so a reissued ticket samples afresh only by design.
+        # A group's seed follows its ticket: a run is reproducible, and a reissued ticket draws
+        # the same samples as before if the weights have not changed.
         seed = None if s.seed is None else s.seed + ticket * s.n
         return SamplingParams(
             n=s.n, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,

@@ -101,16 +101,15 @@ def test_worker_loads_published_weights_before_generating(tiny_model_dir, vllm_e
 
 
 class PublishDuringGeneration(WeightStore):
-    """A weight store whose learner publishes version 1 while the worker is generating: on the
-    `after`-th version check (the first checks happen before and between engine steps)."""
+    """A weight store whose learner publishes version 1 once the worker is mid-generation
+    (armed by the worker's first interrupt check, which the engine makes after a token)."""
 
-    def __init__(self, payload: dict, after: int):
+    def __init__(self, payload: dict):
         super().__init__()
-        self.pending, self.after, self.checks = payload, after, 0
+        self.pending, self.armed = payload, False
 
     def latest_version(self) -> int:
-        self.checks += 1
-        if self.pending is not None and self.checks >= self.after:
+        if self.armed and self.pending is not None:
             self.publish(self.pending)
             self.pending = None
         return super().latest_version()
@@ -122,11 +121,17 @@ def test_interrupt_on_update_continues_with_new_weights_and_tags_tokens(tiny_mod
     base = load_causal_lm(tiny_model_dir).state_dict()
     new_weights = perturbed(base, scale=0.05, seed=2)
     payload = {"version": 1, "kind": "folder", "path": str(save_weights_folder(new_weights, tmp_path / "v1", 1))}
-    # Check 1: before acquiring (nothing yet); 2: the first interrupt check, after token one.
-    store = PublishDuringGeneration(payload, after=2)
+    store = PublishDuringGeneration(payload)
     buffer.set_version(1)
     cfg = config(tiny_model_dir, engine=EngineConfig(kind="hf"), interrupt_on_update=True, groups_per_batch=1)
     worker = RolloutWorker(cfg, "worker-c", buffer, store)
+    real_interrupt = worker._interrupt
+
+    def interrupt():
+        store.armed = True
+        return real_interrupt()
+
+    worker._interrupt = interrupt
     stats = worker.run(max_groups=1)
     (group,) = pull_all(buffer, 1)
     assert stats["interrupted_generations_total"] == 1 and stats["loaded_version"] == 1
