@@ -57,7 +57,8 @@ def parse_args(argv):
     p.add_argument("--groups", type=int, help="prompts per learner step (default 16)")
     p.add_argument("--out", type=Path, default=lib.RESULTS_DIR)
     p.add_argument("--name", help="file stem (default backend_mismatch[_quick])")
-    p.add_argument("--from-json", type=Path, help="redraw the PNG and the tables from a saved JSON, no training")
+    p.add_argument("--from-json", type=Path,
+                   help="no training: recompute the summary of a saved JSON, redraw its PNG and print the tables")
     args = p.parse_args(argv)
     args.methods = args.methods.split(",") if args.methods else list(METHODS)
     unknown = [m for m in args.methods if m not in METHODS]
@@ -205,6 +206,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.from_json:
         out = lib.read_json(args.from_json)
         out["summary"] = summarise(out["runs"])
+        lib.write_json(args.from_json, out)  # the summary is derived from the runs: keep it current
     else:
         out = train(args, argv)
         lib.write_json(args.out / f"{args.name}.json", out)

@@ -56,7 +56,8 @@ def parse_args(argv):
     p.add_argument("--groups", type=int, help="prompts per learner step (default 16)")
     p.add_argument("--out", type=Path, default=lib.RESULTS_DIR)
     p.add_argument("--name", help="file stem (default staleness_ablation[_quick])")
-    p.add_argument("--from-json", type=Path, help="redraw the PNGs and the table from a saved JSON, no training")
+    p.add_argument("--from-json", type=Path,
+                   help="no training: recompute the summary of a saved JSON, redraw its PNGs and print the table")
     args = p.parse_args(argv)
     etas = (args.etas or ("0,4," + UNBOUNDED if args.quick else ",".join(ALL_ETAS))).split(",")
     bad = [e for e in etas if e != UNBOUNDED and not e.isdigit()]
@@ -182,6 +183,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.from_json:
         out = lib.read_json(args.from_json)
         out["summary"] = summarise(out["runs"], out["etas"])
+        lib.write_json(args.from_json, out)  # the summary is derived from the runs: keep it current
     else:
         out = train(args, argv)
         lib.write_json(args.out / f"{args.name}.json", out)
