@@ -12,7 +12,7 @@ Each arena ends with the exactly-once audit (`services.audit`) over what the lea
 the buffer's records. The table: faults injected and recovered by kind; samples consumed, lost
 (must be 0), duplicated (must be 0); worst staleness against η; learner steps completed.
 
-    python benchmarks/soak.py --minutes 6          (about 1/3 service, 2/3 run)
+    python benchmarks/soak.py --minutes 6   (1/3 service, 2/3 run; the run's start-up is not counted)
 """
 from __future__ import annotations
 
@@ -158,16 +158,18 @@ def run_args(run_dir: Path) -> list[str]:
 
 
 def run_arena(seconds: float, workdir: Path, rng: random.Random, tally: Tally) -> None:
+    """`seconds` of faults once the run is up (starting Ray and vLLM is not counted); worker and
+    learner kills alternate, at random intervals."""
     run_dir = workdir / "run"
-    deadline = time.monotonic() + seconds
     proc = TrainProcess(run_dir, run_args(run_dir), "run-0")
     runs = [proc]
-    proc.wait_for(lambda: len(proc.steps()) >= 3, "the first steps", timeout=600)
+    proc.wait_for(lambda: len(proc.steps()) >= 3, "the first steps", timeout=900)
+    deadline = time.monotonic() + seconds
+    kinds = ["worker SIGKILL", "learner SIGKILL"]
     while time.monotonic() < deadline - 20:
-        time.sleep(rng.uniform(8.0, 20.0))
-        steps = len(proc.steps())
-        has_checkpoint = _checkpoint_step(run_dir) > 0
-        if has_checkpoint and rng.random() < 0.4:
+        time.sleep(rng.uniform(5.0, 15.0))
+        kind = kinds[(tally.injected["worker SIGKILL"] + tally.injected["learner SIGKILL"]) % 2]
+        if kind == "learner SIGKILL" and _checkpoint_step(run_dir) > 0:
             learner = proc.wait_for(lambda: proc.titled("ray::LearnerRank.call"), "the learner mid-call",
                                     timeout=120, interval=0.01)
             learner[0].kill()
@@ -175,12 +177,13 @@ def run_arena(seconds: float, workdir: Path, rng: random.Random, tally: Tally) -
             resumed_at = _checkpoint_step(run_dir)
             proc = TrainProcess(run_dir, ["--resume", str(run_dir), "run.steps=100000"], f"run-{len(runs)}")
             runs.append(proc)
-            tally.fault("learner SIGKILL", _progress(lambda: len(read_steps(run_dir)) > resumed_at, 600))
+            tally.fault(kind, _progress(lambda: len(read_steps(run_dir)) > resumed_at + 2, 900))
         else:
             workers = proc.titled("ray::RolloutWorker")
             if not workers:
                 continue
             workers[0].kill()
+            steps = len(proc.steps())
             tally.fault("worker SIGKILL", _progress(
                 lambda: any(p.pid != workers[0].pid for p in proc.titled("ray::RolloutWorker"))
                 and len(proc.steps()) > steps + 2, 600))

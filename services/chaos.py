@@ -234,7 +234,7 @@ class BufferService:
     def endpoint(self) -> str:
         return f"tcp://127.0.0.1:{self.config['port']}"
 
-    def start(self, timeout: float = 60.0) -> "BufferService":
+    def start(self, timeout: float = 180.0) -> "BufferService":
         env = {**os.environ, "PYTHONPATH": str(REPO)}
         offset = self.output.stat().st_size if self.output.exists() else 0
         self.proc = subprocess.Popen([sys.executable, "-m", "buffer", "serve", "--config", str(self.path),

@@ -11,7 +11,7 @@ from buffer.client import BufferClient
 from buffer.config import ClientConfig
 from services.audit import audit, read_buffer_log
 
-PATIENT = ClientConfig(request_timeout_s=1.0, retries=40, retry_backoff_s=0.05)
+PATIENT = ClientConfig(request_timeout_s=1.0, retries=120, retry_backoff_s=0.02)  # minutes, for a loaded machine
 
 
 def durable(tmp_path, **gate):

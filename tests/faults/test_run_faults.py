@@ -207,6 +207,8 @@ def test_a_local_run_listens_on_loopback(faulted_run):
 
 
 def test_ray_refuses_calls_without_its_token(faulted_run):
-    """What guards Ray's wildcard-bound gRPC servers: its token authentication."""
+    """What guards Ray's wildcard-bound gRPC servers: its token authentication. (A port that does
+    not serve the probed GCS method answers UNIMPLEMENTED; none may answer OK.)"""
     codes = faulted_run["grpc_without_token"]
-    assert codes and set(codes.values()) == {"UNAUTHENTICATED"}, codes
+    assert "UNAUTHENTICATED" in codes.values(), codes  # the GCS API refused: no token
+    assert "OK" not in codes.values(), codes  # no port answered a caller without the token
