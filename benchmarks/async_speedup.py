@@ -67,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     common = [f"run.steps={args.steps}", "eval.enabled=false", "run.progress=false", "run.checkpoint_every=0",
               "rollout.weight_poll_s=0.01", *args.overrides]
     results = {}
+    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="etarl-bench-") as tmp:
         for name, mode in (("sync (eta=0)", ["mode=synchronous"]),
                            (f"async (eta={args.eta})", ["mode=async", f"buffer.gate.eta={args.eta}"])):
@@ -81,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{key:22s}{sync[key]:10.3f}{async_[key]:10.3f}")
     print(f"\nspeedup async/sync (s/step): {speedup:.2f}x   (goal >= 1.6)")
     print(f"pipeline efficiency max(T_generate, T_train)/T_step_async: {efficiency:.2f}   (goal >= 0.9)")
+    # The overlap needs a free core per stage: on a shared machine read the numbers with the load.
+    print(f"1-min load average: {load_before:.1f} before, {os.getloadavg()[0]:.1f} after, on {os.cpu_count()} cores")
     return 0
 
 
