@@ -76,7 +76,8 @@ class ToySettings(BaseModel):
     group_size: int = Field(8, ge=2, description="responses per prompt (n)")
     difficulties: list[int] = [2]
     lr: float = Field(1e-4, gt=0)
-    warmup_steps: int = Field(5, ge=0, description="linear lr warm-up (learner steps): Adam's first steps are lr-sized per weight")
+    warmup_steps: int = Field(
+        5, ge=0, description="linear lr warm-up (learner steps): Adam's first updates are lr-sized per weight")
     ppo_epochs: int = Field(4, ge=1)
     ppo_mini_batch_size: int = Field(8, ge=1, description="groups per optimizer step")
     temperature: float = Field(1.0, gt=0)
@@ -211,7 +212,8 @@ _run_tokens = iter(range(1, 1 << 30))
 def learner_config(model_dir: Path, settings: ToySettings, correction: str, seed: int, **changes) -> LearnerConfig:
     return LearnerConfig(
         model_path=str(model_dir), seed=seed, lr=settings.lr, weight_decay=0.0, grad_clip=1.0,
-        warmup_steps=settings.warmup_steps, ppo_epochs=settings.ppo_epochs, ppo_mini_batch_size=settings.ppo_mini_batch_size,
+        warmup_steps=settings.warmup_steps, ppo_epochs=settings.ppo_epochs,
+        ppo_mini_batch_size=settings.ppo_mini_batch_size,
         temperature=settings.temperature, rollout_correction=correction, compute_entropy=True, **changes,
     )
 
