@@ -48,6 +48,7 @@ def parse_args(argv):
     p.add_argument("--quick", action="store_true", help="η in {0, 4, unbounded}, 2 seeds, 12 steps")
     p.add_argument("--etas", help=f"comma-separated, from {','.join(ALL_ETAS)}")
     p.add_argument("--seeds", type=int)
+    p.add_argument("--first-seed", type=int, default=0, help="seeds are first-seed, first-seed + 1, ...")
     p.add_argument("--steps", type=int)
     p.add_argument("--lr", type=float)
     p.add_argument("--ppo-epochs", type=int)
@@ -56,6 +57,8 @@ def parse_args(argv):
     p.add_argument("--groups", type=int, help="prompts per learner step (default 16)")
     p.add_argument("--out", type=Path, default=lib.RESULTS_DIR)
     p.add_argument("--name", help="file stem (default staleness_ablation[_quick])")
+    p.add_argument("--merge", type=Path, nargs="+",
+                   help="no training: pool the runs of several saved JSONs (same settings, other seeds) into <out>/<name>.json")
     p.add_argument("--from-json", type=Path,
                    help="no training: recompute the summary of a saved JSON, redraw its PNGs and print the table")
     args = p.parse_args(argv)
@@ -151,7 +154,7 @@ def train(args, argv) -> dict:
           f"{settings.groups_per_step} groups x {settings.group_size} = {settings.samples} samples per run", flush=True)
     started = time.perf_counter()
     results: dict = {m: {e: [] for e in args.etas} for m in METHODS}
-    for seed in range(args.seeds):
+    for seed in range(args.first_seed, args.first_seed + args.seeds):
         rollouts = lib.Rollouts(engine, tokenizer, settings, seed)
         for eta in args.etas:
             for method, preset in METHODS.items():
@@ -165,7 +168,7 @@ def train(args, argv) -> dict:
         "settings": settings.model_dump(),
         "samples_per_run": settings.samples,
         "etas": args.etas,
-        "seeds": args.seeds,
+        "seeds": list(range(args.first_seed, args.first_seed + args.seeds)),
         "methods": METHODS,
         "staleness": {"eta=k": "batch i sampled with version max(0, i-k)",
                       UNBOUNDED: f"batch i sampled with version i // {UNBOUNDED_SPEEDUP}"},
@@ -180,7 +183,11 @@ def train(args, argv) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    if args.from_json:
+    if args.merge:
+        out = merge([lib.read_json(path) for path in args.merge])
+        out["summary"] = summarise(out["runs"], out["etas"])
+        lib.write_json(args.out / f"{args.name}.json", out)
+    elif args.from_json:
         out = lib.read_json(args.from_json)
         out["summary"] = summarise(out["runs"], out["etas"])
         lib.write_json(args.from_json, out)  # the summary is derived from the runs: keep it current
@@ -193,6 +200,20 @@ def main(argv: list[str] | None = None) -> dict:
     print(table(out["summary"], out["etas"]))
     print(f"wrote {args.out / args.name}.json and PNGs")
     return out
+
+
+def merge(parts: list[dict]) -> dict:
+    """One result from several runs of the script with the same settings and different seeds: each
+    (method, η) cell pools the runs of every part that has it."""
+    first = parts[0]
+    for part in parts[1:]:
+        if part["settings"] != first["settings"]:
+            raise ValueError(f"cannot pool runs with different settings: {part['settings']} vs {first['settings']}")
+    etas = [e for e in ALL_ETAS if any(e in part["etas"] for part in parts)]
+    runs = {m: {e: [r for part in parts for r in part["runs"][m].get(e, [])] for e in etas} for m in METHODS}
+    return {**first, "command": [part["command"] for part in parts], "etas": etas,
+            "seeds": [part["seeds"] for part in parts], "runs": runs,
+            "wall_seconds": sum(part["wall_seconds"] for part in parts)}
 
 
 def table(summary: dict, etas: list[str]) -> str:

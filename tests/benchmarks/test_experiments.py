@@ -25,6 +25,29 @@ def test_schedules_give_the_promised_lag():
     assert lags == sorted(lags) and lags[-1] > 8  # grows past every finite η in the ablation
 
 
+def _fake_run(accuracy: float) -> dict:
+    evals = [{"step": 0, "accuracy": 0.9, "p_exact": 0.8}, {"step": 1, "accuracy": accuracy, "p_exact": accuracy}]
+    return {"steps": [{"step": 1, "reward/mean": 0.5}], "evals": evals, "final": evals[-1]}
+
+
+def _fake_result(cells: dict[str, float], settings: dict) -> dict:
+    return {"settings": settings, "etas": list(cells), "seeds": [0], "command": "x", "wall_seconds": 1.0,
+            "runs": {m: {eta: [_fake_run(acc)] for eta, acc in cells.items()} for m in staleness_ablation.METHODS}}
+
+
+def test_merge_pools_seeds_per_cell_and_refuses_other_settings():
+    settings = {"steps": 1}
+    merged = staleness_ablation.merge([_fake_result({"0": 0.9, "4": 0.8}, settings),
+                                       _fake_result({"8": 0.7, "4": 0.6}, settings)])
+    assert merged["etas"] == ["0", "4", "8"]
+    summary = staleness_ablation.summarise(merged["runs"], merged["etas"])
+    assert summary["naive_ppo"]["4"]["final_accuracy"]["n"] == 2
+    assert summary["naive_ppo"]["4"]["final_accuracy"]["mean"] == pytest.approx(0.7)
+    assert summary["decoupled_tis"]["8"]["final_accuracy"]["n"] == 1
+    with pytest.raises(ValueError, match="different settings"):
+        staleness_ablation.merge([_fake_result({"0": 0.9}, settings), _fake_result({"0": 0.9}, {"steps": 2})])
+
+
 def test_teacher_forced_accuracy_equals_greedy_decoding(tiny_model_dir):
     from lm.causal_lm import load_causal_lm, load_tokenizer
     from rollout_workers.tasks import mixed_problems
@@ -44,7 +67,7 @@ def test_staleness_ablation_smallest_mode(tmp_path):
     out = staleness_ablation.main(["--quick", "--etas", "0,2,unbounded", "--seeds", "1", "--steps", "3",
                                    "--groups", "2", "--eval-every", "1", "--out", str(tmp_path)])
     data = json.loads((tmp_path / "staleness_ablation_quick.json").read_text())
-    assert data["etas"] == ["0", "2", "unbounded"] and data["seeds"] == 1
+    assert data["etas"] == ["0", "2", "unbounded"] and data["seeds"] == [0]
     assert set(data["summary"]) == set(data["runs"]) == {"naive_ppo", "decoupled_tis"}
     for method in data["runs"]:
         for eta in data["etas"]:
