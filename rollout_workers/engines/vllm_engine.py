@@ -119,7 +119,12 @@ class VLLMEngine(GenerationEngine):
                         finish[row][sample] = "interrupted"
                     pending.clear()
                     break
-                for output in engine.step():
+                outputs = engine.step()
+                if not outputs and not engine.has_unfinished_requests():
+                    raise RuntimeError(f"vLLM finished without returning {len(pending)} of our requests")
+                for output in outputs:
+                    if output.request_id not in pending:
+                        continue  # a late output of a request aborted by an earlier call
                     row, sample = slots[output.request_id]
                     for piece in output.outputs:
                         tokens[row][sample].extend(piece.token_ids)

@@ -60,3 +60,35 @@ def processed_log_probs(model, prompt: list[int], response: list[int], temperatu
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return torch.log_softmax(logits, dim=-1).gather(-1, torch.tensor(response)[:, None]).squeeze(-1)
+
+
+def check_multiprocess_bf16_engine(model_dir: str) -> None:
+    """Body of the multiprocess bf16 engine test (run in its own interpreter)."""
+    from lm.causal_lm import load_causal_lm, load_tokenizer, response_log_probs
+    from rollout_workers.engines.base import SamplingParams
+    from rollout_workers.engines.vllm_engine import VLLMEngine
+
+    def gap(model, prompt, completions):
+        with torch.no_grad():
+            lp, _ = response_log_probs(model, [prompt] * len(completions), [c.token_ids for c in completions])
+        return max(float((torch.tensor(c.log_probs) - lp[i, : len(c.token_ids)]).abs().max())
+                   for i, c in enumerate(completions))
+
+    torch.set_num_threads(1)
+    tokenizer, model = load_tokenizer(model_dir), load_causal_lm(model_dir).eval()
+    engine = VLLMEngine(model_dir, dtype="bfloat16", multiprocess=True, kv_cache_bytes=64 * 2**20)
+    try:
+        prompt = tokenizer("347+589=", add_special_tokens=False)["input_ids"]
+        params = SamplingParams(n=8, max_new_tokens=8, stop_token_ids=(tokenizer.eos_token_id,), seed=9)
+        out = engine.generate(prompt, params)
+        assert 1e-5 < gap(model, prompt, out) < 0.5, gap(model, prompt, out)
+        new_weights = perturbed(model.state_dict(), scale=0.2, seed=8)
+        model.load_state_dict(new_weights)
+        old_gap_to_new = gap(model, prompt, out)
+        engine.load_weights(2, new_weights)
+        assert engine.version == 2
+        after = engine.generate(prompt, params)
+        assert gap(model, prompt, after) < min(0.5, old_gap_to_new), (gap(model, prompt, after), old_gap_to_new)
+    finally:
+        engine.close()
+    print("multiprocess bf16 engine ok")
