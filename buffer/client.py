@@ -125,7 +125,13 @@ class BufferClient:
                     self.reconnects += 1
                     time.sleep(self.settings.retry_backoff_s * attempt)
                 sock = self._connect()
-                sock.send_multipart(message, copy=False)
+                # A send must not block forever (a full or unreachable peer): it counts as a lost attempt.
+                sock.sndtimeo = int(timeout_s * 1000)
+                try:
+                    sock.send_multipart(message, copy=False)
+                except zmq.Again:
+                    self._reset_socket()
+                    continue
                 reply = self._receive(sock, request_id, timeout_s)
                 if reply is not None:
                     return reply

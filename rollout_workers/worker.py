@@ -32,6 +32,8 @@ from rollout_workers.rewards import RewardRunner
 from rollout_workers.tasks import Problem, train_prompts
 
 log = logging.getLogger(__name__)
+# How long a worker waits for the weights its permit needs before it generates with what it has.
+WEIGHT_WAIT_S = 120.0
 
 
 class StopRequested(Exception):
@@ -135,6 +137,17 @@ class RolloutWorker:
         self.counters["weight_load_s"] += time.perf_counter() - started
         self.counters["weight_loads_total"] += 1
         return True
+
+    def _wait_for_weights(self, version: int) -> None:
+        """Load weights of at least `version`, waiting (bounded) for the learner to publish them."""
+        deadline = time.monotonic() + WEIGHT_WAIT_S
+        while self.engine.version < version and not self._stop.is_set():
+            if not self.load_latest_weights():
+                if time.monotonic() > deadline:
+                    log.warning("%s: weights v%d not published within %.0fs; generating with v%d",
+                                self.worker_id, version, WEIGHT_WAIT_S, self.engine.version)
+                    return
+                self._stop.wait(0.02)
 
     # ---------------------------------------------------------------- one group
 
@@ -247,10 +260,9 @@ class RolloutWorker:
         """Generate and push a group per permit; every permit not consumed by a push is released."""
         pushed = 0
         try:
-            # A permit granted at learner version v needs weights >= v (they were published before
-            # the gate moved to v): else its samples start stale and, at η = 0, are all dropped.
-            if max(p.version for p in permits) > self.engine.version:
-                self.load_latest_weights()
+            # A permit granted at learner version v needs weights >= v (the gate moves to v just
+            # before v is published): else its samples start stale and, at η = 0, are all dropped.
+            self._wait_for_weights(max(p.version for p in permits))
             groups = self.generate_groups([p.ticket for p in permits])
             for permit, group in zip(permits, groups):
                 self.client.push_group(group, permit.permit_id)

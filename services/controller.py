@@ -3,7 +3,7 @@ group, then train for `run.steps` steps while the workers generate.
 
 One learner step, driven from here:
   pull B groups (oldest first; stale ones dropped and counted by the buffer) -> learner step ->
-  publish the new weights -> ack the batch -> tell the gate the new version.
+  ack the batch -> tell the gate the new version -> publish the new weights.
 The workers run concurrently the whole time, bounded by the η gate.
 
 Every step's metrics go to RUN_DIR/metrics.jsonl (plus the consumption audit: which tickets and
@@ -255,9 +255,9 @@ class Controller:
         state = None
         if self.resume_from is not None:
             state = self._restore(self.resume_from)
-        self._publish()
         if state is None:
             self.buffer.client.set_version(self.version)
+        self._publish()
         self._start_exporter()
         self._start_workers()
         self._started = True
@@ -400,9 +400,11 @@ class Controller:
         metrics = self.learner.train_step(batch.groups)
         t_train = time.perf_counter()
         self.version = int(metrics.get("learner/version", self.version + 1))
-        sync_s = self._publish()
         client.ack(batch.lease_id)
+        # The gate learns the version before workers can load it, or their first groups at the
+        # new version would be refused as "ahead of the learner" and their work thrown away.
         client.set_version(self.version)
+        sync_s = self._publish()
         self.step += 1
         t_end = time.perf_counter()
         tickets = [int(g.prompt_index) for g in batch.groups]
