@@ -110,6 +110,12 @@ class AdmissionGate:
         self.accepted += 1
         return permit
 
+    def return_dropped(self, groups: int) -> None:
+        """Accepted groups the store dropped as stale will never be trained on: their slots go back
+        to the gate, or every drop would shrink capacity for good and (η + 1)·B drops would close it
+        while the buffer is empty. The η bound itself is enforced again at pull time."""
+        self.accepted = max(0, self.accepted - groups)
+
     def reclaim_expired(self, now: float) -> list[Permit]:
         """Permits whose holder neither pushed nor released within the lease: their tickets return."""
         expired = [pid for pid, deadline in self.deadlines.items() if deadline <= now]

@@ -229,6 +229,7 @@ class BufferCore:
         if not dropped:
             return
         self._append({"op": "drop", "reason": "stale", "groups": [g.group_id for g in dropped]})
+        self.gate.return_dropped(len(dropped))
         self._pending_dropped += len(dropped)
         self.counters.dropped_groups["stale"] += len(dropped)
         self.counters.dropped_samples["stale"] += sum(len(g.sample_ids) for g in dropped)
@@ -361,6 +362,8 @@ class BufferCore:
         elif op in ("ack", "drop"):
             for group_id in record["groups"]:
                 self.store.remove_ready(group_id)
+            if op == "drop":
+                self.gate.return_dropped(len(record["groups"]))
             if record.get("lease") is not None:
                 self.store.finished_leases[record["lease"]] = len(record["groups"])
         elif op == "version":

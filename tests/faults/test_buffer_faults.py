@@ -11,7 +11,7 @@ from fault_helpers import consume_batch, make_group, wait_until
 
 from buffer.client import BufferClient
 from buffer.codec import encode_group
-from buffer.config import BufferConfig, ClientConfig, GateConfig
+from buffer.config import BufferConfig, ClientConfig, GateConfig, LogConfig
 from buffer.core import BufferCore
 from services.audit import audit, read_buffer_log
 
@@ -65,9 +65,9 @@ def test_a_retried_ack_after_a_restart_is_not_an_error(buffer_service, tmp_path)
 def test_repeated_kills_under_load_lose_and_repeat_nothing(buffer_service, tmp_path):
     """Two pushers and a learner (B = 2, versions advancing) run while the buffer is SIGKILLed
     four times at random moments; the audit over the learner's record and the buffer's log finds
-    nothing lost, nothing consumed twice. The gate is unbounded here: with η a run of stale drops
-    can close the gate for good (test_stale_drops_give_their_gate_capacity_back)."""
-    config = durable(tmp_path, eta=None)
+    nothing lost, nothing consumed twice, nothing staler than η (kills slow the pushers, so some
+    groups go stale and are dropped: their gate capacity comes back)."""
+    config = durable(tmp_path)
     server = buffer_service(**config)
     per_pusher, batch_size, eta = 30, config["gate"]["batch_size"], config["gate"]["eta"]
     acknowledged, consumptions, errors = set(), [], []
@@ -123,11 +123,9 @@ def test_repeated_kills_under_load_lose_and_repeat_nothing(buffer_service, tmp_p
     assert report.consumed_groups + report.in_buffer_groups + report.dropped_groups == len(acknowledged)
 
 
-@pytest.mark.xfail(strict=True, reason="buffer: a group dropped as stale keeps counting as accepted in the "
-                   "eta gate, so each drop takes one permit of capacity for good; (eta+1)*B drops close the "
-                   "gate while the buffer is empty (a deadlock). See docs/reliability.md, open issues.")
-def test_stale_drops_give_their_gate_capacity_back():
-    core = BufferCore(BufferConfig(gate=GateConfig(batch_size=2, eta=1, max_concurrent=64)))
+def test_stale_drops_give_their_gate_capacity_back(tmp_path):
+    config = BufferConfig(gate=GateConfig(batch_size=2, eta=1, max_concurrent=64), log=LogConfig(path=tmp_path / "log"))
+    core = BufferCore(config)
 
     def grant(worker):
         permit = core.acquire_permit(worker)
@@ -148,3 +146,6 @@ def test_stale_drops_give_their_gate_capacity_back():
         for permit in late:
             core.push_group(encode_group(make_group(permit.ticket, version=permit.version)), permit.permit_id)
         assert core.pull_batch(2) is None  # both late groups are dropped as stale
+    # The log replays the drops the same way: a restarted buffer has the same gate.
+    restarted = BufferCore(config)
+    assert restarted.gate.accepted == core.gate.accepted and restarted.gate.capacity() == core.gate.capacity()
