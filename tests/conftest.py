@@ -48,3 +48,21 @@ def tiny_model_dir() -> Path:
     from rollout_workers.tiny_model import ensure_tiny_model
 
     return ensure_tiny_model(REPO / ".cache" / "tiny-model")
+
+
+@pytest.fixture
+def buffer_service(tmp_path):
+    """A factory of real `python -m buffer serve` processes (services.chaos.BufferService: same
+    port and log across restarts); all are stopped at the end of the test."""
+    from services.chaos import BufferService
+
+    started = []
+
+    def start(**config) -> BufferService:
+        service = BufferService(config, tmp_path).start()
+        started.append(service)
+        return service
+
+    yield start
+    for service in started:
+        service.stop()

@@ -1,15 +1,11 @@
-"""Helpers for the buffer tests: group factory, free ports, a real `python -m buffer serve` process."""
+"""Helpers for the buffer tests: group factory, free ports, waiting."""
 from __future__ import annotations
 
-import os
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
-import yaml
 
 from buffer.sample import Group, Sample, new_id
 
@@ -33,44 +29,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-class ServerProcess:
-    """`python -m buffer serve` as a real child process."""
-
-    def __init__(self, config: dict, tmp_path: Path):
-        self.config = config
-        self.path = tmp_path / "buffer.yaml"
-        self.path.write_text(yaml.safe_dump(config))
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def endpoint(self) -> str:
-        return f"tcp://127.0.0.1:{self.config['port']}"
-
-    def start(self) -> "ServerProcess":
-        env = {**os.environ, "PYTHONPATH": str(REPO)}
-        self.proc = subprocess.Popen([sys.executable, "-m", "buffer", "serve", "--config", str(self.path),
-                                      "--log-level", "WARNING"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     env=env, cwd=REPO, text=True)
-        line = self.proc.stdout.readline()
-        if "serving on" not in line:
-            raise RuntimeError(f"buffer server did not start: {line}{self.proc.stdout.read()}")
-        return self
-
-    def kill(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
-
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.kill()
-
-
 
 
 def wait_until(predicate, timeout: float = 10.0, interval: float = 0.02) -> bool:

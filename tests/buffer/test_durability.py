@@ -14,10 +14,10 @@ from buffer.core import BufferCore
 
 
 @pytest.mark.parametrize("fsync", ["always", "interval"])
-def test_sigkill_mid_stream_loses_nothing_acknowledged(server_process, tmp_path, fsync):
+def test_sigkill_mid_stream_loses_nothing_acknowledged(buffer_service, tmp_path, fsync):
     config = {"log": {"path": str(tmp_path / "buffer.log"), "fsync": fsync, "fsync_interval_ms": 50},
               "gate": {"batch_size": 2, "eta": None, "max_concurrent": 4}}
-    server = server_process(**config)
+    server = buffer_service(**config)
     client_settings = ClientConfig(request_timeout_s=1.0, retries=30, retry_backoff_s=0.05)
     acknowledged, consumed, errors = set(), Counter(), []
     total_groups, resume = 60, threading.Event()

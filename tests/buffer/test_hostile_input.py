@@ -6,19 +6,20 @@ import math
 import msgpack
 import pytest
 import zmq
-from buffer_helpers import ServerProcess, free_port, make_group
+from buffer_helpers import make_group
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from buffer.client import BufferClient
 from buffer.codec import PROTOCOL_VERSION, encode_group, pack_frames
+from services.chaos import BufferService
 
 MAX_MESSAGE = 64 * 1024
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    proc = ServerProcess({"port": free_port(), "limits": {"max_message_bytes": MAX_MESSAGE}},
+    proc = BufferService({"limits": {"max_message_bytes": MAX_MESSAGE}},
                          tmp_path_factory.mktemp("hostile")).start()
     yield proc
     proc.stop()

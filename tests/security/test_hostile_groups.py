@@ -19,10 +19,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "buffer"))  # the buffer tests' helpers
-from buffer_helpers import ServerProcess, free_port, make_group  # noqa: E402
+from buffer_helpers import make_group  # noqa: E402
 
 from buffer.client import BufferClient  # noqa: E402
 from buffer.codec import PROTOCOL_VERSION, decode_group, encode_group, pack_frames, unpack_frames  # noqa: E402
+from services.chaos import BufferService  # noqa: E402
 from buffer.config import SampleLimits  # noqa: E402
 from buffer.errors import BufferError  # noqa: E402
 
@@ -101,7 +102,7 @@ def test_flipped_bytes_in_a_packed_group_are_a_buffer_error_or_harmless(data):
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory):
-    proc = ServerProcess({"port": free_port(), "limits": LIMITS.model_dump(), "gate": {"eta": None}},
+    proc = BufferService({"limits": LIMITS.model_dump(), "gate": {"eta": None}},
                          tmp_path_factory.mktemp("fuzz")).start()
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
