@@ -101,15 +101,17 @@ def test_worker_loads_published_weights_before_generating(tiny_model_dir, vllm_e
 
 
 class PublishDuringGeneration(WeightStore):
-    """A weight store whose learner publishes version 1 once the worker is mid-generation
-    (armed by the worker's first interrupt check, which the engine makes after a token)."""
+    """A weight store whose learner moves to version 1 once the worker is mid-generation (armed by
+    the worker's first interrupt check, which the engine makes after a token): as the controller
+    does, it tells the gate the new version, then publishes the weights."""
 
-    def __init__(self, payload: dict):
+    def __init__(self, payload: dict, buffer):
         super().__init__()
-        self.pending, self.armed = payload, False
+        self.pending, self.armed, self.buffer = payload, False, buffer
 
     def latest_version(self) -> int:
         if self.armed and self.pending is not None:
+            self.buffer.set_version(self.pending["version"])
             self.publish(self.pending)
             self.pending = None
         return super().latest_version()
@@ -121,8 +123,7 @@ def test_interrupt_on_update_continues_with_new_weights_and_tags_tokens(tiny_mod
     base = load_causal_lm(tiny_model_dir).state_dict()
     new_weights = perturbed(base, scale=0.05, seed=2)
     payload = {"version": 1, "kind": "folder", "path": str(save_weights_folder(new_weights, tmp_path / "v1", 1))}
-    store = PublishDuringGeneration(payload)
-    buffer.set_version(1)
+    store = PublishDuringGeneration(payload, buffer)
     cfg = config(tiny_model_dir, engine=EngineConfig(kind="hf"), interrupt_on_update=True, groups_per_batch=1)
     worker = RolloutWorker(cfg, "worker-c", buffer, store)
     real_interrupt = worker._interrupt
