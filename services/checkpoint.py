@@ -1,14 +1,16 @@
-"""Checkpoints of a run, written atomically so a crash mid-write never leaves a half checkpoint.
+"""Checkpoints of a run, written atomically and durably: neither a crash mid-write nor a power
+loss right after a checkpoint leaves LATEST naming a half-written or truncated checkpoint.
 
     RUN_DIR/checkpoints/step_000020/
         policy/           the policy as an HF folder (config, safetensors, tokenizer)   [learner]
         trainer.pt        optimizer + scheduler state, learner version                   [learner]
-        buffer.json       the buffer's gate counters, data cursor, tickets and contents [buffer]
+        buffer.msgpack    the buffer's gate counters, data cursor, tickets and contents [buffer, transport ray]
         state.json        controller state: step, version, config, the consumption audit
     RUN_DIR/checkpoints/LATEST   name of the newest complete checkpoint
 
-Each part is written by the component that owns the state into a temporary folder; the folder
-is renamed into place and LATEST is replaced (both atomic on POSIX) only when all parts exist.
+Each part is written by the component that owns the state into a temporary folder. `commit`
+checks every part is there, fsyncs every file and folder of it, renames it into place, and only
+then replaces LATEST (temp file, fsync, rename, fsync of the folder).
 """
 from __future__ import annotations
 
@@ -21,6 +23,11 @@ CHECKPOINTS = "checkpoints"
 LATEST = "LATEST"
 STATE_FILE = "state.json"
 FORMAT_VERSION = 1
+# The parts' names; their writers (learner.trainer POLICY_DIR / TRAINER_STATE_FILE, the controller's
+# BUFFER_STATE_FILE) keep their own constants, a test checks the two agree.
+POLICY_PART = "policy"
+TRAINER_PART = "trainer.pt"
+BUFFER_PART = "buffer.msgpack"
 
 
 def step_name(step: int) -> str:
@@ -36,28 +43,73 @@ def staging_dir(run_dir: str | os.PathLike, step: int) -> Path:
     return tmp
 
 
-def _write_json_atomic(path: Path, data: dict) -> None:
+def _fsync_path(path: Path) -> None:
+    """fsync a file or a folder (a folder's fsync makes the names in it durable)."""
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if path.is_dir() else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(folder: Path) -> None:
+    """fsync every file under `folder`, then every folder bottom-up, `folder` last. Files written
+    by another process (the learner actor) are flushed too: fsync acts on the file, not the fd."""
+    for dirpath, _dirnames, filenames in os.walk(folder, topdown=False):
+        for name in filenames:
+            _fsync_path(Path(dirpath) / name)
+        _fsync_path(Path(dirpath))
+
+
+def _write_text_durably(path: Path, text: str) -> None:
+    """Replace `path` by `text`: temp file, fsync, rename, fsync of the folder."""
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=1, sort_keys=True)
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    _fsync_path(path.parent)
+
+
+def missing_parts(folder: Path, state: dict) -> list[str]:
+    """The parts a checkpoint with this controller state needs that `folder` lacks (or holds empty)."""
+    missing = []
+    policy = folder / POLICY_PART
+    if not policy.is_dir() or not any(policy.glob("*.safetensors")):
+        missing.append(f"{POLICY_PART}/ (an HF folder with .safetensors weights)")
+    for name in (TRAINER_PART, *([BUFFER_PART] if state.get("buffer_transport") == "ray" else [])):
+        part = folder / name
+        if not part.is_file() or part.stat().st_size == 0:
+            missing.append(name)
+    return missing
 
 
 def commit(staged: Path, state: dict, keep: int = 2) -> Path:
-    """Write state.json into the staged folder, move it into place, point LATEST at it and
-    drop all but the newest `keep` checkpoints."""
+    """Make the staged checkpoint durable and current: refuse it if a part is missing, write
+    state.json, fsync every file and folder in it, rename it into place, fsync the parent,
+    point LATEST at it (durably), and drop all but the newest `keep` checkpoints.
+
+    The fsyncs come before LATEST moves because a file system may persist a rename before the
+    data of the files renamed: after a power loss LATEST then names a checkpoint of whole files."""
+    staged = Path(staged)
     if not staged.name.endswith(".tmp") or not staged.is_dir():
         raise ValueError(f"{staged} is not a staging folder from staging_dir()")
-    _write_json_atomic(staged / STATE_FILE, {"format": FORMAT_VERSION, **state})
+    missing = missing_parts(staged, state)
+    if missing:
+        raise ValueError(f"checkpoint {staged} is incomplete, refusing to commit it: missing {', '.join(missing)}")
+    # Nobody reads the staged folder, so state.json needs no temp file; _fsync_tree flushes it.
+    (staged / STATE_FILE).write_text(json.dumps({"format": FORMAT_VERSION, **state}, indent=1, sort_keys=True),
+                                     encoding="utf-8")
+    _fsync_tree(staged)
     final = staged.with_name(staged.name[: -len(".tmp")])
     if final.exists():
         shutil.rmtree(final)
     os.replace(staged, final)
     root = final.parent
-    (root / (LATEST + ".tmp")).write_text(final.name)
-    os.replace(root / (LATEST + ".tmp"), root / LATEST)
+    _fsync_path(root)
+    _fsync_path(root.parent)  # the first checkpoint also created checkpoints/ in the run folder
+    _write_text_durably(root / LATEST, final.name)
     for old in list_checkpoints(root.parent)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final

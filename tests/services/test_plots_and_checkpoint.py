@@ -1,5 +1,4 @@
 """The JSONL metric log, the plots drawn from it, and atomic checkpoints."""
-import json
 
 import pytest
 
@@ -51,8 +50,11 @@ def test_plot_run_draws_a_png_per_panel_with_data(tmp_path):
 def test_checkpoint_commit_latest_and_pruning(tmp_path):
     for step in (10, 20, 30):
         staged = checkpoint.staging_dir(tmp_path, step)
-        (staged / "buffer.json").write_text(json.dumps({"cursor": step}))
-        checkpoint.commit(staged, {"step": step, "version": step}, keep=2)
+        (staged / "policy").mkdir()
+        (staged / "policy" / "model.safetensors").write_bytes(b"weights")
+        (staged / "trainer.pt").write_bytes(b"optimizer")
+        (staged / "buffer.msgpack").write_bytes(b"\x80")
+        checkpoint.commit(staged, {"step": step, "version": step, "buffer_transport": "ray"}, keep=2)
     names = [p.name for p in checkpoint.list_checkpoints(tmp_path)]
     assert names == ["step_000020", "step_000030"]
     latest = checkpoint.latest_checkpoint(tmp_path)
