@@ -66,6 +66,7 @@ def test_commit_fsyncs_every_file_and_folder_before_the_rename_and_latest(tmp_pa
     assert rename < latest_rename
     between = [c for c in calls[rename + 1:latest_rename] if c[0] == "fsync"]
     assert ("fsync", root) in between, "the checkpoints folder is not fsynced after the rename"
+    assert ("fsync", str(run_dir)) in between, "the run folder (holding checkpoints/) is not fsynced"
     assert ("fsync", latest_tmp) in between, "LATEST's new content is not fsynced before its rename"
     assert ("fsync", root) in calls[latest_rename + 1:], "the folder is not fsynced after LATEST moved"
     assert (final / "policy" / "nested" / "extra.bin").read_bytes() == b"x"
