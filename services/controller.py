@@ -210,9 +210,10 @@ def start_ray(cfg: EtarlConfig) -> None:
         # Logical CPUs: enough for every actor; the real cores are shared by all of them.
         needed = cfg.rollout.num_workers + cfg.learner.distributed.world_size
         num_cpus = cfg.ray.num_cpus or max(os.cpu_count() or 1, needed)
-        ray.init(num_cpus=num_cpus, _node_ip_address="127.0.0.1", include_dashboard=False,
-                 namespace=cfg.ray.namespace, log_to_driver=cfg.ray.log_to_driver,
-                 runtime_env={"env_vars": env})
+        from services.local_ray import init_local_ray  # every Ray server on 127.0.0.1
+
+        init_local_ray(num_cpus=num_cpus, namespace=cfg.ray.namespace, log_to_driver=cfg.ray.log_to_driver,
+                       runtime_env={"env_vars": env})
     else:
         # Inside a cluster (or a `ray job submit` job) the job's runtime environment applies.
         ray.init(address=cfg.ray.address, namespace=cfg.ray.namespace, log_to_driver=cfg.ray.log_to_driver)

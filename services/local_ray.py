@@ -1,0 +1,28 @@
+"""A single-machine Ray cluster whose every listening socket is on 127.0.0.1.
+
+Ray's servers (GCS, raylet node manager and object manager, core workers, dashboard and runtime-env
+agents, the autoscaler monitor) bind the loopback address when the node's address is loopback and
+every interface otherwise. Asking for `_node_ip_address="127.0.0.1"` is not enough: `ray.init`
+replaces a loopback address by the machine's routable one (`ray._private.services.
+resolve_ip_for_localhost`) unless Ray is in its local-only mode, the macOS/Windows default, switched
+by `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0` (Ray 2.60). That variable is read once, when `ray` is
+first imported, which may have happened before a local run starts (the test session, other
+imports), so the constant it sets is set here instead. Local-only mode also refuses `ray start
+--address` joins, which a local run never does. tests/security/test_ray_listens_on_loopback.py
+lists every listening socket of an embedded cluster and fails if this stops working.
+"""
+from __future__ import annotations
+
+LOOPBACK = "127.0.0.1"
+
+
+def init_local_ray(**init_kwargs):
+    """`ray.init` of a new local cluster bound to 127.0.0.1, without the dashboard's web UI."""
+    import ray
+    from ray._private import ray_constants
+
+    if not hasattr(ray_constants, "ENABLE_RAY_CLUSTER"):
+        raise RuntimeError("this Ray has no ray_constants.ENABLE_RAY_CLUSTER: cannot keep a local Ray "
+                           "cluster on 127.0.0.1; see services/local_ray.py")
+    ray_constants.ENABLE_RAY_CLUSTER = False  # = RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, read at call time
+    return ray.init(_node_ip_address=LOOPBACK, include_dashboard=False, **init_kwargs)
