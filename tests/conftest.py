@@ -30,11 +30,11 @@ def ray_cluster():
     """A local Ray cluster bound to loopback, shared by every test that asks for it."""
     import ray
 
+    from services.local_ray import init_local_ray  # every Ray server on 127.0.0.1, as in `etarl train`
+
     if not ray.is_initialized():
-        ray.init(
+        init_local_ray(
             num_cpus=2,
-            _node_ip_address="127.0.0.1",
-            include_dashboard=False,
             log_to_driver=False,
             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}},
         )
