@@ -116,7 +116,7 @@ def test_pod_templates_are_valid_kubernetes_pod_templates():
         kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
 
 
-@pytest.mark.parametrize("manifest", ["storage.yaml", "etarl-config.yaml"])
+@pytest.mark.parametrize("manifest", ["storage.yaml", "etarl-config.yaml", "networkpolicy.yaml"])
 def test_builtin_kinds_are_valid(manifest):
     for doc in load(manifest):
         kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
@@ -223,3 +223,26 @@ def test_prometheusrule_is_rules_yml():
     spec.loader.exec_module(module)
     assert (K8S / "prometheusrule.yaml").read_text() == module.render(), \
         "deploy/k8s/prometheusrule.yaml is stale: regenerate it from rules.yml (see its header)"
+
+
+def test_the_network_policy_admits_the_run_the_operator_and_prometheus_only():
+    """Ray's servers listen on the pod address in a cluster; the NetworkPolicy decides who reaches them."""
+    policy = the("networkpolicy.yaml")["spec"]
+    assert policy["policyTypes"] == ["Ingress"]
+    job = the("rayjob.yaml")
+    templates = dict(pod_templates(the("raycluster.yaml")["spec"]), submitter=job["spec"]["submitterPodTemplate"])
+    for group, template in templates.items():  # every pod of the run is guarded, and is a peer
+        assert policy["podSelector"]["matchLabels"].items() <= template["metadata"]["labels"].items(), group
+    rules = {}
+    for rule in policy["ingress"]:
+        (peer,) = rule["from"]
+        rules[peer["podSelector"]["matchLabels"]["app.kubernetes.io/name"]] = rule
+    assert set(rules) == {"etarl", "kuberay-operator", "prometheus"}
+    # The run's own pods: every port (Ray's worker ports are random), from this namespace only.
+    assert "ports" not in rules["etarl"] and "namespaceSelector" not in rules["etarl"]["from"][0]
+    head = the("raycluster.yaml")["spec"]["headGroupSpec"]["template"]
+    ports = {p["name"]: p["containerPort"] for p in head["spec"]["containers"][0]["ports"]}
+    allowed = {name: {p["port"] for p in rule.get("ports", [])} for name, rule in rules.items()}
+    assert allowed["kuberay-operator"] == {ports["dashboard"]}
+    (monitor,) = [d for d in load("monitoring.yaml") if d["kind"] == "PodMonitor"]
+    assert allowed["prometheus"] == {ports[e["port"]] for e in monitor["spec"]["podMetricsEndpoints"]}
