@@ -44,9 +44,15 @@ class BufferClient:
 
     def acquire_permit(self, worker_id: str, timeout: float = 0.0) -> Permit | None:
         """A permit to generate one group, or None if the η gate stays closed for `timeout` seconds."""
-        result, _ = self._call("acquire_permit", {"worker_id": worker_id, "timeout": float(timeout),
-                                                  "permit_id": new_id()}, wait=timeout)
-        return None if result is None else Permit(**result)
+        permits = self.acquire_permits(worker_id, 1, timeout)
+        return permits[0] if permits else None
+
+    def acquire_permits(self, worker_id: str, count: int, timeout: float = 0.0) -> list[Permit]:
+        """Up to `count` permits in one round trip: waits up to `timeout` for the first, then takes
+        as many more as the gate allows right now. Empty if the gate stays closed."""
+        result, _ = self._call("acquire_permits", {"worker_id": worker_id, "timeout": float(timeout),
+                                                   "permit_ids": [new_id() for _ in range(count)]}, wait=timeout)
+        return [Permit(**p) for p in result]
 
     def release_permit(self, permit_id: str) -> bool:
         """Give a permit back (generation failed or rejected); its ticket is reissued. False if unknown."""
@@ -55,7 +61,13 @@ class BufferClient:
     def push_group(self, group: Group, permit_id: str) -> dict:
         """Push a finished group under its permit. Returns {"samples": n, "duplicate": bool};
         a retried push of the same sample ids is a no-op with duplicate=True."""
-        return self._call("push_group", {"permit_id": permit_id}, [pack_frames(encode_group(group))])[0]
+        return self.push_groups([group], [permit_id])[0]
+
+    def push_groups(self, groups: list[Group], permit_ids: list[str]) -> list[dict]:
+        """Push several groups, each under its permit, in one round trip; all or nothing (an
+        invalid group refuses the whole push and the error names it). A result per group."""
+        payload = [pack_frames(encode_group(g)) for g in groups]
+        return self._call("push_groups", {"permit_ids": list(permit_ids)}, payload)[0]
 
     def pull_batch(self, batch_size: int, timeout: float = 0.0) -> PulledBatch | None:
         """The `batch_size` oldest groups under a lease, or None if fewer are ready within `timeout`."""

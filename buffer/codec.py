@@ -1,32 +1,40 @@
-"""Wire format: a msgpack header plus raw array frames (no pickle, no copies of array data).
+"""Wire format: a msgpack header plus raw array frames (no pickle, no copies when decoding).
 
-A group is encoded as `[header, a_0, a_1, ...]`: the header (msgpack map) carries the protocol
-version, the group's scalars and one map per sample; the arrays follow as raw little-endian
-buffers, per sample in the order of `buffer.sample.ARRAY_FIELDS` (token_rewards only when
-present). Encoding hands out the numpy buffers themselves; decoding wraps the received frames
-with `np.frombuffer` (read-only views, no copy).
+A group is encoded as `[header, prompt_ids, response_ids, rollout_log_probs, loss_mask,
+token_versions, token_rewards]` (`GROUP_FRAMES` frames, whatever the group size): the header
+(msgpack map) carries the protocol version, the group's scalars and one map per sample with its
+lengths; each array frame holds that field of every sample back to back, in sample order, as raw
+little-endian values (token_rewards only of the samples that have them). Field-major frames keep
+the cost of a group flat in its size: validation is a few numpy calls per field, not per sample,
+and ZMQ moves 7 frames, not 5 per sample. Encoding copies each field once (the concatenation);
+decoding wraps the received frames with `np.frombuffer` and hands every sample read-only views
+into them.
 
 On the service a group travels as one *packed group* (`pack_frames`): its frames back to back,
 8-byte aligned, after a length table; `unpack_frames` cuts it into zero-copy views again. The
-push sends it (one memcpy on the client), the store keeps exactly those bytes, the durable log
-records them and a pull reply sends them (one frame per group instead of ~5 per sample keeps
-ZMQ's per-frame cost off the hot path).
+store keeps exactly those bytes, the durable log records them and a pull reply sends them (one
+frame per group).
 
 Service messages (`encode_message`, `decode_message_header`) use the same idea:
 `[header, *payload]`, header = {"v", "id", "op", "args"} for a request and
 {"v", "id", "ok", "result" | "error"} for a reply; the payload is one packed group (push) or
 one packed group per frame (pull).
 
-Decoding validates everything and raises `SampleError` (naming field and sample) or
-`ProtocolError`: frame count and sizes, dtypes (implied by the layout, checked by size),
-lengths that agree, finite log-probs <= 0, loss mask in {0, 1}, versions not ahead of the learner
-(`max_version`) and not before the sample's start version, and the configured size limits.
+`check_group` validates a group on the wire without building `Sample` objects (what the buffer
+does with every push); `decode_group` validates and builds them; `validate_group` runs the same
+checks on an in-memory `Group` (the learner's check of a batch). Violations raise `SampleError`
+(naming field and sample) or `ProtocolError`: frame count and sizes, dtypes (implied by the
+layout, checked by size), lengths that agree, token ids >= 0, finite log-probs <= 0, loss mask in
+{0, 1}, finite rewards, versions not ahead of the learner (`max_version`) and not before the
+sample's start version, and the configured size limits.
 """
 from __future__ import annotations
 
 import math
 import struct
 import sys
+from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any, Sequence
 
 import msgpack
@@ -34,9 +42,10 @@ import numpy as np
 
 from buffer.config import SampleLimits
 from buffer.errors import ProtocolError, SampleError
-from buffer.sample import ARRAY_FIELDS, Group, Sample
+from buffer.sample import ARRAY_FIELDS, Group, Sample, as_field_array
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+GROUP_FRAMES = 1 + len(ARRAY_FIELDS)
 
 _LITTLE = sys.byteorder == "little"
 _SAMPLE_KEYS = {
@@ -44,9 +53,8 @@ _SAMPLE_KEYS = {
     "metadata", "n_prompt", "n_response", "has_token_rewards",
 }
 _GROUP_KEYS = {"v", "group_id", "prompt_index", "samples"}
-# (field, little-endian wire dtype, length key in the sample header), in frame order
-_WIRE_LAYOUT = [(name, dtype.newbyteorder("<"), "n_prompt" if name == "prompt_ids" else "n_response")
-                for name, dtype in ARRAY_FIELDS.items()]
+_PER_TOKEN = ("rollout_log_probs", "loss_mask", "token_versions", "token_rewards")
+_WIRE_DTYPES = {name: dtype.newbyteorder("<") for name, dtype in ARRAY_FIELDS.items()}
 
 
 def pack(obj: Any) -> bytes:
@@ -61,21 +69,26 @@ def unpack(frame) -> Any:
         raise ProtocolError(f"header is not valid msgpack: {type(exc).__name__}: {exc}", "bad_msgpack") from None
 
 
-def _wire_array(arr: np.ndarray) -> np.ndarray:
-    """The array as a contiguous little-endian buffer (a no-op, no copy, in the usual case)."""
-    arr = np.ascontiguousarray(arr)
-    if not _LITTLE and arr.dtype.itemsize > 1:
-        arr = arr.astype(arr.dtype.newbyteorder("<"))
-    return arr
-
+# ---- encoding ---------------------------------------------------------------------------------
 
 def encode_group(group: Group) -> list:
-    """`[header_bytes, array, array, ...]`. Arrays are numpy buffers (zero copy for ZMQ, picklable
-    for Ray). Construct-time conversion in `Sample` already fixed their dtypes."""
-    samples_meta = []
-    arrays: list[np.ndarray] = []
+    """`[header_bytes, *field arrays]` (`GROUP_FRAMES` items). Arrays are numpy buffers (zero copy
+    for ZMQ, picklable for Ray). A sample whose per-token arrays disagree in length cannot be
+    laid out and raises SampleError here."""
+    metas, parts = [], {name: [] for name in ARRAY_FIELDS}
     for s in group.samples:
-        samples_meta.append({
+        t = len(s.response_ids)
+        for name in _PER_TOKEN:
+            value = getattr(s, name)
+            if value is not None and len(value) != t:
+                raise SampleError(name, s.sample_id, f"has length {len(value)}, response_ids has {t}")
+        for name in ARRAY_FIELDS:
+            value = getattr(s, name)
+            if value is None and name == "token_versions":
+                value = np.full(t, s.weight_version, np.int32)
+            if value is not None:
+                parts[name].append(as_field_array(value, name, s.sample_id))
+        metas.append({
             "sample_id": s.sample_id,
             "weight_version": int(s.weight_version),
             "reward": float(s.reward),
@@ -84,45 +97,123 @@ def encode_group(group: Group) -> list:
             "finish_reason": s.finish_reason,
             "metadata": dict(s.metadata),
             "n_prompt": len(s.prompt_ids),
-            "n_response": len(s.response_ids),
+            "n_response": t,
             "has_token_rewards": s.token_rewards is not None,
         })
-        for name in ARRAY_FIELDS:
-            value = getattr(s, name)
-            if value is not None:
-                arrays.append(_wire_array(value))
     header = {"v": PROTOCOL_VERSION, "group_id": group.group_id, "prompt_index": int(group.prompt_index),
-              "samples": samples_meta}
-    return [pack(header), *arrays]
+              "samples": metas}
+    return [pack(header), *(_wire_array(parts[name], dtype) for name, dtype in ARRAY_FIELDS.items())]
 
 
-def group_frame_count(header: dict) -> int:
-    return 1 + sum(5 + bool(s.get("has_token_rewards")) for s in header["samples"])
+def _wire_array(parts: list, dtype: np.dtype) -> np.ndarray:
+    """The parts back to back as one contiguous little-endian array."""
+    arr = np.concatenate(parts) if parts else np.zeros(0, dtype)
+    if not _LITTLE and arr.dtype.itemsize > 1:
+        arr = arr.astype(arr.dtype.newbyteorder("<"))
+    return arr
 
 
-def decode_group(frames: Sequence, limits: SampleLimits | None = None, max_version: int | None = None) -> Group:
-    """Decode and validate one group from its frames (bytes, memoryview or zmq.Frame)."""
+# ---- decoding and validation ------------------------------------------------------------------
+
+@dataclass
+class GroupView:
+    """A validated group on the wire: its header and one array per field (all samples back to
+    back), without `Sample` objects. `offsets[field][k]` is where sample k starts in that field."""
+
+    group_id: str
+    prompt_index: int
+    samples: list[dict]  # the sample headers
+    arrays: dict[str, np.ndarray]
+    offsets: dict[str, list[int]]
+
+    @property
+    def sample_ids(self) -> list[str]:
+        return [m["sample_id"] for m in self.samples]
+
+    @property
+    def weight_versions(self) -> list[int]:
+        return [m["weight_version"] for m in self.samples]
+
+    def field(self, name: str, k: int) -> np.ndarray | None:
+        """Sample k's array `name` (a view), None for token_rewards it does not have."""
+        start, end = self.offsets[name][k], self.offsets[name][k + 1]
+        if name == "token_rewards" and not self.samples[k]["has_token_rewards"]:
+            return None
+        return self.arrays[name][start:end]
+
+
+def check_group(frames: Sequence, limits: SampleLimits | None = None, max_version: int | None = None) -> GroupView:
+    """Validate one group from its frames (bytes, memoryview or zmq.Frame) without building samples."""
     limits = limits or SampleLimits()
     if not frames:
         raise ProtocolError("a group needs at least a header frame", "bad_group")
     header = unpack(frames[0])
     _check_group_header(header, limits)
-    expected = group_frame_count(header)
-    if len(frames) != expected:
-        raise ProtocolError(f"group {header['group_id']!r}: header describes {expected} frames, got {len(frames)}",
+    if len(frames) != GROUP_FRAMES:
+        raise ProtocolError(f"group {header['group_id']!r}: expected {GROUP_FRAMES} frames, got {len(frames)}",
                             "bad_frame_count")
-    samples = []
-    cursor = 1
-    for meta in header["samples"]:
-        sample, cursor = _decode_sample(meta, header["group_id"], frames, cursor, limits)
-        samples.append(sample)
-    group = Group(group_id=header["group_id"], samples=samples, prompt_index=header["prompt_index"])
-    validate_group(group, limits, max_version)
-    return group
+    metas = header["samples"]
+    seen = set()
+    for meta in metas:
+        _check_sample_header(meta, limits, max_version)
+        if meta["sample_id"] in seen:
+            raise SampleError("sample_id", meta["sample_id"], f"appears twice in group {header['group_id']!r}")
+        seen.add(meta["sample_id"])
+    lengths = _field_lengths(metas)
+    arrays = {}
+    for (name, dtype), frame in zip(_WIRE_DTYPES.items(), frames[1:]):
+        n = sum(lengths[name])
+        size = len(frame) if type(frame) is bytes else memoryview(frame).nbytes
+        if size != n * dtype.itemsize:
+            raise SampleError(name, None, f"frame has {size} bytes, expected {n * dtype.itemsize} for {dtype}[{n}] "
+                                          f"(group {header['group_id']!r})")
+        arrays[name] = np.frombuffer(frame, dtype=dtype, count=n)
+    offsets = {name: [0, *accumulate(lengths[name])] for name in ARRAY_FIELDS}
+    view = GroupView(header["group_id"], header["prompt_index"], metas, arrays, offsets)
+    if not _arrays_valid(view, max_version):
+        for k in range(len(metas)):
+            _check_sample_arrays(view, k, max_version)
+        raise SampleError("samples", None, f"group {view.group_id!r} failed an array check")  # unreachable
+    return view
+
+
+def decode_group(frames: Sequence, limits: SampleLimits | None = None, max_version: int | None = None) -> Group:
+    """Decode and validate one group; its samples' arrays are read-only views into the frames."""
+    view = check_group(frames, limits, max_version)
+    samples = [
+        Sample(sample_id=m["sample_id"], group_id=view.group_id, reward=float(m["reward"]),
+               weight_version=m["weight_version"], worker_id=m["worker_id"], created_at=float(m["created_at"]),
+               finish_reason=m["finish_reason"], metadata=m["metadata"],
+               **{name: view.field(name, k) for name in ARRAY_FIELDS})
+        for k, m in enumerate(view.samples)
+    ]
+    return Group(group_id=view.group_id, samples=samples, prompt_index=view.prompt_index)
+
+
+def validate_group(group: Group, limits: SampleLimits | None = None, max_version: int | None = None) -> None:
+    """The record contract for an in-memory group (the same checks as a decode)."""
+    for s in group.samples:
+        if s.group_id != group.group_id:
+            raise SampleError("group_id", s.sample_id, f"is {s.group_id!r} but the sample is in group "
+                                                       f"{group.group_id!r}")
+    check_group(encode_group(group), limits, max_version)
+
+
+def _field_lengths(metas: list[dict]) -> dict[str, list[int]]:
+    """Per field, each sample's number of values in that field's frame."""
+    prompt = [m["n_prompt"] for m in metas]
+    response = [m["n_response"] for m in metas]
+    rewards = [m["n_response"] if m["has_token_rewards"] else 0 for m in metas]
+    return {name: prompt if name == "prompt_ids" else rewards if name == "token_rewards" else response
+            for name in ARRAY_FIELDS}
 
 
 def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    return type(value) is int  # msgpack gives exact types; bool is not an int here
+
+
+def _is_number(value) -> bool:
+    return type(value) is int or type(value) is float
 
 
 def _check_group_header(header, limits: SampleLimits) -> None:
@@ -132,163 +223,114 @@ def _check_group_header(header, limits: SampleLimits) -> None:
         raise ProtocolError(f"group protocol version {header.get('v')!r}, expected {PROTOCOL_VERSION}",
                             "bad_protocol_version")
     if set(header) != _GROUP_KEYS:
-        raise ProtocolError(f"group header keys {sorted(header)}, expected {sorted(_GROUP_KEYS)}", "bad_group")
-    if not isinstance(header["group_id"], str) or not header["group_id"]:
-        raise SampleError("group_id", None, "must be a non-empty string")
+        raise ProtocolError(f"group header keys {sorted(header, key=str)}, expected {sorted(_GROUP_KEYS)}", "bad_group")
+    group_id = header["group_id"]
+    if not isinstance(group_id, str) or not group_id or len(group_id) > limits.max_string_chars:
+        raise SampleError("group_id", None, f"must be a non-empty string of at most {limits.max_string_chars} chars")
     if not _is_int(header["prompt_index"]) or header["prompt_index"] < 0:
         raise SampleError("prompt_index", None, f"must be an int >= 0, got {header['prompt_index']!r}")
     samples = header["samples"]
     if not isinstance(samples, list) or not samples:
-        raise SampleError("samples", None, f"group {header['group_id']!r} must hold at least one sample")
+        raise SampleError("samples", None, f"group {group_id!r} must hold at least one sample")
     if len(samples) > limits.max_group_size:
         raise SampleError("samples", None, f"{len(samples)} samples exceed max_group_size={limits.max_group_size}")
     for meta in samples:
         if not isinstance(meta, dict) or set(meta) != _SAMPLE_KEYS:
-            keys = sorted(meta) if isinstance(meta, dict) else type(meta).__name__
+            keys = sorted(meta, key=str) if isinstance(meta, dict) else type(meta).__name__
             raise ProtocolError(f"sample header keys {keys}, expected {sorted(_SAMPLE_KEYS)}", "bad_sample")
 
 
-def _decode_sample(meta: dict, group_id: str, frames: Sequence, cursor: int, limits: SampleLimits):
-    sid = meta["sample_id"]
-    if not isinstance(sid, str) or not sid:
-        raise SampleError("sample_id", None, f"must be a non-empty string, got {sid!r}")
-    lengths = {"n_prompt": limits.max_prompt_tokens, "n_response": limits.max_response_tokens}
-    for key, limit in lengths.items():
-        if not _is_int(meta[key]) or not 0 <= meta[key] <= limit:
-            raise SampleError(key, sid, f"must be an int in [0, {limit}], got {meta[key]!r}")
-    arrays = {"token_rewards": None}
-    for name, dtype, length_key in _WIRE_LAYOUT:
-        if name == "token_rewards" and not meta["has_token_rewards"]:
-            continue
-        n = meta[length_key]
-        buf = frames[cursor]
-        cursor += 1
-        size = len(buf) if type(buf) is bytes else memoryview(buf).nbytes
-        if size != n * dtype.itemsize:
-            raise SampleError(name, sid, f"frame has {size} bytes, expected {n * dtype.itemsize} for {dtype}[{n}]")
-        arrays[name] = np.frombuffer(buf, dtype=dtype, count=n)
+def _check_sample_header(meta: dict, limits: SampleLimits, max_version: int | None) -> None:
+    """The scalars of one sample header (a per-sample hot path: exact type checks, no helpers)."""
+    sid, short = meta["sample_id"], limits.max_string_chars
+    if type(sid) is not str or not sid:
+        raise SampleError("sample_id", None, f"must be a non-empty string, got {sid!r:.60}")
+    if len(sid) > short:
+        raise SampleError("sample_id", sid[:64], f"longer than max_string_chars={short}")
+    n_prompt, n_response = meta["n_prompt"], meta["n_response"]
+    if type(n_prompt) is not int or not 0 <= n_prompt <= limits.max_prompt_tokens:
+        raise SampleError("n_prompt", sid, f"must be an int in [0, {limits.max_prompt_tokens}], got {n_prompt!r:.60}")
+    if type(n_response) is not int or not 0 <= n_response <= limits.max_response_tokens:
+        raise SampleError("n_response", sid,
+                          f"must be an int in [0, {limits.max_response_tokens}], got {n_response!r:.60}")
+    if type(meta["has_token_rewards"]) is not bool:
+        raise SampleError("has_token_rewards", sid, f"must be a bool, got {meta['has_token_rewards']!r:.60}")
     for key in ("worker_id", "finish_reason"):
-        if not isinstance(meta[key], str):
-            raise SampleError(key, sid, f"must be a string, got {type(meta[key]).__name__}")
+        if type(meta[key]) is not str or len(meta[key]) > short:
+            raise SampleError(key, sid, f"must be a string of at most {short} chars, got {type(meta[key]).__name__}")
     for key in ("reward", "created_at"):
-        if not isinstance(meta[key], (int, float)) or isinstance(meta[key], bool):
-            raise SampleError(key, sid, f"must be a number, got {type(meta[key]).__name__}")
-    if not _is_int(meta["weight_version"]):
-        raise SampleError("weight_version", sid, f"must be an int, got {meta['weight_version']!r}")
-    if not isinstance(meta["metadata"], dict):
-        raise SampleError("metadata", sid, f"must be a map, got {type(meta['metadata']).__name__}")
-    sample = Sample(
-        sample_id=sid, group_id=group_id, reward=float(meta["reward"]), weight_version=meta["weight_version"],
-        worker_id=meta["worker_id"], created_at=float(meta["created_at"]), finish_reason=meta["finish_reason"],
-        metadata=meta["metadata"], **arrays,
-    )
-    return sample, cursor
+        if not _is_number(meta[key]) or not math.isfinite(meta[key]):
+            raise SampleError(key, sid, f"must be a finite number, got {meta[key]!r:.60}")
+    version = meta["weight_version"]
+    if type(version) is not int or version < 0:
+        raise SampleError("weight_version", sid, f"must be an int >= 0, got {version!r:.60}")
+    if max_version is not None and version > max_version:
+        raise SampleError("weight_version", sid, f"{version} is ahead of the learner (version {max_version})")
+    if meta["metadata"] != {}:
+        _check_metadata(meta["metadata"], sid, limits)
 
 
-def validate_group(group: Group, limits: SampleLimits, max_version: int | None) -> None:
-    """The record contract; raises SampleError naming the field and the sample. The array checks
-    run once over the whole group (a few numpy calls); only a failing group is searched sample by
-    sample to name the culprit."""
-    if not group.samples:
-        raise SampleError("samples", None, f"group {group.group_id!r} is empty")
-    if len(group.samples) > limits.max_group_size:
-        raise SampleError("samples", None, f"{len(group.samples)} samples exceed max_group_size={limits.max_group_size}")
-    seen = set()
-    for s in group.samples:
-        if s.sample_id in seen:
-            raise SampleError("sample_id", s.sample_id, f"appears twice in group {group.group_id!r}")
-        seen.add(s.sample_id)
-        _validate_shape_and_scalars(s, group.group_id, limits, max_version)
-    if not _group_arrays_valid(group.samples, max_version):
-        for s in group.samples:
-            _validate_arrays(s, max_version)
-        raise SampleError("samples", None, f"group {group.group_id!r} failed an array check")  # unreachable
-
-
-def validate_sample(s: Sample, group_id: str, limits: SampleLimits, max_version: int | None) -> None:
-    _validate_shape_and_scalars(s, group_id, limits, max_version)
-    _validate_arrays(s, max_version)
-
-
-def _validate_shape_and_scalars(s: Sample, group_id: str, limits: SampleLimits, max_version: int | None) -> None:
-    sid = s.sample_id
-    if s.group_id != group_id:
-        raise SampleError("group_id", sid, f"is {s.group_id!r} but the sample is in group {group_id!r}")
-    if len(s.prompt_ids) > limits.max_prompt_tokens:
-        raise SampleError("prompt_ids", sid, f"{len(s.prompt_ids)} tokens exceed max_prompt_tokens")
-    t = len(s.response_ids)
-    if t > limits.max_response_tokens:
-        raise SampleError("response_ids", sid, f"{t} tokens exceed max_response_tokens")
-    for name in ("rollout_log_probs", "loss_mask", "token_versions", "token_rewards"):
-        arr = getattr(s, name)
-        if arr is not None and len(arr) != t:
-            raise SampleError(name, sid, f"has length {len(arr)}, response_ids has {t}")
-    if not math.isfinite(s.reward):
-        raise SampleError("reward", sid, f"must be finite, got {s.reward}")
-    if s.weight_version < 0:
-        raise SampleError("weight_version", sid, f"must be >= 0, got {s.weight_version}")
-    if max_version is not None and s.weight_version > max_version:
-        raise SampleError("weight_version", sid, f"{s.weight_version} is ahead of the learner (version {max_version})")
-    _validate_scalars(s, limits)
-
-
-def _group_arrays_valid(samples: list[Sample], max_version: int | None) -> bool:
-    """All of `_validate_arrays` at once for the whole group."""
-    def cat(*names):
-        return np.concatenate([getattr(s, n) for s in samples for n in names])
-
-    ids, lp, mask, tv = cat("prompt_ids", "response_ids"), cat("rollout_log_probs"), cat("loss_mask"), cat("token_versions")
-    if ids.size and ids.min() < 0:
-        return False
-    # max() is NaN if any NaN (and NaN <= 0 is False); a float64 sum is finite iff every value is
-    if lp.size and not (lp.max() <= 0 and math.isfinite(lp.sum(dtype=np.float64))):
-        return False
-    if mask.size and mask.max() > 1:
-        return False
-    if tv.size:
-        starts = np.repeat([s.weight_version for s in samples], [len(s.token_versions) for s in samples])
-        if (tv < starts).any() or (max_version is not None and tv.max() > max_version):
-            return False
-    rewards = [s.token_rewards for s in samples if s.token_rewards is not None]
-    return not rewards or math.isfinite(np.concatenate(rewards).sum(dtype=np.float64))
-
-
-def _validate_arrays(s: Sample, max_version: int | None) -> None:
-    sid = s.sample_id
-    if (s.prompt_ids < 0).any() or (s.response_ids < 0).any():
-        field = "prompt_ids" if (s.prompt_ids < 0).any() else "response_ids"
-        raise SampleError(field, sid, "token ids must be >= 0")
-    lp = s.rollout_log_probs
-    if not np.isfinite(lp).all():
-        raise SampleError("rollout_log_probs", sid, f"not finite at token {int(np.argmin(np.isfinite(lp)))}")
-    if (lp > 0).any():
-        raise SampleError("rollout_log_probs", sid, f"log-prob {float(lp.max())} > 0 at token {int(np.argmax(lp))}")
-    if (s.loss_mask > 1).any():
-        raise SampleError("loss_mask", sid, "values must be 0 or 1")
-    if s.token_rewards is not None and not np.isfinite(s.token_rewards).all():
-        raise SampleError("token_rewards", sid, "not finite")
-    tv = s.token_versions
-    if len(tv):
-        if int(tv.min()) < s.weight_version:
-            raise SampleError("token_versions", sid, f"{int(tv.min())} is before weight_version {s.weight_version}")
-        if max_version is not None and int(tv.max()) > max_version:
-            raise SampleError("token_versions", sid, f"{int(tv.max())} is ahead of the learner (version {max_version})")
-
-
-def _validate_scalars(s: Sample, limits: SampleLimits) -> None:
-    sid = s.sample_id
-    for name in ("sample_id", "group_id", "worker_id", "finish_reason"):
-        if len(getattr(s, name)) > limits.max_string_chars:
-            raise SampleError(name, sid, f"longer than max_string_chars={limits.max_string_chars}")
-    if len(s.metadata) > limits.max_metadata_items:
-        raise SampleError("metadata", sid, f"{len(s.metadata)} items exceed max_metadata_items")
-    for key, value in s.metadata.items():
+def _check_metadata(metadata, sid: str, limits: SampleLimits) -> None:
+    if not isinstance(metadata, dict):
+        raise SampleError("metadata", sid, f"must be a map, got {type(metadata).__name__}")
+    if len(metadata) > limits.max_metadata_items:
+        raise SampleError("metadata", sid, f"{len(metadata)} items exceed max_metadata_items")
+    for key, value in metadata.items():
         if not isinstance(key, str) or len(key) > limits.max_string_chars:
-            raise SampleError("metadata", sid, f"key {key!r} must be a short string")
+            raise SampleError("metadata", sid, f"key {key!r:.60} must be a short string")
         if not isinstance(value, (str, int, float, bool)):
             raise SampleError("metadata", sid, f"value of {key!r} must be str, int, float or bool, got {type(value).__name__}")
         if isinstance(value, str) and len(value) > limits.max_string_chars:
             raise SampleError("metadata", sid, f"value of {key!r} longer than max_string_chars")
+
+
+def _arrays_valid(view: GroupView, max_version: int | None) -> bool:
+    """Every array check of `_check_sample_arrays`, for the whole group in a few numpy calls."""
+    a = view.arrays
+    for name in ("prompt_ids", "response_ids"):
+        if a[name].size and a[name].min() < 0:
+            return False
+    lp = a["rollout_log_probs"]
+    # max() is NaN if any NaN (and NaN <= 0 is False); a float64 sum is finite iff every value is
+    if lp.size and not (lp.max() <= 0 and math.isfinite(lp.sum(dtype=np.float64))):
+        return False
+    if a["loss_mask"].size and a["loss_mask"].max() > 1:
+        return False
+    tv = a["token_versions"]
+    if tv.size:
+        versions = view.weight_versions
+        if min(versions) == max(versions):  # the usual group: one start version, no per-token compare
+            too_early = tv.min() < versions[0]
+        else:
+            too_early = (tv < np.repeat(versions, np.diff(view.offsets["token_versions"]))).any()
+        if too_early or (max_version is not None and tv.max() > max_version):
+            return False
+    tr = a["token_rewards"]
+    return not tr.size or math.isfinite(tr.sum(dtype=np.float64))
+
+
+def _check_sample_arrays(view: GroupView, k: int, max_version: int | None) -> None:
+    """The array checks of sample k, raising SampleError that names the field and the sample."""
+    sid, version = view.samples[k]["sample_id"], view.samples[k]["weight_version"]
+    for name in ("prompt_ids", "response_ids"):
+        if (view.field(name, k) < 0).any():
+            raise SampleError(name, sid, "token ids must be >= 0")
+    lp = view.field("rollout_log_probs", k)
+    if not np.isfinite(lp).all():
+        raise SampleError("rollout_log_probs", sid, f"not finite at token {int(np.argmin(np.isfinite(lp)))}")
+    if (lp > 0).any():
+        raise SampleError("rollout_log_probs", sid, f"log-prob {float(lp.max())} > 0 at token {int(np.argmax(lp))}")
+    if (view.field("loss_mask", k) > 1).any():
+        raise SampleError("loss_mask", sid, "values must be 0 or 1")
+    rewards = view.field("token_rewards", k)
+    if rewards is not None and not np.isfinite(rewards).all():
+        raise SampleError("token_rewards", sid, "not finite")
+    tv = view.field("token_versions", k)
+    if len(tv):
+        if int(tv.min()) < version:
+            raise SampleError("token_versions", sid, f"{int(tv.min())} is before weight_version {version}")
+        if max_version is not None and int(tv.max()) > max_version:
+            raise SampleError("token_versions", sid, f"{int(tv.max())} is ahead of the learner (version {max_version})")
 
 
 # ---- service messages -------------------------------------------------------------------------

@@ -42,7 +42,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from buffer.admission import AdmissionGate, Permit
-from buffer.codec import decode_group, group_index, pack_frames, unpack_frames
+from buffer.codec import check_group, group_index, pack_frames, unpack_frames
 from buffer.config import BufferConfig
 from buffer.durable_log import DurableLog
 from buffer.errors import BufferError, ProtocolError, RequestError
@@ -96,20 +96,39 @@ class BufferCore:
     # ---- the gate ---------------------------------------------------------------------------
 
     def acquire_permit(self, worker_id: str, timeout: float = 0.0, permit_id: str | None = None) -> Permit | None:
+        """One permit, or None if the gate stays closed for `timeout` seconds."""
+        permits = self.acquire_permits(worker_id, [permit_id or new_id()], timeout)
+        return permits[0] if permits else None
+
+    def acquire_permits(self, worker_id: str, permit_ids: list[str], timeout: float = 0.0) -> list[Permit]:
+        """Up to len(permit_ids) permits: waits up to `timeout` for the first, then takes as many
+        more as are free right now (a worker generating several groups in one engine batch)."""
         with self._lock:
-            permit = self.try_acquire(worker_id, permit_id)
-            if permit is not None or timeout <= 0:
-                self.finish_gate_wait(permit is not None)
-                return permit
+            permits = self.try_acquire_many(worker_id, permit_ids)
+            if permits or timeout <= 0:
+                self.finish_gate_wait(bool(permits))
+                return permits
             start = self.clock()
             self.start_gate_wait()
             try:
-                while permit is None and (left := start + timeout - self.clock()) > 0:
+                while not permits and (left := start + timeout - self.clock()) > 0:
                     self._changed.wait(min(left, _WAIT_SLICE_S))
-                    permit = self.try_acquire(worker_id, permit_id)
+                    permits = self.try_acquire_many(worker_id, permit_ids)
             finally:
-                self.finish_gate_wait(permit is not None, start)
-            return permit
+                self.finish_gate_wait(bool(permits), start)
+            return permits
+
+    def try_acquire_many(self, worker_id: str, permit_ids: list[str]) -> list[Permit]:
+        """Non-blocking: a permit per id, in order, while the gate has capacity. Ids of permits
+        already granted return those permits (a retried request)."""
+        with self._lock:
+            permits = []
+            for permit_id in permit_ids:
+                permit = self.try_acquire(worker_id, permit_id)
+                if permit is None:
+                    break
+                permits.append(permit)
+            return permits
 
     def try_acquire(self, worker_id: str, permit_id: str | None = None) -> Permit | None:
         """One non-blocking attempt; a known permit_id returns its permit (a retried request)."""
@@ -166,33 +185,63 @@ class BufferCore:
 
     def push_group(self, group, permit_id: str) -> dict:
         """Validate and accept one group under its permit. Idempotent by sample_id. `group` is a
-        packed group (what the transports send) or the group's frames (`encode_group`)."""
+        packed group (what the transports send) or the group's frames (`encode_group`).
+        Returns {"samples": n, "duplicate": bool}."""
+        return self.push_groups([group], [permit_id])[0]
+
+    def push_groups(self, groups: list, permit_ids: list[str]) -> list[dict]:
+        """`push_group` for several groups, all or nothing: if any group is invalid or its permit
+        does not match, none is accepted and the error names the group. A group already accepted
+        (the same sample ids) is a no-op reported as a duplicate."""
+        if len(groups) != len(permit_ids):
+            raise ProtocolError(f"{len(groups)} groups but {len(permit_ids)} permit ids", "bad_args")
+        packed = [self._packed(g) for g in groups]
+        with self._lock:
+            self._tick_locked()
+            views = [self._check_push(p, permit_id, position) for position, (p, permit_id)
+                     in enumerate(zip(packed, permit_ids))]
+            duplicate = [self.store.is_duplicate(v.group_id, v.sample_ids) for v in views]
+            fresh = [(v, permit_id, p) for v, permit_id, p, dup in zip(views, permit_ids, packed, duplicate) if not dup]
+            _check_distinct(fresh)
+            self.store.check_room(len(fresh))
+            for view, permit_id, data in fresh:
+                self._accept(view, permit_id, data)
+            self.counters.duplicate_pushes += sum(duplicate)
+            if fresh:
+                self._changed.notify_all()
+            return [{"samples": len(v.sample_ids), "duplicate": dup} for v, dup in zip(views, duplicate)]
+
+    def _packed(self, group) -> bytes:
         packed = bytes(group) if not isinstance(group, (list, tuple)) else pack_frames(group)
         if len(packed) > self.limits.max_message_bytes:
             raise ProtocolError(f"group of {len(packed)} bytes exceeds max_message_bytes", "oversized")
-        frames = unpack_frames(packed)
-        with self._lock:
-            self._tick_locked()
-            group = decode_group(frames, self.limits, max_version=self.gate.version)
-            sample_ids = group.sample_ids
-            if self.store.is_duplicate(group.group_id, sample_ids):
-                self.counters.duplicate_pushes += 1
-                return {"samples": len(sample_ids), "duplicate": True}
+        return packed
+
+    def _check_push(self, packed: bytes, permit_id: str, position: int):
+        """The validated group; raises for a bad group or, unless it is a duplicate, a bad permit."""
+        try:
+            view = check_group(unpack_frames(packed), self.limits, max_version=self.gate.version)
+            if self.store.is_duplicate(view.group_id, view.sample_ids):
+                return view
             permit = self.gate.permits.get(permit_id)
             if permit is None:
                 self.gate.consume(permit_id)  # raises the unknown_permit error
-            if permit.ticket != group.prompt_index:
-                raise RequestError(f"group {group.group_id!r} has prompt_index {group.prompt_index} but permit "
+            if permit.ticket != view.prompt_index:
+                raise RequestError(f"group {view.group_id!r} has prompt_index {view.prompt_index} but permit "
                                    f"{permit_id!r} is for ticket {permit.ticket}", "ticket_mismatch")
-            self.store.check_room()
-            seq = self.store.next_seq
-            self._append({"op": "push", "permit": permit_id, "seq": seq, "group": packed})
-            self.gate.consume(permit_id)
-            self.store.add(group.group_id, sample_ids, [s.weight_version for s in group.samples], packed, seq)
-            self.counters.pushed_groups += 1
-            self.counters.pushed_samples += len(sample_ids)
-            self._changed.notify_all()
-            return {"samples": len(sample_ids), "duplicate": False}
+            return view
+        except BufferError as exc:
+            if position:  # say which group of a multi-group push
+                exc.args = (f"group {position} of the push: {exc}",)
+            raise
+
+    def _accept(self, view, permit_id: str, packed: bytes) -> None:
+        seq = self.store.next_seq
+        self._append({"op": "push", "permit": permit_id, "seq": seq, "group": packed})
+        self.gate.consume(permit_id)
+        self.store.add(view.group_id, view.sample_ids, view.weight_versions, packed, seq)
+        self.counters.pushed_groups += 1
+        self.counters.pushed_samples += len(view.sample_ids)
 
     def pull_batch(self, batch_size: int, timeout: float = 0.0, lease_id: str | None = None) -> PullResult | None:
         """The batch_size oldest fresh groups under a lease (a known lease_id returns that lease)."""
@@ -418,6 +467,14 @@ class BufferCore:
             if self.log is not None:
                 self.log.rewrite(self.snapshot_records())
             self._changed.notify_all()
+
+
+def _check_distinct(pushes: list) -> None:
+    """One push must not name a group, a sample or a permit twice (each would be accepted twice)."""
+    sample_ids = [sid for view, _, _ in pushes for sid in view.sample_ids]
+    if (len({view.group_id for view, _, _ in pushes}) < len(pushes) or len(set(sample_ids)) < len(sample_ids)
+            or len({permit_id for _, permit_id, _ in pushes}) < len(pushes)):
+        raise RequestError("one push names the same group, sample or permit twice", "duplicate_in_push")
 
 
 def _lease_record(lease: Lease) -> dict:

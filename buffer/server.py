@@ -2,9 +2,11 @@
 
 Requests are `[header, *payload]` (`buffer.codec`), header = {"v", "id", "op", "args"}; the reply
 echoes "id" with {"ok": true, "result": ...} or {"ok": false, "error": {"reason", "message"}}.
-Operations: acquire_permit, release_permit, push_group, pull_batch, ack, nack, set_version,
-recover, stats, health. acquire_permit and pull_batch long-poll: a request that cannot be served
-yet is parked until it can or until its timeout, while the loop keeps serving others.
+Operations: acquire_permits, release_permit, push_groups, pull_batch, ack, nack, set_version,
+recover, stats, health. acquire_permits and pull_batch long-poll: a request that cannot be served
+yet is parked until it can or until its timeout, while the loop keeps serving others. A worker
+takes the permits of one engine batch in one request and pushes their groups in one request
+(one packed group per payload frame): round trips, not bytes, are what a request costs.
 
 Every bad message (garbage, truncated, oversized, wrongly typed, invalid sample) gets an error
 reply and is counted by reason in `stats()["bad_messages"]` (refused but well-formed requests in
@@ -37,6 +39,7 @@ log = logging.getLogger(__name__)
 _MAX_LOOP_WAIT_S = 0.05  # the loop re-checks deadlines at least this often
 _BATCH = 256  # messages handled before parked requests get another look
 _MAX_PARKED = 4096  # long polls waiting at once; more are refused (a flood must not eat memory)
+_MAX_IDS = 1024  # permits asked for, or groups pushed, in one request
 _REQUIRED = object()
 
 
@@ -56,15 +59,17 @@ def _number(value) -> bool:
 _ARG_TYPES = {
     "worker_id": (lambda v: isinstance(v, str), "a string"),
     "permit_id": (lambda v: isinstance(v, str) and 0 < len(v) <= 256, "a string id"),
+    "permit_ids": (lambda v: isinstance(v, list) and 0 < len(v) <= _MAX_IDS
+                   and all(isinstance(i, str) and 0 < len(i) <= 256 for i in v), f"a list of 1 to {_MAX_IDS} string ids"),
     "lease_id": (lambda v: isinstance(v, str) and 0 < len(v) <= 256, "a string id"),
     "timeout": (lambda v: _number(v) and 0 <= v <= 86400, "seconds in [0, 86400]"),
     "batch_size": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an int"),
     "version": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "an int >= 0"),
 }
 _OP_ARGS = {
-    "acquire_permit": {"worker_id": _REQUIRED, "timeout": 0.0, "permit_id": None},
+    "acquire_permits": {"worker_id": _REQUIRED, "timeout": 0.0, "permit_ids": _REQUIRED},
     "release_permit": {"permit_id": _REQUIRED},
-    "push_group": {"permit_id": _REQUIRED},
+    "push_groups": {"permit_ids": _REQUIRED},
     "pull_batch": {"batch_size": _REQUIRED, "timeout": 0.0, "lease_id": None},
     "ack": {"lease_id": _REQUIRED},
     "nack": {"lease_id": _REQUIRED},
@@ -116,7 +121,7 @@ class BufferServer:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._handlers = {
-            "acquire_permit": self._acquire, "release_permit": self._release, "push_group": self._push,
+            "acquire_permits": self._acquire, "release_permit": self._release, "push_groups": self._push,
             "pull_batch": self._pull, "ack": self._ack, "nack": self._nack, "set_version": self._set_version,
             "recover": self._recover, "stats": self._stats, "health": self._health,
         }
@@ -181,7 +186,7 @@ class BufferServer:
             if not isinstance(op, str) or op not in self._handlers:
                 raise ProtocolError(f"unknown op {op!r:.60}", "unknown_op")
             args = parse_args(op, header["args"])
-            if op != "push_group" and len(frames) > 2:
+            if op != "push_groups" and len(frames) > 2:
                 raise ProtocolError(f"{op} takes no payload frames, got {len(frames) - 2}", "bad_frame_count")
             reply = self._handlers[op](identity, request_id, args, frames[2:])
             if reply is not None:
@@ -196,7 +201,7 @@ class BufferServer:
 
     def _send(self, identity: bytes, message: list) -> bool:
         try:
-            self.socket.send_multipart([identity, *message], flags=zmq.NOBLOCK, copy=False)
+            self.socket.send_multipart([identity, *message], flags=zmq.NOBLOCK)
             return True
         except zmq.ZMQError:  # the client is gone (EHOSTUNREACH) or not reading (EAGAIN)
             return False
@@ -207,8 +212,9 @@ class BufferServer:
         message = encode_message({"id": request_id, "ok": True, "result": result}, payload)
         if self._send(identity, message) or result is None:
             return
-        if op == "acquire_permit":
-            self.core.release_permit(result["permit_id"])
+        if op == "acquire_permits":
+            for permit in result:
+                self.core.release_permit(permit["permit_id"])
         elif op == "pull_batch":
             self.core.nack(result["lease_id"])
 
@@ -225,21 +231,22 @@ class BufferServer:
         queue.append(_Parked(identity, request_id, args, now, now + args["timeout"]))
 
     def _acquire(self, identity, request_id, args, _payload):
-        permit = self.core.try_acquire(args["worker_id"], args["permit_id"])
-        if permit is None and args["timeout"] > 0:
+        permits = self.core.try_acquire_many(args["worker_id"], args["permit_ids"])
+        if not permits and args["timeout"] > 0:
             self._park(self._acquires, identity, request_id, args)
             self.core.start_gate_wait()
             return None
-        self.core.finish_gate_wait(permit is not None)
-        return (None if permit is None else permit.to_dict()),
+        self.core.finish_gate_wait(bool(permits))
+        return [p.to_dict() for p in permits],
 
     def _release(self, identity, request_id, args, _payload):
         return self.core.release_permit(args["permit_id"]),
 
     def _push(self, identity, request_id, args, payload):
-        if len(payload) != 1:
-            raise ProtocolError(f"push_group takes one packed group frame, got {len(payload)} frames", "bad_frame_count")
-        return self.core.push_group(payload[0], args["permit_id"]),
+        if len(payload) != len(args["permit_ids"]):
+            raise ProtocolError(f"push_groups takes one packed group frame per permit id ({len(args['permit_ids'])}), "
+                                f"got {len(payload)} frames", "bad_frame_count")
+        return self.core.push_groups(payload, args["permit_ids"]),
 
     def _pull(self, identity, request_id, args, _payload):
         result = self.core.pull_batch(args["batch_size"], 0.0, args["lease_id"])
@@ -282,13 +289,13 @@ class BufferServer:
         still, gate_open = [], True
         for p in self._acquires:
             # capacity is shared: after one refusal the others only need their deadlines checked
-            permit = self.core.try_acquire(p.args["worker_id"], p.args["permit_id"]) if gate_open else None
-            gate_open = permit is not None
-            if permit is None and now < p.deadline:
+            permits = self.core.try_acquire_many(p.args["worker_id"], p.args["permit_ids"]) if gate_open else []
+            gate_open = bool(permits)
+            if not permits and now < p.deadline:
                 still.append(p)
                 continue
-            self.core.finish_gate_wait(permit is not None, p.start)
-            self._deliver(p.identity, p.request_id, "acquire_permit", None if permit is None else permit.to_dict())
+            self.core.finish_gate_wait(bool(permits), p.start)
+            self._deliver(p.identity, p.request_id, "acquire_permits", [q.to_dict() for q in permits])
         self._acquires = still
         still = []
         for p in self._pulls:

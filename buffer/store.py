@@ -80,9 +80,10 @@ class GroupStore:
         raise RequestError(f"group {group_id!r} overlaps an accepted group (reused group id or sample ids "
                            "with different content)", "conflicting_push")
 
-    def check_room(self) -> None:
-        if self.groups_held >= self.capacity_groups:
-            raise RequestError(f"buffer full ({self.groups_held} of {self.capacity_groups} groups)", "buffer_full")
+    def check_room(self, groups: int = 1) -> None:
+        if groups and self.groups_held + groups > self.capacity_groups:
+            raise RequestError(f"buffer full ({self.groups_held} of {self.capacity_groups} groups, {groups} more "
+                               "pushed)", "buffer_full")
 
     def add(self, group_id: str, sample_ids: list[str], sample_versions: list[int], packed: bytes,
             seq: int | None = None) -> StoredGroup:

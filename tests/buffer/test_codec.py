@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 from buffer_helpers import make_group
 
-from buffer.codec import PROTOCOL_VERSION, decode_group, encode_group, pack_frames, unpack_frames
+from buffer.codec import (GROUP_FRAMES, PROTOCOL_VERSION, check_group, decode_group, encode_group, pack_frames,
+                          unpack_frames, validate_group)
 from buffer.config import SampleLimits
 from buffer.errors import ProtocolError, SampleError
 from buffer.sample import Group, Sample
@@ -35,15 +36,39 @@ def test_round_trip_keeps_every_field():
     assert out.samples[0].token_rewards is None
 
 
-def test_arrays_are_not_copied():
-    g = make_group(ticket=0, tokens=1000)
+def test_frames_are_field_major_and_decoding_does_not_copy():
+    g = make_group(ticket=0, n=3, tokens=1000)
     frames = encode_group(g)
-    assert frames[2] is g.samples[0].response_ids  # encode hands out the array's own buffer
+    assert len(frames) == GROUP_FRAMES == 7  # whatever the group size
+    np.testing.assert_array_equal(frames[2], np.concatenate([s.response_ids for s in g.samples]))
     received = wire(g)
     out = decode_group(received)
-    view = out.samples[0].response_ids
-    assert np.shares_memory(view, np.frombuffer(received[2], np.uint8))
-    assert not view.flags.writeable
+    for k, s in enumerate(out.samples):
+        view = s.response_ids
+        assert np.shares_memory(view, np.frombuffer(received[2], np.uint8)) and not view.flags.writeable
+        np.testing.assert_array_equal(view, g.samples[k].response_ids)
+
+
+def test_check_group_validates_without_building_samples():
+    g = make_group(ticket=4, version=2, n=3)
+    view = check_group(wire(g), max_version=2)
+    assert (view.group_id, view.prompt_index) == (g.group_id, 4)
+    assert view.sample_ids == g.sample_ids and view.weight_versions == [2, 2, 2]
+    with pytest.raises(SampleError, match="ahead of the learner"):
+        check_group(wire(g), max_version=1)
+
+
+def test_validate_group_checks_an_in_memory_group():
+    g = make_group(ticket=0, version=1)
+    validate_group(g, max_version=1)
+    g.samples[1].rollout_log_probs = np.array([-1.0, np.nan, -1.0, -1.0], np.float32)
+    with pytest.raises(SampleError) as info:
+        validate_group(g)
+    assert (info.value.field, info.value.sample_id) == ("rollout_log_probs", g.samples[1].sample_id)
+    g = make_group(ticket=0)
+    g.samples[0].group_id = "elsewhere"
+    with pytest.raises(SampleError, match="group_id"):
+        validate_group(g)
 
 
 def test_header_is_msgpack_with_protocol_version():
@@ -89,8 +114,8 @@ def test_length_mismatch_is_caught_on_both_sides():
     with pytest.raises(SampleError, match="loss_mask"):
         decode_group(wire(g))
     frames = wire(make_group(ticket=0))
-    frames[3] = frames[3][:-4]  # one log-prob short
-    with pytest.raises(SampleError, match="rollout_log_probs.*frame has 12 bytes, expected 16"):
+    frames[3] = frames[3][:-4]  # one log-prob short (2 samples of 4 tokens)
+    with pytest.raises(SampleError, match="rollout_log_probs.*frame has 28 bytes, expected 32"):
         decode_group(frames)
 
 
@@ -150,7 +175,7 @@ def test_packed_group_round_trip_is_aligned_and_zero_copy():
     views = unpack_frames(packed)
     assert [bytes(v) for v in views] == frames
     base = np.frombuffer(packed, np.uint8)
-    for v in views[1:]:
+    for v in views[1:-1]:  # the last frame, token_rewards, is empty here
         arr = np.frombuffer(v, np.uint8)
         assert np.shares_memory(arr, base) and arr.ctypes.data % 8 == 0
     assert decode_group(views).group_id == decode_group(frames).group_id

@@ -95,7 +95,7 @@ def test_bad_message_gets_an_error_reply_and_is_counted(raw, server, name):
 def test_bad_groups_in_pushes(raw, server):
     with BufferClient(server.endpoint) as client:
         permit, frames = good_push_frames(client)
-        header = request("push_group", {"permit_id": permit.permit_id})
+        header = request("push_groups", {"permit_ids": [permit.permit_id]})
         assert exchange(raw, [header, *packed(frames[:-1])])["error"]["reason"] == "bad_frame_count"
         assert exchange(raw, [header, *frames])["error"]["reason"] == "bad_frame_count", "unpacked frames"
         assert exchange(raw, [header, packed(frames)[0][:-9]])["error"]["reason"] == "bad_packed_group"
@@ -103,7 +103,7 @@ def test_bad_groups_in_pushes(raw, server):
         group["samples"][0]["weight_version"] = 10**6
         reply = exchange(raw, [header, *packed([msgpack.packb(group), *frames[1:]])])
         assert reply["error"]["reason"] == "bad_sample" and "ahead of the learner" in reply["error"]["message"]
-        truncated = [*frames[:-1], frames[-1][:-1]]
+        truncated = [*frames[:-2], frames[-2][:-1], frames[-1]]  # token_versions one byte short
         assert "expected" in exchange(raw, [header, *packed(truncated)])["error"]["message"]
         assert exchange(raw, [header, *packed(frames)])["ok"], "the same permit still works with a good group"
         assert client.stats()["running"] == 0
@@ -111,9 +111,9 @@ def test_bad_groups_in_pushes(raw, server):
 
 header_values = st.one_of(st.none(), st.booleans(), st.integers(-2**40, 2**40), st.floats(-1, 0.05),
                           st.text(max_size=20), st.binary(max_size=20), st.lists(st.integers(-9, 9), max_size=3))
-ops = st.sampled_from(["acquire_permit", "release_permit", "push_group", "pull_batch", "ack", "nack",
+ops = st.sampled_from(["acquire_permits", "release_permit", "push_groups", "pull_batch", "ack", "nack",
                        "set_version", "stats", "health", "bogus"])
-arg_names = st.sampled_from(["worker_id", "permit_id", "lease_id", "timeout", "batch_size", "version", "zzz"])
+arg_names = st.sampled_from(["worker_id", "permit_id", "permit_ids", "lease_id", "timeout", "batch_size", "version", "zzz"])
 headers = st.fixed_dictionaries({"v": st.sampled_from([PROTOCOL_VERSION, 0, "1"]), "id": header_values, "op": ops,
                                  "args": st.dictionaries(arg_names, header_values, max_size=3)})
 random_messages = st.one_of(

@@ -9,7 +9,7 @@ import pytest
 from buffer_helpers import make_group, wait_until
 
 from buffer.client import BufferClient
-from buffer.codec import encode_group
+from buffer.codec import PROTOCOL_VERSION, encode_group
 from buffer.config import BufferConfig, ClientConfig, GateConfig, StoreConfig
 from buffer.core import BufferCore
 from buffer.errors import RemoteError, RequestError
@@ -218,7 +218,7 @@ def test_batch_for_a_vanished_learner_is_handed_back_at_once():
         ctx = zmq.Context()
         doomed = ctx.socket(zmq.DEALER)
         doomed.connect(server.endpoint)
-        doomed.send(msgpack.packb({"v": 1, "id": "x", "op": "pull_batch", "args": {"batch_size": 1, "timeout": 30}}))
+        doomed.send(msgpack.packb({"v": PROTOCOL_VERSION, "id": "x", "op": "pull_batch", "args": {"batch_size": 1, "timeout": 30}}))
         with BufferClient(server.endpoint) as client:
             assert wait_until(lambda: len(server._pulls) == 1)
             doomed.close(linger=0)

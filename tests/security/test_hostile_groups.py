@@ -124,7 +124,7 @@ def test_the_service_answers_every_mutated_push(service, data):
     header = msgpack.unpackb(frames[0])
     header["prompt_index"] = permit.ticket  # valid apart from the mutation
     frames = mutate(data, [msgpack.packb(header), *frames[1:]])
-    request = msgpack.packb({"v": PROTOCOL_VERSION, "id": "x", "op": "push_group", "args": {"permit_id": permit.permit_id}})
+    request = msgpack.packb({"v": PROTOCOL_VERSION, "id": "x", "op": "push_groups", "args": {"permit_ids": [permit.permit_id]}})
     sock.send_multipart([request, pack_frames(frames)])
     assert sock.poll(10_000), "no reply"
     reply = msgpack.unpackb(sock.recv_multipart()[0])

@@ -1,0 +1,99 @@
+"""Several permits in one request and several groups in one push: what a worker generating an
+engine batch of groups does. A push is all or nothing; retries of either stay idempotent; the
+η bound holds for permits taken in bulk."""
+import threading
+
+import pytest
+from buffer_helpers import make_group, wait_until
+
+from buffer.client import BufferClient
+from buffer.codec import encode_group
+from buffer.config import BufferConfig, GateConfig, StoreConfig
+from buffer.core import BufferCore
+from buffer.errors import RemoteError, RequestError, SampleError
+from buffer.sample import new_id
+from buffer.server import BufferServer
+
+
+def new_core(capacity_groups=16, **gate):
+    gate = {"batch_size": 2, "eta": 1, "max_concurrent": 64, **gate}
+    return BufferCore(BufferConfig(gate=GateConfig(**gate), store=StoreConfig(capacity_groups=capacity_groups)))
+
+
+def test_acquire_permits_takes_what_the_eta_bound_allows():
+    core = new_core()  # (eta + 0 + 1) * B = 4 groups may be admitted at version 0
+    permits = core.acquire_permits("w", [new_id() for _ in range(6)])
+    assert [p.ticket for p in permits] == [0, 1, 2, 3]
+    assert core.acquire_permits("w", [new_id()]) == []
+    again = core.acquire_permits("w", [p.permit_id for p in permits])
+    assert again == permits, "a retried request returns the same permits, no new tickets"
+    assert core.stats()["running"] == 4
+
+
+def test_push_groups_accepts_all_of_them_once():
+    core = new_core()
+    permits = core.acquire_permits("w", [new_id() for _ in range(3)])
+    groups = [make_group(p.ticket) for p in permits]
+    frames = [encode_group(g) for g in groups]
+    results = core.push_groups(frames, [p.permit_id for p in permits])
+    assert results == [{"samples": 2, "duplicate": False}] * 3
+    assert core.push_groups(frames, [p.permit_id for p in permits]) == [{"samples": 2, "duplicate": True}] * 3
+    stats = core.stats()
+    assert (stats["groups_ready"], stats["running"], stats["accepted"], stats["duplicate_pushes"]) == (3, 0, 3, 3)
+
+
+@pytest.mark.parametrize("spoil, error, words", [
+    (lambda groups, ids: setattr(groups[2].samples[0], "reward", float("nan")), SampleError, "group 2 of the push"),
+    (lambda groups, ids: ids.__setitem__(1, "forged"), RequestError, "group 1 of the push: permit .forged. is not held"),
+    (lambda groups, ids: (groups.__setitem__(2, make_group(groups[0].prompt_index)), ids.__setitem__(2, ids[0])),
+     RequestError, "twice"),
+    (lambda groups, ids: (groups.__setitem__(1, groups[0]), ids.__setitem__(1, ids[0])), RequestError, "twice"),
+])
+def test_one_bad_group_refuses_the_whole_push(spoil, error, words):
+    core = new_core()
+    permits = core.acquire_permits("w", [new_id() for _ in range(3)])
+    groups = [make_group(p.ticket) for p in permits]
+    ids = [p.permit_id for p in permits]
+    spoil(groups, ids)
+    with pytest.raises(error, match=words):
+        core.push_groups([encode_group(g) for g in groups], ids)
+    stats = core.stats()
+    assert (stats["groups_ready"], stats["running"], stats["accepted"]) == (0, 3, 0), "nothing was accepted"
+    good = [make_group(p.ticket) for p in permits]
+    assert core.push_groups([encode_group(g) for g in good], [p.permit_id for p in permits])[2]["samples"] == 2
+
+
+def test_a_push_that_does_not_fit_is_refused_whole():
+    core = new_core(capacity_groups=2)
+    permits = core.acquire_permits("w", [new_id() for _ in range(3)])
+    with pytest.raises(RequestError, match="buffer full"):
+        core.push_groups([encode_group(make_group(p.ticket)) for p in permits], [p.permit_id for p in permits])
+    assert core.stats()["groups_ready"] == 0
+
+
+def test_service_round_trip_and_a_parked_bulk_acquire():
+    server = BufferServer(BufferConfig(port=0, gate=GateConfig(batch_size=2, eta=0))).start()
+    try:
+        with BufferClient(server.endpoint) as worker, BufferClient(server.endpoint) as learner:
+            permits = worker.acquire_permits("w", 5)
+            assert [p.ticket for p in permits] == [0, 1], "eta = 0: one batch of 2 groups"
+            got = {}
+            waiting = threading.Thread(target=lambda: got.update(more=worker.acquire_permits("w", 5, timeout=20)))
+            waiting.start()
+            with BufferClient(server.endpoint) as pusher:
+                assert wait_until(lambda: pusher.stats()["enqueued"] == 1)
+                results = pusher.push_groups([make_group(p.ticket) for p in permits], [p.permit_id for p in permits])
+            assert [r["duplicate"] for r in results] == [False, False]
+            batch = learner.pull_batch(2, timeout=5)
+            learner.ack(batch.lease_id)
+            learner.set_version(1)  # the gate opens for the next batch: the parked request gets both
+            waiting.join(10)
+            assert [p.ticket for p in got["more"]] == [2, 3]
+            with pytest.raises(RemoteError) as info:
+                worker.push_groups([make_group(got["more"][0].ticket)], [p.permit_id for p in got["more"]])
+            assert info.value.reason == "bad_frame_count", "one group frame per permit id"
+            with pytest.raises(RemoteError) as info:
+                worker.push_groups([], [])
+            assert info.value.reason == "bad_args"
+    finally:
+        server.stop()
