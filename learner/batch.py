@@ -7,11 +7,15 @@ tokens stay in the context but never in the loss.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
+
+from buffer.codec import validate_group
+from buffer.config import SampleLimits
+from buffer.errors import SampleError
+from buffer.sample import Group
 
 
 class BatchError(ValueError):
@@ -58,71 +62,45 @@ class TrainBatch:
         return [row for row, g in enumerate(self.group_index.tolist()) if g in wanted]
 
 
-def _array(sample, name: str, dtype, length: int | None = None) -> np.ndarray:
-    value = getattr(sample, name, None)
-    if value is None:
-        raise BatchError(f"sample {sample.sample_id!r}: field {name!r} is missing")
-    arr = np.asarray(value)
-    if arr.ndim != 1:
-        raise BatchError(f"sample {sample.sample_id!r}: field {name!r} must be 1-D, got shape {arr.shape}")
-    if length is not None and arr.shape[0] != length:
-        raise BatchError(
-            f"sample {sample.sample_id!r}: field {name!r} has {arr.shape[0]} entries, "
-            f"expected {length} (one per response token)"
-        )
-    return arr.astype(dtype, copy=False)
+# The record contract is the buffer's (one home: buffer.codec); size limits are the transport's
+# business, so the learner checks with none.
+_NO_SIZE_LIMITS = SampleLimits(max_group_size=2**31, max_prompt_tokens=2**31, max_response_tokens=2**31,
+                               max_metadata_items=2**31, max_string_chars=2**31)
 
 
-def _check_sample(sample, learner_version: int | None) -> dict:
-    sid = sample.sample_id
-    prompt = _array(sample, "prompt_ids", np.int64)
-    response = _array(sample, "response_ids", np.int64)
-    T = response.shape[0]
-    if prompt.shape[0] == 0:
-        raise BatchError(f"sample {sid!r}: field 'prompt_ids' is empty (the first response token needs a context)")
-    log_probs = _array(sample, "rollout_log_probs", np.float32, T)
-    if not np.all(np.isfinite(log_probs)):
-        raise BatchError(f"sample {sid!r}: field 'rollout_log_probs' holds NaN or inf")
-    if np.any(log_probs > 1e-4):
-        raise BatchError(f"sample {sid!r}: field 'rollout_log_probs' holds values > 0 (not log-probabilities)")
-    loss_mask = _array(sample, "loss_mask", np.float32, T)
-    if not np.all((loss_mask == 0) | (loss_mask == 1)):
-        raise BatchError(f"sample {sid!r}: field 'loss_mask' must hold only 0 and 1")
-    version = int(sample.weight_version)
-    versions = getattr(sample, "token_versions", None)
-    versions = np.full(T, version, np.int64) if versions is None else _array(sample, "token_versions", np.int64, T)
-    newest = max(version, int(versions.max()) if T else version)
-    if learner_version is not None and newest > learner_version:
-        raise BatchError(
-            f"sample {sid!r}: field 'weight_version' is {newest}, ahead of the learner's version "
-            f"{learner_version} (a version from the future)"
-        )
-    reward = float(sample.reward)
-    if not math.isfinite(reward):
-        raise BatchError(f"sample {sid!r}: field 'reward' is {reward}, not a finite number")
-    return dict(prompt=prompt, response=response, log_probs=log_probs, loss_mask=loss_mask,
-                version=version, versions=versions, reward=reward)
+def _check_group(group, position: int, learner_version: int | None) -> None:
+    if not isinstance(group, Group):
+        raise BatchError(f"item {position} of the batch is a {type(group).__name__}, not a Group")
+    if not group.samples:
+        raise BatchError(f"group {group.group_id!r} has no samples")
+    try:
+        validate_group(group, _NO_SIZE_LIMITS, max_version=learner_version)
+    except SampleError as exc:
+        raise BatchError(f"{exc} (learner version {learner_version})") from None
+    for sample in group.samples:
+        if len(sample.prompt_ids) == 0:
+            raise BatchError(f"sample {sample.sample_id!r}, field 'prompt_ids': empty (the first response token "
+                             "needs a context)")
+
+
+def _row(sample) -> dict:
+    return dict(prompt=sample.prompt_ids.astype(np.int64), response=sample.response_ids.astype(np.int64),
+                log_probs=sample.rollout_log_probs, loss_mask=sample.loss_mask.astype(np.float32),
+                version=int(sample.weight_version), versions=sample.token_versions.astype(np.int64),
+                reward=float(sample.reward))
 
 
 def build_batch(groups, learner_version: int | None = None) -> TrainBatch:
-    """Validate pulled groups and pad them into a TrainBatch. `learner_version` rejects samples
-    tagged with a version the learner has not produced yet."""
+    """Validate pulled groups (`buffer.codec.validate_group`) and pad them into a TrainBatch.
+    `learner_version` rejects samples tagged with a version the learner has not produced yet."""
     groups = list(groups)
     if not groups:
         raise BatchError("cannot build a training batch from zero groups")
     rows, group_index, group_ids, sample_ids = [], [], [], []
     for position, group in enumerate(groups):
-        if not hasattr(group, "samples") or not hasattr(group, "group_id"):
-            raise BatchError(f"item {position} of the batch is a {type(group).__name__}, not a Group")
-        if not group.samples:
-            raise BatchError(f"group {group.group_id!r} has no samples")
+        _check_group(group, position, learner_version)
         for sample in group.samples:
-            if sample.group_id != group.group_id:
-                raise BatchError(
-                    f"sample {sample.sample_id!r}: field 'group_id' is {sample.group_id!r} "
-                    f"but it sits in group {group.group_id!r}"
-                )
-            rows.append(_check_sample(sample, learner_version))
+            rows.append(_row(sample))
             group_index.append(position)
             group_ids.append(str(group.group_id))
             sample_ids.append(str(sample.sample_id))
