@@ -2,9 +2,12 @@
 
 1. Raw pair: producers send groups of 4 KB samples over a ZMQ PUSH/PULL pair, encoded and decoded
    (with validation) by the same codec, no service logic: the transport ceiling.
-2. Service: the same producers go through the real buffer process on loopback (acquire a permit,
-   push the group: two round trips), a learner pulls batches and acks them.
-   Prints samples/s of both, their ratio (goal >= 0.5) and p50/p99 of the push round trip.
+2. Service: the same producers go through the real buffer process on loopback the way a rollout
+   worker does (take the permits of one engine batch in one request, generate, push their groups
+   in one request: two round trips per batch), a learner pulls batches and acks them. Measured
+   with the worker's default of 4 groups per request and with the one-group protocol.
+   Prints samples/s of both, their ratio (goal >= 0.5), CPU per sample by process and p50/p99 of
+   the push round trip.
 3. Memory: resident memory the buffer process gains holding 10,000 such samples, against their
    raw array bytes (goal <= 1.5x).
 
@@ -12,6 +15,7 @@ The machine may be shared: raw and service runs alternate for --rounds rounds an
 are compared, so a burst of outside load does not land on one side only.
 
     python benchmarks/buffer_throughput.py [--samples 24000] [--group-size 8] [--producers 4] [--rounds 3]
+                                           [--groups-per-request 4]
 """
 from __future__ import annotations
 
@@ -50,6 +54,14 @@ def make_group(ticket: int, n: int, rng: np.random.Generator) -> Group:
     return Group(gid, samples, ticket)
 
 
+def fresh_group(template: Group, ticket: int) -> Group:
+    """The template's arrays under fresh ids, as a worker builds each group it pushes (both sides
+    do this: the service would rightly treat a resent id as a duplicate)."""
+    gid = new_id()
+    return Group(gid, [Sample(**{**s.__dict__, "sample_id": new_id(), "group_id": gid}) for s in template.samples],
+                 ticket)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -60,35 +72,36 @@ def free_port() -> int:
 
 def raw_producer(endpoint: str, groups: int, group_size: int, seed: int, start, cpu) -> None:
     rng = np.random.default_rng(seed)
-    payloads = [make_group(i, group_size, rng) for i in range(min(groups, 64))]
+    templates = [make_group(0, group_size, rng) for _ in range(min(groups, 64))]
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PUSH)
     sock.connect(endpoint)
     start.wait()
     cpu0 = time.process_time()
     for i in range(groups):
-        sock.send_multipart(encode_group(payloads[i % len(payloads)]), copy=False)
+        sock.send_multipart(encode_group(fresh_group(templates[i % len(templates)], i)), copy=False)
     sock.close(linger=-1)
     ctx.term()
     cpu.put(time.process_time() - cpu0)
 
 
-def service_producer(endpoint: str, groups: int, group_size: int, seed: int, start, rtts) -> None:
+def service_producer(endpoint: str, groups: int, group_size: int, per_request: int, seed: int, start, rtts) -> None:
+    """A rollout worker's pattern: take up to `per_request` permits in one request (what it
+    generates in one engine batch), push their groups in one request."""
     rng = np.random.default_rng(seed)
     templates = [make_group(0, group_size, rng) for _ in range(min(groups, 64))]
     client = BufferClient(endpoint)
     times = []
     start.wait()
     cpu0 = time.process_time()
-    for i in range(groups):
-        permit = client.acquire_permit(f"producer-{seed}", timeout=30)
-        t = templates[i % len(templates)]
-        gid = new_id()  # fresh ids: the service would (rightly) treat a resend as a duplicate
-        samples = [Sample(**{**s.__dict__, "sample_id": new_id(), "group_id": gid}) for s in t.samples]
-        group = Group(gid, samples, permit.ticket)
+    done = 0
+    while done < groups:
+        permits = client.acquire_permits(f"producer-{seed}", min(per_request, groups - done), timeout=30)
+        batch = [fresh_group(templates[(done + k) % len(templates)], p.ticket) for k, p in enumerate(permits)]
         t0 = time.perf_counter()
-        client.push_group(group, permit.permit_id)
+        client.push_groups(batch, [p.permit_id for p in permits])
         times.append(time.perf_counter() - t0)
+        done += len(permits)
     client.close()
     rtts.put((times, time.process_time() - cpu0))
 
@@ -138,12 +151,12 @@ def start_server(workdir: Path, **config) -> tuple[subprocess.Popen, str]:
     return proc, f"tcp://127.0.0.1:{port}"
 
 
-def run_service(workdir: Path, total_groups: int, group_size: int, producers: int, batch_groups: int):
+def run_service(workdir: Path, total_groups: int, group_size: int, producers: int, batch_groups: int, per_request: int):
     server, endpoint = start_server(workdir, gate={"batch_size": batch_groups, "eta": None, "max_concurrent": 256})
     spawn = mp.get_context("spawn")
     start, rtts = spawn.Event(), spawn.Queue()
     per = total_groups // producers
-    procs = [spawn.Process(target=service_producer, args=(endpoint, per, group_size, i, start, rtts))
+    procs = [spawn.Process(target=service_producer, args=(endpoint, per, group_size, per_request, i, start, rtts))
              for i in range(producers)]
     for p in procs:
         p.start()
@@ -161,16 +174,17 @@ def run_service(workdir: Path, total_groups: int, group_size: int, producers: in
         groups += len(batch.groups)
         samples += len(batch.samples)
     elapsed = time.perf_counter() - t0
-    cpu_s = time.process_time() - cpu0 + server_cpu(server_proc) - server_cpu0
+    cpu = {"learner": time.process_time() - cpu0, "server": server_cpu(server_proc) - server_cpu0}
     results = [rtts.get() for _ in procs]
     times = np.concatenate([r[0] for r in results])
-    cpu_s += sum(r[1] for r in results)
+    cpu["producers"] = sum(r[1] for r in results)
     for p in procs:
         p.join()
     learner.close()
     server.terminate()
     server.wait()
-    return samples / elapsed, np.percentile(times, 50), np.percentile(times, 99), cpu_s / samples
+    cpu = {part: seconds / samples for part, seconds in cpu.items()}
+    return samples / elapsed, np.percentile(times, 50), np.percentile(times, 99), cpu
 
 
 def run_memory(workdir: Path, samples: int, group_size: int) -> tuple[int, int]:
@@ -184,9 +198,7 @@ def run_memory(workdir: Path, samples: int, group_size: int) -> tuple[int, int]:
     def push_one():
         nonlocal raw_bytes
         permit = client.acquire_permit("mem")
-        gid = new_id()
-        group = Group(gid, [Sample(**{**s.__dict__, "sample_id": new_id(), "group_id": gid}) for s in template.samples],
-                      permit.ticket)
+        group = fresh_group(template, permit.ticket)
         client.push_group(group, permit.permit_id)
         return sum(s.array_nbytes for s in group.samples)
 
@@ -214,36 +226,48 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--producers", type=int, default=4, help="rollout workers pushing at once")
-    parser.add_argument("--batch-groups", type=int, default=8)
+    parser.add_argument("--batch-groups", type=int, default=8, help="groups per learner pull")
+    parser.add_argument("--groups-per-request", type=int, default=4,
+                        help="permits taken and groups pushed per request (the rollout worker's groups_per_batch "
+                             "default); the one-group protocol is measured too")
     parser.add_argument("--memory-samples", type=int, default=10000)
     args = parser.parse_args()
     groups = args.samples // args.group_size
     sample_bytes = PROMPT_TOKENS * 4 + RESPONSE_TOKENS * 13
     print(f"samples of {sample_bytes} bytes, groups of {args.group_size}, {args.producers} producer processes, "
           f"{groups * args.group_size} samples per run, {os.cpu_count()} CPUs, loadavg {os.getloadavg()[0]:.1f}")
-    raws, services, p50s, p99s, raw_cpu, service_cpu = [], [], [], [], [], []
+    patterns = sorted({1, args.groups_per_request})
+    raws, raw_cpu = [], []
+    service = {k: {"rate": [], "p50": [], "p99": [], "cpu": []} for k in patterns}
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
-        for _ in range(args.rounds):
+        for round_ in range(args.rounds):
             rate, cpu = run_raw(groups, args.group_size, args.producers)
             raws.append(rate)
             raw_cpu.append(cpu)
-            service, p50, p99, cpu = run_service(workdir, groups, args.group_size, args.producers, args.batch_groups)
-            services.append(service)
-            service_cpu.append(cpu)
-            p50s.append(p50)
-            p99s.append(p99)
+            for k in patterns:
+                rate, p50, p99, cpu = run_service(workdir, groups, args.group_size, args.producers, args.batch_groups, k)
+                for key, value in (("rate", rate), ("p50", p50), ("p99", p99), ("cpu", cpu)):
+                    service[k][key].append(value)
+            print(f"round {round_ + 1}/{args.rounds}: raw {raws[-1]:.0f} samples/s, service "
+                  + ", ".join(f"{service[k]['rate'][-1]:.0f} ({k} per request)" for k in patterns), flush=True)
         grown, raw_bytes = run_memory(workdir, args.memory_samples, args.group_size)
-    print("per round (raw, service) samples/s: " + ", ".join(f"({r:.0f}, {s:.0f})" for r, s in zip(raws, services)))
-    raw, service = float(np.median(raws)), float(np.median(services))
-    p50, p99 = float(np.median(p50s)), float(np.median(p99s))
-    print(f"raw PUSH/PULL + codec : {raw:10.0f} samples/s (median)  ({raw * sample_bytes / 1e6:.0f} MB/s)")
-    print(f"buffer service        : {service:10.0f} samples/s (median)  ({service * sample_bytes / 1e6:.0f} MB/s)")
-    print(f"ratio service/raw     : {service / raw:10.2f}   (goal >= 0.5)")
-    rc, sc = float(np.median(raw_cpu)) * 1e6, float(np.median(service_cpu)) * 1e6
-    print(f"CPU per sample        : raw {rc:.0f} us, service {sc:.0f} us (all processes; raw/service = {rc / sc:.2f},"
-          " a load-independent view of the same ratio)")
-    print(f"push round trip       : p50 {p50 * 1e3:.2f} ms, p99 {p99 * 1e3:.2f} ms  (group of {args.group_size})")
+    raw, rc = float(np.median(raws)), float(np.median(raw_cpu)) * 1e6
+    print(f"raw PUSH/PULL + codec : {raw:10.0f} samples/s (median)  ({raw * sample_bytes / 1e6:.0f} MB/s), "
+          f"CPU {rc:.0f} us per sample (all processes)")
+    for k in patterns:
+        m = service[k]
+        rate = float(np.median(m["rate"]))
+        cpu = {part: float(np.median([c[part] for c in m["cpu"]])) * 1e6 for part in m["cpu"][0]}
+        total = sum(cpu.values())
+        goal = "   (goal >= 0.5)" if k == args.groups_per_request else ""
+        print(f"buffer service, {k} group(s) per request:")
+        print(f"  samples/s           : {rate:10.0f} (median)  ({rate * sample_bytes / 1e6:.0f} MB/s)")
+        print(f"  ratio service/raw   : {rate / raw:10.2f}{goal}")
+        print(f"  CPU per sample      : {total:.0f} us (raw/service = {rc / total:.2f}, a load-independent view); "
+              + ", ".join(f"{part} {us:.0f} us" for part, us in cpu.items()))
+        print(f"  push round trip     : p50 {np.median(m['p50']) * 1e3:.2f} ms, p99 {np.median(m['p99']) * 1e3:.2f} ms"
+              f"  ({k} group(s) of {args.group_size})")
     print(f"memory for {args.memory_samples} samples : {grown / 1e6:.1f} MB resident vs {raw_bytes / 1e6:.1f} MB raw "
           f"arrays = {grown / raw_bytes:.2f}x   (goal <= 1.5x)")
 
