@@ -99,7 +99,9 @@ def main() -> None:
 
         import ray
 
-        ray.init(num_cpus=1, _node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False)
+        from services.local_ray import init_local_ray
+
+        init_local_ray(num_cpus=1, log_to_driver=False)
         try:
             for mode in ("object_store", "folder"):
                 sync = {"mode": mode, "folder": str(Path(tmp) / "weights")} if mode == "folder" else {"mode": mode}
