@@ -6,8 +6,9 @@ Two arenas, one after the other, each with real processes:
            SIGKILL the service (it restarts from its log) and connection loss (a proxy holds the
            learner's replies past its timeout and drops them with the connection).
   run      `etarl train` on the tiny model (local Ray, buffer actor, vLLM-CPU worker, learner);
-           faults: SIGKILL the rollout worker (Ray restarts it) and SIGKILL the learner mid-call
-           (the run stops; `etarl train --resume` continues from the last checkpoint).
+           faults: SIGKILL the rollout worker (Ray restarts it), SIGKILL the buffer actor (Ray
+           restarts it from its log in the run folder) and SIGKILL the learner mid-call (the run
+           stops; `etarl train --resume` continues from the last checkpoint).
 Each arena ends with the exactly-once audit (`services.audit`) over what the learner consumed and
 the buffer's records. The table: faults injected and recovered by kind; samples consumed, lost
 (must be 0), duplicated (must be 0); worst staleness against η; learner steps completed.
@@ -154,21 +155,21 @@ def run_args(run_dir: Path) -> list[str]:
             "eval.enabled=false", "run.progress=false", f"buffer.gate.eta={RUN_ETA}",
             f"buffer.gate.batch_size={RUN_B}", "buffer.gate.permit_lease_s=5", f"rollout.sampling.n={RUN_N}",
             "rollout.groups_per_batch=2", "ray.num_cpus=2", "ray.worker_num_cpus=0", "ray.learner_num_cpus=0",
-            "ray.worker_max_restarts=1000"]
+            "ray.worker_max_restarts=1000", "buffer.max_restarts=1000", "buffer.client.request_timeout_s=2"]
 
 
 def run_arena(seconds: float, workdir: Path, rng: random.Random, tally: Tally) -> None:
-    """`seconds` of faults once the run is up (starting Ray and vLLM is not counted); worker and
-    learner kills alternate, at random intervals."""
+    """`seconds` of faults once the run is up (starting Ray and vLLM is not counted); worker,
+    buffer and learner kills take turns, at random intervals."""
     run_dir = workdir / "run"
     proc = TrainProcess(run_dir, run_args(run_dir), "run-0")
     runs = [proc]
     proc.wait_for(lambda: len(proc.steps()) >= 3, "the first steps", timeout=900)
     deadline = time.monotonic() + seconds
-    kinds = ["worker SIGKILL", "learner SIGKILL"]
+    kinds = ["worker SIGKILL", "run buffer SIGKILL", "learner SIGKILL"]
     while time.monotonic() < deadline - 20:
         time.sleep(rng.uniform(5.0, 15.0))
-        kind = kinds[(tally.injected["worker SIGKILL"] + tally.injected["learner SIGKILL"]) % 2]
+        kind = kinds[sum(tally.injected[k] for k in kinds) % len(kinds)]
         if kind == "learner SIGKILL" and _checkpoint_step(run_dir) > 0:
             learner = proc.wait_for(lambda: proc.titled("ray::LearnerRank.call"), "the learner mid-call",
                                     timeout=120, interval=0.01)
@@ -178,6 +179,15 @@ def run_arena(seconds: float, workdir: Path, rng: random.Random, tally: Tally) -
             proc = TrainProcess(run_dir, ["--resume", str(run_dir), "run.steps=100000"], f"run-{len(runs)}")
             runs.append(proc)
             tally.fault(kind, _progress(lambda: len(read_steps(run_dir)) > resumed_at + 2, 900))
+        elif kind == "run buffer SIGKILL":
+            actors = proc.titled("ray::CheckpointableBufferActor")
+            if not actors:
+                continue
+            before = proc.steps()
+            restarts = before[-1].get("buffer/restarts", 0) if before else 0
+            actors[0].kill()  # Ray restarts it; it replays RUN_DIR/buffer-actor.log
+            tally.fault(kind, _progress(lambda: len(proc.steps()) > len(before) + 2
+                                        and proc.steps()[-1].get("buffer/restarts", 0) > restarts, 600))
         else:
             workers = proc.titled("ray::RolloutWorker")
             if not workers:
@@ -216,9 +226,9 @@ def _checkpoint_step(run_dir: Path) -> int:
 
 def print_table(tally: Tally, seconds: float) -> bool:
     print(f"\nsoak: {seconds / 60:.1f} minutes")
-    print(f"{'fault':<18}{'injected':>10}{'recovered':>11}")
-    for kind in ("buffer SIGKILL", "connection loss", "worker SIGKILL", "learner SIGKILL"):
-        print(f"{kind:<18}{tally.injected[kind]:>10}{tally.recovered[kind]:>11}")
+    print(f"{'fault':<20}{'injected':>10}{'recovered':>11}")
+    for kind in ("buffer SIGKILL", "connection loss", "worker SIGKILL", "run buffer SIGKILL", "learner SIGKILL"):
+        print(f"{kind:<20}{tally.injected[kind]:>10}{tally.recovered[kind]:>11}")
     print(f"\n{'arena':<9}{'steps':>7}{'samples consumed':>18}{'in buffer':>11}{'dropped stale':>15}"
           f"{'lost':>6}{'duplicated':>12}{'worst staleness':>17}")
     ok = tally.injected == tally.recovered

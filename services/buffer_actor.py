@@ -5,10 +5,21 @@ is a threaded actor, so blocking calls (long-polled acquire and pull) wait witho
 others. Groups cross the actor boundary as the same packed groups the ZMQ service uses, so both
 transports validate and store identically. `RayBufferClient` has the methods of
 `buffer.client.BufferClient`.
+
+Surviving a SIGKILL: started with `max_restarts` > 0 and a durable log (`log.path`), Ray restarts
+the actor's process and runs its constructor again, which replays the log (permits, groups,
+leases, acked lease ids, the ids of every accepted sample). Clients resend a call that failed
+because the actor was restarting with the same ids, so a retry is recognised (same permit, same
+lease, duplicate push, repeated ack): nothing accepted is lost or delivered twice. A `starts_file`
+counts the actor's starts across restarts (Ray tells a restarted actor only that it is one).
 """
 from __future__ import annotations
 
+import logging
+import os
 import threading
+import time
+from pathlib import Path
 
 import ray
 
@@ -16,16 +27,45 @@ from buffer.admission import Permit
 from buffer.codec import decode_group, encode_group, pack_frames, unpack_frames
 from buffer.config import BufferConfig
 from buffer.core import BufferCore, PullResult
-from buffer.errors import BufferError, RemoteError
+from buffer.errors import BufferError, BufferUnavailable, RemoteError
 from buffer.sample import Group, PulledBatch, new_id
+
+log = logging.getLogger(__name__)
 
 _MAX_CONCURRENCY = 64
 _TICK_S = 0.2
+# A call that meets a dead actor is retried this long. Ray reports an actor that it is restarting
+# as unavailable (ActorUnavailableError, retried until the client's time runs out) and one it will
+# not restart as dead; the grace is only a margin against a death reported early.
+_DEATH_GRACE_S = 1.0
+
+
+def count_start(starts_file: str | os.PathLike | None) -> int:
+    """Record one start of this actor; the number of restarts so far. A fresh actor (not a Ray
+    restart) starts the file again."""
+    restarted = ray.get_runtime_context().was_current_actor_reconstructed
+    if starts_file is None:
+        return int(restarted)  # at least one, if this is a restart
+    path = Path(starts_file)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    line = f"{time.time():.3f} pid={os.getpid()}\n".encode()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | (0 if restarted else os.O_TRUNC), 0o600)
+    try:
+        os.write(fd, line)  # one write on an O_APPEND file: a line per start, never torn by a kill
+    finally:
+        os.close(fd)
+    return max(int(restarted), len(path.read_bytes().splitlines()) - 1)
 
 
 class BufferActor:
-    def __init__(self, config: dict | BufferConfig):
-        self.core = BufferCore(BufferConfig.model_validate(config))
+    def __init__(self, config: dict | BufferConfig, starts_file: str | None = None):
+        self.restarts = count_start(starts_file)
+        self.core = BufferCore(BufferConfig.model_validate(config))  # replays the durable log, if any
+        if self.restarts:
+            stats = self.core.stats()
+            log.warning("buffer actor restarted (restart %d, pid %d): replayed %s: %d groups held, %d permits, "
+                        "version %d", self.restarts, os.getpid(), self.core.config.log.path,
+                        stats["groups_ready"] + stats["groups_leased"], stats["running"], stats["version"])
         self._stop = threading.Event()
         threading.Thread(target=self._housekeeping, name="buffer-housekeeping", daemon=True).start()
 
@@ -36,11 +76,17 @@ class BufferActor:
     def acquire_permit(self, worker_id: str, timeout: float = 0.0, permit_id: str | None = None) -> Permit | None:
         return self.core.acquire_permit(worker_id, timeout, permit_id)
 
+    def acquire_permits(self, worker_id: str, permit_ids: list[str], timeout: float = 0.0) -> list[Permit]:
+        return self.core.acquire_permits(worker_id, permit_ids, timeout)
+
     def release_permit(self, permit_id: str) -> bool:
         return self.core.release_permit(permit_id)
 
     def push_group(self, packed: bytes, permit_id: str) -> dict:
         return self.core.push_group(packed, permit_id)
+
+    def push_groups(self, packed: list[bytes], permit_ids: list[str]) -> list[dict]:
+        return self.core.push_groups(packed, permit_ids)
 
     def pull_batch(self, batch_size: int, timeout: float = 0.0, lease_id: str | None = None) -> PullResult | None:
         return self.core.pull_batch(batch_size, timeout, lease_id)
@@ -58,75 +104,131 @@ class BufferActor:
         self.core.recover(version)
 
     def stats(self) -> dict:
-        return self.core.stats()
+        return {**self.core.stats(), "restarts": self.restarts}
 
     def health(self) -> dict:
-        return self.core.health()
+        return {**self.core.health(), "restarts": self.restarts, "pid": os.getpid()}
 
     def shutdown(self) -> None:
         self._stop.set()
         self.core.close()
 
 
-def create_buffer_actor(config: BufferConfig, name: str | None = None, **options):
-    """Start the buffer actor (threaded, so long polls do not block other calls); returns its handle."""
-    actor_cls = ray.remote(num_cpus=0, max_concurrency=_MAX_CONCURRENCY)(BufferActor)
+def create_buffer_actor(config: BufferConfig, name: str | None = None, max_restarts: int = 0,
+                        starts_file: str | os.PathLike | None = None, actor_class=BufferActor, **options):
+    """Start the buffer actor (threaded, so long polls do not block other calls); returns its handle.
+    `max_restarts` > 0 needs a durable log (`config.log.path`): a restart without one would come
+    back empty, losing every group the buffer had accepted."""
+    if max_restarts and config.log.path is None:
+        raise ValueError("a buffer actor that Ray restarts needs a durable log (log.path) to replay; "
+                         "without one a restart would lose the groups it held")
+    actor_cls = ray.remote(num_cpus=0, max_concurrency=_MAX_CONCURRENCY)(actor_class)
     if name is not None:
         options.setdefault("name", name)
-    return actor_cls.options(**options).remote(config.model_dump(mode="json"))
+    # Calls are not retried by Ray (max_task_retries=0): RayBufferClient resends them with the same
+    # ids, so it decides what a retry means and reports a dead buffer clearly.
+    options.update(max_restarts=max_restarts, max_task_retries=0)
+    return actor_cls.options(**options).remote(config.model_dump(mode="json"),
+                                                None if starts_file is None else str(starts_file))
 
 
 class RayBufferClient:
-    """`BufferClient`'s methods over a `BufferActor` handle. Retries are not needed (Ray delivers
-    the call or raises); `request_timeout_s` bounds each call beyond its long-poll timeout."""
+    """`BufferClient`'s methods over a `BufferActor` handle. Each call waits up to
+    `request_timeout_s` beyond its long-poll timeout. A call that fails because the actor is
+    restarting (or gets no answer in time) is resent with the same arguments, ids included, until
+    (retries + 1) request timeouts have passed; then, or when the actor is dead for good, it
+    raises BufferUnavailable, as BufferClient does."""
 
     def __init__(self, actor, config: BufferConfig | None = None):
         self.actor = actor
         self.config = config or BufferConfig()
+        self.reconnects = 0  # calls resent (BufferClient's name for it)
 
-    def _get(self, ref, wait: float = 0.0):
+    def _call(self, method: str, *args, wait: float = 0.0):
         """The call's result; a buffer error inside the actor is raised as RemoteError with its
         reason, as BufferClient does."""
-        try:
-            return ray.get(ref, timeout=self.config.client.request_timeout_s + max(0.0, wait))
-        except ray.exceptions.RayTaskError as exc:
-            if isinstance(exc.cause, BufferError):
-                raise RemoteError(f"buffer error ({exc.cause.reason}): {exc.cause}", exc.cause.reason) from None
-            raise
+        settings = self.config.client
+        timeout = settings.request_timeout_s + max(0.0, wait)
+        started = time.monotonic()
+        deadline = started + (settings.retries + 1) * timeout
+        attempt = 0
+        while True:
+            if attempt:
+                self.reconnects += 1
+                time.sleep(min(settings.retry_backoff_s * attempt, 1.0))
+            attempt += 1
+            try:
+                return ray.get(getattr(self.actor, method).remote(*args), timeout=timeout)
+            except ray.exceptions.RayTaskError as exc:
+                if isinstance(exc.cause, BufferError):
+                    raise RemoteError(f"buffer error ({exc.cause.reason}): {exc.cause}", exc.cause.reason) from None
+                raise
+            except ray.exceptions.ActorUnavailableError as exc:  # restarting: Ray runs its constructor again
+                error = exc
+            except ray.exceptions.GetTimeoutError as exc:
+                error = exc
+            except ray.exceptions.RayActorError as exc:  # dead: restarts used up, or its constructor failed
+                error = exc
+                if time.monotonic() - started > _DEATH_GRACE_S or getattr(exc, "actor_init_failed", False):
+                    raise BufferUnavailable(f"the buffer actor is dead and Ray will not restart it ({method!r} "
+                                            f"failed): {_first_line(exc)}") from exc
+            if time.monotonic() > deadline:
+                raise BufferUnavailable(f"the buffer actor did not answer {method!r} within "
+                                        f"{time.monotonic() - started:.1f}s ({attempt} attempts): "
+                                        f"{_first_line(error)}") from error
 
     def acquire_permit(self, worker_id: str, timeout: float = 0.0) -> Permit | None:
-        return self._get(self.actor.acquire_permit.remote(worker_id, float(timeout), new_id()), timeout)
+        return self._call("acquire_permit", worker_id, float(timeout), new_id(), wait=timeout)
+
+    def acquire_permits(self, worker_id: str, count: int, timeout: float = 0.0) -> list[Permit]:
+        """Up to `count` permits in one call (ids chosen here: a resent call returns the same ones)."""
+        return self._call("acquire_permits", worker_id, [new_id() for _ in range(count)], float(timeout),
+                          wait=timeout)
 
     def release_permit(self, permit_id: str) -> bool:
-        return self._get(self.actor.release_permit.remote(permit_id))
+        return self._call("release_permit", permit_id)
 
     def push_group(self, group: Group, permit_id: str) -> dict:
-        return self._get(self.actor.push_group.remote(pack_frames(encode_group(group)), permit_id))
+        return self._call("push_group", pack_frames(encode_group(group)), permit_id)
+
+    def push_groups(self, groups: list[Group], permit_ids: list[str]) -> list[dict]:
+        """Several groups, each under its permit, all or nothing; a resent push is a duplicate."""
+        return self._call("push_groups", [pack_frames(encode_group(g)) for g in groups], list(permit_ids))
 
     def pull_batch(self, batch_size: int, timeout: float = 0.0) -> PulledBatch | None:
-        result = self._get(self.actor.pull_batch.remote(int(batch_size), float(timeout), new_id()), timeout)
+        result = self._call("pull_batch", int(batch_size), float(timeout), new_id(), wait=timeout)
         if result is None:
             return None
         groups = [decode_group(unpack_frames(packed), self.config.limits) for packed in result.groups]
         return PulledBatch(result.lease_id, groups, result.dropped_stale, result.version)
 
     def ack(self, lease_id: str) -> int:
-        return self._get(self.actor.ack.remote(lease_id))
+        return self._call("ack", lease_id)
 
     def nack(self, lease_id: str) -> int:
-        return self._get(self.actor.nack.remote(lease_id))
+        return self._call("nack", lease_id)
 
     def set_version(self, version: int) -> None:
-        self._get(self.actor.set_version.remote(int(version)))
+        self._call("set_version", int(version))
 
     def recover(self, version: int) -> None:
-        self._get(self.actor.recover.remote(int(version)))
+        self._call("recover", int(version))
 
     def stats(self) -> dict:
-        return self._get(self.actor.stats.remote())
+        return self._call("stats")
 
     def health(self) -> dict:
-        return self._get(self.actor.health.remote())
+        return self._call("health")
+
+    def call(self, method: str, *args, wait: float = 0.0):
+        """Any other method of the actor (a checkpoint's snapshot and restore), with the same
+        retries; `wait`: how much longer than a request it may take."""
+        return self._call(method, *args, wait=wait)
 
     def close(self) -> None:
         """Nothing to close on the client side (the actor lives on); mirrors BufferClient."""
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"

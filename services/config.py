@@ -157,6 +157,27 @@ TINY_MODEL = "tiny"
 MODES = {"synchronous": 0, "one_step_off": 1}
 
 
+class RunBufferConfig(BufferConfig):
+    """The run's `buffer:` section: the buffer's own settings (`buffer.config.BufferConfig`) plus
+    how the run keeps it alive. `service_config()` is the part the buffer itself takes."""
+
+    max_restarts: int = Field(3, ge=0, description="restarts of a buffer that died (the ZMQ service child, "
+                              "or the Ray actor) before the run stops; each restart replays the buffer's "
+                              "durable log, so nothing accepted is lost (zmq needs buffer.log.path)")
+
+    @model_validator(mode="after")
+    def _ray_log_lives_in_the_run(self):
+        if self.transport == "ray" and self.log.path is not None:
+            raise ValueError("buffer.log.path is the ZMQ service's log; with buffer.transport=ray the run keeps "
+                             "the buffer actor's log in RUN_DIR/buffer-actor.log (drop buffer.log.path, or use "
+                             "buffer.transport=zmq)")
+        return self
+
+    def service_config(self) -> BufferConfig:
+        """The settings the buffer service or actor takes (the run-only keys left out)."""
+        return BufferConfig.model_validate(self.model_dump(exclude={"max_restarts"}))
+
+
 class EtarlConfig(BaseModel):
     """The whole run. `run.model` is the one home of the model path (the learner and the workers
     get it from here); `buffer.gate.eta` the one home of η; `mode` is a named η."""
@@ -167,7 +188,7 @@ class EtarlConfig(BaseModel):
         "async", description="synchronous: eta=0; one_step_off: eta=1; async: eta from buffer.gate.eta (>= 1 or null)")
     run: RunConfig = Field(default_factory=RunConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
-    buffer: BufferConfig = Field(default_factory=lambda: BufferConfig(transport="ray"))
+    buffer: RunBufferConfig = Field(default_factory=lambda: RunBufferConfig(transport="ray"))
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     learner: LearnerConfig
     eval: EvalConfig = Field(default_factory=EvalConfig)

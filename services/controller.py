@@ -29,6 +29,7 @@ from pathlib import Path
 import msgpack
 import yaml
 
+from buffer.errors import BufferUnavailable
 from services import checkpoint as ckpt
 from services.config import TINY_MODEL, ConfigError, EtarlConfig, build_config, read_yaml
 from services.plots import MetricLog, plot_run
@@ -63,38 +64,110 @@ def _buffer_actor_class():
     return CheckpointableBufferActor
 
 
+RAY_BUFFER_LOG = "buffer-actor.log"  # the Ray buffer actor's durable log, in the run folder
+RAY_BUFFER_STARTS = "buffer-actor.starts"  # one line per start of the actor (its restart count)
+_SUPERVISE_EVERY_S = 0.2
+_BUFFER_START_TIMEOUT_S = 120.0
+_BUFFER_STATE_CALL_S = 600.0  # a checkpoint's snapshot or restore of a full buffer may take a while
+
+
+class BufferLost(RuntimeError):
+    """The run's buffer died and could not be brought back without losing data; the message says
+    why and what to change."""
+
+
 class BufferHandle:
     """The buffer as this run uses it: a client (Ray actor or ZMQ), and for the Ray transport
-    the actor itself (snapshot/restore for checkpoints); for ZMQ the service process."""
+    the actor itself (snapshot/restore for checkpoints); for ZMQ the supervised service process.
+
+    Both survive a SIGKILL of the buffer's process, up to `buffer.max_restarts` times: Ray
+    restarts the actor, a `BufferSupervisor` restarts the service child; either replays its
+    durable log and the clients resend what was in flight with the same ids."""
 
     def __init__(self, cfg: EtarlConfig, run_dir: Path):
         import ray
 
         self.transport = cfg.buffer.transport
+        self.max_restarts = cfg.buffer.max_restarts
+        self.run_dir = run_dir
         self.actor = None
-        self.process = None
+        self.supervisor = None
+        self._restarts_logged = 0
+        service_cfg = cfg.buffer.service_config()
         if self.transport == "ray":
-            from services.buffer_actor import RayBufferClient
+            from services.buffer_actor import RayBufferClient, create_buffer_actor
 
-            actor_cls = ray.remote(num_cpus=0, max_concurrency=64)(_buffer_actor_class())
-            self.actor = actor_cls.remote(cfg.buffer.model_dump(mode="json"))
-            self.client = RayBufferClient(self.actor, cfg.buffer)
+            starts_file = None
+            if self.max_restarts:
+                # The log serves this run's restarts only: a new `etarl train` (or a resume, which
+                # rebuilds the buffer from its checkpoint) starts it empty; the last one is kept as .prev.
+                log_path = run_dir / RAY_BUFFER_LOG
+                for leftover in (log_path.with_name(log_path.name + ".compact"),):
+                    leftover.unlink(missing_ok=True)
+                if log_path.exists():
+                    log_path.replace(log_path.with_name(log_path.name + ".prev"))
+                service_cfg = service_cfg.model_copy(
+                    update={"log": service_cfg.log.model_copy(update={"path": log_path})})
+                starts_file = run_dir / RAY_BUFFER_STARTS
+            # Pinned to this node: a restarted actor must find its log in the run folder.
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+            self.actor = create_buffer_actor(service_cfg, max_restarts=self.max_restarts, starts_file=starts_file,
+                                             actor_class=_buffer_actor_class(), scheduling_strategy=here)
+            self.client = RayBufferClient(self.actor, service_cfg)
         else:
-            self.process, self.client = _start_zmq_buffer(cfg, run_dir)
+            self.supervisor = BufferSupervisor(service_cfg, run_dir, self.max_restarts)
+            self.client = ZmqBufferClient(self.supervisor.config)
+            self.supervisor.start()
         self.client.health()
 
-    def snapshot(self) -> dict | None:
-        import ray
+    @property
+    def log_path(self) -> Path | None:
+        if self.supervisor is not None:
+            return self.supervisor.config.log.path
+        return self.run_dir / RAY_BUFFER_LOG if self.max_restarts else None
 
-        return ray.get(self.actor.snapshot.remote()) if self.actor is not None else None
+    def restarts(self) -> int:
+        """Restarts of the buffer so far (logged once each, as they are first seen)."""
+        if self.supervisor is not None:
+            return self.supervisor.restarts  # the supervisor logs its own
+        count = int(self.client.health().get("restarts", 0))
+        if count > self._restarts_logged:
+            log.warning("the buffer actor's process died; Ray restarted it (restart %d of buffer.max_restarts=%d) "
+                        "and it replayed its log %s: nothing accepted is lost", count, self.max_restarts,
+                        self.log_path)
+            self._restarts_logged = count
+        return count
+
+    def check(self) -> None:
+        """Raise BufferLost if the buffer died and cannot come back (the supervisor's verdict)."""
+        if self.supervisor is not None and self.supervisor.failure is not None:
+            raise BufferLost(self.supervisor.failure)
+
+    def lost(self, exc: BaseException) -> BufferLost:
+        """The error that stops the run when the buffer stopped answering (`exc`)."""
+        if self.supervisor is not None:
+            return BufferLost(self.supervisor.failure or (
+                f"the buffer service stopped answering ({exc}) although its process is running "
+                f"(restarts so far: {self.supervisor.restarts}); see {self.supervisor.output}"))
+        if not self.max_restarts:
+            return BufferLost(f"the buffer actor died ({exc}) and buffer.max_restarts=0, so Ray does not restart "
+                              f"it: the run stops. Set buffer.max_restarts > 0 to let it come back from its log "
+                              f"in the run folder, or resume from the last checkpoint: etarl train --resume "
+                              f"{self.run_dir}")
+        return BufferLost(f"the buffer actor stopped answering ({exc}) after {self._restarts_logged} restart(s) "
+                          f"(buffer.max_restarts={self.max_restarts} allows no more): the run stops. Resume from "
+                          f"the last checkpoint: etarl train --resume {self.run_dir}")
+
+    def snapshot(self) -> dict | None:
+        return self.client.call("snapshot", wait=_BUFFER_STATE_CALL_S) if self.actor is not None else None
 
     def restore(self, records: list[dict]) -> dict:
-        import ray
-
         if self.actor is None:
             raise ConfigError("this checkpoint holds the buffer of a buffer.transport=ray run; resume it with "
                               "buffer.transport=ray")
-        return ray.get(self.actor.restore.remote(records))
+        return self.client.call("restore", records, wait=_BUFFER_STATE_CALL_S)
 
     def close(self) -> None:
         import ray
@@ -104,13 +177,9 @@ class BufferHandle:
                 ray.get(self.actor.shutdown.remote(), timeout=10)
             except Exception:  # the actor may be gone with Ray already
                 pass
-            ray.kill(self.actor)
-        if self.process is not None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
+            ray.kill(self.actor)  # no_restart: a deliberate end is not a death to recover from
+        if self.supervisor is not None:
+            self.supervisor.stop()
 
 
 class ZmqBufferClient:
@@ -134,25 +203,108 @@ class ZmqBufferClient:
         return getattr(self._client, name)
 
 
-def _start_zmq_buffer(cfg: EtarlConfig, run_dir: Path):
-    """The standalone buffer service as a child process (`python -m buffer serve`), and a client."""
-    config_file = run_dir / "buffer.yaml"
-    config_file.write_text(yaml.safe_dump({"buffer": cfg.buffer.model_dump(mode="json")}))
-    process = subprocess.Popen([sys.executable, "-m", "buffer", "serve", "--config", str(config_file)],
-                               stdout=open(run_dir / "buffer.out", "ab"), stderr=subprocess.STDOUT)
-    client = ZmqBufferClient(cfg.buffer)
-    deadline = time.monotonic() + 60
-    while True:
-        if process.poll() is not None:
-            raise RuntimeError(f"the buffer service exited with code {process.returncode}; see {run_dir / 'buffer.out'}")
+class BufferSupervisor:
+    """The standalone buffer service (`python -m buffer serve`) as a child process, kept alive.
+
+    A thread polls the child; when it exits (SIGKILL, crash) it is started again on the same
+    config, port and durable log, which it replays; the run's clients resend what was in flight.
+    Each restart is counted and logged. It gives up, setting `failure` (the controller then stops
+    the run), when the service has no durable log (a restart would come back empty, losing the
+    groups it had accepted), or after `max_restarts` restarts."""
+
+    def __init__(self, config, run_dir: Path, max_restarts: int):
+        if config.port == 0:  # a restart must come back where the clients look
+            import socket
+
+            with socket.socket() as s:
+                s.bind((config.host, 0))
+                config = config.model_copy(update={"port": s.getsockname()[1]})
+        self.config = config
+        self.max_restarts = max_restarts
+        self.config_file = run_dir / "buffer.yaml"
+        self.config_file.write_text(yaml.safe_dump({"buffer": config.model_dump(mode="json")}))
+        self.output = run_dir / "buffer.out"
+        self.process: subprocess.Popen | None = None
+        self.restarts = 0
+        self.failure: str | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="buffer-supervisor", daemon=True)
+
+    def start(self) -> None:
+        self.process = self._spawn()
+        if not self._wait_ready(self.process):
+            code = self.process.poll()
+            self.process.kill()
+            raise RuntimeError(f"the buffer service did not start (exit code {code}); see {self.output}")
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=_BUFFER_START_TIMEOUT_S + 10)
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+
+    def _spawn(self) -> subprocess.Popen:
+        # Its own session: a Ctrl-C in the terminal stops the run after its step (which still needs
+        # the buffer), not the buffer; the controller stops it last.
+        with open(self.output, "ab") as out:
+            return subprocess.Popen([sys.executable, "-m", "buffer", "serve", "--config", str(self.config_file)],
+                                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def _wait_ready(self, process: subprocess.Popen) -> bool:
+        """Whether the service answers a health check before it exits or the start-up time runs out."""
+        from buffer.client import BufferClient
+        from buffer.config import ClientConfig
+
+        probe = BufferClient.from_config(self.config)
+        probe.settings = ClientConfig(request_timeout_s=1.0, retries=0)
+        deadline = time.monotonic() + _BUFFER_START_TIMEOUT_S
         try:
-            client.health()
-            return process, client
-        except Exception:
-            if time.monotonic() > deadline:
-                process.kill()
-                raise
-            time.sleep(0.5)
+            while time.monotonic() < deadline and not self._stop.is_set():
+                if process.poll() is not None:
+                    return False
+                try:
+                    probe.health()
+                    return True
+                except Exception:
+                    time.sleep(0.2)
+            return False
+        finally:
+            probe.close()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(_SUPERVISE_EVERY_S):
+            code = self.process.poll()
+            if code is None or self._stop.is_set():
+                continue
+            what = f"the buffer service (pid {self.process.pid}) exited with code {code}"
+            if self.config.log.path is None:
+                self.failure = (f"{what}, and it has no durable log (buffer.log.path is unset): a restart would "
+                                f"lose every group it had accepted, so the run stops. Set buffer.log.path (e.g. "
+                                f"buffer.log.path={self.output.parent / 'buffer.log'}) to let the controller "
+                                f"restart it from its log")
+            elif self.restarts >= self.max_restarts:
+                self.failure = (f"{what} after {self.restarts} restart(s); buffer.max_restarts={self.max_restarts} "
+                                f"allows no more, so the run stops (see {self.output}). Its log "
+                                f"{self.config.log.path} holds everything it accepted; resume with etarl train "
+                                f"--resume {self.output.parent}")
+            if self.failure is not None:
+                log.error("%s", self.failure)
+                return
+            self.restarts += 1
+            log.warning("%s; restarting it on %s from its log %s (restart %d of buffer.max_restarts=%d)", what,
+                        self.config.endpoint, self.config.log.path, self.restarts, self.max_restarts)
+            self.process = self._spawn()
+            if self._wait_ready(self.process):
+                log.warning("the buffer service is back (pid %d) after replaying its log", self.process.pid)
+            elif self.process.poll() is None and not self._stop.is_set():
+                self.process.kill()  # never answered: counts as another death on the next poll
+                self.process.wait()
 
 
 # ------------------------------------------------------------------ the run
@@ -355,27 +507,16 @@ class Controller:
         try:
             if self.resume_from is None and cfg.eval.enabled:
                 self._evaluate(metric_log, progress)
-            while self.step < cfg.run.steps and not self.stop_requested.is_set():
-                record = self._train_step()
-                if record is None:  # stop requested while waiting for data
-                    break
-                if self._eval_due():
-                    record.update(self._evaluate(None, progress))
-                staleness = record.pop("_staleness")
-                metric_log.write(record)
-                if self.exporter is not None:
-                    self.exporter.record_step(record, version=self.version)  # staleness: from the buffer's stats
-                    self.exporter.record_buffer_stats(self.buffer.client.stats())
-                    for stats in self.worker_stats(timeout=5.0):
-                        self.exporter.record_worker_stats(stats["worker_id"], stats)
-                progress.update(1)
-                progress.set_postfix_str(_postfix(record, self.evals), refresh=False)
-                if cfg.run.checkpoint_every and self.step % cfg.run.checkpoint_every == 0 and self.step < cfg.run.steps:
-                    self.save_checkpoint()
+            self._train_loop(metric_log, progress)
             completed = self.step >= cfg.run.steps
             if completed and cfg.eval.enabled and not self.evals_at(self.step):
                 metric_log.write({"step": self.step, "version": self.version, **self._evaluate(None, progress)})
             self.save_checkpoint()
+        except BufferUnavailable as exc:  # a client gave up: say why the buffer is gone and what to do
+            lost = self.buffer.lost(exc)
+            if self.buffer.supervisor is None:  # the supervisor logged its own verdict
+                log.error("%s", lost)
+            raise lost from exc
         finally:
             progress.close()
             metric_log.close()
@@ -386,6 +527,26 @@ class Controller:
         return RunResult(self.run_dir, self.step, self.version, completed, self.stop_requested.is_set(),
                          self.evals, time.perf_counter() - started)
 
+    def _train_loop(self, metric_log: MetricLog, progress) -> None:
+        cfg = self.cfg
+        while self.step < cfg.run.steps and not self.stop_requested.is_set():
+            record = self._train_step()
+            if record is None:  # stop requested while waiting for data
+                break
+            if self._eval_due():
+                record.update(self._evaluate(None, progress))
+            staleness = record.pop("_staleness")
+            metric_log.write(record)
+            if self.exporter is not None:
+                self.exporter.record_step(record, version=self.version)  # staleness: from the buffer's stats
+                self.exporter.record_buffer_stats(self.buffer.client.stats())
+                for stats in self.worker_stats(timeout=5.0):
+                    self.exporter.record_worker_stats(stats["worker_id"], stats)
+            progress.update(1)
+            progress.set_postfix_str(_postfix(record, self.evals), refresh=False)
+            if cfg.run.checkpoint_every and self.step % cfg.run.checkpoint_every == 0 and self.step < cfg.run.steps:
+                self.save_checkpoint()
+
     def _train_step(self) -> dict | None:
         cfg, client = self.cfg, self.buffer.client
         t0 = time.perf_counter()
@@ -393,6 +554,7 @@ class Controller:
         while batch is None:
             if self.stop_requested.is_set():
                 return None
+            self.buffer.check()
             self._check_workers()
             batch = client.pull_batch(cfg.batch_size, timeout=1.0)
         t_data = time.perf_counter()
@@ -416,7 +578,7 @@ class Controller:
             "step": self.step, "version": self.version, "time": time.time(),
             **{k: v for k, v in metrics.items() if isinstance(v, (int, float))},
             "staleness/max": max(staleness), "staleness/mean": sum(staleness) / len(staleness),
-            "buffer/dropped_stale_groups": batch.dropped_stale,
+            "buffer/dropped_stale_groups": batch.dropped_stale, "buffer/restarts": self.buffer.restarts(),
             "timing_s/wait_data": t_data - t0, "timing_s/train": t_train - t_data,
             "timing_s/weight_sync": sync_s, "timing_s/step_total": t_end - t0,
             "throughput/samples_per_s": samples / (t_end - t0), "throughput/tokens_per_s": tokens / (t_end - t0),
@@ -457,6 +619,11 @@ class Controller:
                 self.worker_resubmitted_at[index] = now
                 self.worker_refs[index] = self.workers[index].run.remote()
                 continue
+            except Exception as exc:
+                cause = getattr(exc, "cause", exc)  # a RayTaskError carries the worker's exception
+                if isinstance(cause, BufferUnavailable):  # the run stops on the buffer's account
+                    raise BufferUnavailable(f"rollout worker-{index}: {cause}") from exc
+                raise
             if not self.stop_requested.is_set():
                 raise RuntimeError(f"rollout worker-{index} stopped on its own")
 

@@ -1,0 +1,263 @@
+"""A training run survives a SIGKILL of its buffer, with either transport.
+
+- `buffer.transport: zmq`: the controller's supervisor sees its `python -m buffer serve` child
+  die, starts it again on the same config, port and durable log (replayed), counts the restart;
+  without a durable log, or past `buffer.max_restarts`, the run stops with a message naming why
+  and the fix.
+- `buffer.transport: ray`: Ray restarts the buffer actor's process (`max_restarts`), which
+  replays its log in the run folder; clients resend what was in flight with the same ids; past
+  `buffer.max_restarts` the run stops loudly.
+
+Run-level tests start a real `etarl train` (local Ray, an HF rollout worker: it starts faster
+than vLLM, and the buffer is what is under test) and audit the run's consumption record against
+the buffer's own log: nothing lost, nothing consumed twice, nothing staler than η.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+
+import pytest
+
+from fault_helpers import make_group, wait_until
+
+from buffer.config import BufferConfig, ClientConfig, GateConfig, LogConfig
+from buffer.errors import BufferUnavailable
+from services.audit import audit, read_buffer_log, read_run_log
+from services.chaos import TrainProcess
+from services.config import ConfigError, load_config
+
+ETA, B, STEPS = 2, 2, 16
+
+
+def run_args(run_dir, model, *extra: str) -> list[str]:
+    return [f"run.model={model}", f"run.run_dir={run_dir}", f"run.steps={STEPS}", "run.checkpoint_every=0",
+            "run.eval_every=0", "eval.enabled=false", "run.progress=false", f"buffer.gate.eta={ETA}",
+            f"buffer.gate.batch_size={B}", "rollout.sampling.n=4", "rollout.groups_per_batch=2",
+            "rollout.engine.kind=hf", "ray.num_cpus=2", "ray.worker_num_cpus=0", "ray.learner_num_cpus=0",
+            # a request lost with the killed process is resent after 2 s, not the default 10
+            "buffer.client.request_timeout_s=2", *extra]
+
+
+def zmq_service(run: TrainProcess):
+    """The run's buffer service child (`python -m buffer serve`), or None."""
+    for p in run.processes():
+        try:
+            if "buffer serve" in " ".join(p.cmdline()):
+                return p
+        except Exception:  # noqa: BLE001 - gone between listing and reading
+            pass
+    return None
+
+
+def kill_after_steps(run: TrainProcess, find, steps: int = 3):
+    """SIGKILL the process `find` returns once the run has done `steps` steps; (pid, steps then)."""
+    run.wait_for(lambda: len(run.steps()) >= steps, f"{steps} steps", timeout=300)
+    victim = run.wait_for(lambda: find(run), "the buffer's process")
+    done = len(run.steps())
+    victim.kill()
+    return victim.pid, done
+
+
+def finished_run(run: TrainProcess) -> tuple[int, str]:
+    try:
+        code = run.wait(300)
+        return code, run.tail(20000)
+    finally:
+        run.kill_all()
+
+
+def assert_complete_and_audited(run_dir, buffer_log) -> None:
+    rows = read_run_log(run_dir)
+    assert [r.step for r in rows] == list(range(1, STEPS + 1)), "each step once, none skipped"
+    report = audit(rows, read_buffer_log(buffer_log), ETA)
+    assert report.ok, str(report)
+    assert not report.lost_groups and not report.duplicated_groups
+    assert report.consumed_groups == STEPS * B and report.worst_staleness <= ETA
+
+
+def restarts_logged(run_dir) -> list[int]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line)["buffer/restarts"] for line in path.read_text().splitlines() if "audit/groups" in line]
+
+
+# ------------------------------------------------------------------ zmq: the supervised child
+
+
+def test_a_killed_zmq_buffer_is_restarted_and_the_run_loses_nothing(tiny_model_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    log = tmp_path / "buffer.log"
+    run = TrainProcess(run_dir, run_args(run_dir, tiny_model_dir, "buffer.transport=zmq", "buffer.port=0",
+                                         f"buffer.log.path={log}", "buffer.max_restarts=2"), "zmq")
+    try:
+        pid, steps_at_kill = kill_after_steps(run, zmq_service)
+        # (also remembers the new child, so that kill_all stops it if the run goes wrong)
+        run.wait_for(lambda: (p := zmq_service(run)) is not None and p.pid != pid, "the restarted service")
+    finally:
+        code, output = finished_run(run)
+    assert code == 0, output
+    assert steps_at_kill < STEPS, "the kill landed after the last step"
+    assert f"the buffer service (pid {pid}) exited with code -9; restarting it" in output
+    assert "restart 1 of buffer.max_restarts=2" in output
+    served = (run_dir / "buffer.out").read_text().count("buffer serving on")
+    assert served == 2, "one start and one restart, on the same endpoint"
+    counted = restarts_logged(run_dir)
+    assert counted[0] == 0 and counted[-1] == 1 and counted == sorted(counted)
+    assert_complete_and_audited(run_dir, log)
+
+
+def test_a_killed_zmq_buffer_without_a_durable_log_stops_the_run_naming_the_fix(tiny_model_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    run = TrainProcess(run_dir, run_args(run_dir, tiny_model_dir, "buffer.transport=zmq", "buffer.port=0",
+                                         "buffer.client.retries=1"), "zmq-no-log")
+    try:
+        pid, _ = kill_after_steps(run, zmq_service)
+    finally:
+        code, output = finished_run(run)
+    assert code != 0, output
+    assert "BufferLost" in output and f"(pid {pid}) exited with code -9" in output
+    assert "buffer.log.path is unset" in output and "Set buffer.log.path" in output
+    assert (run_dir / "buffer.out").read_text().count("buffer serving on") == 1, "restarted without a log"
+    assert len(read_run_log(run_dir)) < STEPS
+
+
+def test_the_supervisor_stops_after_max_restarts(tmp_path):
+    """Without Ray: the supervisor restarts the service on its log, the state comes back, and the
+    kill after the last allowed restart is a failure that names buffer.max_restarts."""
+    from services.controller import BufferSupervisor
+
+    config = BufferConfig(port=0, log=LogConfig(path=tmp_path / "buffer.log", fsync="interval"),
+                          gate=GateConfig(batch_size=2, eta=1, max_concurrent=8),
+                          client=ClientConfig(request_timeout_s=1.0, retries=30, retry_backoff_s=0.05))
+    supervisor = BufferSupervisor(config, tmp_path, max_restarts=1)
+    supervisor.start()
+    try:
+        from buffer.client import BufferClient
+
+        with BufferClient.from_config(supervisor.config) as client:
+            permit = client.acquire_permit("w", timeout=5)
+            client.push_group(make_group(permit.ticket), permit.permit_id)
+            first = supervisor.process
+            first.send_signal(signal.SIGKILL)
+            assert client.stats()["groups_ready"] == 1, "the restarted service replayed its log"
+            assert supervisor.restarts == 1 and supervisor.process.pid != first.pid and supervisor.failure is None
+            supervisor.process.send_signal(signal.SIGKILL)
+            assert wait_until(lambda: supervisor.failure is not None, timeout=30)
+        assert "buffer.max_restarts=1 allows no more" in supervisor.failure
+        assert str(tmp_path / "buffer.log") in supervisor.failure, "the message says where the data is"
+        assert supervisor.restarts == 1 and supervisor.process.poll() is not None, "restarted past the limit"
+    finally:
+        supervisor.stop()
+
+
+# ------------------------------------------------------------------ ray: the restartable actor
+
+
+def buffer_actor(run: TrainProcess):
+    found = run.titled("ray::CheckpointableBufferActor")
+    return found[0] if found else None
+
+
+def test_a_killed_ray_buffer_actor_is_restarted_and_the_run_loses_nothing(tiny_model_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    run = TrainProcess(run_dir, run_args(run_dir, tiny_model_dir, "buffer.max_restarts=2"), "ray")
+    try:
+        pid, steps_at_kill = kill_after_steps(run, buffer_actor)
+    finally:
+        code, output = finished_run(run)
+    assert code == 0, output
+    assert steps_at_kill < STEPS, "the kill landed after the last step"
+    assert "Ray restarted it (restart 1 of buffer.max_restarts=2)" in output
+    starts = (run_dir / "buffer-actor.starts").read_text().splitlines()
+    assert len(starts) == 2 and f"pid={pid}" in starts[0] and f"pid={pid}" not in starts[1]
+    counted = restarts_logged(run_dir)
+    assert counted[0] == 0 and counted[-1] == 1 and counted == sorted(counted)
+    assert_complete_and_audited(run_dir, run_dir / "buffer-actor.log")
+
+
+def test_a_killed_ray_buffer_actor_without_restarts_stops_the_run_loudly(tiny_model_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    run = TrainProcess(run_dir, run_args(run_dir, tiny_model_dir, "buffer.max_restarts=0"), "ray-no-restart")
+    try:
+        kill_after_steps(run, buffer_actor)
+    finally:
+        code, output = finished_run(run)
+    assert code != 0, output
+    assert "BufferLost: the buffer actor died" in output and "buffer.max_restarts=0" in output
+    assert not (run_dir / "buffer-actor.log").exists()
+    assert len(read_run_log(run_dir)) < STEPS
+
+
+def test_the_ray_buffer_actor_resumes_calls_in_flight_across_a_restart(ray_cluster, tmp_path):
+    """In-process, on the session's Ray cluster: a pull long-polling when the actor is killed and a
+    lease taken before the kill both complete on the restarted actor (same lease ids, nothing
+    twice); the kill after the last allowed restart makes calls fail with BufferUnavailable."""
+    from services.buffer_actor import RayBufferClient, create_buffer_actor
+
+    config = BufferConfig(transport="ray", log=LogConfig(path=tmp_path / "actor.log"),
+                          gate=GateConfig(batch_size=2, eta=None, max_concurrent=8),
+                          client=ClientConfig(request_timeout_s=5.0, retries=6, retry_backoff_s=0.05))
+    actor = create_buffer_actor(config, max_restarts=1, starts_file=tmp_path / "starts")
+    client = RayBufferClient(actor, config)
+    try:
+        pushed = []
+        for _ in range(2):
+            permit = client.acquire_permit("w", timeout=5)
+            pushed.append(make_group(permit.ticket))
+            client.push_group(pushed[-1], permit.permit_id)
+        leased = client.pull_batch(2, timeout=5)
+        waiting = {}
+        puller = threading.Thread(target=lambda: waiting.setdefault("batch", client.pull_batch(2, timeout=60)))
+        puller.start()
+        assert wait_until(lambda: client.stats()["groups_ready"] == 0 and puller.is_alive(), timeout=10)
+        first_pid = client.health()["pid"]
+        os.kill(first_pid, signal.SIGKILL)
+        health = client.health()  # resent until the restarted actor answers
+        assert health["pid"] != first_pid and health["restarts"] == 1
+        assert client.ack(leased.lease_id) == 2, "the lease taken before the kill survived it"
+        assert client.ack(leased.lease_id) == 2, "a repeated ack is answered, not refused"
+        more, permits = [], []
+        for _ in range(2):
+            permits.append(client.acquire_permit("w", timeout=5))
+            more.append(make_group(permits[-1].ticket))
+            client.push_group(more[-1], permits[-1].permit_id)
+        puller.join(60)
+        assert sorted(g.group_id for g in waiting["batch"].groups) == sorted(g.group_id for g in more)
+        client.ack(waiting["batch"].lease_id)
+        assert client.push_group(more[0], permits[0].permit_id)["duplicate"], "a retried push after the restart is a duplicate"
+        stats = client.stats()
+        assert stats["consumed_groups"] == 4 and stats["groups_ready"] == stats["groups_leased"] == 0
+
+        os.kill(health["pid"], signal.SIGKILL)  # restarts used up: dead for good
+        with pytest.raises(BufferUnavailable, match="dead and Ray will not restart it"):
+            client.stats()
+    finally:
+        ray_cluster.kill(actor)
+    records = read_buffer_log(tmp_path / "actor.log")
+    acked = [g for r in records if r["op"] == "ack" for g in r["groups"]]
+    assert sorted(acked) == sorted(g.group_id for g in pushed + more), "each group consumed once"
+
+
+# ------------------------------------------------------------------ config
+
+
+def test_the_restart_settings_are_validated():
+    assert load_config(None, []).buffer.max_restarts == 3
+    cfg = load_config(None, ["buffer.transport=zmq", "buffer.log.path=/tmp/b.log", "buffer.max_restarts=5"])
+    service = cfg.buffer.service_config()
+    assert type(service) is BufferConfig and service.log.path is not None, "the service's own config"
+    with pytest.raises(ConfigError, match=r"buffer.max_restarts: Input should be greater than or equal to 0"):
+        load_config(None, ["buffer.max_restarts=-1"])
+    with pytest.raises(ConfigError, match=r"buffer.max_restart: unknown key \(did you mean buffer.max_restarts\?\)"):
+        load_config(None, ["buffer.max_restart=1"])
+    with pytest.raises(ConfigError, match="RUN_DIR/buffer-actor.log"):
+        load_config(None, ["buffer.log.path=/tmp/b.log"])  # transport ray: the run owns the actor's log
+
+
+def test_a_restartable_actor_needs_a_log():
+    from services.buffer_actor import create_buffer_actor
+
+    with pytest.raises(ValueError, match="needs a durable log"):
+        create_buffer_actor(BufferConfig(transport="ray"), max_restarts=1)
