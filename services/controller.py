@@ -204,7 +204,8 @@ class ZmqBufferClient:
 
 
 class BufferSupervisor:
-    """The standalone buffer service (`python -m buffer serve`) as a child process, kept alive.
+    """The standalone buffer service (`python -m buffer serve`, through `services.buffer_child`)
+    as a child process, kept alive.
 
     A thread polls the child; when it exits (SIGKILL, crash) it is started again on the same
     config, port and durable log, which it replays; the run's clients resend what was in flight.
@@ -251,10 +252,15 @@ class BufferSupervisor:
 
     def _spawn(self) -> subprocess.Popen:
         # Its own session: a Ctrl-C in the terminal stops the run after its step (which still needs
-        # the buffer), not the buffer; the controller stops it last.
+        # the buffer), not the buffer; the controller stops it last. services.buffer_child ends it
+        # if the controller dies first (no orphan holding the port and writing the log).
+        from services.buffer_child import PARENT_ENV
+
+        env = {**os.environ, PARENT_ENV: str(os.getpid())}
         with open(self.output, "ab") as out:
-            return subprocess.Popen([sys.executable, "-m", "buffer", "serve", "--config", str(self.config_file)],
-                                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            return subprocess.Popen([sys.executable, "-m", "services.buffer_child", "serve", "--config",
+                                     str(self.config_file)], stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True, env=env)
 
     def _wait_ready(self, process: subprocess.Popen) -> bool:
         """Whether the service answers a health check before it exits or the start-up time runs out."""

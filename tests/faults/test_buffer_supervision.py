@@ -42,10 +42,10 @@ def run_args(run_dir, model, *extra: str) -> list[str]:
 
 
 def zmq_service(run: TrainProcess):
-    """The run's buffer service child (`python -m buffer serve`), or None."""
+    """The run's buffer service child (`python -m services.buffer_child serve`), or None."""
     for p in run.processes():
         try:
-            if "buffer serve" in " ".join(p.cmdline()):
+            if "buffer_child serve" in " ".join(p.cmdline()):
                 return p
         except Exception:  # noqa: BLE001 - gone between listing and reading
             pass
@@ -261,3 +261,38 @@ def test_a_restartable_actor_needs_a_log():
 
     with pytest.raises(ValueError, match="needs a durable log"):
         create_buffer_actor(BufferConfig(transport="ray"), max_restarts=1)
+
+
+def test_the_buffer_child_ends_with_its_controller(tmp_path):
+    """A controller SIGKILLed on its own leaves no buffer service behind (it would hold the port
+    and append to the log that the resumed run's service writes too)."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    from services.chaos import REPO
+
+    script = (
+        "import sys, time\n"
+        "from pathlib import Path\n"
+        "from buffer.config import BufferConfig, LogConfig\n"
+        "from services.controller import BufferSupervisor\n"
+        "folder = Path(sys.argv[1])\n"
+        "supervisor = BufferSupervisor(BufferConfig(port=0, log=LogConfig(path=folder / 'b.log')), folder, 1)\n"
+        "supervisor.start()\n"
+        "print(supervisor.process.pid, flush=True)\n"
+        "time.sleep(600)\n")
+    controller = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], cwd=REPO, stdout=subprocess.PIPE,
+                                  env={**os.environ, "PYTHONPATH": str(REPO)})
+    child = None
+    try:
+        child = psutil.Process(int(controller.stdout.readline()))
+        assert child.is_running() and "buffer_child serve" in " ".join(child.cmdline())
+        controller.kill()
+        controller.wait()
+        child.wait(timeout=30)  # psutil.TimeoutExpired: an orphan
+    finally:
+        controller.kill()
+        if child is not None and child.is_running():
+            child.kill()
