@@ -244,16 +244,11 @@ class RolloutWorker:
             return self.stats()
 
     def _acquire_permits(self) -> list:
-        """Wait for one permit, then take up to groups_per_batch - 1 more that are free right now."""
+        """One request: wait for a permit, and take up to groups_per_batch - 1 more that are free now."""
         waited = time.perf_counter()
-        permit = self.client.acquire_permit(self.worker_id, timeout=self.config.acquire_timeout_s)
+        permits = self.client.acquire_permits(self.worker_id, self.config.groups_per_batch,
+                                              timeout=self.config.acquire_timeout_s)
         self.counters["gate_blocked_s"] += time.perf_counter() - waited
-        permits = [] if permit is None else [permit]
-        while permits and len(permits) < self.config.groups_per_batch:
-            more = self.client.acquire_permit(self.worker_id, timeout=0.0)
-            if more is None:
-                break
-            permits.append(more)
         return permits
 
     def _run_permits(self, permits: list) -> int:
@@ -264,10 +259,9 @@ class RolloutWorker:
             # before v is published): else its samples start stale and, at η = 0, are all dropped.
             self._wait_for_weights(max(p.version for p in permits))
             groups = self.generate_groups([p.ticket for p in permits])
-            for permit, group in zip(permits, groups):
-                self.client.push_group(group, permit.permit_id)
-                pushed += 1
-                self.counters["groups_total"] += 1
+            self.client.push_groups(groups, [p.permit_id for p in permits])  # all or nothing
+            pushed = len(groups)
+            self.counters["groups_total"] += pushed
         except BaseException as err:
             for permit in permits[pushed:]:
                 self._release(permit.permit_id)
