@@ -297,8 +297,7 @@ class BufferSupervisor:
             elif self.restarts >= self.max_restarts:
                 self.failure = (f"{what} after {self.restarts} restart(s); buffer.max_restarts={self.max_restarts} "
                                 f"allows no more, so the run stops (see {self.output}). Its log "
-                                f"{self.config.log.path} holds everything it accepted; resume with etarl train "
-                                f"--resume {self.output.parent}")
+                                f"{self.config.log.path} holds everything it accepted")
             if self.failure is not None:
                 log.error("%s", self.failure)
                 return
@@ -380,6 +379,14 @@ def start_ray(cfg: EtarlConfig) -> None:
 class Controller:
     def __init__(self, cfg: EtarlConfig, resume: str | os.PathLike | None = None):
         self.cfg = cfg
+        if resume and cfg.buffer.transport == "zmq":
+            # The service's log has moved on since the checkpoint (batches trained on after it are
+            # acked there, later weights' groups are held), and `recover` would reissue the tickets
+            # of the groups it holds: resuming would lose some groups and repeat others.
+            raise ConfigError("resuming a run with buffer.transport=zmq is not supported: its checkpoints hold no "
+                              "buffer state, and the buffer service's log has moved on since the checkpoint "
+                              "(resuming would lose and repeat groups). Resume runs with buffer.transport=ray, "
+                              "whose checkpoints hold the buffer, or start a new run")
         self.resume_from = ckpt.latest_checkpoint(resume) if resume else None
         run_dir = cfg.run.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}"
         self.run_dir = Path(run_dir).resolve()
@@ -433,13 +440,8 @@ class Controller:
         buffer_file = checkpoint / BUFFER_STATE_FILE
         if buffer_file.is_file():
             restored = self.buffer.restore(msgpack.unpackb(buffer_file.read_bytes(), raw=False))
-        elif self.cfg.buffer.transport == "zmq" and self.cfg.buffer.log.path is not None:
-            # The service replayed its own durable log; the gate restarts its count at v·B.
-            self.buffer.client.recover(self.version)
-            restored = "the buffer service's durable log"
         else:
-            raise ConfigError(f"checkpoint {checkpoint} holds no buffer state ({BUFFER_STATE_FILE}); a run with "
-                              "buffer.transport=zmq resumes from the service's durable log (set buffer.log.path)")
+            raise ConfigError(f"checkpoint {checkpoint} holds no buffer state ({BUFFER_STATE_FILE})")
         log.info("resumed from %s: step %d, version %d, buffer %s", checkpoint, self.step, self.version, restored)
         return state
 
