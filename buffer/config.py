@@ -72,6 +72,9 @@ class ClientConfig(_Strict):
     retry_backoff_s: float = Field(0.1, ge=0)
 
 
+_RUN_ONLY_KEYS = {"max_restarts"}  # keys of a run config's buffer section (services.config.RunBufferConfig)
+
+
 class BufferConfig(_Strict):
     transport: Literal["zmq", "ray"] = "zmq"
     host: str = "127.0.0.1"
@@ -109,7 +112,9 @@ class BufferConfig(_Strict):
             raise ValueError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
         section = ""
         if isinstance(data.get("buffer"), dict):
-            data, section = data["buffer"], " (section buffer)"
+            # A run's buffer section also says how often the run restarts a dead buffer: not the service's business.
+            data = {k: v for k, v in data["buffer"].items() if k not in _RUN_ONLY_KEYS}
+            section = " (section buffer)"
         try:
             return cls.model_validate(data)
         except ValidationError as exc:

@@ -100,3 +100,19 @@ def test_resolved_config_round_trips_through_yaml(tmp_path):
 @pytest.mark.parametrize("path", sorted(DEFAULT_CONFIG.parent.glob("*.yaml")), ids=lambda p: p.name)
 def test_every_shipped_config_is_valid(path):
     load_config(path)
+
+
+def test_the_buffer_service_reads_a_saved_run_config(tmp_path):
+    """`etarl buffer serve --config RUN_DIR/config.yaml` takes the run's buffer section; the keys
+    only the run uses (max_restarts) are left out, and the rest is the run's buffer exactly."""
+    from buffer.config import BufferConfig
+    from services.config import build_config
+
+    cfg = build_config({"buffer": {"transport": "zmq", "max_restarts": 5, "gate": {"eta": 2}}}, [])
+    saved = tmp_path / "config.yaml"
+    saved.write_text(cfg.to_yaml())
+    assert BufferConfig.from_yaml(saved) == cfg.buffer.service_config()
+    own = tmp_path / "buffer.yaml"
+    own.write_text("max_restarts: 5\n")  # in a buffer's own file it means nothing: an error, as any unknown key
+    with pytest.raises(ValueError, match="max_restarts"):
+        BufferConfig.from_yaml(own)
