@@ -59,7 +59,8 @@ class MetricSpec:
     labels: tuple[str, ...] = ()
 
 
-STEP_BOOKKEEPING_KEYS = frozenset({"step", "version", "time"})
+# Keys of a step record not exported as step gauges: bookkeeping, and what a buffer metric carries.
+STEP_BOOKKEEPING_KEYS = frozenset({"step", "version", "time", "buffer/restarts"})
 _INVALID = re.compile(r"[^a-z0-9_]+")
 _TIMING_PREFIX = "timing_s/"
 
@@ -174,6 +175,8 @@ BUFFER_METRICS: tuple[MetricSpec, ...] = (
     _buffer("buffer_log_bytes", "gauge", "log_bytes", "size of the durable log"),
     _buffer("buffer_log_fsyncs_total", "counter", "log_fsyncs", "fsyncs of the durable log"),
     _buffer("buffer_log_compactions_total", "counter", "log_compactions", "compactions of the durable log"),
+    _buffer("buffer_restarts_total", "counter", "restarts",
+            "restarts of the run's buffer after it died (each replays its durable log)"),
     _buffer("consumed_staleness_versions", "histogram", "consumed_staleness",
             "staleness of consumed samples (learner version at pull minus sample version), a bucket per version"),
     _buffer("consumed_samples_over_eta_total", "counter", "consumed_staleness",

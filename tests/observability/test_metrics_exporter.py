@@ -93,6 +93,15 @@ def test_a_step_key_cannot_overwrite_another_sources_metric():
     assert samples(exporter)[("etarl_buffer_groups", ())] == 3
 
 
+def test_buffer_restarts_are_a_counter_not_a_step_gauge():
+    exporter = MetricsExporter()
+    exporter.record_buffer_stats({"groups_ready": 0, "restarts": 2})
+    exporter.record_step({"step": 1, "version": 1, "buffer/restarts": 2})
+    got = samples(exporter)
+    assert got[("etarl_buffer_restarts_total", ())] == 2
+    assert ("etarl_buffer_restarts", ()) not in got
+
+
 def test_staleness_histogram_has_one_bucket_per_version_from_the_buffers_counts():
     assert staleness_buckets(0) == (0,)
     assert staleness_buckets(3) == (0, 1, 2, 3)
