@@ -16,6 +16,9 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import tempfile
+import uuid
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -83,13 +86,26 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def init_process_group(rank: int, world_size: int, backend: str, master_addr: str, master_port: int,
-                       timeout_s: float) -> None:
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def rendezvous_url(master_addr: str, master_port: int) -> str:
+    """Where the ranks meet. Ranks on one machine (a loopback master_addr) meet through a fresh
+    file: torch's TCPStore server listens on every interface whatever address it is given, and a
+    local run keeps every socket on 127.0.0.1. Across machines: tcp://master_addr:port."""
+    if master_addr in _LOOPBACK:
+        return f"file://{tempfile.gettempdir()}/etarl-rendezvous-{uuid.uuid4().hex}"
+    return f"tcp://{master_addr}:{master_port or free_port(master_addr)}"
+
+
+def init_process_group(rank: int, world_size: int, backend: str, init_method: str, timeout_s: float) -> None:
     if dist.is_initialized():
         raise RuntimeError("torch.distributed is already initialised in this process")
+    if init_method.startswith("file://") and backend == "gloo":
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's pair sockets on loopback too
     dist.init_process_group(
         backend=backend,
-        init_method=f"tcp://{master_addr}:{master_port}",
+        init_method=init_method,
         rank=rank,
         world_size=world_size,
         timeout=datetime.timedelta(seconds=timeout_s),
@@ -100,12 +116,12 @@ class LearnerRank:
     """One rank of a learner group: joins the process group, then holds a `Learner`.
     Made a Ray actor by `LearnerGroup` (or by services); plain class, plain-dict results."""
 
-    def __init__(self, config, rank: int, master_port: int):
+    def __init__(self, config, rank: int, init_method: str):
         from learner.trainer import Learner
 
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
         dcfg = config.distributed
-        init_process_group(rank, dcfg.world_size, dcfg.backend, dcfg.master_addr, master_port, dcfg.timeout_s)
+        init_process_group(rank, dcfg.world_size, dcfg.backend, init_method, dcfg.timeout_s)
         comm = ProcessGroupComm(rank, dcfg.world_size, sum_grads=dcfg.strategy != "fsdp")
         self.learner = Learner(config, comm=comm)
 
@@ -128,12 +144,13 @@ class LearnerGroup:
         import ray
 
         dcfg = config.distributed
-        port = dcfg.master_port or free_port(dcfg.master_addr)
+        self.init_method = rendezvous_url(dcfg.master_addr, dcfg.master_port)
         options = {"num_cpus": 1, **(ray_options or {})}
         actor = ray.remote(LearnerRank)
         self.config = config
         self.world_size = dcfg.world_size
-        self.ranks = [actor.options(**options).remote(config, rank, port) for rank in range(dcfg.world_size)]
+        self.ranks = [actor.options(**options).remote(config, rank, self.init_method)
+                      for rank in range(dcfg.world_size)]
         self._call_all("version")  # wait until every rank has joined and loaded the model
 
     def _call_all(self, method: str, *args, **kwargs) -> list:
@@ -178,3 +195,5 @@ class LearnerGroup:
         finally:
             for r in self.ranks:
                 ray.kill(r)
+            if self.init_method.startswith("file://"):
+                Path(self.init_method[len("file://"):]).unlink(missing_ok=True)
