@@ -33,6 +33,7 @@ class BufferClient:
         self.limits = limits or SampleLimits()
         self._context = context or zmq.Context.instance()
         self._socket: zmq.Socket | None = None
+        self._timeouts: dict[int, int] = {}  # socket option -> ms last set on self._socket
         self._lock = threading.Lock()
         self.reconnects = 0
 
@@ -126,6 +127,7 @@ class BufferClient:
         if self._socket is not None:
             self._socket.close(linger=0)
             self._socket = None
+            self._timeouts = {}
 
     def _call(self, op: str, args: dict, payload=(), wait: float = 0.0):
         request_id = new_id()
@@ -138,7 +140,7 @@ class BufferClient:
                     time.sleep(self.settings.retry_backoff_s * attempt)
                 sock = self._connect()
                 # A send must not block forever (a full or unreachable peer): it counts as a lost attempt.
-                sock.sndtimeo = int(timeout_s * 1000)
+                self._set_timeout(sock, zmq.SNDTIMEO, timeout_s)
                 try:
                     sock.send_multipart(message, copy=False)
                 except zmq.Again:
@@ -151,14 +153,25 @@ class BufferClient:
         raise BufferUnavailable(f"buffer at {self.endpoint} did not answer {op!r} within {timeout_s:.1f}s "
                                 f"({self.settings.retries + 1} attempts)")
 
+    def _set_timeout(self, sock: zmq.Socket, option: int, seconds: float) -> None:
+        """setsockopt only when the value changes (it is a syscall-priced call on every request)."""
+        ms = int(seconds * 1000) + 1
+        if self._timeouts.get(option) != ms:
+            sock.setsockopt(option, ms)
+            self._timeouts[option] = ms
+
     def _receive(self, sock: zmq.Socket, request_id: str, timeout_s: float):
-        deadline = time.monotonic() + timeout_s
-        while (left := deadline - time.monotonic()) > 0:
-            if not sock.poll(int(left * 1000) + 1):
+        deadline, wait = time.monotonic() + timeout_s, timeout_s
+        while wait > 0:
+            # A blocking receive with a timeout: one call per reply (poll + recv costs two).
+            self._set_timeout(sock, zmq.RCVTIMEO, wait)
+            try:
+                frames = sock.recv_multipart(copy=False)
+            except zmq.Again:
                 return None
-            frames = sock.recv_multipart(copy=False)
             header = decode_message_header(frames[0].buffer, ("id", "ok"))
             if header["id"] != request_id:
+                wait = deadline - time.monotonic()
                 continue  # a late reply to an earlier, timed-out attempt
             if not header["ok"]:
                 error = header.get("error") or {}

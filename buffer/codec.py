@@ -45,6 +45,7 @@ from buffer.errors import ProtocolError, SampleError
 from buffer.sample import ARRAY_FIELDS, Group, Sample, as_field_array
 
 PROTOCOL_VERSION = 2
+_DEFAULT_LIMITS = SampleLimits()
 GROUP_FRAMES = 1 + len(ARRAY_FIELDS)
 
 _LITTLE = sys.byteorder == "little"
@@ -144,7 +145,7 @@ class GroupView:
 
 def check_group(frames: Sequence, limits: SampleLimits | None = None, max_version: int | None = None) -> GroupView:
     """Validate one group from its frames (bytes, memoryview or zmq.Frame) without building samples."""
-    limits = limits or SampleLimits()
+    limits = limits or _DEFAULT_LIMITS
     if not frames:
         raise ProtocolError("a group needs at least a header frame", "bad_group")
     header = unpack(frames[0])
@@ -159,16 +160,15 @@ def check_group(frames: Sequence, limits: SampleLimits | None = None, max_versio
         if meta["sample_id"] in seen:
             raise SampleError("sample_id", meta["sample_id"], f"appears twice in group {header['group_id']!r}")
         seen.add(meta["sample_id"])
-    lengths = _field_lengths(metas)
+    offsets = _field_offsets(metas)
     arrays = {}
     for (name, dtype), frame in zip(_WIRE_DTYPES.items(), frames[1:]):
-        n = sum(lengths[name])
+        n = offsets[name][-1]
         size = len(frame) if type(frame) is bytes else memoryview(frame).nbytes
         if size != n * dtype.itemsize:
             raise SampleError(name, None, f"frame has {size} bytes, expected {n * dtype.itemsize} for {dtype}[{n}] "
                                           f"(group {header['group_id']!r})")
         arrays[name] = np.frombuffer(frame, dtype=dtype, count=n)
-    offsets = {name: [0, *accumulate(lengths[name])] for name in ARRAY_FIELDS}
     view = GroupView(header["group_id"], header["prompt_index"], metas, arrays, offsets)
     if not _arrays_valid(view, max_version):
         for k in range(len(metas)):
@@ -199,11 +199,11 @@ def validate_group(group: Group, limits: SampleLimits | None = None, max_version
     check_group(encode_group(group), limits, max_version)
 
 
-def _field_lengths(metas: list[dict]) -> dict[str, list[int]]:
-    """Per field, each sample's number of values in that field's frame."""
-    prompt = [m["n_prompt"] for m in metas]
-    response = [m["n_response"] for m in metas]
-    rewards = [m["n_response"] if m["has_token_rewards"] else 0 for m in metas]
+def _field_offsets(metas: list[dict]) -> dict[str, list[int]]:
+    """Per field, where each sample starts in that field's frame (and, last, the frame's length)."""
+    prompt = [0, *accumulate(m["n_prompt"] for m in metas)]
+    response = [0, *accumulate(m["n_response"] for m in metas)]
+    rewards = [0, *accumulate(m["n_response"] if m["has_token_rewards"] else 0 for m in metas)]
     return {name: prompt if name == "prompt_ids" else rewards if name == "token_rewards" else response
             for name in ARRAY_FIELDS}
 
