@@ -3,8 +3,8 @@
 1. Raw pair: producers send groups of 4 KB samples over a ZMQ PUSH/PULL pair, encoded and decoded
    (with validation) by the same codec, no service logic: the transport ceiling.
 2. Service: the same producers go through the real buffer process on loopback the way a rollout
-   worker does (take the permits of one engine batch in one request, generate, push their groups
-   in one request: two round trips per batch), a learner pulls batches and acks them. Measured
+   worker does (take the permits of one engine batch, generate, push their groups and take the
+   next permits in one request: one round trip per batch), a learner pulls batches and acks them. Measured
    with the worker's default of 4 groups per request and with the one-group protocol.
    Prints samples/s of both, their ratio (goal >= 0.5), CPU per sample by process and p50/p99 of
    the push round trip.
@@ -86,22 +86,24 @@ def raw_producer(endpoint: str, groups: int, group_size: int, seed: int, start, 
 
 
 def service_producer(endpoint: str, groups: int, group_size: int, per_request: int, seed: int, start, rtts) -> None:
-    """A rollout worker's pattern: take up to `per_request` permits in one request (what it
-    generates in one engine batch), push their groups in one request."""
+    """A rollout worker's pattern (rollout_workers/worker.py): take up to `per_request` permits
+    (what it generates in one engine batch), push their groups and take the next permits in one
+    request; a long-polled acquire only when that found the gate closed."""
     rng = np.random.default_rng(seed)
     templates = [make_group(0, group_size, rng) for _ in range(min(groups, 64))]
     client = BufferClient(endpoint)
     times = []
     start.wait()
     cpu0 = time.process_time()
-    done = 0
+    done, permits, worker = 0, [], f"producer-{seed}"
     while done < groups:
-        permits = client.acquire_permits(f"producer-{seed}", min(per_request, groups - done), timeout=30)
+        permits = permits or client.acquire_permits(worker, min(per_request, groups - done), timeout=30)
         batch = [fresh_group(templates[(done + k) % len(templates)], p.ticket) for k, p in enumerate(permits)]
-        t0 = time.perf_counter()
-        client.push_groups(batch, [p.permit_id for p in permits])
-        times.append(time.perf_counter() - t0)
         done += len(permits)
+        t0 = time.perf_counter()
+        _, permits = client.push_and_acquire(batch, [p.permit_id for p in permits], worker,
+                                             min(per_request, groups - done))
+        times.append(time.perf_counter() - t0)
     client.close()
     rtts.put((times, time.process_time() - cpu0))
 

@@ -211,6 +211,15 @@ class BufferCore:
                 self._changed.notify_all()
             return [{"samples": len(v.sample_ids), "duplicate": dup} for v, dup in zip(views, duplicate)]
 
+    def push_and_acquire(self, groups: list, permit_ids: list[str], worker_id: str,
+                         next_permit_ids: list[str]) -> tuple[list[dict], list[Permit]]:
+        """`push_groups`, then as many of the next permits as the gate allows right now (no
+        waiting): a worker's push and its next acquire in one request. If the push fails, no
+        permit is taken. Ids of permits already granted return those (a retried request)."""
+        with self._lock:
+            results = self.push_groups(groups, permit_ids)
+            return results, self.try_acquire_many(worker_id, next_permit_ids)
+
     def _packed(self, group) -> bytes:
         packed = bytes(group) if not isinstance(group, (list, tuple)) else pack_frames(group)
         if len(packed) > self.limits.max_message_bytes:

@@ -6,7 +6,8 @@ Operations: acquire_permits, release_permit, push_groups, pull_batch, ack, nack,
 recover, stats, health. acquire_permits and pull_batch long-poll: a request that cannot be served
 yet is parked until it can or until its timeout, while the loop keeps serving others. A worker
 takes the permits of one engine batch in one request and pushes their groups in one request
-(one packed group per payload frame): round trips, not bytes, are what a request costs.
+(one packed group per payload frame), which can also take its next permits (`next_permit_ids`,
+no waiting): round trips, not bytes, are what a request costs.
 
 Every bad message (garbage, truncated, oversized, wrongly typed, invalid sample) gets an error
 reply and is counted by reason in `stats()["bad_messages"]` (refused but well-formed requests in
@@ -52,6 +53,11 @@ class _Parked:
     deadline: float
 
 
+def _id_list(value) -> bool:
+    return (isinstance(value, list) and 0 < len(value) <= _MAX_IDS
+            and all(isinstance(i, str) and 0 < len(i) <= 256 for i in value))
+
+
 def _number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
@@ -59,8 +65,8 @@ def _number(value) -> bool:
 _ARG_TYPES = {
     "worker_id": (lambda v: isinstance(v, str), "a string"),
     "permit_id": (lambda v: isinstance(v, str) and 0 < len(v) <= 256, "a string id"),
-    "permit_ids": (lambda v: isinstance(v, list) and 0 < len(v) <= _MAX_IDS
-                   and all(isinstance(i, str) and 0 < len(i) <= 256 for i in v), f"a list of 1 to {_MAX_IDS} string ids"),
+    "permit_ids": (lambda v: _id_list(v), f"a list of 1 to {_MAX_IDS} string ids"),
+    "next_permit_ids": (lambda v: _id_list(v), f"a list of 1 to {_MAX_IDS} string ids"),
     "lease_id": (lambda v: isinstance(v, str) and 0 < len(v) <= 256, "a string id"),
     "timeout": (lambda v: _number(v) and 0 <= v <= 86400, "seconds in [0, 86400]"),
     "batch_size": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an int"),
@@ -69,7 +75,7 @@ _ARG_TYPES = {
 _OP_ARGS = {
     "acquire_permits": {"worker_id": _REQUIRED, "timeout": 0.0, "permit_ids": _REQUIRED},
     "release_permit": {"permit_id": _REQUIRED},
-    "push_groups": {"permit_ids": _REQUIRED},
+    "push_groups": {"permit_ids": _REQUIRED, "worker_id": None, "next_permit_ids": None},
     "pull_batch": {"batch_size": _REQUIRED, "timeout": 0.0, "lease_id": None},
     "ack": {"lease_id": _REQUIRED},
     "nack": {"lease_id": _REQUIRED},
@@ -212,8 +218,8 @@ class BufferServer:
         message = encode_message({"id": request_id, "ok": True, "result": result}, payload)
         if self._send(identity, message) or result is None:
             return
-        if op == "acquire_permits":
-            for permit in result:
+        if op in ("acquire_permits", "push_groups"):
+            for permit in result if op == "acquire_permits" else result["permits"]:
                 self.core.release_permit(permit["permit_id"])
         elif op == "pull_batch":
             self.core.nack(result["lease_id"])
@@ -246,7 +252,13 @@ class BufferServer:
         if len(payload) != len(args["permit_ids"]):
             raise ProtocolError(f"push_groups takes one packed group frame per permit id ({len(args['permit_ids'])}), "
                                 f"got {len(payload)} frames", "bad_frame_count")
-        return self.core.push_groups(payload, args["permit_ids"]),
+        if args["next_permit_ids"] is None:
+            return {"results": self.core.push_groups(payload, args["permit_ids"]), "permits": []},
+        if args["worker_id"] is None:
+            raise ProtocolError("push_groups: next_permit_ids needs worker_id", "bad_args")
+        results, permits = self.core.push_and_acquire(payload, args["permit_ids"], args["worker_id"],
+                                                      args["next_permit_ids"])
+        return {"results": results, "permits": [p.to_dict() for p in permits]},
 
     def _pull(self, identity, request_id, args, _payload):
         result = self.core.pull_batch(args["batch_size"], 0.0, args["lease_id"])

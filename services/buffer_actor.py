@@ -88,6 +88,10 @@ class BufferActor:
     def push_groups(self, packed: list[bytes], permit_ids: list[str]) -> list[dict]:
         return self.core.push_groups(packed, permit_ids)
 
+    def push_and_acquire(self, packed: list[bytes], permit_ids: list[str], worker_id: str,
+                         next_permit_ids: list[str]) -> tuple[list[dict], list[Permit]]:
+        return self.core.push_and_acquire(packed, permit_ids, worker_id, next_permit_ids)
+
     def pull_batch(self, batch_size: int, timeout: float = 0.0, lease_id: str | None = None) -> PullResult | None:
         return self.core.pull_batch(batch_size, timeout, lease_id)
 
@@ -194,6 +198,14 @@ class RayBufferClient:
     def push_groups(self, groups: list[Group], permit_ids: list[str]) -> list[dict]:
         """Several groups, each under its permit, all or nothing; a resent push is a duplicate."""
         return self._call("push_groups", [pack_frames(encode_group(g)) for g in groups], list(permit_ids))
+
+    def push_and_acquire(self, groups: list[Group], permit_ids: list[str], worker_id: str,
+                         count: int) -> tuple[list[dict], list[Permit]]:
+        """`push_groups` and up to `count` next permits free right now, in one call."""
+        if count <= 0:
+            return self.push_groups(groups, permit_ids), []
+        return self._call("push_and_acquire", [pack_frames(encode_group(g)) for g in groups], list(permit_ids),
+                          worker_id, [new_id() for _ in range(count)])
 
     def pull_batch(self, batch_size: int, timeout: float = 0.0) -> PulledBatch | None:
         result = self._call("pull_batch", int(batch_size), float(timeout), new_id(), wait=timeout)

@@ -97,3 +97,34 @@ def test_service_round_trip_and_a_parked_bulk_acquire():
             assert info.value.reason == "bad_args"
     finally:
         server.stop()
+
+
+def test_push_and_acquire_takes_the_next_permits_in_the_same_request():
+    core = new_core()  # 4 groups admissible at version 0
+    first = core.acquire_permits("w", [new_id() for _ in range(2)])
+    groups = [encode_group(make_group(p.ticket)) for p in first]
+    next_ids = [new_id() for _ in range(3)]
+    results, following = core.push_and_acquire(groups, [p.permit_id for p in first], "w", next_ids)
+    assert [r["duplicate"] for r in results] == [False, False]
+    assert [p.ticket for p in following] == [2, 3], "only what the eta gate allows, without waiting"
+    again = core.push_and_acquire(groups, [p.permit_id for p in first], "w", next_ids)
+    assert again == ([{"samples": 2, "duplicate": True}] * 2, following), "a retried request changes nothing"
+    bad = make_group(following[0].ticket)
+    bad.samples[0].reward = float("nan")
+    with pytest.raises(SampleError):
+        core.push_and_acquire([encode_group(bad)], [following[0].permit_id], "w", [new_id()])
+    assert core.stats()["running"] == 2, "a failed push takes no permit"
+
+
+def test_service_push_and_acquire():
+    server = BufferServer(BufferConfig(port=0, gate=GateConfig(batch_size=2, eta=1))).start()
+    try:
+        with BufferClient(server.endpoint) as worker:
+            permits = worker.acquire_permits("w", 2)
+            results, following = worker.push_and_acquire([make_group(p.ticket) for p in permits],
+                                                          [p.permit_id for p in permits], "w", 4)
+            assert [r["samples"] for r in results] == [2, 2]
+            assert [p.ticket for p in following] == [2, 3]
+            assert worker.stats()["running"] == 2
+    finally:
+        server.stop()

@@ -66,3 +66,26 @@ def test_errors_keep_their_reason(client):
         client.set_version(0)
     assert info.value.reason == "version_regression"
     assert client.health()["ok"]
+
+
+def test_batched_ops_through_the_actor(ray_cluster):
+    """acquire_permits, push_groups and push_and_acquire: the worker's calls, as on the ZMQ client."""
+    from services.buffer_actor import RayBufferClient, create_buffer_actor
+
+    config = BufferConfig(transport="ray", gate=GateConfig(batch_size=2, eta=0, max_concurrent=4))
+    actor = create_buffer_actor(config)
+    try:
+        client = RayBufferClient(actor, config)
+        permits = client.acquire_permits("w", 3, timeout=1)
+        assert [p.ticket for p in permits] == [0, 1], "eta = 0: one batch of B = 2"
+        results, following = client.push_and_acquire([make_group(p.ticket) for p in permits],
+                                                     [p.permit_id for p in permits], "w", 2)
+        assert [r["duplicate"] for r in results] == [False, False] and following == [], "the gate is closed"
+        client.ack(client.pull_batch(2, timeout=1).lease_id)
+        client.set_version(1)
+        more = client.acquire_permits("w", 2)
+        assert client.push_groups([make_group(p.ticket, version=1) for p in more],
+                                  [p.permit_id for p in more]) == [{"samples": 2, "duplicate": False}] * 2
+        assert client.stats()["groups_ready"] == 2
+    finally:
+        ray_cluster.kill(actor)
