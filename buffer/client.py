@@ -67,8 +67,7 @@ class BufferClient:
     def push_groups(self, groups: list[Group], permit_ids: list[str]) -> list[dict]:
         """Push several groups, each under its permit, in one round trip; all or nothing (an
         invalid group refuses the whole push and the error names it). A result per group."""
-        payload = [pack_frames(encode_group(g)) for g in groups]
-        return self._call("push_groups", {"permit_ids": list(permit_ids)}, payload)[0]["results"]
+        return self._push(groups, permit_ids, {})["results"]
 
     def push_and_acquire(self, groups: list[Group], permit_ids: list[str], worker_id: str,
                          count: int) -> tuple[list[dict], list[Permit]]:
@@ -76,10 +75,14 @@ class BufferClient:
         now (no waiting; empty if the gate is closed). If the push fails, no permit is taken."""
         if count <= 0:
             return self.push_groups(groups, permit_ids), []
-        payload = [pack_frames(encode_group(g)) for g in groups]
-        result, _ = self._call("push_groups", {"permit_ids": list(permit_ids), "worker_id": worker_id,
-                                               "next_permit_ids": [new_id() for _ in range(count)]}, payload)
+        result = self._push(groups, permit_ids, {"worker_id": worker_id,
+                                                 "next_permit_ids": [new_id() for _ in range(count)]})
         return result["results"], [Permit(**p) for p in result["permits"]]
+
+    def _push(self, groups: list[Group], permit_ids: list[str], more_args: dict) -> dict:
+        """The push_groups request: one packed group per payload frame."""
+        payload = [pack_frames(encode_group(g)) for g in groups]
+        return self._call("push_groups", {"permit_ids": list(permit_ids), **more_args}, payload)[0]
 
     def pull_batch(self, batch_size: int, timeout: float = 0.0) -> PulledBatch | None:
         """The `batch_size` oldest groups under a lease, or None if fewer are ready within `timeout`."""

@@ -198,9 +198,9 @@ class BufferCore:
         packed = [self._packed(g) for g in groups]
         with self._lock:
             self._tick_locked()
-            views = [self._check_push(p, permit_id, position) for position, (p, permit_id)
-                     in enumerate(zip(packed, permit_ids))]
-            duplicate = [self.store.is_duplicate(v.group_id, v.sample_ids) for v in views]
+            checked = [self._check_push(p, permit_id, position) for position, (p, permit_id)
+                       in enumerate(zip(packed, permit_ids))]
+            views, duplicate = [c[0] for c in checked], [c[1] for c in checked]
             fresh = [(v, permit_id, p) for v, permit_id, p, dup in zip(views, permit_ids, packed, duplicate) if not dup]
             _check_distinct(fresh)
             self.store.check_room(len(fresh))
@@ -227,18 +227,19 @@ class BufferCore:
         return packed
 
     def _check_push(self, packed: bytes, permit_id: str, position: int):
-        """The validated group; raises for a bad group or, unless it is a duplicate, a bad permit."""
+        """(the validated group, whether it was accepted before); raises for a bad group or,
+        unless it is a duplicate, a bad permit."""
         try:
             view = check_group(unpack_frames(packed), self.limits, max_version=self.gate.version)
             if self.store.is_duplicate(view.group_id, view.sample_ids):
-                return view
+                return view, True
             permit = self.gate.permits.get(permit_id)
             if permit is None:
                 self.gate.consume(permit_id)  # raises the unknown_permit error
             if permit.ticket != view.prompt_index:
                 raise RequestError(f"group {view.group_id!r} has prompt_index {view.prompt_index} but permit "
                                    f"{permit_id!r} is for ticket {permit.ticket}", "ticket_mismatch")
-            return view
+            return view, False
         except BufferError as exc:
             if position:  # say which group of a multi-group push
                 exc.args = (f"group {position} of the push: {exc}",)

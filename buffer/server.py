@@ -65,8 +65,8 @@ def _number(value) -> bool:
 _ARG_TYPES = {
     "worker_id": (lambda v: isinstance(v, str), "a string"),
     "permit_id": (lambda v: isinstance(v, str) and 0 < len(v) <= 256, "a string id"),
-    "permit_ids": (lambda v: _id_list(v), f"a list of 1 to {_MAX_IDS} string ids"),
-    "next_permit_ids": (lambda v: _id_list(v), f"a list of 1 to {_MAX_IDS} string ids"),
+    "permit_ids": (_id_list, f"a list of 1 to {_MAX_IDS} string ids"),
+    "next_permit_ids": (_id_list, f"a list of 1 to {_MAX_IDS} string ids"),
     "lease_id": (lambda v: isinstance(v, str) and 0 < len(v) <= 256, "a string id"),
     "timeout": (lambda v: _number(v) and 0 <= v <= 86400, "seconds in [0, 86400]"),
     "batch_size": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an int"),
