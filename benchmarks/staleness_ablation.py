@@ -162,23 +162,17 @@ def train(args, argv) -> dict:
                 run = lib.train_run(config, rollouts, heldout, behaviour_schedule(eta), settings,
                                     label=f"seed {seed} η={eta:>9s} {method:13s}")
                 results[method][eta].append(run)
-    return {
-        "experiment": "staleness_ablation",
-        "command": "benchmarks/staleness_ablation.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "settings": settings.model_dump(),
-        "samples_per_run": settings.samples,
-        "etas": args.etas,
-        "seeds": list(range(args.first_seed, args.first_seed + args.seeds)),
-        "methods": METHODS,
-        "staleness": {"eta=k": "batch i sampled with version max(0, i-k)",
-                      UNBOUNDED: f"batch i sampled with version i // {UNBOUNDED_SPEEDUP}"},
-        "engine": "transformers (HFEngine), float32; learner float32",
-        "model": lib.model_record(model_dir),
-        "machine": lib.machine_info(),
-        "wall_seconds": round(time.perf_counter() - started, 1),
-        "summary": summarise(results, args.etas),
-        "runs": results,
-    }
+    return lib.result_record(
+        "staleness_ablation", argv, settings, model_dir, started,
+        etas=args.etas,
+        seeds=list(range(args.first_seed, args.first_seed + args.seeds)),
+        methods=METHODS,
+        staleness={"eta=k": "batch i sampled with version max(0, i-k)",
+                   UNBOUNDED: f"batch i sampled with version i // {UNBOUNDED_SPEEDUP}"},
+        engine="transformers (HFEngine), float32; learner float32",
+        summary=summarise(results, args.etas),
+        runs=results,
+    )
 
 
 def main(argv: list[str] | None = None) -> dict:
