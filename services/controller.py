@@ -547,7 +547,7 @@ class Controller:
             metric_log.write(record)
             if self.exporter is not None:
                 self.exporter.record_step(record, version=self.version)  # staleness: from the buffer's stats
-                self.exporter.record_buffer_stats({**self.buffer.client.stats(), "restarts": self.buffer.restarts()})
+                self.exporter.record_buffer_stats({**self.buffer.client.stats(), "restarts": record["buffer/restarts"]})
                 for stats in self.worker_stats(timeout=5.0):
                     self.exporter.record_worker_stats(stats["worker_id"], stats)
             progress.update(1)
