@@ -15,7 +15,7 @@ timeout 0 and parks waiting requests itself.
 the gate's, which are restored from the log):
   version                      learner weight version i
   eta, batch_size, max_concurrent, store_capacity_groups   settings
-  capacity                     permits grantable now (the η formula)
+  capacity                     permits grantable now: the η formula, within the store's free room
   running                      permits held (generations in flight)
   enqueued                     acquire requests waiting for capacity
   accepted                     counter: groups accepted (recovery sets it to v·B)
@@ -137,10 +137,21 @@ class BufferCore:
         with self._lock:
             self._tick_locked()
             known = permit_id is not None and permit_id in self.gate.permits
+            if not known and self._store_room() <= 0:
+                return None  # no room for its group: wait, rather than generate a push refused as full
             permit = self.gate.try_acquire(worker_id, self.clock(), permit_id)
             if permit is not None and not known:
                 self._append({"op": "acquire", "permit": permit.to_dict()})
             return permit
+
+    def _store_room(self) -> int:
+        """Groups the store can still take beyond those held and those being generated."""
+        return self.store.capacity_groups - self.store.groups_held - self.gate.running
+
+    def capacity(self) -> int:
+        """Permits grantable now: the gate's η formula, and room in the store for their groups."""
+        with self._lock:
+            return min(self.gate.capacity(), self._store_room())
 
     def start_gate_wait(self) -> None:
         """An acquire request starts waiting for capacity (the ZMQ server parks it)."""
@@ -361,7 +372,7 @@ class BufferCore:
             return {
                 "version": gate.version, "eta": gate.eta, "batch_size": gate.batch_size,
                 "max_concurrent": gate.max_concurrent, "store_capacity_groups": store.capacity_groups,
-                "capacity": gate.capacity(), "running": gate.running, "enqueued": self.enqueued,
+                "capacity": self.capacity(), "running": gate.running, "enqueued": self.enqueued,
                 "accepted": gate.accepted, "rejected": gate.rejected,
                 "permits_released": gate.released, "permits_reclaimed": gate.reclaimed,
                 "next_ticket": gate.next_ticket, "free_tickets": len(gate.free_tickets),

@@ -64,11 +64,31 @@ def test_one_bad_group_refuses_the_whole_push(spoil, error, words):
 
 
 def test_a_push_that_does_not_fit_is_refused_whole():
-    core = new_core(capacity_groups=2)
+    core = new_core(capacity_groups=3)
     permits = core.acquire_permits("w", [new_id() for _ in range(3)])
+    core.store.capacity_groups = 2  # as after a restart with a smaller store: the permits no longer fit
     with pytest.raises(RequestError, match="buffer full"):
         core.push_groups([encode_group(make_group(p.ticket)) for p in permits], [p.permit_id for p in permits])
     assert core.stats()["groups_ready"] == 0
+
+
+def test_permits_wait_for_room_in_the_store():
+    """eta = None leaves the store's size as the only bound: a permit is granted only while its
+    group will fit (held + running < capacity), so no generation ends in a push refused as full."""
+    core = new_core(capacity_groups=3, batch_size=1, eta=None)
+    permits = core.acquire_permits("w", [new_id() for _ in range(5)])
+    assert len(permits) == 3 and core.stats()["capacity"] == 0
+    core.push_groups([encode_group(make_group(p.ticket)) for p in permits[:2]], [p.permit_id for p in permits[:2]])
+    assert core.acquire_permits("w", [new_id()]) == [], "2 held + 1 running fill the store"
+    lease = core.pull_batch(2)
+    assert core.acquire_permits("w", [new_id()]) == [], "leased groups still take room"
+    got = {}
+    waiter = threading.Thread(target=lambda: got.update(p=core.acquire_permits("w", [new_id()], timeout=20)))
+    waiter.start()
+    core.ack(lease.lease_id)
+    waiter.join(20)
+    assert len(got["p"]) == 1, "an ack frees room and wakes a waiting acquire"
+    assert core.stats()["request_errors"].get("buffer_full", 0) == 0
 
 
 def test_service_round_trip_and_a_parked_bulk_acquire():
