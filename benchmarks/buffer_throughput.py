@@ -3,11 +3,17 @@
 1. Raw pair: producers send groups of 4 KB samples over a ZMQ PUSH/PULL pair, encoded and decoded
    (with validation) by the same codec, no service logic: the transport ceiling.
 2. Service: the same producers go through the real buffer process on loopback the way a rollout
-   worker does (take the permits of one engine batch, generate, push their groups and take the
-   next permits in one request: one round trip per batch), a learner pulls batches and acks them. Measured
-   with the worker's default of 4 groups per request and with the one-group protocol.
-   Prints samples/s of both, their ratio (goal >= 0.5), CPU per sample by process and p50/p99 of
-   the push round trip.
+   worker does (take the permits of one engine batch in one request, push their groups in one
+   request), a learner pulls batches of B groups and acks each. Request patterns, each its own run:
+   - one group per request (the protocol's floor);
+   - the embedded default run's sizes: 4-group engine batches, B = 8 (--groups-per-request,
+     --batch-groups);
+   - the same, with the next permits taken in the push's round trip (`push_and_acquire`);
+   - GPU-scale sizes (--large, default 16-group engine batches, B = 32): a vLLM engine on a GPU
+     batches far more than the CPU demo, and learners step on tens to hundreds of groups.
+   Prints samples/s, the ratio to the raw pair (goal >= 0.5), CPU per sample by process and
+   p50/p99 of the push round trip. On a machine with fewer cores than processes the stages share
+   the cores, so the ratio follows the CPU ratio.
 3. Memory: resident memory the buffer process gains holding 10,000 such samples, against their
    raw array bytes (goal <= 1.5x).
 
@@ -15,7 +21,7 @@ The machine may be shared: raw and service runs alternate for --rounds rounds an
 are compared, so a burst of outside load does not land on one side only.
 
     python benchmarks/buffer_throughput.py [--samples 24000] [--group-size 8] [--producers 4] [--rounds 3]
-                                           [--groups-per-request 4]
+                                           [--groups-per-request 4] [--batch-groups 8] [--large 16/32]
 """
 from __future__ import annotations
 
@@ -234,21 +240,24 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--producers", type=int, default=4, help="rollout workers pushing at once")
-    parser.add_argument("--batch-groups", type=int, default=8, help="groups per learner pull")
+    parser.add_argument("--batch-groups", type=int, default=8, help="groups per learner pull (B of the default run)")
     parser.add_argument("--groups-per-request", type=int, default=4,
                         help="permits taken and groups pushed per request (the rollout worker's groups_per_batch "
-                             "default); the one-group protocol is measured too")
+                             "default)")
+    parser.add_argument("--large", default="16/32", help="GPU-scale sizes: groups per request / groups per pull")
     parser.add_argument("--memory-samples", type=int, default=10000)
     args = parser.parse_args()
     groups = args.samples // args.group_size
     sample_bytes = PROMPT_TOKENS * 4 + RESPONSE_TOKENS * 13
     print(f"samples of {sample_bytes} bytes, groups of {args.group_size}, {args.producers} producer processes, "
           f"{groups * args.group_size} samples per run, {os.cpu_count()} CPUs, loadavg {os.getloadavg()[0]:.1f}")
-    k = args.groups_per_request
-    # (label, groups per request, pipelined)
-    patterns = [("one group per request", 1, False),
-                (f"{k} groups per request (the rollout worker's requests)", k, False),
-                (f"{k} groups per request, next permits taken with the push", k, True)]
+    k, b = args.groups_per_request, args.batch_groups
+    large_k, large_b = (int(x) for x in args.large.split("/"))
+    # (label, groups per request, groups per pull, pipelined)
+    patterns = [(f"one group per request, B = {b}", 1, b, False),
+                (f"default run sizes: {k} groups per request (the rollout worker's requests), B = {b}", k, b, False),
+                (f"the same, next permits taken with the push", k, b, True),
+                (f"GPU-scale sizes: {large_k} groups per request, B = {large_b}", large_k, large_b, False)]
     raws, raw_cpu = [], []
     service = {p: {"rate": [], "p50": [], "p99": [], "cpu": []} for p in patterns}
     with tempfile.TemporaryDirectory() as tmp:
@@ -258,8 +267,9 @@ def main() -> None:
             raws.append(rate)
             raw_cpu.append(cpu)
             for pattern in patterns:
-                rate, p50, p99, cpu = run_service(workdir, groups, args.group_size, args.producers, args.batch_groups,
-                                                  pattern[1], pattern[2])
+                _, per_request, pull, pipelined = pattern
+                rate, p50, p99, cpu = run_service(workdir, groups, args.group_size, args.producers, pull, per_request,
+                                                  pipelined)
                 for key, value in (("rate", rate), ("p50", p50), ("p99", p99), ("cpu", cpu)):
                     service[pattern][key].append(value)
             print(f"round {round_ + 1}/{args.rounds}: raw {raws[-1]:.0f} samples/s, service "

@@ -1,0 +1,32 @@
+"""benchmarks/buffer_throughput.py in its smallest mode: it runs end to end against the real buffer
+process and prints every measured line (samples/s and ratio per request pattern, CPU split,
+round trips, memory). It asserts the report is complete and consistent, never a speed."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_throughput_script_reports_every_pattern():
+    out = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "buffer_throughput.py"), "--samples", "640", "--rounds", "1",
+         "--producers", "2", "--memory-samples", "160", "--large", "8/16"],
+        capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-3000:]
+    text = out.stdout
+    raw = float(re.search(r"raw PUSH/PULL \+ codec :\s+(\d+) samples/s", text).group(1))
+    assert raw > 0
+    patterns = re.findall(r"buffer service, (.+):\n  samples/s\s+:\s+(\d+).*\n  ratio service/raw\s+:\s+([\d.]+)", text)
+    labels = [label for label, _, _ in patterns]
+    assert len(patterns) == 4, text
+    assert labels[0].startswith("one group per request") and labels[3].startswith("GPU-scale sizes: 8 groups")
+    for _, rate, ratio in patterns:
+        assert float(rate) > 0
+        assert abs(float(ratio) - round(float(rate) / raw, 2)) <= 0.011  # the ratio is of the printed rates
+    assert len(re.findall(r"CPU per sample\s+: \d+ us .*learner \d+ us, server \d+ us, producers \d+ us", text)) == 4
+    memory = re.search(r"memory for 160 samples : ([\d.]+) MB resident vs ([\d.]+) MB raw arrays = ([\d.]+)x", text)
+    assert memory and float(memory.group(2)) > 0
