@@ -23,7 +23,9 @@ class GateConfig(_Strict):
     """The η admission gate. batch_size B is counted in groups (one group = one prompt)."""
 
     batch_size: int = Field(8, ge=1)
-    eta: int | None = Field(4, ge=0, description="max staleness in versions; 0 = synchronous, None = unbounded")
+    # 2, not AReaL's 4 (the `coding` preset): with rollouts outpacing the learner the window stays
+    # full, and in the embedded run eta = 4 then learned less than 1 or 2 (docs/results.md)
+    eta: int | None = Field(2, ge=0, description="max staleness in versions; 0 = synchronous, None = unbounded")
     max_concurrent: int = Field(64, ge=1, description="max permits held at once (generations in flight)")
     permit_lease_s: float = Field(600.0, gt=0, description="a permit not used or released by then is reclaimed")
 

@@ -44,9 +44,11 @@ def step_records(run_dir):
 
 
 def test_async_run_learns_and_stays_within_eta(ray_cluster, tmp_path):
-    eta, prompts = 4, 300
-    cfg = e2e_config(tmp_path / "run", f"buffer.gate.eta={eta}", "run.steps=200", "run.eval_every=0",
-                     "run.checkpoint_every=0", f"eval.num_prompts={prompts}", "eval.n_samples=4")
+    prompts = 300
+    cfg = e2e_config(tmp_path / "run", "run.steps=200", "run.eval_every=0", "run.checkpoint_every=0",
+                     f"eval.num_prompts={prompts}", "eval.n_samples=4")
+    eta = cfg.eta  # the default: whether the window fills depends on this machine's speeds, the bound does not
+    assert eta >= 1
     result = run_training(cfg)
     assert result.completed and result.version == cfg.run.steps
 

@@ -47,7 +47,8 @@ while True:  # the agents open their ports a little after ray.init returns
                 name = "?"
             sockets.append([c.laddr.ip, c.laddr.port, name])
     names = " ".join(s[2] for s in sockets)
-    if all(part in names for part in ("gcs_server", "raylet", "DashboardAgent", "RuntimeEnvAgent")) \
+    # the actor's worker is renamed ray::Probe a moment after its first task too
+    if all(part in names for part in ("gcs_server", "raylet", "DashboardAgent", "RuntimeEnvAgent", "ray::Probe")) \
             or time.time() > deadline:
         break
     time.sleep(1)

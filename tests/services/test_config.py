@@ -8,7 +8,7 @@ from services.config import (
 
 def test_default_config_is_the_embedded_async_run():
     cfg = load_config()
-    assert cfg.mode == "async" and cfg.eta == 4
+    assert cfg.mode == "async" and cfg.eta == 2
     assert cfg.run.model == "tiny" and cfg.learner.model_path == "tiny"
     assert cfg.buffer.transport == "ray"
     assert cfg.ray.address == "local"
@@ -22,9 +22,9 @@ def test_overrides_are_typed_by_yaml_then_by_the_field():
     assert parse_override("learner.betas=[0.9, 0.95]") == ("learner.betas", [0.9, 0.95])
     assert parse_override("buffer.gate.eta=null") == ("buffer.gate.eta", None)
     assert parse_override("run.progress=false") == ("run.progress", False)
-    cfg = load_config(None, ["learner.lr=3e-5", "buffer.gate.eta=2", "run.steps=7", "run.progress=false",
+    cfg = load_config(None, ["learner.lr=3e-5", "buffer.gate.eta=3", "run.steps=7", "run.progress=false",
                              "learner.rollout_correction=decoupled_seq_is"])
-    assert cfg.learner.lr == pytest.approx(3e-5) and cfg.eta == 2 and cfg.run.steps == 7
+    assert cfg.learner.lr == pytest.approx(3e-5) and cfg.eta == 3 and cfg.run.steps == 7
     assert cfg.run.progress is False
     assert cfg.learner.rollout_correction.rollout_is == "sequence"
 
