@@ -50,7 +50,6 @@ from buffer.sample import new_id
 from buffer.store import GroupStore, Lease
 
 _WAIT_SLICE_S = 0.25  # blocked callers re-check leases and deadlines at least this often
-_EXPIRY_CHECK_S = 0.005  # expiry scans are O(permits + leases): at most one per this interval
 
 
 @dataclass
@@ -79,7 +78,6 @@ class BufferCore:
         self.config = config
         self.limits = config.limits
         self.clock = clock
-        self._next_expiry_check = float("-inf")
         g = config.gate
         self.gate = AdmissionGate(g.batch_size, g.eta, g.max_concurrent, g.permit_lease_s)
         self.store = GroupStore(config.store.capacity_groups, config.store.lease_s)
@@ -345,11 +343,6 @@ class BufferCore:
 
     def _tick_locked(self) -> bool:
         now = self.clock()
-        if self.log is not None:
-            self.log.sync_if_due()
-        if now < self._next_expiry_check:  # leases run for minutes: a few ms late is nothing
-            return False
-        self._next_expiry_check = now + _EXPIRY_CHECK_S
         reclaimed = self.gate.reclaim_expired(now)
         for permit in reclaimed:
             self._append({"op": "release", "permit": permit.permit_id})
@@ -357,6 +350,8 @@ class BufferCore:
         self.counters.leases_expired += len(expired)
         for lease in expired:
             self._append({"op": "nack", "lease": lease.lease_id})
+        if self.log is not None:
+            self.log.sync_if_due()
         return bool(reclaimed or expired)
 
     def next_deadline(self) -> float | None:
