@@ -31,7 +31,7 @@ VENV_BIN = Path(sys.executable).parent
 
 # A few steps of the tiny model, cheap evaluation; the same overrides a laptop smoke test would use.
 STEPS, GROUPS, GROUP_SIZE = 2, 2, 4
-ETA = 4  # the embedded default's bound
+ETA = 2  # the embedded default's bound
 TINY_RUN = [f"run.steps={STEPS}", f"buffer.gate.batch_size={GROUPS}", f"rollout.sampling.n={GROUP_SIZE}",
             "eval.num_prompts=4", "eval.n_samples=0", "run.eval_every=0", "run.checkpoint_every=0",
             "run.progress=false", f"run.cache_dir={REPO / '.cache'}",
