@@ -146,7 +146,7 @@ class BufferCore:
 
     def _store_room(self) -> int:
         """Groups the store can still take beyond those held and those being generated."""
-        return self.store.capacity_groups - self.store.groups_held - self.gate.running
+        return self.store.room() - self.gate.running
 
     def capacity(self) -> int:
         """Permits grantable now: the gate's η formula, and room in the store for their groups."""

@@ -80,8 +80,12 @@ class GroupStore:
         raise RequestError(f"group {group_id!r} overlaps an accepted group (reused group id or sample ids "
                            "with different content)", "conflicting_push")
 
+    def room(self) -> int:
+        """Groups the store can still take (capacity minus ready and leased)."""
+        return self.capacity_groups - self.groups_held
+
     def check_room(self, groups: int = 1) -> None:
-        if groups and self.groups_held + groups > self.capacity_groups:
+        if groups and groups > self.room():
             raise RequestError(f"buffer full ({self.groups_held} of {self.capacity_groups} groups, {groups} more "
                                "pushed)", "buffer_full")
 
