@@ -3,12 +3,14 @@
 1. Raw pair: producers send groups of 4 KB samples over a ZMQ PUSH/PULL pair, encoded and decoded
    (with validation) by the same codec, no service logic: the transport ceiling.
 2. Service: the same producers go through the real buffer process on loopback the way a rollout
-   worker does (take the permits of one engine batch in one request, push their groups in one
-   request), a learner pulls batches of B groups and acks each. Request patterns, each its own run:
-   - one group per request (the protocol's floor);
+   worker does (push the groups of one engine batch in one request, which also takes the permits
+   of the next batch: `push_and_acquire`), and a learner pulls batches of B groups and ends each
+   step as the controller does (`ack` with the new version, one request). Request patterns, each
+   its own run:
+   - one group per request, permit and push apart (the protocol's floor);
    - the embedded default run's sizes: 4-group engine batches, B = 8 (--groups-per-request,
-     --batch-groups);
-   - the same, with the next permits taken in the push's round trip (`push_and_acquire`);
+     --batch-groups), the worker's requests;
+   - the same with the permits taken in a request of their own (the worker before it pipelined);
    - GPU-scale sizes (--large, default 16-group engine batches, B = 32): a vLLM engine on a GPU
      batches far more than the CPU demo, and learners step on tens to hundreds of groups.
    Prints samples/s, the ratio to the raw pair (goal >= 0.5), CPU per sample by process and
@@ -94,8 +96,8 @@ def raw_producer(endpoint: str, groups: int, group_size: int, seed: int, start, 
 def service_producer(endpoint: str, groups: int, group_size: int, per_request: int, pipelined: bool, seed: int,
                      start, rtts) -> None:
     """Take up to `per_request` permits (what a worker generates in one engine batch), build their
-    groups, push them in one request. `pipelined`: the push also takes the next permits
-    (`push_and_acquire`, one round trip per batch instead of two)."""
+    groups, push them in one request. `pipelined` (the rollout worker's way): the push also takes
+    the next permits (`push_and_acquire`, one round trip per batch instead of two)."""
     rng = np.random.default_rng(seed)
     templates = [make_group(0, group_size, rng) for _ in range(min(groups, 64))]
     client = BufferClient(endpoint)
@@ -181,10 +183,11 @@ def run_service(workdir: Path, total_groups: int, group_size: int, producers: in
     server_cpu0 = server_cpu(server_proc)
     start.set()
     t0, cpu0 = time.perf_counter(), time.process_time()
-    samples, groups = 0, 0
+    samples, groups, version = 0, 0, 0
     while groups < per * producers:
         batch = learner.pull_batch(min(batch_groups, per * producers - groups), timeout=30)
-        learner.ack(batch.lease_id)
+        version += 1
+        learner.ack(batch.lease_id, version=version)  # the controller's step end: consumed, new version
         groups += len(batch.groups)
         samples += len(batch.samples)
     elapsed = time.perf_counter() - t0
@@ -254,10 +257,12 @@ def main() -> None:
     k, b = args.groups_per_request, args.batch_groups
     large_k, large_b = (int(x) for x in args.large.split("/"))
     # (label, groups per request, groups per pull, pipelined)
-    patterns = [(f"one group per request, B = {b}", 1, b, False),
-                (f"default run sizes: {k} groups per request (the rollout worker's requests), B = {b}", k, b, False),
-                (f"the same, next permits taken with the push", k, b, True),
-                (f"GPU-scale sizes: {large_k} groups per request, B = {large_b}", large_k, large_b, False)]
+    patterns = [(f"one group per request, permit and push apart, B = {b}", 1, b, False),
+                (f"default run sizes: {k} groups per request, next permits taken with the push (the rollout "
+                 f"worker's requests), B = {b}", k, b, True),
+                (f"the same, permits taken in a request of their own", k, b, False),
+                (f"GPU-scale sizes: {large_k} groups per request (the worker's requests), B = {large_b}", large_k,
+                 large_b, True)]
     raws, raw_cpu = [], []
     service = {p: {"rate": [], "p50": [], "p99": [], "cpu": []} for p in patterns}
     with tempfile.TemporaryDirectory() as tmp:

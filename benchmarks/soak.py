@@ -100,9 +100,8 @@ def service_arena(seconds: float, workdir: Path, rng: random.Random, tally: Tall
                 if batch is None:
                     continue
                 time.sleep(0.02)  # "training"
-                learner_client.ack(batch.lease_id)
+                learner_client.ack(batch.lease_id, version=batch.version + 1)
                 consumptions.append(Consumption.of_batch(batch))
-                learner_client.set_version(batch.version + 1)
         except Exception as exc:  # noqa: BLE001
             errors.append(f"learner: {exc}")
 

@@ -93,9 +93,11 @@ class BufferClient:
         groups = [decode_group(unpack_frames(packed), self.limits) for packed in frames]
         return PulledBatch(result["lease_id"], groups, result["dropped_stale"], result["version"])
 
-    def ack(self, lease_id: str) -> int:
-        """The batch was trained on: its groups are consumed. Returns the number of groups."""
-        return self._call("ack", {"lease_id": lease_id})[0]
+    def ack(self, lease_id: str, version: int | None = None) -> int:
+        """The batch was trained on: its groups are consumed. Returns the number of groups. With
+        `version`, also the learner's new weight version (`set_version`), in the same request."""
+        args = {"lease_id": lease_id} if version is None else {"lease_id": lease_id, "version": int(version)}
+        return self._call("ack", args)[0]
 
     def nack(self, lease_id: str) -> int:
         """Hand a leased batch back; its groups are pulled again, oldest first."""

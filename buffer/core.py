@@ -305,8 +305,19 @@ class BufferCore:
         self.counters.dropped_samples["stale"] += sum(len(g.sample_ids) for g in dropped)
         self._maybe_compact()
 
-    def ack(self, lease_id: str) -> int:
-        """The learner trained on the lease: its groups are consumed, exactly once."""
+    def ack(self, lease_id: str, version: int | None = None) -> int:
+        """The learner trained on the lease: its groups are consumed, exactly once. With `version`,
+        the learner's new weight version is set right after (`set_version`): the end of a learner
+        step in one request."""
+        with self._lock:
+            if version is not None and version < self.gate.version:
+                self.gate.set_version(version)  # refused (version_regression) before anything changes
+            consumed = self._ack(lease_id)
+            if version is not None:
+                self.set_version(version)
+            return consumed
+
+    def _ack(self, lease_id: str) -> int:
         with self._lock:
             lease = self.store.ack(lease_id, self.clock())
             if isinstance(lease, int):

@@ -2,8 +2,8 @@
 
 Requests are `[header, *payload]` (`buffer.codec`), header = {"v", "id", "op", "args"}; the reply
 echoes "id" with {"ok": true, "result": ...} or {"ok": false, "error": {"reason", "message"}}.
-Operations: acquire_permits, release_permit, push_groups, pull_batch, ack, nack, set_version,
-recover, stats, health. acquire_permits and pull_batch long-poll: a request that cannot be served
+Operations: acquire_permits, release_permit, push_groups, pull_batch, ack (which can also set
+the version: a learner step ends in one request), nack, set_version, recover, stats, health. acquire_permits and pull_batch long-poll: a request that cannot be served
 yet is parked until it can or until its timeout, while the loop keeps serving others. A worker
 takes the permits of one engine batch in one request and pushes their groups in one request
 (one packed group per payload frame), which can also take its next permits (`next_permit_ids`,
@@ -77,7 +77,7 @@ _OP_ARGS = {
     "release_permit": {"permit_id": _REQUIRED},
     "push_groups": {"permit_ids": _REQUIRED, "worker_id": None, "next_permit_ids": None},
     "pull_batch": {"batch_size": _REQUIRED, "timeout": 0.0, "lease_id": None},
-    "ack": {"lease_id": _REQUIRED},
+    "ack": {"lease_id": _REQUIRED, "version": None},
     "nack": {"lease_id": _REQUIRED},
     "set_version": {"version": _REQUIRED},
     "recover": {"version": _REQUIRED},
@@ -275,7 +275,7 @@ class BufferServer:
         return meta, result.groups  # one packed group per frame
 
     def _ack(self, identity, request_id, args, _payload):
-        return self.core.ack(args["lease_id"]),
+        return self.core.ack(args["lease_id"], args["version"]),
 
     def _nack(self, identity, request_id, args, _payload):
         return self.core.nack(args["lease_id"]),

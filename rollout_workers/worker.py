@@ -3,9 +3,11 @@
 A plain class; services makes it a Ray actor (`ray.remote(RolloutWorker)`, with max_restarts and
 max_concurrency > 1 so `stop()` and `stats()` run while `run()` loops). The loop:
   1. load new weights if the store has a newer version (between generations);
-  2. acquire a permit (the η gate; its ticket picks the prompt);
-  3. generate a group of n, score it, tag every sample (weight_version, token_versions,
-     worker_id) and push it under the permit;
+  2. acquire permits for one engine batch (the η gate; each ticket picks a prompt), unless the
+     last push already brought them;
+  3. generate a group of n per permit, score it, tag every sample (weight_version,
+     token_versions, worker_id) and push the groups under their permits, taking the next
+     batch's permits in the same request (one request per batch while the gate is open);
   4. on any failure release the permit (its ticket is reissued) and carry on.
 With `interrupt_on_update`, a new version aborts the generation in flight; the worker loads the
 weights and continues each unfinished response from where it stopped, so its earlier tokens keep
@@ -234,49 +236,62 @@ class RolloutWorker:
         with self._running:
             self._ensure_started()
             self._started_at = time.time()  # rates count from the first generation, not start-up
-            pushed = 0
-            while not self._stop.is_set() and (max_groups is None or pushed < max_groups):
-                if self.load_latest_weights():
-                    log.info("%s: loaded weights version %d", self.worker_id, self.engine.version)
-                permits = self._acquire_permits()
-                if permits:
-                    pushed += self._run_permits(permits)
+            pushed, permits = 0, []
+            try:
+                while not self._stop.is_set() and (max_groups is None or pushed < max_groups):
+                    if self.load_latest_weights():
+                        log.info("%s: loaded weights version %d", self.worker_id, self.engine.version)
+                    permits = permits or self._acquire_permits()
+                    if permits:
+                        more = self.config.groups_per_batch  # permits to take with the push
+                        if max_groups is not None:
+                            more = min(more, max_groups - pushed - len(permits))
+                        batch, permits = permits, []  # _run_permits owns them now
+                        done, permits = self._run_permits(batch, more)
+                        pushed += done
+            finally:
+                for permit in permits:  # taken with the last push, never generated
+                    self._release(permit.permit_id)
             return self.stats()
 
     def _acquire_permits(self) -> list:
-        """One request: wait for a permit, and take up to groups_per_batch - 1 more that are free now.
-        (Not `push_and_acquire`, which takes the next permits with the push, one round trip less:
-        in the e2e run that let the worker fill the whole eta window, mean staleness 1.8 -> 3.9 at
-        eta = 4, and the run stopped learning within its 200 steps. Kept out until understood.)"""
+        """One request: wait for a permit, and take up to groups_per_batch - 1 more that are free
+        now. Only when the last push brought no permits (the gate was closed, or at start)."""
         waited = time.perf_counter()
         permits = self.client.acquire_permits(self.worker_id, self.config.groups_per_batch,
                                               timeout=self.config.acquire_timeout_s)
         self.counters["gate_blocked_s"] += time.perf_counter() - waited
         return permits
 
-    def _run_permits(self, permits: list) -> int:
-        """Generate and push a group per permit; every permit not consumed by a push is released."""
+    def _run_permits(self, permits: list, next_count: int) -> tuple[int, list]:
+        """Generate and push a group per permit; the push also takes up to `next_count` permits
+        for the next engine batch (`push_and_acquire`: one request per batch while the gate is
+        open). Returns (groups pushed, next permits). Every permit not consumed by a push is
+        released."""
         pushed = 0
         try:
             # A permit granted at learner version v needs weights >= v (the gate moves to v just
             # before v is published): else its samples start stale and, at η = 0, are all dropped.
             self._wait_for_weights(max(p.version for p in permits))
             groups = self.generate_groups([p.ticket for p in permits])
-            self.client.push_groups(groups, [p.permit_id for p in permits])  # all or nothing
+            count = 0 if self._stop.is_set() else next_count
+            _, next_permits = self.client.push_and_acquire(groups, [p.permit_id for p in permits], self.worker_id,
+                                                           count)  # the push is all or nothing
             pushed = len(groups)
             self.counters["groups_total"] += pushed
+            return pushed, next_permits
         except BaseException as err:
             for permit in permits[pushed:]:
                 self._release(permit.permit_id)
             if isinstance(err, StopRequested):
-                return pushed
+                return pushed, []
             if not isinstance(err, Exception):
                 raise  # KeyboardInterrupt, SystemExit: the permits are back, now go
             self.counters["failed_generations_total"] += 1
             self.last_error = f"{type(err).__name__}: {err}"
             log.warning("%s: tickets %s failed: %s", self.worker_id, [p.ticket for p in permits[pushed:]], self.last_error)
             self._stop.wait(self.config.error_backoff_s)
-        return pushed
+        return pushed, []
 
     def _release(self, permit_id: str) -> None:
         try:

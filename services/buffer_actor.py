@@ -95,8 +95,8 @@ class BufferActor:
     def pull_batch(self, batch_size: int, timeout: float = 0.0, lease_id: str | None = None) -> PullResult | None:
         return self.core.pull_batch(batch_size, timeout, lease_id)
 
-    def ack(self, lease_id: str) -> int:
-        return self.core.ack(lease_id)
+    def ack(self, lease_id: str, version: int | None = None) -> int:
+        return self.core.ack(lease_id, version)
 
     def nack(self, lease_id: str) -> int:
         return self.core.nack(lease_id)
@@ -214,8 +214,8 @@ class RayBufferClient:
         groups = [decode_group(unpack_frames(packed), self.config.limits) for packed in result.groups]
         return PulledBatch(result.lease_id, groups, result.dropped_stale, result.version)
 
-    def ack(self, lease_id: str) -> int:
-        return self._call("ack", lease_id)
+    def ack(self, lease_id: str, version: int | None = None) -> int:
+        return self._call("ack", lease_id, None if version is None else int(version))
 
     def nack(self, lease_id: str) -> int:
         return self._call("nack", lease_id)

@@ -571,10 +571,9 @@ class Controller:
         metrics = self.learner.train_step(batch.groups)
         t_train = time.perf_counter()
         self.version = int(metrics.get("learner/version", self.version + 1))
-        client.ack(batch.lease_id)
-        # The gate learns the version before workers can load it, or their first groups at the
-        # new version would be refused as "ahead of the learner" and their work thrown away.
-        client.set_version(self.version)
+        # The batch is consumed and the gate learns the new version (one request) before workers
+        # can load it, or their first groups at it would be refused as "ahead of the learner".
+        client.ack(batch.lease_id, version=self.version)
         sync_s = self._publish()
         self.step += 1
         t_end = time.perf_counter()

@@ -148,3 +148,45 @@ def test_service_push_and_acquire():
             assert worker.stats()["running"] == 2
     finally:
         server.stop()
+
+
+def test_ack_with_a_version_ends_a_learner_step_in_one_request():
+    """ack(lease, version): the batch is consumed and the gate moves to the learner's new version,
+    which admits the next batch's permits. A retried request changes nothing; a refused one
+    changes nothing either."""
+    core = new_core(eta=0)
+    permits = core.acquire_permits("w", [new_id() for _ in range(3)])
+    assert len(permits) == 2, "eta = 0: one batch of B = 2"
+    core.push_groups([encode_group(make_group(p.ticket)) for p in permits], [p.permit_id for p in permits])
+    lease = core.pull_batch(2).lease_id
+    assert core.ack(lease, version=1) == 2
+    stats = core.stats()
+    assert (stats["version"], stats["consumed_groups"], stats["capacity"]) == (1, 2, 2)
+    assert core.ack(lease, version=1) == 2 and core.stats()["consumed_groups"] == 2, "a retry is a no-op"
+    with pytest.raises(RequestError, match="unknown lease"):
+        core.ack("forged", version=2)
+    with pytest.raises(RequestError) as info:
+        core.ack(lease, version=0)
+    assert info.value.reason == "version_regression"
+    assert core.stats()["version"] == 1, "neither refused request moved the version"
+
+
+def test_service_ack_with_a_version_wakes_a_parked_acquire():
+    server = BufferServer(BufferConfig(port=0, gate=GateConfig(batch_size=2, eta=0))).start()
+    try:
+        with BufferClient(server.endpoint) as worker, BufferClient(server.endpoint) as learner:
+            permits = worker.acquire_permits("w", 2)
+            worker.push_groups([make_group(p.ticket) for p in permits], [p.permit_id for p in permits])
+            got = {}
+            waiting = threading.Thread(target=lambda: got.update(more=worker.acquire_permits("w", 2, timeout=20)))
+            waiting.start()
+            assert wait_until(lambda: learner.stats()["enqueued"] == 1)
+            assert learner.ack(learner.pull_batch(2, timeout=5).lease_id, version=1) == 2
+            waiting.join(10)
+            assert [p.ticket for p in got["more"]] == [2, 3]
+            assert learner.stats()["version"] == 1
+            with pytest.raises(RemoteError) as info:
+                learner.ack(new_id(), version=2)
+            assert info.value.reason == "unknown_lease" and learner.stats()["version"] == 1
+    finally:
+        server.stop()

@@ -82,6 +82,50 @@ def test_worker_pushes_scored_tagged_groups(tiny_model_dir, vllm_engine, hf_mode
     worker.close()
 
 
+class CountingClient:
+    """The real buffer client, recording which requests the worker makes (and, optionally, asking
+    the worker to stop right after a push)."""
+
+    def __init__(self, client, stop_after_push=None):
+        self.client, self.requests, self.stop_after_push = client, [], stop_after_push
+
+    def __getattr__(self, name):
+        method = getattr(self.client, name)
+
+        def counted(*args, **kwargs):
+            self.requests.append(name)
+            result = method(*args, **kwargs)
+            if name == "push_and_acquire" and self.stop_after_push is not None:
+                self.stop_after_push.set()
+            return result
+        return counted
+
+
+def test_worker_takes_the_next_permits_with_its_push(tiny_model_dir, vllm_engine, buffer):
+    """While the gate is open, one request per engine batch: the push brings the next permits."""
+    client = CountingClient(buffer)
+    worker = RolloutWorker(config(tiny_model_dir, groups_per_batch=2), "worker-p", client, WeightStore(),
+                           engine=vllm_engine)
+    stats = worker.run(max_groups=6)
+    assert client.requests == ["acquire_permits"] + ["push_and_acquire"] * 3
+    assert stats["groups_total"] == 6 and stats["permits_released_total"] == 0
+    buffer_stats = buffer.stats()
+    assert (buffer_stats["accepted"], buffer_stats["running"]) == (6, 0), "no permit taken beyond max_groups"
+    assert sorted(g.prompt_index for g in pull_all(buffer, 6)) == list(range(6))
+    worker.close()
+
+
+def test_permits_taken_with_the_last_push_are_released_on_stop(tiny_model_dir, vllm_engine, buffer):
+    worker = RolloutWorker(config(tiny_model_dir, groups_per_batch=2), "worker-q", None, WeightStore(),
+                           engine=vllm_engine)
+    worker.client = CountingClient(buffer, stop_after_push=worker._stop)
+    stats = worker.run()
+    assert stats["groups_total"] == 2 and stats["permits_released_total"] == 2
+    buffer_stats = buffer.stats()
+    assert (buffer_stats["running"], buffer_stats["permits_released"], buffer_stats["free_tickets"]) == (0, 2, 2)
+    worker.close()
+
+
 def test_worker_loads_published_weights_before_generating(tiny_model_dir, vllm_engine, buffer, tmp_path,
                                                            restore_vllm_weights):
     """A (re)started worker resumes with the store's current weights, from a folder payload."""
