@@ -84,10 +84,17 @@ class BufferClient:
         payload = [pack_frames(encode_group(g)) for g in groups]
         return self._call("push_groups", {"permit_ids": list(permit_ids), **more_args}, payload)[0]
 
-    def pull_batch(self, batch_size: int, timeout: float = 0.0) -> PulledBatch | None:
-        """The `batch_size` oldest groups under a lease, or None if fewer are ready within `timeout`."""
-        result, frames = self._call("pull_batch", {"batch_size": int(batch_size), "timeout": float(timeout),
-                                                   "lease_id": new_id()}, wait=timeout)
+    def pull_batch(self, batch_size: int, timeout: float = 0.0, ack_lease_id: str | None = None,
+                   version: int | None = None) -> PulledBatch | None:
+        """The `batch_size` oldest groups under a lease, or None if fewer are ready within `timeout`.
+        With `ack_lease_id` (and `version`), the previous batch is acked first, as `ack` does, in
+        the same request: a refused ack raises and pulls nothing."""
+        args = {"batch_size": int(batch_size), "timeout": float(timeout), "lease_id": new_id()}
+        if ack_lease_id is not None:
+            args["ack_lease_id"] = ack_lease_id
+        if version is not None:
+            args["version"] = int(version)
+        result, frames = self._call("pull_batch", args, wait=timeout)
         if result is None:
             return None
         groups = [decode_group(unpack_frames(packed), self.limits) for packed in frames]

@@ -264,12 +264,20 @@ class BufferCore:
         self.counters.pushed_groups += 1
         self.counters.pushed_samples += len(view.sample_ids)
 
-    def pull_batch(self, batch_size: int, timeout: float = 0.0, lease_id: str | None = None) -> PullResult | None:
-        """The batch_size oldest fresh groups under a lease (a known lease_id returns that lease)."""
+    def pull_batch(self, batch_size: int, timeout: float = 0.0, lease_id: str | None = None,
+                   ack_lease_id: str | None = None, version: int | None = None) -> PullResult | None:
+        """The batch_size oldest fresh groups under a lease (a known lease_id returns that lease).
+        With `ack_lease_id` (and `version`), first `ack(ack_lease_id, version)`: the learner's
+        step end and its next batch in one request (a refused ack pulls nothing)."""
         most = min(self.limits.max_batch_groups, self.store.capacity_groups)
         if not 1 <= batch_size <= most:
             raise RequestError(f"batch_size {batch_size} must be in [1, {most}]", "bad_batch_size")
+        if version is not None and ack_lease_id is None:
+            raise RequestError("pull_batch: version is set with the ack of the previous batch (ack_lease_id)",
+                               "bad_args")
         with self._lock:
+            if ack_lease_id is not None:
+                self.ack(ack_lease_id, version)
             result = self.try_pull(batch_size, lease_id)
             deadline = self.clock() + timeout
             while result is None and (left := deadline - self.clock()) > 0:

@@ -2,8 +2,9 @@
 
 Requests are `[header, *payload]` (`buffer.codec`), header = {"v", "id", "op", "args"}; the reply
 echoes "id" with {"ok": true, "result": ...} or {"ok": false, "error": {"reason", "message"}}.
-Operations: acquire_permits, release_permit, push_groups, pull_batch, ack (which can also set
-the version: a learner step ends in one request), nack, set_version, recover, stats, health. acquire_permits and pull_batch long-poll: a request that cannot be served
+Operations: acquire_permits, release_permit, push_groups, pull_batch (which can first ack the
+previous batch and set the version: a learner's step end and its next batch in one request),
+ack (which can also set the version), nack, set_version, recover, stats, health. acquire_permits and pull_batch long-poll: a request that cannot be served
 yet is parked until it can or until its timeout, while the loop keeps serving others. A worker
 takes the permits of one engine batch in one request and pushes their groups in one request
 (one packed group per payload frame), which can also take its next permits (`next_permit_ids`,
@@ -68,6 +69,7 @@ _ARG_TYPES = {
     "permit_ids": (_id_list, f"a list of 1 to {_MAX_IDS} string ids"),
     "next_permit_ids": (_id_list, f"a list of 1 to {_MAX_IDS} string ids"),
     "lease_id": (lambda v: isinstance(v, str) and 0 < len(v) <= 256, "a string id"),
+    "ack_lease_id": (lambda v: isinstance(v, str) and 0 < len(v) <= 256, "a string id"),
     "timeout": (lambda v: _number(v) and 0 <= v <= 86400, "seconds in [0, 86400]"),
     "batch_size": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an int"),
     "version": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "an int >= 0"),
@@ -76,7 +78,7 @@ _OP_ARGS = {
     "acquire_permits": {"worker_id": _REQUIRED, "timeout": 0.0, "permit_ids": _REQUIRED},
     "release_permit": {"permit_id": _REQUIRED},
     "push_groups": {"permit_ids": _REQUIRED, "worker_id": None, "next_permit_ids": None},
-    "pull_batch": {"batch_size": _REQUIRED, "timeout": 0.0, "lease_id": None},
+    "pull_batch": {"batch_size": _REQUIRED, "timeout": 0.0, "lease_id": None, "ack_lease_id": None, "version": None},
     "ack": {"lease_id": _REQUIRED, "version": None},
     "nack": {"lease_id": _REQUIRED},
     "set_version": {"version": _REQUIRED},
@@ -261,7 +263,8 @@ class BufferServer:
         return {"results": results, "permits": [p.to_dict() for p in permits]},
 
     def _pull(self, identity, request_id, args, _payload):
-        result = self.core.pull_batch(args["batch_size"], 0.0, args["lease_id"])
+        # the ack (if any) happens now, once; a parked request only pulls
+        result = self.core.pull_batch(args["batch_size"], 0.0, args["lease_id"], args["ack_lease_id"], args["version"])
         if result is None and args["timeout"] > 0:
             self._park(self._pulls, identity, request_id, args)
             return None

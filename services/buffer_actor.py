@@ -92,8 +92,9 @@ class BufferActor:
                          next_permit_ids: list[str]) -> tuple[list[dict], list[Permit]]:
         return self.core.push_and_acquire(packed, permit_ids, worker_id, next_permit_ids)
 
-    def pull_batch(self, batch_size: int, timeout: float = 0.0, lease_id: str | None = None) -> PullResult | None:
-        return self.core.pull_batch(batch_size, timeout, lease_id)
+    def pull_batch(self, batch_size: int, timeout: float = 0.0, lease_id: str | None = None,
+                   ack_lease_id: str | None = None, version: int | None = None) -> PullResult | None:
+        return self.core.pull_batch(batch_size, timeout, lease_id, ack_lease_id, version)
 
     def ack(self, lease_id: str, version: int | None = None) -> int:
         return self.core.ack(lease_id, version)
@@ -207,8 +208,10 @@ class RayBufferClient:
         return self._call("push_and_acquire", [pack_frames(encode_group(g)) for g in groups], list(permit_ids),
                           worker_id, [new_id() for _ in range(count)])
 
-    def pull_batch(self, batch_size: int, timeout: float = 0.0) -> PulledBatch | None:
-        result = self._call("pull_batch", int(batch_size), float(timeout), new_id(), wait=timeout)
+    def pull_batch(self, batch_size: int, timeout: float = 0.0, ack_lease_id: str | None = None,
+                   version: int | None = None) -> PulledBatch | None:
+        result = self._call("pull_batch", int(batch_size), float(timeout), new_id(), ack_lease_id,
+                            None if version is None else int(version), wait=timeout)
         if result is None:
             return None
         groups = [decode_group(unpack_frames(packed), self.config.limits) for packed in result.groups]

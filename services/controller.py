@@ -395,6 +395,7 @@ class Controller:
         self.step = 0
         self.version = 0
         self.consumed_tickets: list[int] = []  # the audit: every ticket trained on, in order
+        self.next_batch = None  # leased by the last step's end, trained on by the next step
         self.evals: list[dict] = []
         self._started = False
         self.buffer = self.learner = self.weight_store = self.evaluator = self.exporter = None
@@ -516,6 +517,7 @@ class Controller:
             if self.resume_from is None and cfg.eval.enabled:
                 self._evaluate(metric_log, progress)
             self._train_loop(metric_log, progress)
+            self._give_back_next_batch()
             completed = self.step >= cfg.run.steps
             if completed and cfg.eval.enabled and not self.evals_at(self.step):
                 metric_log.write({"step": self.step, "version": self.version, **self._evaluate(None, progress)})
@@ -558,12 +560,15 @@ class Controller:
     def _train_step(self) -> dict | None:
         cfg, client = self.cfg, self.buffer.client
         t0 = time.perf_counter()
-        batch = None
-        while batch is None:
+        batch, self.next_batch = self.next_batch, None
+        while True:
             if self.stop_requested.is_set():
+                self.next_batch = batch  # given back when the loop ends
                 return None
             self.buffer.check()
             self._check_workers()
+            if batch is not None:
+                break
             batch = client.pull_batch(cfg.batch_size, timeout=1.0)
         t_data = time.perf_counter()
         consumed_at = self.version  # staleness is measured against the version that trains on it
@@ -571,9 +576,7 @@ class Controller:
         metrics = self.learner.train_step(batch.groups)
         t_train = time.perf_counter()
         self.version = int(metrics.get("learner/version", self.version + 1))
-        # The batch is consumed and the gate learns the new version (one request) before workers
-        # can load it, or their first groups at it would be refused as "ahead of the learner".
-        client.ack(batch.lease_id, version=self.version)
+        self.next_batch = self._end_step(batch)
         sync_s = self._publish()
         self.step += 1
         t_end = time.perf_counter()
@@ -594,6 +597,25 @@ class Controller:
             "_staleness": staleness,
         }
         return record
+
+    def _end_step(self, batch):
+        """One request: the batch is consumed, the gate learns the new version, and the next batch
+        is leased if one is ready (else the next step waits for it). The version goes to the gate
+        before the weights are published, or the workers' first groups at it would be refused as
+        "ahead of the learner". A batch leased here across an evaluation or a checkpoint is safe:
+        a checkpoint counts leased groups as not yet consumed, and a lease that expires meanwhile
+        can still be acked, as no one else pulls."""
+        client = self.buffer.client
+        if self.step + 1 >= self.cfg.run.steps or self.stop_requested.is_set():
+            client.ack(batch.lease_id, version=self.version)
+            return None
+        return client.pull_batch(self.cfg.batch_size, ack_lease_id=batch.lease_id, version=self.version)
+
+    def _give_back_next_batch(self) -> None:
+        """A batch leased for a step that will not run (stopped) goes back to the buffer."""
+        if self.next_batch is not None:
+            self.buffer.client.nack(self.next_batch.lease_id)
+            self.next_batch = None
 
     def _check_workers(self) -> None:
         """Restart the loop of a worker that Ray restarted after a crash; a worker that fails more

@@ -27,6 +27,8 @@ def test_throughput_script_reports_every_pattern():
     for _, rate, ratio in patterns:
         assert float(rate) > 0
         assert abs(float(ratio) - round(float(rate) / raw, 2)) <= 0.011  # the ratio is of the printed rates
+    paired = re.findall(r"round by round, .*: median ([\d.]+), range ([\d.]+)-([\d.]+)\)", text)
+    assert len(paired) == 4 and all(float(lo) <= float(mid) <= float(hi) for mid, lo, hi in paired)
     assert len(re.findall(r"CPU per sample\s+: \d+ us .*learner \d+ us, server \d+ us, producers \d+ us", text)) == 4
     memory = re.search(r"memory for 160 samples : ([\d.]+) MB resident vs ([\d.]+) MB raw arrays = ([\d.]+)x", text)
     assert memory and float(memory.group(2)) > 0

@@ -190,3 +190,49 @@ def test_service_ack_with_a_version_wakes_a_parked_acquire():
             assert info.value.reason == "unknown_lease" and learner.stats()["version"] == 1
     finally:
         server.stop()
+
+
+def test_pull_can_end_the_previous_step_in_the_same_request():
+    """pull_batch(ack_lease_id, version): the previous batch is consumed, the version moves, then
+    the next batch is pulled, judged stale against the new version. A refused ack pulls nothing."""
+    core = new_core(eta=1)
+    permits = core.acquire_permits("w", [new_id() for _ in range(4)])
+    core.push_groups([encode_group(make_group(p.ticket)) for p in permits], [p.permit_id for p in permits])
+    first = core.pull_batch(2)
+    with pytest.raises(RequestError, match="unknown lease"):
+        core.pull_batch(2, ack_lease_id="forged", version=1)
+    assert core.stats()["groups_leased"] == 2, "the refused request leased nothing"
+    with pytest.raises(RequestError, match="with the ack"):
+        core.pull_batch(2, version=1)
+    second = core.pull_batch(2, ack_lease_id=first.lease_id, version=1)
+    stats = core.stats()
+    assert (stats["version"], stats["consumed_groups"], stats["groups_leased"]) == (1, 2, 2)
+    assert second.version == 1 and second.dropped_stale == 0
+    assert core.pull_batch(2, lease_id=None, ack_lease_id=second.lease_id, version=3) is None
+    stats = core.stats()
+    assert (stats["version"], stats["consumed_groups"], stats["groups_leased"]) == (3, 4, 0)
+
+
+def test_service_pull_with_the_previous_ack_long_polls_for_the_next_batch():
+    server = BufferServer(BufferConfig(port=0, gate=GateConfig(batch_size=2, eta=0))).start()
+    try:
+        with BufferClient(server.endpoint) as worker, BufferClient(server.endpoint) as learner:
+            permits = worker.acquire_permits("w", 2)
+            worker.push_groups([make_group(p.ticket) for p in permits], [p.permit_id for p in permits])
+            first = learner.pull_batch(2, timeout=5)
+            got = {}
+            pulling = threading.Thread(target=lambda: got.update(
+                batch=learner.pull_batch(2, timeout=20, ack_lease_id=first.lease_id, version=1)))
+            pulling.start()
+            with BufferClient(server.endpoint) as observer:
+                assert wait_until(lambda: observer.stats()["version"] == 1), "the ack happened before the wait"
+                assert observer.stats()["consumed_groups"] == 2
+                more = worker.acquire_permits("w", 2, timeout=5)  # the new version admits the next batch
+                worker.push_groups([make_group(p.ticket, version=1) for p in more], [p.permit_id for p in more])
+            pulling.join(10)
+            assert sorted(g.prompt_index for g in got["batch"].groups) == [2, 3]
+            with pytest.raises(RemoteError) as info:
+                learner.pull_batch(2, ack_lease_id=new_id(), version=2)
+            assert info.value.reason == "unknown_lease"
+    finally:
+        server.stop()

@@ -69,8 +69,8 @@ def test_errors_keep_their_reason(client):
 
 
 def test_batched_ops_through_the_actor(ray_cluster):
-    """acquire_permits, push_groups, push_and_acquire and ack with a version: the worker's and the
-    learner's calls, as on the ZMQ client."""
+    """acquire_permits, push_groups, push_and_acquire, ack with a version and a pull that acks: the
+    worker's and the learner's calls, as on the ZMQ client."""
     from services.buffer_actor import RayBufferClient, create_buffer_actor
 
     config = BufferConfig(transport="ray", gate=GateConfig(batch_size=2, eta=0, max_concurrent=4))
@@ -82,8 +82,11 @@ def test_batched_ops_through_the_actor(ray_cluster):
         results, following = client.push_and_acquire([make_group(p.ticket) for p in permits],
                                                      [p.permit_id for p in permits], "w", 2)
         assert [r["duplicate"] for r in results] == [False, False] and following == [], "the gate is closed"
-        assert client.ack(client.pull_batch(2, timeout=1).lease_id, version=1) == 2
-        assert client.stats()["version"] == 1, "the ack set the learner's version"
+        first = client.pull_batch(2, timeout=1)
+        assert client.pull_batch(2, ack_lease_id=first.lease_id, version=1) is None, "nothing ready yet"
+        stats = client.stats()
+        assert (stats["version"], stats["consumed_groups"]) == (1, 2), "the pull acked and set the version"
+        assert client.ack(first.lease_id, version=1) == 2, "a repeated ack with its version is a no-op"
         more = client.acquire_permits("w", 2)
         assert client.push_groups([make_group(p.ticket, version=1) for p in more],
                                   [p.permit_id for p in more]) == [{"samples": 2, "duplicate": False}] * 2
