@@ -273,8 +273,8 @@ class BufferCore:
         if not 1 <= batch_size <= most:
             raise RequestError(f"batch_size {batch_size} must be in [1, {most}]", "bad_batch_size")
         if version is not None and ack_lease_id is None:
-            raise RequestError("pull_batch: version is set with the ack of the previous batch (ack_lease_id)",
-                               "bad_args")
+            raise ProtocolError("pull_batch: version is set with the ack of the previous batch (ack_lease_id)",
+                                "bad_args")
         with self._lock:
             if ack_lease_id is not None:
                 self.ack(ack_lease_id, version)

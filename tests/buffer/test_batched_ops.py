@@ -10,7 +10,7 @@ from buffer.client import BufferClient
 from buffer.codec import encode_group
 from buffer.config import BufferConfig, GateConfig, StoreConfig
 from buffer.core import BufferCore
-from buffer.errors import RemoteError, RequestError, SampleError
+from buffer.errors import ProtocolError, RemoteError, RequestError, SampleError
 from buffer.sample import new_id
 from buffer.server import BufferServer
 
@@ -171,25 +171,32 @@ def test_ack_with_a_version_ends_a_learner_step_in_one_request():
     assert core.stats()["version"] == 1, "neither refused request moved the version"
 
 
-def test_service_ack_with_a_version_wakes_a_parked_acquire():
+@pytest.fixture
+def first_batch_pushed():
+    """A buffer service (B = 2, eta = 0) with the first batch pushed: (worker, learner) clients."""
     server = BufferServer(BufferConfig(port=0, gate=GateConfig(batch_size=2, eta=0))).start()
     try:
         with BufferClient(server.endpoint) as worker, BufferClient(server.endpoint) as learner:
             permits = worker.acquire_permits("w", 2)
             worker.push_groups([make_group(p.ticket) for p in permits], [p.permit_id for p in permits])
-            got = {}
-            waiting = threading.Thread(target=lambda: got.update(more=worker.acquire_permits("w", 2, timeout=20)))
-            waiting.start()
-            assert wait_until(lambda: learner.stats()["enqueued"] == 1)
-            assert learner.ack(learner.pull_batch(2, timeout=5).lease_id, version=1) == 2
-            waiting.join(10)
-            assert [p.ticket for p in got["more"]] == [2, 3]
-            assert learner.stats()["version"] == 1
-            with pytest.raises(RemoteError) as info:
-                learner.ack(new_id(), version=2)
-            assert info.value.reason == "unknown_lease" and learner.stats()["version"] == 1
+            yield worker, learner
     finally:
         server.stop()
+
+
+def test_service_ack_with_a_version_wakes_a_parked_acquire(first_batch_pushed):
+    worker, learner = first_batch_pushed
+    got = {}
+    waiting = threading.Thread(target=lambda: got.update(more=worker.acquire_permits("w", 2, timeout=20)))
+    waiting.start()
+    assert wait_until(lambda: learner.stats()["enqueued"] == 1)
+    assert learner.ack(learner.pull_batch(2, timeout=5).lease_id, version=1) == 2
+    waiting.join(10)
+    assert [p.ticket for p in got["more"]] == [2, 3]
+    assert learner.stats()["version"] == 1
+    with pytest.raises(RemoteError) as info:
+        learner.ack(new_id(), version=2)
+    assert info.value.reason == "unknown_lease" and learner.stats()["version"] == 1
 
 
 def test_pull_can_end_the_previous_step_in_the_same_request():
@@ -202,7 +209,7 @@ def test_pull_can_end_the_previous_step_in_the_same_request():
     with pytest.raises(RequestError, match="unknown lease"):
         core.pull_batch(2, ack_lease_id="forged", version=1)
     assert core.stats()["groups_leased"] == 2, "the refused request leased nothing"
-    with pytest.raises(RequestError, match="with the ack"):
+    with pytest.raises(ProtocolError, match="with the ack"):
         core.pull_batch(2, version=1)
     second = core.pull_batch(2, ack_lease_id=first.lease_id, version=1)
     stats = core.stats()
@@ -213,26 +220,20 @@ def test_pull_can_end_the_previous_step_in_the_same_request():
     assert (stats["version"], stats["consumed_groups"], stats["groups_leased"]) == (3, 4, 0)
 
 
-def test_service_pull_with_the_previous_ack_long_polls_for_the_next_batch():
-    server = BufferServer(BufferConfig(port=0, gate=GateConfig(batch_size=2, eta=0))).start()
-    try:
-        with BufferClient(server.endpoint) as worker, BufferClient(server.endpoint) as learner:
-            permits = worker.acquire_permits("w", 2)
-            worker.push_groups([make_group(p.ticket) for p in permits], [p.permit_id for p in permits])
-            first = learner.pull_batch(2, timeout=5)
-            got = {}
-            pulling = threading.Thread(target=lambda: got.update(
-                batch=learner.pull_batch(2, timeout=20, ack_lease_id=first.lease_id, version=1)))
-            pulling.start()
-            with BufferClient(server.endpoint) as observer:
-                assert wait_until(lambda: observer.stats()["version"] == 1), "the ack happened before the wait"
-                assert observer.stats()["consumed_groups"] == 2
-                more = worker.acquire_permits("w", 2, timeout=5)  # the new version admits the next batch
-                worker.push_groups([make_group(p.ticket, version=1) for p in more], [p.permit_id for p in more])
-            pulling.join(10)
-            assert sorted(g.prompt_index for g in got["batch"].groups) == [2, 3]
-            with pytest.raises(RemoteError) as info:
-                learner.pull_batch(2, ack_lease_id=new_id(), version=2)
-            assert info.value.reason == "unknown_lease"
-    finally:
-        server.stop()
+def test_service_pull_with_the_previous_ack_long_polls_for_the_next_batch(first_batch_pushed):
+    worker, learner = first_batch_pushed
+    first = learner.pull_batch(2, timeout=5)
+    got = {}
+    pulling = threading.Thread(target=lambda: got.update(
+        batch=learner.pull_batch(2, timeout=20, ack_lease_id=first.lease_id, version=1)))
+    pulling.start()
+    with BufferClient(worker.endpoint) as observer:
+        assert wait_until(lambda: observer.stats()["version"] == 1), "the ack happened before the wait"
+        assert observer.stats()["consumed_groups"] == 2
+        more = worker.acquire_permits("w", 2, timeout=5)  # the new version admits the next batch
+        worker.push_groups([make_group(p.ticket, version=1) for p in more], [p.permit_id for p in more])
+    pulling.join(10)
+    assert sorted(g.prompt_index for g in got["batch"].groups) == [2, 3]
+    with pytest.raises(RemoteError) as info:
+        learner.pull_batch(2, ack_lease_id=new_id(), version=2)
+    assert info.value.reason == "unknown_lease"

@@ -75,6 +75,10 @@ CASES = {
     "payload on a non-push op": ([request("stats"), b"extra"], "bad_frame_count"),
     "oversized": ([request("stats"), b"x" * (MAX_MESSAGE + 1)], "oversized"),
     "huge batch size": ([request("pull_batch", {"batch_size": 10**9})], "bad_batch_size"),
+    "ack_lease_id not a string": ([request("pull_batch", {"batch_size": 1, "ack_lease_id": 7})], "bad_args"),
+    "version without the ack": ([request("pull_batch", {"batch_size": 1, "version": 1})], "bad_args"),
+    "pull acking an unknown lease": ([request("pull_batch", {"batch_size": 1, "ack_lease_id": "nope"})],
+                                     "unknown_lease"),
 }
 
 
@@ -113,7 +117,8 @@ header_values = st.one_of(st.none(), st.booleans(), st.integers(-2**40, 2**40), 
                           st.text(max_size=20), st.binary(max_size=20), st.lists(st.integers(-9, 9), max_size=3))
 ops = st.sampled_from(["acquire_permits", "release_permit", "push_groups", "pull_batch", "ack", "nack",
                        "set_version", "stats", "health", "bogus"])
-arg_names = st.sampled_from(["worker_id", "permit_id", "permit_ids", "lease_id", "timeout", "batch_size", "version", "zzz"])
+arg_names = st.sampled_from(["worker_id", "permit_id", "permit_ids", "lease_id", "ack_lease_id", "timeout",
+                             "batch_size", "version", "zzz"])
 headers = st.fixed_dictionaries({"v": st.sampled_from([PROTOCOL_VERSION, 0, "1"]), "id": header_values, "op": ops,
                                  "args": st.dictionaries(arg_names, header_values, max_size=3)})
 random_messages = st.one_of(
