@@ -131,9 +131,13 @@ class AdmissionGate:
         self.deadlines.pop(permit_id, None)
         return self.permits.pop(permit_id, None)
 
-    def set_version(self, version: int) -> None:
+    def check_version(self, version: int) -> None:
+        """The learner's version never goes back: RequestError('version_regression') if it would."""
         if version < self.version:
             raise RequestError(f"version {version} is older than the current version {self.version}", "version_regression")
+
+    def set_version(self, version: int) -> None:
+        self.check_version(version)
         self.version = version
 
     def recover(self, version: int) -> None:

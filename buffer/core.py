@@ -318,8 +318,8 @@ class BufferCore:
         the learner's new weight version is set right after (`set_version`): the end of a learner
         step in one request."""
         with self._lock:
-            if version is not None and version < self.gate.version:
-                self.gate.set_version(version)  # refused (version_regression) before anything changes
+            if version is not None:
+                self.gate.check_version(version)  # a refused version changes nothing, the ack included
             consumed = self._ack(lease_id)
             if version is not None:
                 self.set_version(version)

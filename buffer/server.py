@@ -4,8 +4,9 @@ Requests are `[header, *payload]` (`buffer.codec`), header = {"v", "id", "op", "
 echoes "id" with {"ok": true, "result": ...} or {"ok": false, "error": {"reason", "message"}}.
 Operations: acquire_permits, release_permit, push_groups, pull_batch (which can first ack the
 previous batch and set the version: a learner's step end and its next batch in one request),
-ack (which can also set the version), nack, set_version, recover, stats, health. acquire_permits and pull_batch long-poll: a request that cannot be served
-yet is parked until it can or until its timeout, while the loop keeps serving others. A worker
+ack (which can also set the version), nack, set_version, recover, stats, health.
+acquire_permits and pull_batch long-poll: a request that cannot be served yet is parked until it
+can or until its timeout, while the loop keeps serving others. A worker
 takes the permits of one engine batch in one request and pushes their groups in one request
 (one packed group per payload frame), which can also take its next permits (`next_permit_ids`,
 no waiting): round trips, not bytes, are what a request costs.
