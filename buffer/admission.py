@@ -7,9 +7,10 @@ i.e. while
 
 (B = batch size in groups, i = learner version, η = None: no staleness term). Each grant is a
 `Permit` with a `ticket`, the data cursor: the worker generates for prompt number `ticket`.
-Tickets of released or reclaimed permits are reissued first (smallest first), so the run neither
-skips nor repeats a prompt. A permit ends in exactly one of: `consume` (its group was accepted),
-`release` (generation failed or was rejected), or reclaim after `lease_s` without either.
+Tickets of released or reclaimed permits, and of groups dropped as stale, are reissued first
+(smallest first), so the run neither skips nor repeats a prompt. A permit ends in exactly one of:
+`consume` (its group was accepted), `release` (generation failed or was rejected), or reclaim
+after `lease_s` without either.
 
 Recovery: a run resumed at version v starts with accepted = v·B and the cursor at v·B, so it
 never over-admits. The gate is plain state, not thread-safe: `buffer.core.BufferCore` locks it.
@@ -110,11 +111,14 @@ class AdmissionGate:
         self.accepted += 1
         return permit
 
-    def return_dropped(self, groups: int) -> None:
-        """Accepted groups the store dropped as stale will never be trained on: their slots go back
+    def return_dropped(self, tickets: list[int]) -> None:
+        """Accepted groups the store dropped as stale will never be trained on. Their slots go back
         to the gate, or every drop would shrink capacity for good and (η + 1)·B drops would close it
-        while the buffer is empty. The η bound itself is enforced again at pull time."""
-        self.accepted = max(0, self.accepted - groups)
+        while the buffer is empty; their tickets are reissued, so the prompts are generated again
+        (a run neither skips nor repeats a prompt). The η bound itself is enforced again at pull time."""
+        self.accepted = max(0, self.accepted - len(tickets))
+        for ticket in tickets:
+            heapq.heappush(self.free_tickets, ticket)
 
     def reclaim_expired(self, now: float) -> list[Permit]:
         """Permits whose holder neither pushed nor released within the lease: their tickets return."""

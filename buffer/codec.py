@@ -387,8 +387,10 @@ def frames_nbytes(frames: Sequence) -> int:
     return sum(memoryview(f).nbytes for f in frames)
 
 
-def group_index(header_frame) -> tuple[str, list[str], list[int]]:
-    """(group_id, sample ids, sample weight versions) from an already validated group header."""
+def group_index(header_frame) -> tuple[str, list[str], list[int], int]:
+    """(group_id, sample ids, sample weight versions, prompt_index) from an already validated
+    group header."""
     header = unpack(header_frame)
     samples = header["samples"]
-    return header["group_id"], [s["sample_id"] for s in samples], [s["weight_version"] for s in samples]
+    return (header["group_id"], [s["sample_id"] for s in samples], [s["weight_version"] for s in samples],
+            header["prompt_index"])

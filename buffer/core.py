@@ -83,6 +83,8 @@ class BufferCore:
         self.store = GroupStore(config.store.capacity_groups, config.store.lease_s)
         self.enqueued = 0
         self._pending_dropped = 0
+        self._settled: list[dict] = []  # ack and drop records since the last compaction (to archive)
+        self._settle_n = 0  # the next settle number (an ack or drop record's `n`)
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
         self.counters = _Counters()
@@ -260,7 +262,7 @@ class BufferCore:
         seq = self.store.next_seq
         self._append({"op": "push", "permit": permit_id, "seq": seq, "group": packed})
         self.gate.consume(permit_id)
-        self.store.add(view.group_id, view.sample_ids, view.weight_versions, packed, seq)
+        self.store.add(view.group_id, view.sample_ids, view.weight_versions, packed, view.prompt_index, seq)
         self.counters.pushed_groups += 1
         self.counters.pushed_samples += len(view.sample_ids)
 
@@ -306,8 +308,10 @@ class BufferCore:
         dropped = self.store.drop_stale(self.gate.version, self.gate.eta)
         if not dropped:
             return
-        self._append({"op": "drop", "reason": "stale", "groups": [g.group_id for g in dropped]})
-        self.gate.return_dropped(len(dropped))
+        tickets = [g.ticket for g in dropped]
+        self._append_settled({"op": "drop", "reason": "stale", "groups": [g.group_id for g in dropped],
+                              "tickets": tickets})
+        self.gate.return_dropped(tickets)
         self._pending_dropped += len(dropped)
         self.counters.dropped_groups["stale"] += len(dropped)
         self.counters.dropped_samples["stale"] += sum(len(g.sample_ids) for g in dropped)
@@ -330,7 +334,8 @@ class BufferCore:
             lease = self.store.ack(lease_id, self.clock())
             if isinstance(lease, int):
                 return lease  # acked before: a retried ack
-            self._append({"op": "ack", "lease": lease_id, "groups": [g.group_id for g in lease.groups]})
+            self._append_settled({"op": "ack", "lease": lease_id, "groups": [g.group_id for g in lease.groups],
+                                  "tickets": [g.ticket for g in lease.groups]})
             version = self.gate.version if lease.version is None else lease.version
             for g in lease.groups:
                 self.counters.consumed_groups += 1
@@ -368,7 +373,7 @@ class BufferCore:
         expired = self.store.expire_leases(now)
         self.counters.leases_expired += len(expired)
         for lease in expired:
-            self._append({"op": "nack", "lease": lease.lease_id})
+            self._append({"op": "expire", "lease": lease.lease_id})
         if self.log is not None:
             self.log.sync_if_due()
         return bool(reclaimed or expired)
@@ -428,6 +433,14 @@ class BufferCore:
         if self.log is not None:
             self.log.append(record)
 
+    def _append_settled(self, record: dict) -> None:
+        """Log an ack or drop under the next settle number; compaction archives it."""
+        record["n"] = self._settle_n
+        self._settle_n += 1
+        self._append(record)
+        if self.log is not None:
+            self._settled.append(record)
+
     def _replay(self, record: dict) -> None:
         """Apply one logged event to a freshly built core (no logging, no counters)."""
         op, now = record["op"], self.clock()
@@ -436,25 +449,20 @@ class BufferCore:
         elif op == "release":
             self.gate.release(record["permit"])
         elif op == "push":
-            group_id, sample_ids, versions = group_index(unpack_frames(record["group"])[0])
+            group_id, sample_ids, versions, ticket = group_index(unpack_frames(record["group"])[0])
             if record["permit"] in self.gate.permits:
                 self.gate.consume(record["permit"])
-            self.store.add(group_id, sample_ids, versions, record["group"], record["seq"])
+            self.store.add(group_id, sample_ids, versions, record["group"], ticket, record["seq"])
         elif op == "lease":
             groups = [g for gid in record["groups"] if (g := self.store.remove_ready(gid)) is not None]
             self.store.leases[record["lease"]] = Lease(record["lease"], groups, now + self.store.lease_s,
                                                        record["version"])
         elif op == "nack":
             self.store.nack(record["lease"])
-        elif op == "ack" and record.get("lease") in self.store.leases:
-            self.store.ack(record["lease"], now)  # also remembers it: a retried ack is answered
+        elif op == "expire":
+            self.store.expire(record["lease"])
         elif op in ("ack", "drop"):
-            for group_id in record["groups"]:
-                self.store.remove_ready(group_id)
-            if op == "drop":
-                self.gate.return_dropped(len(record["groups"]))
-            if record.get("lease") is not None:
-                self.store.finished_leases[record["lease"]] = len(record["groups"])
+            self._replay_settled(record, now)
         elif op == "version":
             self.gate.version = max(self.gate.version, record["version"])
         elif op == "recover":
@@ -462,17 +470,37 @@ class BufferCore:
         elif op == "snapshot":
             self.gate.load_state(record["gate"], now)
             self.store.next_seq = record["next_seq"]
+            self.store.load_lease_memory(record.get("leases", {}))
+            self._settle_n = max(self._settle_n, record.get("settle_n", 0))
             for group_id, sample_ids in record["consumed"].items():
                 self.store.remember_ids(group_id, sample_ids)
         else:
             raise ValueError(f"buffer log {self.log.path}: unknown record op {op!r}")
+
+    def _replay_settled(self, record: dict, now: float) -> None:
+        if "tickets" not in record or "n" not in record:
+            raise ValueError(f"buffer log {self.log.path}: an {record['op']!r} record without tickets: the log was "
+                             "written by an older etarl; start the buffer with a new log")
+        if record["op"] == "ack" and record.get("lease") in self.store.leases:
+            self.store.ack(record["lease"], now)  # also remembers it: a retried ack is answered
+        else:  # an ack of an expired lease, or a drop: the groups were ready
+            for group_id in record["groups"]:
+                self.store.remove_ready(group_id)
+            self.store.forget_expired(record.get("lease"))
+            if record["op"] == "drop":
+                self.gate.return_dropped(record["tickets"])
+            elif record.get("lease") is not None:
+                self.store.remember_finished(record["lease"], len(record["groups"]))
+        self._settle_n = max(self._settle_n, record["n"] + 1)
+        self._settled.append(record)
 
     def _maybe_compact(self) -> None:
         """Rewrite the log as a snapshot + live groups once it is big and twice its size after the last rewrite."""
         log = self.log
         if log is None or log.size < max(log.config.compact_min_bytes, 2 * log.base_size):
             return  # the doubling keeps compaction amortised O(1) per write
-        log.rewrite(self.snapshot_records())
+        log.compact(self.snapshot_records(), self._settled)
+        self._settled = []
 
     def snapshot_records(self, keep_in_flight: bool = True, keep_consumed_ids: bool = True) -> list[dict]:
         """The state as log records: one `snapshot` (gate, cursor, ids of consumed groups), one
@@ -491,7 +519,8 @@ class BufferCore:
                 for sid, gid in self.store.sample_group.items():
                     if gid not in live_ids:
                         consumed.setdefault(gid, []).append(sid)
-            head = {"op": "snapshot", "gate": gate, "next_seq": self.store.next_seq, "consumed": consumed}
+            head = {"op": "snapshot", "gate": gate, "next_seq": self.store.next_seq, "consumed": consumed,
+                    "leases": self.store.lease_memory(), "settle_n": self._settle_n}
             pushes = [{"op": "push", "permit": None, "seq": g.seq, "group": g.packed} for g in live]
             leases = [{"op": "lease", **_lease_record(lease)} for lease in self.store.leases.values()]
             return [head, *pushes, *(leases if keep_in_flight else [])]
