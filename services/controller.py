@@ -31,6 +31,7 @@ from buffer.errors import BufferUnavailable
 from services import checkpoint as ckpt
 from services.buffer_handle import BufferHandle
 from services.config import TINY_MODEL, ConfigError, EtarlConfig, build_config, read_yaml
+from services.placement import Placement, start_ray
 from services.plots import MetricLog, plot_run
 from services.weights import WeightPublisher
 from services.worker_pool import WorkerPool
@@ -38,7 +39,6 @@ from services.worker_pool import WorkerPool
 log = logging.getLogger("etarl")
 
 BUFFER_STATE_FILE = "buffer.msgpack"
-QUIET_VLLM = os.environ.get("VLLM_LOGGING_LEVEL", "ERROR")  # vLLM's warnings drown the progress bar
 CONFIG_FILE = "config.yaml"
 
 
@@ -84,25 +84,6 @@ def resume_config(run_dir: str | os.PathLike, config_file: str | None, overrides
     return build_config(tree, overrides, source=str(source))
 
 
-def start_ray(cfg: EtarlConfig) -> None:
-    import ray
-
-    if ray.is_initialized():
-        return
-    env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "VLLM_LOGGING_LEVEL": QUIET_VLLM}
-    if cfg.ray.address == "local":
-        # Logical CPUs: enough for every actor; the real cores are shared by all of them.
-        needed = cfg.rollout.num_workers + cfg.learner.distributed.world_size
-        num_cpus = cfg.ray.num_cpus or max(os.cpu_count() or 1, needed)
-        from services.local_ray import init_local_ray  # every Ray server on 127.0.0.1
-
-        init_local_ray(num_cpus=num_cpus, namespace=cfg.ray.namespace, log_to_driver=cfg.ray.log_to_driver,
-                       runtime_env={"env_vars": env})
-    else:
-        # Inside a cluster (or a `ray job submit` job) the job's runtime environment applies.
-        ray.init(address=cfg.ray.address, namespace=cfg.ray.namespace, log_to_driver=cfg.ray.log_to_driver)
-
-
 class Controller:
     def __init__(self, cfg: EtarlConfig, resume: str | os.PathLike | None = None):
         self.cfg = cfg
@@ -126,21 +107,25 @@ class Controller:
         self.evals: list[dict] = []
         self._started = False
         self.buffer = self.learner = self.weights = self.evaluator = self.exporter = self.workers = None
+        self.placement = None
 
     # ---------------------------------------------------------------- start and stop
 
     def start(self) -> None:
+        """Check the placement plan (a run that cannot fit stops here, before anything starts),
+        reserve it, then start the buffer, the weight store, the learner ranks and the workers,
+        each with the resources the plan gives it (services/placement.py)."""
         cfg = self.cfg
+        plan = start_ray(cfg)
         (self.run_dir / CONFIG_FILE).write_text(cfg.to_yaml())
-        os.environ["VLLM_LOGGING_LEVEL"] = QUIET_VLLM  # the evaluator's engine runs in this process
         self.model_dir = resolve_model(cfg)
-        start_ray(cfg)
+        self.placement = Placement(plan, cfg.ray.placement_timeout_s)
         from learner.distributed import LearnerGroup
 
         learner_cfg = cfg.learner.model_copy(update={"model_path": str(self.model_dir)})
         self.buffer = BufferHandle(cfg, self.run_dir)
         self.weights = WeightPublisher()
-        self.learner = LearnerGroup(learner_cfg, ray_options={"num_cpus": cfg.ray.learner_num_cpus})
+        self.learner = LearnerGroup(learner_cfg, rank_options=self.placement.all_options("learner"))
         state = None
         if self.resume_from is not None:
             state = self._restore(self.resume_from)
@@ -149,7 +134,7 @@ class Controller:
         self.weights.publish(self.learner)
         self._start_exporter()
         self.workers = WorkerPool(cfg, self.model_dir, self.buffer.client, self.weights.store, self.stop_requested,
-                                  self.exporter)
+                                  self.placement.all_options("rollout"), self.exporter)
         self.workers.start()
         self._started = True
 
@@ -194,6 +179,9 @@ class Controller:
         if self.exporter is not None:
             self.exporter.close()
             self.exporter = None
+        if self.placement is not None:
+            self.placement.release()
+            self.placement = None
 
     # ---------------------------------------------------------------- the loop
 
@@ -312,10 +300,10 @@ class Controller:
         return self.cfg.eval.enabled and bool(every) and self.step % every == 0
 
     def _evaluate(self, metric_log: MetricLog | None, progress) -> dict:
-        from services.evaluation import PolicyEvaluator
+        from services.evaluation import RemoteEvaluator
 
-        if self.evaluator is None:
-            self.evaluator = PolicyEvaluator.from_config(self.cfg, self.model_dir)
+        if self.evaluator is None:  # an actor with the evaluator's resources, never the driver
+            self.evaluator = RemoteEvaluator(self.cfg, self.model_dir, self.placement.options("evaluator"))
         metrics = self.evaluator.evaluate_payload(self.weights.latest())
         self.evals.append({"step": self.step, **metrics})
         progress.write(f"eval @ step {self.step}: " + ", ".join(f"{k[5:]}={v:.3f}" for k, v in metrics.items()

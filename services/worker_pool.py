@@ -17,8 +17,15 @@ _WORKER_BACK_AFTER_S = 5.0  # a restarted worker whose loop ran this long is bac
 
 
 class WorkerPool:
-    def __init__(self, cfg, model_dir, buffer_client, weight_store, stop_requested, exporter=None):
+    """`worker_options[i]`: worker i's Ray options from the placement plan (its CPUs, its engine's
+    GPUs, its placement-group bundle; services/placement.py)."""
+
+    def __init__(self, cfg, model_dir, buffer_client, weight_store, stop_requested, worker_options: list[dict],
+                 exporter=None):
+        if len(worker_options) != cfg.rollout.num_workers:
+            raise ValueError(f"{len(worker_options)} workers placed, rollout.num_workers={cfg.rollout.num_workers}")
         self.cfg = cfg
+        self.worker_options = worker_options
         self.stop_requested = stop_requested  # the run's: a worker that ends then is not a failure
         self.model_dir = model_dir
         self.buffer_client = buffer_client
@@ -36,10 +43,9 @@ class WorkerPool:
         cfg = self.cfg
         rollout_cfg = cfg.rollout.model_copy(update={"model_path": str(self.model_dir)})
         actor = ray.remote(RolloutWorker)
-        for index in range(cfg.rollout.num_workers):
+        for index, placed in enumerate(self.worker_options):
             handle = actor.options(
-                name=None, num_cpus=cfg.ray.worker_num_cpus, max_restarts=cfg.ray.worker_max_restarts,
-                max_task_retries=0, max_concurrency=4,
+                name=None, max_restarts=cfg.ray.worker_max_restarts, max_task_retries=0, max_concurrency=4, **placed,
             ).remote(rollout_cfg, f"worker-{index}", self.buffer_client, self.weight_store)
             self.workers.append(handle)
         self.refs = [w.run.remote() for w in self.workers]
