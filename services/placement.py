@@ -243,12 +243,12 @@ def local_cluster(cfg: EtarlConfig) -> Cluster:
 
 
 def running_cluster(source: str) -> Cluster:
-    """The alive nodes of the Ray cluster this process is connected to."""
+    """The alive nodes of the Ray cluster this process is connected to (`source` names it)."""
     import ray
 
     nodes = tuple(Node(n["NodeManagerAddress"] + "/" + n["NodeID"][:8], float(n["Resources"].get("CPU", 0)),
                        float(n["Resources"].get("GPU", 0))) for n in ray.nodes() if n.get("Alive"))
-    return Cluster(f"the Ray cluster at {source}", nodes, "add nodes or GPUs to the cluster")
+    return Cluster(source, nodes, "add nodes or GPUs to the cluster")
 
 
 def raycluster_manifest(path: str | os.PathLike) -> Cluster:
@@ -297,7 +297,7 @@ def start_ray(cfg: EtarlConfig) -> Plan:
     import ray
 
     if ray.is_initialized():
-        return check_plan(cfg, running_cluster("this process's Ray (already started)"))
+        return check_plan(cfg, running_cluster("the Ray cluster this process is connected to"))
     if cfg.ray.address == "local":
         cluster = local_cluster(cfg)
         plan = check_plan(cfg, cluster)
@@ -310,7 +310,7 @@ def start_ray(cfg: EtarlConfig) -> Plan:
         return plan
     # Inside a cluster (or a `ray job submit` job) the job's runtime environment applies.
     ray.init(address=cfg.ray.address, namespace=cfg.ray.namespace, log_to_driver=cfg.ray.log_to_driver)
-    return check_plan(cfg, running_cluster(cfg.ray.address))
+    return check_plan(cfg, running_cluster(f"the Ray cluster at ray.address={cfg.ray.address}"))
 
 
 def plan_report(cfg: EtarlConfig, raycluster: str | None = None) -> tuple[dict, list[str]]:
@@ -326,7 +326,7 @@ def plan_report(cfg: EtarlConfig, raycluster: str | None = None) -> tuple[dict, 
 
         ray.init(address=cfg.ray.address, namespace=cfg.ray.namespace, log_to_driver=False)
         try:
-            cluster = running_cluster(cfg.ray.address)
+            cluster = running_cluster(f"the Ray cluster at ray.address={cfg.ray.address}")
         finally:
             ray.shutdown()
     plan = make_plan(cfg, cluster.has_gpus)
