@@ -15,7 +15,6 @@ cluster of its own.
 """
 from __future__ import annotations
 
-import ipaddress
 import json
 import os
 import subprocess
@@ -23,6 +22,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from security.test_ray_listens_on_loopback import is_loopback  # tests/ is on sys.path (its conftest)
 
 REPO = Path(__file__).resolve().parents[2]
 PROBE = Path(__file__).with_name("placement_probe.py")
@@ -46,12 +47,6 @@ def four_gpus():
 @pytest.fixture(scope="module")
 def two_nodes(tmp_path_factory):
     return run_probe("two_nodes", str(tmp_path_factory.mktemp("two-nodes") / "run"))
-
-
-def is_loopback(ip: str) -> bool:
-    address = ipaddress.ip_address(ip)
-    mapped = getattr(address, "ipv4_mapped", None)  # ::ffff:127.0.0.1 on a dual-stack socket
-    return address.is_loopback or bool(mapped and mapped.is_loopback)
 
 
 def gpus_of(actors) -> list[str]:
