@@ -9,8 +9,9 @@ i.e. while
 `Permit` with a `ticket`, the data cursor: the worker generates for prompt number `ticket`.
 Tickets of released or reclaimed permits, and of groups dropped as stale, are reissued first
 (smallest first), so the run neither skips nor repeats a prompt. A permit ends in exactly one of:
-`consume` (its group was accepted), `release` (generation failed or was rejected), or reclaim
-after `lease_s` without either.
+`consume` (its group was accepted), `release` (generation failed or was rejected), `quarantine`
+(its prompt failed the engine again and again: the ticket is never reissued), or reclaim after
+`lease_s` without any of those.
 
 Recovery: a run resumed at version v starts with accepted = v·B and the cursor at v·B, so it
 never over-admits. The gate is plain state, not thread-safe: `buffer.core.BufferCore` locks it.
@@ -52,6 +53,7 @@ class AdmissionGate:
         self.free_tickets: list[int] = []  # min-heap of tickets to reissue first
         self.permits: dict[str, Permit] = {}
         self.deadlines: dict[str, float] = {}
+        self.quarantined: set[int] = set()  # tickets whose prompt the engine cannot take
 
     @property
     def running(self) -> int:
@@ -100,6 +102,14 @@ class AdmissionGate:
         if permit is not None:
             self.released += 1
             heapq.heappush(self.free_tickets, permit.ticket)
+        return permit
+
+    def quarantine(self, permit_id: str) -> Permit | None:
+        """The permit's prompt failed generation `max_prompt_failures` times on its own: the
+        permit ends and its ticket is set aside for good (never reissued)."""
+        permit = self._drop(permit_id)
+        if permit is not None:
+            self.quarantined.add(permit.ticket)
         return permit
 
     def consume(self, permit_id: str) -> Permit:
@@ -162,6 +172,7 @@ class AdmissionGate:
             "version": self.version, "accepted": self.accepted, "rejected": self.rejected,
             "released": self.released, "reclaimed": self.reclaimed, "next_ticket": self.next_ticket,
             "free_tickets": sorted(self.free_tickets), "permits": [p.to_dict() for p in self.permits.values()],
+            "quarantined": sorted(self.quarantined),
         }
 
     def load_state(self, state: dict, now: float) -> None:
@@ -169,6 +180,7 @@ class AdmissionGate:
             setattr(self, key, int(state[key]))
         self.free_tickets = list(state["free_tickets"])
         heapq.heapify(self.free_tickets)
+        self.quarantined = set(state.get("quarantined", []))
         self.permits.clear()
         self.deadlines.clear()
         for p in state["permits"]:

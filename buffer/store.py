@@ -13,6 +13,7 @@ import heapq
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from buffer.codec import GroupIndex
 from buffer.errors import RequestError
 
 
@@ -26,6 +27,7 @@ class StoredGroup:
     seq: int  # arrival order
     nbytes: int
     ticket: int  # the prompt number it answers (its permit's ticket)
+    response_tokens: int  # its longest response
 
     @property
     def order(self) -> tuple[int, int]:
@@ -90,13 +92,13 @@ class GroupStore:
             raise RequestError(f"buffer full ({self.groups_held} of {self.capacity_groups} groups, {groups} more "
                                "pushed)", "buffer_full")
 
-    def add(self, group_id: str, sample_ids: list[str], sample_versions: list[int], packed: bytes, ticket: int,
-            seq: int | None = None) -> StoredGroup:
+    def add(self, index: GroupIndex, packed: bytes, seq: int | None = None) -> StoredGroup:
         seq = self.next_seq if seq is None else seq
         self.next_seq = max(self.next_seq, seq + 1)
-        stored = StoredGroup(group_id, min(sample_versions), tuple(sample_ids), tuple(sample_versions), packed, seq,
-                             len(packed), ticket)
-        self.remember_ids(group_id, sample_ids)
+        stored = StoredGroup(index.group_id, min(index.weight_versions), tuple(index.sample_ids),
+                             tuple(index.weight_versions), packed, seq, len(packed), index.prompt_index,
+                             index.response_tokens)
+        self.remember_ids(index.group_id, index.sample_ids)
         self._make_ready(stored)
         return stored
 
