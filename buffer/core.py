@@ -484,11 +484,11 @@ class BufferCore:
         elif op == "push":
             if record["permit"] in self.gate.permits:
                 self.gate.consume(record["permit"])
-            self.store.add(group_index(unpack_frames(record["group"])[0]), record["group"], record["seq"])
+            stored = self.store.add(group_index(unpack_frames(record["group"])[0]), record["group"], record["seq"])
+            stored.handed_out = record.get("handed_out", 0)
         elif op == "lease":
             groups = [g for gid in record["groups"] if (g := self.store.remove_ready(gid)) is not None]
-            self.store.leases[record["lease"]] = Lease(record["lease"], groups, now + self.store.lease_s,
-                                                       record["version"])
+            self.store.hand_out(record["lease"], groups, now + self.store.lease_s, record["version"])
         elif op == "nack":
             self.store.nack(record["lease"])
         elif op == "expire":
@@ -553,7 +553,10 @@ class BufferCore:
                         consumed.setdefault(gid, []).append(sid)
             head = {"op": "snapshot", "gate": gate, "next_seq": self.store.next_seq, "consumed": consumed,
                     "leases": self.store.lease_memory(), "settle_n": self._settle_n}
-            pushes = [{"op": "push", "permit": None, "seq": g.seq, "group": g.packed} for g in live]
+            leased = {g.group_id for lease in self.store.leases.values() for g in lease.groups}
+            # handed_out without the current lease: replaying its `lease` record counts it again
+            pushes = [{"op": "push", "permit": None, "seq": g.seq, "group": g.packed,
+                       "handed_out": g.handed_out - (g.group_id in leased)} for g in live]
             leases = [{"op": "lease", **_lease_record(lease)} for lease in self.store.leases.values()]
             return [head, *pushes, *(leases if keep_in_flight else [])]
 
