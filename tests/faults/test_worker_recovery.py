@@ -52,7 +52,7 @@ def test_a_worker_whose_weight_load_fails_is_back_within_its_restart_budget(ray_
         assert pushed >= 2, client.stats()
         (stats,) = pool.stats(timeout=30)
         assert stats["loaded_version"] == 1 and stats["weight_load_failures_total"] == 0, "a fresh process"
-        assert client.stats()["permits_released"] >= 1, "the dying process gave its permit back first"
+        assert client.stats()["permits_reclaimed"] == 0, "no permit was left behind for its lease to reclaim"
     finally:
         pool.stop()
         ray.kill(client.actor)
