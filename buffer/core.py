@@ -22,6 +22,7 @@ the gate's, which are restored from the log):
   rejected                     counter: acquire requests that ended without a permit
   permits_released, permits_reclaimed            counters
   next_ticket, free_tickets    data cursor and tickets waiting to be reissued
+  prompts_quarantined          counter: tickets set aside for good (their prompt fails the engine)
   groups_ready, groups_leased, samples_ready, bytes_held     store contents
   pushed_samples, pushed_groups, duplicate_pushes            counters
   consumed_samples, consumed_groups                          counters (acked)
@@ -31,11 +32,15 @@ the gate's, which are restored from the log):
   gate_wait_seconds            counter: total time acquire requests waited
   gate_waits                   counter: acquire requests that waited
   consumed_staleness: {staleness: n}  counter: consumed samples by (pull version − weight_version)
+  consumed_groups_by_length, dropped_groups_by_length: {le: n}  counters: groups consumed, and
+                               dropped as stale, by their longest response (LENGTH_BUCKETS): the
+                               stale-drop rate by length
   leases_expired, nacks        counters
   log_bytes, log_fsyncs, log_compactions        durable log (0 without a log)
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import Counter
@@ -49,7 +54,16 @@ from buffer.errors import BufferError, ProtocolError, RequestError
 from buffer.sample import new_id
 from buffer.store import GroupStore, Lease
 
-_WAIT_SLICE_S = 0.25  # blocked callers re-check leases and deadlines at least this often
+log = logging.getLogger(__name__)
+_WAIT_SLICE_S = 0.25
+# Upper bounds (tokens of a group's longest response) of the buckets that count settled groups
+# by length: staleness is judged by a group's start version, so long generations are the ones dropped.
+LENGTH_BUCKETS = (64, 256, 1024, 4096, 16384)
+
+
+def length_bucket(tokens: int) -> str:
+    """The Prometheus-style `le` label of a response length."""
+    return next((str(b) for b in LENGTH_BUCKETS if tokens <= b), "+Inf")  # blocked callers re-check leases and deadlines at least this often
 
 
 @dataclass
@@ -58,6 +72,7 @@ class PullResult:
     groups: list[bytes]  # packed groups (buffer.codec.unpack_frames)
     dropped_stale: int
     version: int
+    prompts_quarantined: int = 0
 
 
 class _Counters:
@@ -71,6 +86,7 @@ class _Counters:
         self.bad_messages: Counter = Counter()
         self.request_errors: Counter = Counter()
         self.consumed_staleness: Counter = Counter()
+        self.settled_by_length = {"consumed": Counter(), "dropped": Counter()}  # length bucket -> groups
 
 
 class BufferCore:
@@ -79,7 +95,7 @@ class BufferCore:
         self.limits = config.limits
         self.clock = clock
         g = config.gate
-        self.gate = AdmissionGate(g.batch_size, g.eta, g.max_concurrent, g.permit_lease_s)
+        self.gate = AdmissionGate(g.batch_size, g.eta, g.max_concurrent, g.permit_lease_s, config.max_version_jump)
         self.store = GroupStore(config.store.capacity_groups, config.store.lease_s)
         self.enqueued = 0
         self._pending_dropped = 0
@@ -171,12 +187,24 @@ class BufferCore:
             if not granted:
                 self.gate.rejected += 1
 
-    def release_permit(self, permit_id: str) -> bool:
+    def release_permit(self, permit_id: str, quarantine: str | None = None) -> bool:
+        """End a permit without a group: its ticket is reissued, or, with `quarantine` (the
+        engine's error for a prompt that failed on its own again and again), set aside for good.
+        False if the permit is not held."""
         with self._lock:
-            permit = self.gate.release(permit_id)
+            if quarantine is None:
+                permit = self.gate.release(permit_id)
+                record = {"op": "release", "permit": permit_id}
+            else:
+                permit = self.gate.quarantine(permit_id)
+                record = {"op": "quarantine", "permit": permit_id, "ticket": None if permit is None else permit.ticket,
+                          "reason": quarantine[: self.limits.max_string_chars]}
             if permit is None:
                 return False
-            self._append({"op": "release", "permit": permit_id})
+            self._append(record)
+            if quarantine is not None:
+                log.warning("buffer: ticket %d quarantined (its prompt is never reissued): %s", permit.ticket,
+                            record["reason"])
             self._changed.notify_all()
             return True
 
@@ -262,7 +290,7 @@ class BufferCore:
         seq = self.store.next_seq
         self._append({"op": "push", "permit": permit_id, "seq": seq, "group": packed})
         self.gate.consume(permit_id)
-        self.store.add(view.group_id, view.sample_ids, view.weight_versions, packed, view.prompt_index, seq)
+        self.store.add(view.index(), packed, seq)
         self.counters.pushed_groups += 1
         self.counters.pushed_samples += len(view.sample_ids)
 
@@ -300,9 +328,9 @@ class BufferCore:
             dropped, self._pending_dropped = self._pending_dropped, 0
             return self._result(lease, dropped)
 
-    @staticmethod
-    def _result(lease: Lease, dropped: int) -> PullResult:
-        return PullResult(lease.lease_id, [g.packed for g in lease.groups], dropped, lease.version)
+    def _result(self, lease: Lease, dropped: int) -> PullResult:
+        return PullResult(lease.lease_id, [g.packed for g in lease.groups], dropped, lease.version,
+                          len(self.gate.quarantined))
 
     def _drop_stale(self) -> None:
         dropped = self.store.drop_stale(self.gate.version, self.gate.eta)
@@ -314,6 +342,7 @@ class BufferCore:
         self.gate.return_dropped(tickets)
         self._pending_dropped += len(dropped)
         self.counters.dropped_groups["stale"] += len(dropped)
+        self.counters.settled_by_length["dropped"].update(length_bucket(g.response_tokens) for g in dropped)
         self.counters.dropped_samples["stale"] += sum(len(g.sample_ids) for g in dropped)
         self._maybe_compact()
 
@@ -337,6 +366,7 @@ class BufferCore:
             self._append_settled({"op": "ack", "lease": lease_id, "groups": [g.group_id for g in lease.groups],
                                   "tickets": [g.ticket for g in lease.groups]})
             version = self.gate.version if lease.version is None else lease.version
+            self.counters.settled_by_length["consumed"].update(length_bucket(g.response_tokens) for g in lease.groups)
             for g in lease.groups:
                 self.counters.consumed_groups += 1
                 self.counters.consumed_samples += len(g.sample_ids)
@@ -400,6 +430,7 @@ class BufferCore:
                 "accepted": gate.accepted, "rejected": gate.rejected,
                 "permits_released": gate.released, "permits_reclaimed": gate.reclaimed,
                 "next_ticket": gate.next_ticket, "free_tickets": len(gate.free_tickets),
+                "prompts_quarantined": len(gate.quarantined),
                 "groups_ready": len(store.ready), "groups_leased": store.groups_leased,
                 "samples_ready": store.samples_ready(),
                 "bytes_held": store.bytes_held + sum(g.nbytes for lease in store.leases.values() for g in lease.groups),
@@ -410,6 +441,8 @@ class BufferCore:
                 "bad_messages": dict(c.bad_messages), "request_errors": dict(c.request_errors),
                 "gate_wait_seconds": c.gate_wait_seconds, "gate_waits": c.gate_waits,
                 "consumed_staleness": {str(k): v for k, v in sorted(c.consumed_staleness.items())},
+                "consumed_groups_by_length": dict(c.settled_by_length["consumed"]),
+                "dropped_groups_by_length": dict(c.settled_by_length["dropped"]),
                 "leases_expired": c.leases_expired, "nacks": c.nacks,
                 "log_bytes": self.log.size if self.log else 0,
                 "log_fsyncs": self.log.fsyncs if self.log else 0,
@@ -448,15 +481,16 @@ class BufferCore:
             self.gate.restore_permit(Permit(**record["permit"]), now)
         elif op == "release":
             self.gate.release(record["permit"])
+        elif op == "quarantine":
+            self.gate.quarantine(record["permit"])
         elif op == "push":
-            group_id, sample_ids, versions, ticket = group_index(unpack_frames(record["group"])[0])
             if record["permit"] in self.gate.permits:
                 self.gate.consume(record["permit"])
-            self.store.add(group_id, sample_ids, versions, record["group"], ticket, record["seq"])
+            stored = self.store.add(group_index(unpack_frames(record["group"])[0]), record["group"], record["seq"])
+            stored.handed_out = record.get("handed_out", 0)
         elif op == "lease":
             groups = [g for gid in record["groups"] if (g := self.store.remove_ready(gid)) is not None]
-            self.store.leases[record["lease"]] = Lease(record["lease"], groups, now + self.store.lease_s,
-                                                       record["version"])
+            self.store.hand_out(record["lease"], groups, now + self.store.lease_s, record["version"])
         elif op == "nack":
             self.store.nack(record["lease"])
         elif op == "expire":
@@ -521,7 +555,10 @@ class BufferCore:
                         consumed.setdefault(gid, []).append(sid)
             head = {"op": "snapshot", "gate": gate, "next_seq": self.store.next_seq, "consumed": consumed,
                     "leases": self.store.lease_memory(), "settle_n": self._settle_n}
-            pushes = [{"op": "push", "permit": None, "seq": g.seq, "group": g.packed} for g in live]
+            leased = {g.group_id for lease in self.store.leases.values() for g in lease.groups}
+            # handed_out without the current lease: replaying its `lease` record counts it again
+            pushes = [{"op": "push", "permit": None, "seq": g.seq, "group": g.packed,
+                       "handed_out": g.handed_out - (g.group_id in leased)} for g in live]
             leases = [{"op": "lease", **_lease_record(lease)} for lease in self.store.leases.values()]
             return [head, *pushes, *(leases if keep_in_flight else [])]
 

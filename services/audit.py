@@ -13,8 +13,8 @@ A group is *lost* if the buffer accepted it (or a client was told its push succe
 neither consumed by the run, nor still held by the buffer, nor dropped as stale (dropped groups
 are counted, not lost). A group or ticket is *duplicated* if it was consumed more than once.
 Every ticket (prompt number) the gate handed out must be consumed, held (a permit or a stored
-group) or waiting to be reissued (released, reclaimed, or its group dropped as stale), exactly one
-of those.
+group), waiting to be reissued (released, reclaimed, or its group dropped as stale) or quarantined
+(its prompt fails the engine), exactly one of those.
 """
 from __future__ import annotations
 
@@ -92,6 +92,7 @@ class BufferHistory:
     next_ticket: int = 0
     free_tickets: set[int] = field(default_factory=set)
     held_tickets: dict[str, int] = field(default_factory=dict)  # permit id -> ticket
+    quarantined: set[int] = field(default_factory=set)  # tickets set aside for good
 
 
 def replay(records: Iterable[dict]) -> BufferHistory:
@@ -106,6 +107,7 @@ def replay(records: Iterable[dict]) -> BufferHistory:
             h.next_ticket = gate["next_ticket"]
             h.free_tickets = set(gate["free_tickets"])
             h.held_tickets = {p["permit_id"]: p["ticket"] for p in gate["permits"]}
+            h.quarantined = set(gate.get("quarantined", []))
         elif op == "acquire":
             permit = r["permit"]
             h.held_tickets[permit["permit_id"]] = permit["ticket"]
@@ -115,6 +117,10 @@ def replay(records: Iterable[dict]) -> BufferHistory:
             ticket = h.held_tickets.pop(r["permit"], None)
             if ticket is not None:
                 h.free_tickets.add(ticket)
+        elif op == "quarantine":
+            ticket = h.held_tickets.pop(r["permit"], None)
+            if ticket is not None:
+                h.quarantined.add(ticket)
         elif op == "push":
             header = unpack(unpack_frames(r["group"])[0])
             gid, ticket = header["group_id"], header["prompt_index"]
@@ -188,7 +194,7 @@ def audit(consumptions: list[Consumption], buffer_records: Iterable[dict], eta: 
     lost = sorted(expected - accounted)
 
     holders = Counter(tickets)
-    for source in (h.live.values(), h.free_tickets, h.held_tickets.values()):
+    for source in (h.live.values(), h.free_tickets, h.held_tickets.values(), h.quarantined):
         holders.update(source)
     issued = max(h.next_ticket, max(holders, default=-1) + 1)
     lost_tickets = [t for t in range(issued) if holders[t] == 0]

@@ -133,8 +133,8 @@ class Controller:
             self.buffer.client.set_version(self.version)
         self.weights.publish(self.learner)
         self._start_exporter()
-        self.workers = WorkerPool(cfg, self.model_dir, self.buffer.client, self.weights.store, self.stop_requested,
-                                  self.placement.all_options("rollout"), self.exporter)
+        self.workers = WorkerPool(cfg, self.model_dir, self.buffer.worker_client, self.weights.store,
+                                  self.stop_requested, self.placement.all_options("rollout"), self.exporter)
         self.workers.start()
         self._started = True
 
@@ -265,6 +265,7 @@ class Controller:
             **{k: v for k, v in metrics.items() if isinstance(v, (int, float))},
             "staleness/max": max(staleness), "staleness/mean": sum(staleness) / len(staleness),
             "buffer/dropped_stale_groups": batch.dropped_stale, "buffer/restarts": self.buffer.restarts(),
+            "rollout/quarantined": batch.prompts_quarantined,
             "timing_s/wait_data": t_data - t0, "timing_s/train": t_train - t_data,
             "timing_s/weight_sync": sync_s, "timing_s/step_total": t_end - t0,
             "throughput/samples_per_s": samples / (t_end - t0), "throughput/tokens_per_s": tokens / (t_end - t0),

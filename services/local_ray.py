@@ -31,6 +31,9 @@ def init_local_ray(**init_kwargs):
     import ray
 
     local_only_mode()
+    # "local": always a new cluster. Without it, ray.init joins a cluster another process (or a
+    # killed one, through a stale /tmp/ray/ray_current_cluster) left on this machine.
+    init_kwargs.setdefault("address", "local")
     return ray.init(_node_ip_address=LOOPBACK, include_dashboard=False, **init_kwargs)
 
 

@@ -48,7 +48,7 @@ class WorkerPool:
                 name=None, max_restarts=cfg.ray.worker_max_restarts, max_task_retries=0, max_concurrency=4, **placed,
             ).remote(rollout_cfg, f"worker-{index}", self.buffer_client, self.weight_store)
             self.workers.append(handle)
-        self.refs = [w.run.remote() for w in self.workers]
+        self.refs = [w.run_in_actor.remote() for w in self.workers]
         self.failures = [0] * len(self.workers)
         self.resubmitted_at = [None] * len(self.workers)
 
@@ -94,7 +94,7 @@ class WorkerPool:
             if self.exporter is not None:
                 self.exporter.record_worker_restart(f"worker-{index}")
         self.resubmitted_at[index] = now
-        self.refs[index] = self.workers[index].run.remote()
+        self.refs[index] = self.workers[index].run_in_actor.remote()
 
     def stats(self, timeout: float = 30.0) -> list[dict]:
         """Stats of the workers that answer. A dead or restarting worker (Ray restarts it; its
