@@ -17,11 +17,14 @@ _WORKER_BACK_AFTER_S = 5.0  # a restarted worker whose loop ran this long is bac
 
 
 class WorkerPool:
-    """`worker_options[i]`: worker i's Ray options from the placement plan (its CPUs, its engine's
-    GPUs, its placement-group bundle; services/placement.py)."""
+    """`worker_options[i]`: worker i's Ray options from the run's placement plan (its CPUs, its
+    engine's GPUs, its placement-group bundle; services/placement.py). None (tests): each worker
+    asks for ray.worker_num_cpus CPUs and no GPU, so its engine runs on the CPU."""
 
-    def __init__(self, cfg, model_dir, buffer_client, weight_store, stop_requested, worker_options: list[dict],
-                 exporter=None):
+    def __init__(self, cfg, model_dir, buffer_client, weight_store, stop_requested,
+                 worker_options: list[dict] | None = None, exporter=None):
+        if worker_options is None:
+            worker_options = [{"num_cpus": cfg.ray.worker_num_cpus}] * cfg.rollout.num_workers
         if len(worker_options) != cfg.rollout.num_workers:
             raise ValueError(f"{len(worker_options)} workers placed, rollout.num_workers={cfg.rollout.num_workers}")
         self.cfg = cfg
