@@ -120,8 +120,8 @@ class Plan:
     def total(self) -> dict[str, float]:
         return {"CPU": sum(r.count * r.cpus for r in self.roles), "GPU": sum(r.count * r.gpus for r in self.roles)}
 
-    def bundles(self) -> list[tuple[str, dict[str, float]]]:
-        return [(r.name, r.bundle) for r in self.roles for _ in range(r.count) if r.bundle]
+    def bundles(self) -> list[dict[str, float]]:
+        return [r.bundle for r in self.roles for _ in range(r.count) if r.bundle]
 
     def to_dict(self) -> dict:
         return {"roles": {r.name: r.to_dict() for r in self.roles}, "total": self.total()}
@@ -139,7 +139,7 @@ class Plan:
                 out.append(f"the run needs {_num(need[kind])} {kind}s ({parts}) but {cluster.source} has "
                            f"{_num(have[kind])}: lower {keys}{devices}; or give the cluster more ({cluster.grow})")
         for role in self.roles:
-            if role.count and role.bundle and not any(_fits(role.bundle, n) for n in cluster.nodes):
+            if role.count and role.bundle and not any(_fits(role.bundle, n.resources) for n in cluster.nodes):
                 largest = {k: max((n.resources[k] for n in cluster.nodes), default=0) for k in ("CPU", "GPU")}
                 keys = " or ".join(role.key(k) for k in role.bundle if role.bundle[k] > largest[k] and role.key(k))
                 out.append(f"one {role.name} actor needs {_res(role.bundle)} on one node, but no node of "
@@ -166,21 +166,19 @@ def _res(resources: dict[str, float]) -> str:
     return f"{_num(resources.get('CPU', 0))} CPU, {_num(resources.get('GPU', 0))} GPU"
 
 
-def _fits(bundle: dict[str, float], node: Node) -> bool:
-    return bundle.get("CPU", 0) <= node.cpus + 1e-9 and bundle.get("GPU", 0) <= node.gpus + 1e-9
+def _fits(bundle: dict[str, float], room: dict[str, float]) -> bool:
+    return all(amount <= room.get(kind, 0) + 1e-9 for kind, amount in bundle.items())
 
 
-def _first_fit(bundles: list[tuple[str, dict[str, float]]], nodes: tuple[Node, ...]) -> bool:
+def _first_fit(bundles: list[dict[str, float]], nodes: tuple[Node, ...]) -> bool:
     """Whether the bundles fit the nodes, largest first, each on the first node with room."""
-    free = [[n.cpus, n.gpus] for n in nodes]
-    for _, bundle in sorted(bundles, key=lambda b: (b[1].get("GPU", 0), b[1].get("CPU", 0)), reverse=True):
-        for room in free:
-            if bundle.get("CPU", 0) <= room[0] + 1e-9 and bundle.get("GPU", 0) <= room[1] + 1e-9:
-                room[0] -= bundle.get("CPU", 0)
-                room[1] -= bundle.get("GPU", 0)
-                break
-        else:
+    rooms = [n.resources for n in nodes]
+    for bundle in sorted(bundles, key=lambda b: (b.get("GPU", 0), b.get("CPU", 0)), reverse=True):
+        room = next((r for r in rooms if _fits(bundle, r)), None)
+        if room is None:
             return False
+        for kind, amount in bundle.items():
+            room[kind] -= amount
     return True
 
 
