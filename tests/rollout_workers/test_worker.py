@@ -212,10 +212,13 @@ def test_hanging_and_crashing_rewards_are_scored_as_failed(tiny_model_dir, vllm_
 
 def test_failed_generation_releases_its_permit_and_the_worker_carries_on(tiny_model_dir, vllm_engine, buffer, tmp_path):
     """A prompt longer than the engine's context fails to generate: the permit goes back (its
-    ticket is reissued), the failure is counted, and the worker does not die."""
+    ticket is reissued), the failure is counted, and the worker does not die. (The prompt checks
+    would refuse such a prompt before the run; here the config claims a context of 128 tokens
+    while the engine has 64, so the prompt passes the checks and fails in the engine.)"""
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "%s=", "answer": "1"}\n' % ("1+" * 40))
-    cfg = config(tiny_model_dir, task=TaskConfig(kind="file", path=str(prompts)), groups_per_batch=1)
+    cfg = config(tiny_model_dir, task=TaskConfig(kind="file", path=str(prompts)), groups_per_batch=1,
+                 engine=EngineConfig(max_model_len=128))
     worker = RolloutWorker(cfg, "worker-e", buffer, WeightStore(), engine=vllm_engine)
     runner = threading.Thread(target=worker.run)
     runner.start()

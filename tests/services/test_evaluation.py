@@ -4,6 +4,7 @@ import math
 
 import pytest
 
+from rollout_workers.data import Problem
 from services.evaluation import EvalPrompt, evaluate, mean_pass_at_k, pass_at_k
 
 
@@ -37,7 +38,7 @@ def test_pass_at_k_rejects_bad_counts():
 def test_evaluate_greedy_accuracy_and_pass_at_k():
     # Prompt i is answered correctly by greedy decoding iff i is even; sampled answers are
     # correct for the first i of 4 samples (so c = min(i, 4)).
-    prompts = [EvalPrompt(prompt_ids=[i], answer=str(i)) for i in range(4)]
+    prompts = [EvalPrompt(prompt_ids=[i], problem=Problem(f"{i}?", str(i))) for i in range(4)]
     calls = []
 
     def generate(batch, n, temperature, seed):
@@ -47,7 +48,7 @@ def test_evaluate_greedy_accuracy_and_pass_at_k():
         return [[[p[0]] if j < p[0] else [-1] for j in range(n)] for p in batch]
 
     def score(prompt, response):
-        return 1.0 if response == [int(prompt.answer)] else 0.0
+        return 1.0 if response == [int(prompt.problem.answer)] else 0.0
 
     metrics = evaluate(generate, score, prompts, n_samples=4, k=2, temperature=0.7)
     assert calls == [(1, 0.0), (4, 0.7)]
