@@ -11,11 +11,13 @@ else
   EXTRA=cpu; TORCH_SPEC="torch==2.13.0"   # the CPU wheel; an unpinned torch pulls a CUDA build
 fi
 
-# pip, without its "WARNING: Location '...' is ignored" lines: an extra index or find-links folder
-# in the machine's pip config that lacks a package is not an error, and there is one such line per
-# package. Every other line, and pip's exit status, come through.
+# pip without two kinds of noise: its "WARNING: Location '...' is ignored" lines (an extra index or
+# find-links folder of the machine's pip config that lacks a package is not an error; one line per
+# package), and setuptools' "Editable installation ... be careful with folders" notice (a warning
+# filter by message, passed to the build backend). Every other line, and pip's exit status, come through.
 pip_quiet() {
-  { .venv/bin/pip "$@" 2>&1 1>&3 3>&- | { grep -v "^WARNING: Location '.*' is ignored" || true; } >&2; } 3>&1
+  { PYTHONWARNINGS="ignore:Editable installation${PYTHONWARNINGS:+,$PYTHONWARNINGS}" .venv/bin/pip "$@" \
+      2>&1 1>&3 3>&- | { grep -v "^WARNING: Location '.*' is ignored" || true; } >&2; } 3>&1
 }
 
 stamp=".venv/.setup-stamp"
