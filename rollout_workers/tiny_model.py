@@ -163,6 +163,20 @@ def greedy_accuracy(model, tokenizer, problems: list[Problem], max_new_tokens: i
     return correct / len(problems)
 
 
+def _save_quietly(model, folder: Path) -> None:
+    """save_pretrained without its "Writing model shards" bar (one shard of a few MB: noise on the
+    first run's screen)."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model.save_pretrained(folder, safe_serialization=True)
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
 def build_tiny_model(folder: str | os.PathLike, spec: TinyModelSpec | None = None, log=print) -> Path:
     """Build, warm-start and save the tiny model folder (tokenizer included) at `folder`."""
     spec = spec or TinyModelSpec()
@@ -180,7 +194,7 @@ def build_tiny_model(folder: str | os.PathLike, spec: TinyModelSpec | None = Non
         for difficulty in spec.difficulties
     }
     log(f"tiny model: held-out greedy accuracy {accuracy} after {spec.warm_start_steps} steps")
-    model.save_pretrained(folder, safe_serialization=True)
+    _save_quietly(model, folder)
     tokenizer.save_pretrained(folder)
     record = {
         "spec": spec.model_dump(),
