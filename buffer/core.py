@@ -22,6 +22,7 @@ the gate's, which are restored from the log):
   rejected                     counter: acquire requests that ended without a permit
   permits_released, permits_reclaimed            counters
   next_ticket, free_tickets    data cursor and tickets waiting to be reissued
+  prompts_quarantined          counter: tickets set aside for good (their prompt fails the engine)
   groups_ready, groups_leased, samples_ready, bytes_held     store contents
   pushed_samples, pushed_groups, duplicate_pushes            counters
   consumed_samples, consumed_groups                          counters (acked)
@@ -31,11 +32,14 @@ the gate's, which are restored from the log):
   gate_wait_seconds            counter: total time acquire requests waited
   gate_waits                   counter: acquire requests that waited
   consumed_staleness: {staleness: n}  counter: consumed samples by (pull version − weight_version)
+  settled_by_length: {"consumed"|"dropped": {le: n}}  counter: groups by their longest response
+                               (LENGTH_BUCKETS): the stale-drop rate by length
   leases_expired, nacks        counters
   log_bytes, log_fsyncs, log_compactions        durable log (0 without a log)
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import Counter
@@ -49,7 +53,16 @@ from buffer.errors import BufferError, ProtocolError, RequestError
 from buffer.sample import new_id
 from buffer.store import GroupStore, Lease
 
-_WAIT_SLICE_S = 0.25  # blocked callers re-check leases and deadlines at least this often
+log = logging.getLogger(__name__)
+_WAIT_SLICE_S = 0.25
+# Upper bounds (tokens of a group's longest response) of the buckets that count settled groups
+# by length: staleness is judged by a group's start version, so long generations are the ones dropped.
+LENGTH_BUCKETS = (64, 256, 1024, 4096, 16384)
+
+
+def length_bucket(tokens: int) -> str:
+    """The Prometheus-style `le` label of a response length."""
+    return next((str(b) for b in LENGTH_BUCKETS if tokens <= b), "+Inf")  # blocked callers re-check leases and deadlines at least this often
 
 
 @dataclass
@@ -58,6 +71,7 @@ class PullResult:
     groups: list[bytes]  # packed groups (buffer.codec.unpack_frames)
     dropped_stale: int
     version: int
+    prompts_quarantined: int = 0
 
 
 class _Counters:
@@ -71,6 +85,7 @@ class _Counters:
         self.bad_messages: Counter = Counter()
         self.request_errors: Counter = Counter()
         self.consumed_staleness: Counter = Counter()
+        self.settled_by_length = {"consumed": Counter(), "dropped": Counter()}  # length bucket -> groups
 
 
 class BufferCore:
@@ -83,6 +98,8 @@ class BufferCore:
         self.store = GroupStore(config.store.capacity_groups, config.store.lease_s)
         self.enqueued = 0
         self._pending_dropped = 0
+        self._settled: list[dict] = []  # ack and drop records since the last compaction (to archive)
+        self._settle_n = 0  # the next settle number (an ack or drop record's `n`)
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
         self.counters = _Counters()
@@ -169,12 +186,24 @@ class BufferCore:
             if not granted:
                 self.gate.rejected += 1
 
-    def release_permit(self, permit_id: str) -> bool:
+    def release_permit(self, permit_id: str, quarantine: str | None = None) -> bool:
+        """End a permit without a group: its ticket is reissued, or, with `quarantine` (the
+        engine's error for a prompt that failed on its own again and again), set aside for good.
+        False if the permit is not held."""
         with self._lock:
-            permit = self.gate.release(permit_id)
+            if quarantine is None:
+                permit = self.gate.release(permit_id)
+                record = {"op": "release", "permit": permit_id}
+            else:
+                permit = self.gate.quarantine(permit_id)
+                record = {"op": "quarantine", "permit": permit_id, "ticket": None if permit is None else permit.ticket,
+                          "reason": quarantine[: self.limits.max_string_chars]}
             if permit is None:
                 return False
-            self._append({"op": "release", "permit": permit_id})
+            self._append(record)
+            if quarantine is not None:
+                log.warning("buffer: ticket %d quarantined (its prompt is never reissued): %s", permit.ticket,
+                            record["reason"])
             self._changed.notify_all()
             return True
 
@@ -260,7 +289,7 @@ class BufferCore:
         seq = self.store.next_seq
         self._append({"op": "push", "permit": permit_id, "seq": seq, "group": packed})
         self.gate.consume(permit_id)
-        self.store.add(view.group_id, view.sample_ids, view.weight_versions, packed, seq)
+        self.store.add(view.index(), packed, seq)
         self.counters.pushed_groups += 1
         self.counters.pushed_samples += len(view.sample_ids)
 
@@ -298,18 +327,21 @@ class BufferCore:
             dropped, self._pending_dropped = self._pending_dropped, 0
             return self._result(lease, dropped)
 
-    @staticmethod
-    def _result(lease: Lease, dropped: int) -> PullResult:
-        return PullResult(lease.lease_id, [g.packed for g in lease.groups], dropped, lease.version)
+    def _result(self, lease: Lease, dropped: int) -> PullResult:
+        return PullResult(lease.lease_id, [g.packed for g in lease.groups], dropped, lease.version,
+                          len(self.gate.quarantined))
 
     def _drop_stale(self) -> None:
         dropped = self.store.drop_stale(self.gate.version, self.gate.eta)
         if not dropped:
             return
-        self._append({"op": "drop", "reason": "stale", "groups": [g.group_id for g in dropped]})
-        self.gate.return_dropped(len(dropped))
+        tickets = [g.ticket for g in dropped]
+        self._append_settled({"op": "drop", "reason": "stale", "groups": [g.group_id for g in dropped],
+                              "tickets": tickets})
+        self.gate.return_dropped(tickets)
         self._pending_dropped += len(dropped)
         self.counters.dropped_groups["stale"] += len(dropped)
+        self.counters.settled_by_length["dropped"].update(length_bucket(g.response_tokens) for g in dropped)
         self.counters.dropped_samples["stale"] += sum(len(g.sample_ids) for g in dropped)
         self._maybe_compact()
 
@@ -330,8 +362,10 @@ class BufferCore:
             lease = self.store.ack(lease_id, self.clock())
             if isinstance(lease, int):
                 return lease  # acked before: a retried ack
-            self._append({"op": "ack", "lease": lease_id, "groups": [g.group_id for g in lease.groups]})
+            self._append_settled({"op": "ack", "lease": lease_id, "groups": [g.group_id for g in lease.groups],
+                                  "tickets": [g.ticket for g in lease.groups]})
             version = self.gate.version if lease.version is None else lease.version
+            self.counters.settled_by_length["consumed"].update(length_bucket(g.response_tokens) for g in lease.groups)
             for g in lease.groups:
                 self.counters.consumed_groups += 1
                 self.counters.consumed_samples += len(g.sample_ids)
@@ -368,7 +402,7 @@ class BufferCore:
         expired = self.store.expire_leases(now)
         self.counters.leases_expired += len(expired)
         for lease in expired:
-            self._append({"op": "nack", "lease": lease.lease_id})
+            self._append({"op": "expire", "lease": lease.lease_id})
         if self.log is not None:
             self.log.sync_if_due()
         return bool(reclaimed or expired)
@@ -395,6 +429,7 @@ class BufferCore:
                 "accepted": gate.accepted, "rejected": gate.rejected,
                 "permits_released": gate.released, "permits_reclaimed": gate.reclaimed,
                 "next_ticket": gate.next_ticket, "free_tickets": len(gate.free_tickets),
+                "prompts_quarantined": len(gate.quarantined),
                 "groups_ready": len(store.ready), "groups_leased": store.groups_leased,
                 "samples_ready": store.samples_ready(),
                 "bytes_held": store.bytes_held + sum(g.nbytes for lease in store.leases.values() for g in lease.groups),
@@ -405,6 +440,7 @@ class BufferCore:
                 "bad_messages": dict(c.bad_messages), "request_errors": dict(c.request_errors),
                 "gate_wait_seconds": c.gate_wait_seconds, "gate_waits": c.gate_waits,
                 "consumed_staleness": {str(k): v for k, v in sorted(c.consumed_staleness.items())},
+                "settled_by_length": {k: dict(v) for k, v in c.settled_by_length.items()},
                 "leases_expired": c.leases_expired, "nacks": c.nacks,
                 "log_bytes": self.log.size if self.log else 0,
                 "log_fsyncs": self.log.fsyncs if self.log else 0,
@@ -428,6 +464,14 @@ class BufferCore:
         if self.log is not None:
             self.log.append(record)
 
+    def _append_settled(self, record: dict) -> None:
+        """Log an ack or drop under the next settle number; compaction archives it."""
+        record["n"] = self._settle_n
+        self._settle_n += 1
+        self._append(record)
+        if self.log is not None:
+            self._settled.append(record)
+
     def _replay(self, record: dict) -> None:
         """Apply one logged event to a freshly built core (no logging, no counters)."""
         op, now = record["op"], self.clock()
@@ -435,26 +479,22 @@ class BufferCore:
             self.gate.restore_permit(Permit(**record["permit"]), now)
         elif op == "release":
             self.gate.release(record["permit"])
+        elif op == "quarantine":
+            self.gate.quarantine(record["permit"])
         elif op == "push":
-            group_id, sample_ids, versions = group_index(unpack_frames(record["group"])[0])
             if record["permit"] in self.gate.permits:
                 self.gate.consume(record["permit"])
-            self.store.add(group_id, sample_ids, versions, record["group"], record["seq"])
+            stored = self.store.add(group_index(unpack_frames(record["group"])[0]), record["group"], record["seq"])
+            stored.handed_out = record.get("handed_out", 0)
         elif op == "lease":
             groups = [g for gid in record["groups"] if (g := self.store.remove_ready(gid)) is not None]
-            self.store.leases[record["lease"]] = Lease(record["lease"], groups, now + self.store.lease_s,
-                                                       record["version"])
+            self.store.hand_out(record["lease"], groups, now + self.store.lease_s, record["version"])
         elif op == "nack":
             self.store.nack(record["lease"])
-        elif op == "ack" and record.get("lease") in self.store.leases:
-            self.store.ack(record["lease"], now)  # also remembers it: a retried ack is answered
+        elif op == "expire":
+            self.store.expire(record["lease"])
         elif op in ("ack", "drop"):
-            for group_id in record["groups"]:
-                self.store.remove_ready(group_id)
-            if op == "drop":
-                self.gate.return_dropped(len(record["groups"]))
-            if record.get("lease") is not None:
-                self.store.finished_leases[record["lease"]] = len(record["groups"])
+            self._replay_settled(record, now)
         elif op == "version":
             self.gate.version = max(self.gate.version, record["version"])
         elif op == "recover":
@@ -462,17 +502,37 @@ class BufferCore:
         elif op == "snapshot":
             self.gate.load_state(record["gate"], now)
             self.store.next_seq = record["next_seq"]
+            self.store.load_lease_memory(record.get("leases", {}))
+            self._settle_n = max(self._settle_n, record.get("settle_n", 0))
             for group_id, sample_ids in record["consumed"].items():
                 self.store.remember_ids(group_id, sample_ids)
         else:
             raise ValueError(f"buffer log {self.log.path}: unknown record op {op!r}")
+
+    def _replay_settled(self, record: dict, now: float) -> None:
+        if "tickets" not in record or "n" not in record:
+            raise ValueError(f"buffer log {self.log.path}: an {record['op']!r} record without tickets: the log was "
+                             "written by an older etarl; start the buffer with a new log")
+        if record["op"] == "ack" and record.get("lease") in self.store.leases:
+            self.store.ack(record["lease"], now)  # also remembers it: a retried ack is answered
+        else:  # an ack of an expired lease, or a drop: the groups were ready
+            for group_id in record["groups"]:
+                self.store.remove_ready(group_id)
+            self.store.forget_expired(record.get("lease"))
+            if record["op"] == "drop":
+                self.gate.return_dropped(record["tickets"])
+            elif record.get("lease") is not None:
+                self.store.remember_finished(record["lease"], len(record["groups"]))
+        self._settle_n = max(self._settle_n, record["n"] + 1)
+        self._settled.append(record)
 
     def _maybe_compact(self) -> None:
         """Rewrite the log as a snapshot + live groups once it is big and twice its size after the last rewrite."""
         log = self.log
         if log is None or log.size < max(log.config.compact_min_bytes, 2 * log.base_size):
             return  # the doubling keeps compaction amortised O(1) per write
-        log.rewrite(self.snapshot_records())
+        log.compact(self.snapshot_records(), self._settled)
+        self._settled = []
 
     def snapshot_records(self, keep_in_flight: bool = True, keep_consumed_ids: bool = True) -> list[dict]:
         """The state as log records: one `snapshot` (gate, cursor, ids of consumed groups), one
@@ -491,8 +551,12 @@ class BufferCore:
                 for sid, gid in self.store.sample_group.items():
                     if gid not in live_ids:
                         consumed.setdefault(gid, []).append(sid)
-            head = {"op": "snapshot", "gate": gate, "next_seq": self.store.next_seq, "consumed": consumed}
-            pushes = [{"op": "push", "permit": None, "seq": g.seq, "group": g.packed} for g in live]
+            head = {"op": "snapshot", "gate": gate, "next_seq": self.store.next_seq, "consumed": consumed,
+                    "leases": self.store.lease_memory(), "settle_n": self._settle_n}
+            leased = {g.group_id for lease in self.store.leases.values() for g in lease.groups}
+            # handed_out without the current lease: replaying its `lease` record counts it again
+            pushes = [{"op": "push", "permit": None, "seq": g.seq, "group": g.packed,
+                       "handed_out": g.handed_out - (g.group_id in leased)} for g in live]
             leases = [{"op": "lease", **_lease_record(lease)} for lease in self.store.leases.values()]
             return [head, *pushes, *(leases if keep_in_flight else [])]
 

@@ -6,6 +6,13 @@ syncs before the buffer replies; `fsync="interval"` syncs at most every `fsync_i
 (protects against a machine crash losing that window). On replay a torn or corrupt tail (a crash
 mid-write) is cut off at the last good record. Compaction rewrites the log as one snapshot plus
 the live groups into a temporary file, syncs it and renames it over the old one.
+
+The settled archive (`<log>.settled`, beside the log) keeps what compaction removes from the log:
+the `ack` and `drop` records, each naming its groups and their tickets. It is appended (and synced)
+just before the log is rewritten and never read by the buffer itself; the audit reads it with the
+log, so every group the buffer ever settled stays identifiable by id and ticket. A record that is
+in both (a kill between the two steps) carries the same settle number `n`: the audit counts it once.
+About 100 bytes per settled group.
 """
 from __future__ import annotations
 
@@ -28,6 +35,25 @@ _HEAD = struct.Struct("<II")
 def _encode(record: dict) -> bytes:
     body = msgpack.packb(record, use_bin_type=True)
     return _HEAD.pack(len(body), zlib.crc32(body)) + body
+
+
+def settled_path(path: str | os.PathLike) -> Path:
+    """The settled archive beside the log at `path`."""
+    path = Path(path)
+    return path.with_name(path.name + ".settled")
+
+
+def _intact_length(path: Path) -> int:
+    """The byte length of the intact records at the start of `path` (framing and CRCs only)."""
+    data = path.read_bytes() if path.exists() else b""
+    offset = 0
+    while offset + _HEAD.size <= len(data):
+        length, crc = _HEAD.unpack_from(data, offset)
+        end = offset + _HEAD.size + length
+        if end > len(data) or zlib.crc32(data[offset + _HEAD.size:end]) != crc:
+            break
+        offset = end
+    return offset
 
 
 def read_records(path: Path) -> tuple[list[dict], int]:
@@ -66,6 +92,10 @@ class DurableLog:
             self.truncated_bytes = self.path.stat().st_size - good
             log.warning("buffer log %s: cutting %d bytes of torn tail", self.path, self.truncated_bytes)
             os.truncate(self.path, good)
+        archive = settled_path(self.path)
+        if archive.exists() and archive.stat().st_size > (good_archive := _intact_length(archive)):
+            log.warning("buffer log %s: cutting a torn tail of its settled archive", self.path)
+            os.truncate(archive, good_archive)
         self._open()
         yield from records
 
@@ -99,8 +129,22 @@ class DurableLog:
             self._dirty = False
         self._last_sync = time.monotonic()
 
+    def compact(self, snapshot: Iterable[dict], settled: list[dict]) -> None:
+        """Archive the `settled` records (acks and drops since the last compaction), then replace
+        the log with the `snapshot` records."""
+        if settled:
+            fd = os.open(settled_path(self.path), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            try:
+                data = b"".join(_encode(r) for r in settled)
+                if os.write(fd, data) != len(data):
+                    raise OSError(f"buffer log {self.path}: short write to its settled archive")
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        self.rewrite(snapshot)
+
     def rewrite(self, records: Iterable[dict]) -> None:
-        """Atomically replace the log with `records` (compaction)."""
+        """Atomically replace the log with `records`."""
         tmp = self.path.with_name(self.path.name + ".compact")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:

@@ -66,6 +66,7 @@ def _number(value) -> bool:
 
 _ARG_TYPES = {
     "worker_id": (lambda v: isinstance(v, str), "a string"),
+    "quarantine": (lambda v: isinstance(v, str) and 0 < len(v) <= 4096, "a reason string (1 to 4096 chars)"),
     "permit_id": (lambda v: isinstance(v, str) and 0 < len(v) <= 256, "a string id"),
     "permit_ids": (_id_list, f"a list of 1 to {_MAX_IDS} string ids"),
     "next_permit_ids": (_id_list, f"a list of 1 to {_MAX_IDS} string ids"),
@@ -77,7 +78,7 @@ _ARG_TYPES = {
 }
 _OP_ARGS = {
     "acquire_permits": {"worker_id": _REQUIRED, "timeout": 0.0, "permit_ids": _REQUIRED},
-    "release_permit": {"permit_id": _REQUIRED},
+    "release_permit": {"permit_id": _REQUIRED, "quarantine": None},
     "push_groups": {"permit_ids": _REQUIRED, "worker_id": None, "next_permit_ids": None},
     "pull_batch": {"batch_size": _REQUIRED, "timeout": 0.0, "lease_id": None, "ack_lease_id": None, "version": None},
     "ack": {"lease_id": _REQUIRED, "version": None},
@@ -249,7 +250,7 @@ class BufferServer:
         return [p.to_dict() for p in permits],
 
     def _release(self, identity, request_id, args, _payload):
-        return self.core.release_permit(args["permit_id"]),
+        return self.core.release_permit(args["permit_id"], args["quarantine"]),
 
     def _push(self, identity, request_id, args, payload):
         if len(payload) != len(args["permit_ids"]):
@@ -275,7 +276,8 @@ class BufferServer:
     def _pull_reply(result: PullResult | None):
         if result is None:
             return None, ()
-        meta = {"lease_id": result.lease_id, "dropped_stale": result.dropped_stale, "version": result.version}
+        meta = {"lease_id": result.lease_id, "dropped_stale": result.dropped_stale, "version": result.version,
+                "prompts_quarantined": result.prompts_quarantined}
         return meta, result.groups  # one packed group per frame
 
     def _ack(self, identity, request_id, args, _payload):

@@ -82,6 +82,14 @@ class RolloutConfig(_Strict):
     weight_poll_s: float = Field(0.2, ge=0, description="how often to ask the weight store for a new version")
     acquire_timeout_s: float = Field(1.0, gt=0, description="long-poll for a permit (the stop check runs between)")
     error_backoff_s: float = Field(1.0, ge=0, description="pause after a failed generation or push")
+    max_prompt_failures: int = Field(
+        3, ge=1, description="a prompt that fails generation this many times on its own (while the engine "
+        "serves other prompts) is quarantined: its ticket is never reissued")
+    weight_wait_s: float = Field(
+        120.0, gt=0, description="how long a worker waits for the weights its permit needs before it "
+        "generates with the ones it has")
+    weight_load_retries: int = Field(
+        3, ge=0, description="retries of a failed weight load before the worker asks to be restarted")
 
     @classmethod
     def tiny_vllm(cls, **changes) -> "RolloutConfig":

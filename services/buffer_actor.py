@@ -79,8 +79,8 @@ class BufferActor:
     def acquire_permits(self, worker_id: str, permit_ids: list[str], timeout: float = 0.0) -> list[Permit]:
         return self.core.acquire_permits(worker_id, permit_ids, timeout)
 
-    def release_permit(self, permit_id: str) -> bool:
-        return self.core.release_permit(permit_id)
+    def release_permit(self, permit_id: str, quarantine: str | None = None) -> bool:
+        return self.core.release_permit(permit_id, quarantine)
 
     def push_group(self, packed: bytes, permit_id: str) -> dict:
         return self.core.push_group(packed, permit_id)
@@ -190,8 +190,8 @@ class RayBufferClient:
         return self._call("acquire_permits", worker_id, [new_id() for _ in range(count)], float(timeout),
                           wait=timeout)
 
-    def release_permit(self, permit_id: str) -> bool:
-        return self._call("release_permit", permit_id)
+    def release_permit(self, permit_id: str, quarantine: str | None = None) -> bool:
+        return self._call("release_permit", permit_id, quarantine)
 
     def push_group(self, group: Group, permit_id: str) -> dict:
         return self._call("push_group", pack_frames(encode_group(group)), permit_id)
@@ -215,7 +215,7 @@ class RayBufferClient:
         if result is None:
             return None
         groups = [decode_group(unpack_frames(packed), self.config.limits) for packed in result.groups]
-        return PulledBatch(result.lease_id, groups, result.dropped_stale, result.version)
+        return PulledBatch(result.lease_id, groups, result.dropped_stale, result.version, result.prompts_quarantined)
 
     def ack(self, lease_id: str, version: int | None = None) -> int:
         return self._call("ack", lease_id, None if version is None else int(version))
