@@ -115,14 +115,17 @@ class PolicyEvaluator:
         problems = heldout_problems(task, cfg.eval.num_prompts, cfg.run.seed, prompt_format, cfg.eval.max_new_tokens)
         prompts = [EvalPrompt(prompt_format.encode(p), p) for p in problems]
         reward = Reward(cfg.rollout.reward)
+        failures = []
 
         def score(prompt: EvalPrompt, response: list[int]) -> float:
             text = tokenizer.decode(response, skip_special_tokens=True)
             try:
                 return reward(text, prompt.problem).value
-            except Exception as err:  # one bad reward call must not stop the run: a wrong answer, logged
-                log.warning("eval: reward %r failed on %s: %s: %s", reward.spec, prompt.problem.where(),
-                            type(err).__name__, err)
+            except Exception as err:  # one bad reward call must not stop the run: a wrong answer
+                if not failures:  # logged once: a reward that always fails would fill the screen
+                    log.warning("eval: reward %r failed on %s (scored 0; later failures are not logged): %s: %s",
+                                reward.spec, prompt.problem.where(), type(err).__name__, err)
+                failures.append(prompt.problem.row)
                 return 0.0
 
         engine_cfg = cfg.rollout.engine.model_copy(update={"kind": cfg.eval.engine or cfg.rollout.engine.kind})

@@ -70,7 +70,8 @@ class PromptReport:
         """The usable problems; with bad rows, raise InvalidPrompts unless skip_invalid (then log them)."""
         if self.bad and not skip_invalid:
             raise InvalidPrompts(f"prompt file has unusable rows, the run does not start:\n{self.summary()}\n"
-                                 f"Fix them, or set rollout.task.skip_invalid=true to skip them")
+                                 f"Fix them (for prompts too long: a larger rollout.engine.max_model_len or a "
+                                 f"smaller max_new_tokens), or set rollout.task.skip_invalid=true to skip them")
         if self.bad:
             log.warning("skipping %d unusable rows of %s (rollout.task.skip_invalid=true):\n%s", len(self.bad),
                         self.source, "\n".join(f"  {bad}" for bad in self.bad[:MAX_LISTED]))
