@@ -37,13 +37,15 @@ class Permit:
 
 
 class AdmissionGate:
-    def __init__(self, batch_size: int, eta: int | None, max_concurrent: int, lease_s: float):
+    def __init__(self, batch_size: int, eta: int | None, max_concurrent: int, lease_s: float,
+                 max_version_jump: int | None = None):
         if batch_size < 1 or max_concurrent < 1 or (eta is not None and eta < 0) or lease_s <= 0:
             raise ValueError(f"bad gate settings: B={batch_size}, eta={eta}, max_concurrent={max_concurrent}, lease_s={lease_s}")
         self.batch_size = batch_size
         self.eta = eta
         self.max_concurrent = max_concurrent
         self.lease_s = lease_s
+        self.max_version_jump = max_version_jump  # None: any
         self.version = 0
         self.accepted = 0
         self.rejected = 0
@@ -146,9 +148,16 @@ class AdmissionGate:
         return self.permits.pop(permit_id, None)
 
     def check_version(self, version: int) -> None:
-        """The learner's version never goes back: RequestError('version_regression') if it would."""
+        """The learner's version never goes back (RequestError 'version_regression') nor jumps more
+        than max_version_jump ahead ('version_jump')."""
         if version < self.version:
             raise RequestError(f"version {version} is older than the current version {self.version}", "version_regression")
+        self._check_jump(version)
+
+    def _check_jump(self, version: int) -> None:
+        if self.max_version_jump is not None and version - self.version > self.max_version_jump:
+            raise RequestError(f"version {version} is more than max_version_jump={self.max_version_jump} ahead of "
+                               f"the current version {self.version}", "version_jump")
 
     def set_version(self, version: int) -> None:
         self.check_version(version)
@@ -159,6 +168,8 @@ class AdmissionGate:
         continues at v·B. Outstanding permits of the old run are forgotten."""
         if version < 0:
             raise RequestError(f"cannot recover to negative version {version}", "bad_version")
+        if self.version or self.accepted or self.permits:  # a fresh gate may resume at any version
+            self._check_jump(version)
         self.version = version
         self.accepted = version * self.batch_size
         self.next_ticket = version * self.batch_size

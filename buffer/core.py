@@ -32,8 +32,9 @@ the gate's, which are restored from the log):
   gate_wait_seconds            counter: total time acquire requests waited
   gate_waits                   counter: acquire requests that waited
   consumed_staleness: {staleness: n}  counter: consumed samples by (pull version − weight_version)
-  settled_by_length: {"consumed"|"dropped": {le: n}}  counter: groups by their longest response
-                               (LENGTH_BUCKETS): the stale-drop rate by length
+  consumed_groups_by_length, dropped_groups_by_length: {le: n}  counters: groups consumed, and
+                               dropped as stale, by their longest response (LENGTH_BUCKETS): the
+                               stale-drop rate by length
   leases_expired, nacks        counters
   log_bytes, log_fsyncs, log_compactions        durable log (0 without a log)
 """
@@ -94,7 +95,7 @@ class BufferCore:
         self.limits = config.limits
         self.clock = clock
         g = config.gate
-        self.gate = AdmissionGate(g.batch_size, g.eta, g.max_concurrent, g.permit_lease_s)
+        self.gate = AdmissionGate(g.batch_size, g.eta, g.max_concurrent, g.permit_lease_s, config.max_version_jump)
         self.store = GroupStore(config.store.capacity_groups, config.store.lease_s)
         self.enqueued = 0
         self._pending_dropped = 0
@@ -440,7 +441,8 @@ class BufferCore:
                 "bad_messages": dict(c.bad_messages), "request_errors": dict(c.request_errors),
                 "gate_wait_seconds": c.gate_wait_seconds, "gate_waits": c.gate_waits,
                 "consumed_staleness": {str(k): v for k, v in sorted(c.consumed_staleness.items())},
-                "settled_by_length": {k: dict(v) for k, v in c.settled_by_length.items()},
+                "consumed_groups_by_length": dict(c.settled_by_length["consumed"]),
+                "dropped_groups_by_length": dict(c.settled_by_length["dropped"]),
                 "leases_expired": c.leases_expired, "nacks": c.nacks,
                 "log_bytes": self.log.size if self.log else 0,
                 "log_fsyncs": self.log.fsyncs if self.log else 0,

@@ -120,7 +120,9 @@ class BufferServer:
         self.socket.router_mandatory = 1  # a reply to a gone client fails instead of vanishing
         # A hard cap far above the checked limit, so oversized messages normally get an error reply.
         self.socket.setsockopt(zmq.MAXMSGSIZE, 4 * config.limits.max_message_bytes)
-        self._authenticator = auth.configure_server(self.socket, config.curve) if config.curve.enabled else None
+        # With role folders, each request is checked against its client key's role (auth.ROLE_OPS).
+        self._authenticator, self._roles = (auth.configure_server(self.socket, config.curve) if config.curve.enabled
+                                            else (None, None))
         if config.port == 0:
             self.socket.bind_to_random_port(f"tcp://{config.host}")
         else:
@@ -146,10 +148,10 @@ class BufferServer:
                 if poller.poll(self._poll_timeout_ms()):
                     for _ in range(_BATCH):
                         try:
-                            frames = self.socket.recv_multipart(zmq.NOBLOCK)
+                            frames, role = self._receive()
                         except zmq.Again:
                             break
-                        self._handle(frames)
+                        self._handle(frames, role)
                 self.core.tick()
                 self._serve_parked()
         finally:
@@ -181,7 +183,16 @@ class BufferServer:
 
     # ---- one message ------------------------------------------------------------------------
 
-    def _handle(self, frames: list[bytes]) -> None:
+    def _receive(self) -> tuple[list[bytes], str | None]:
+        """The next message and its client's role (None: no roles configured, every op allowed).
+        A role is read from the message's ZAP User-Id (the client's public key)."""
+        if self._roles is None:
+            return self.socket.recv_multipart(zmq.NOBLOCK), None
+        frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
+        user = frames[-1].get("User-Id")
+        return [f.bytes for f in frames], self._roles.get(user.encode() if user else b"", "")
+
+    def _handle(self, frames: list[bytes], role: str | None = None) -> None:
         identity, request_id = frames[0], None
         try:
             if len(frames) < 2:
@@ -195,6 +206,9 @@ class BufferServer:
             op = header["op"]
             if not isinstance(op, str) or op not in self._handlers:
                 raise ProtocolError(f"unknown op {op!r:.60}", "unknown_op")
+            if role is not None and not auth.role_allows(role, op):
+                raise RequestError(f"{op}: forbidden for a client of role {role or 'none'!r} "
+                                   f"(see buffer.auth.ROLE_OPS)", "forbidden")
             args = parse_args(op, header["args"])
             if op != "push_groups" and len(frames) > 2:
                 raise ProtocolError(f"{op} takes no payload frames, got {len(frames) - 2}", "bad_frame_count")
@@ -339,11 +353,17 @@ def main(argv: list[str]) -> int:
     serve.add_argument("--config", help="buffer config YAML (or a run config with a `buffer:` section)")
     serve.add_argument("--port", type=int, help="override the port (0 = any free port)")
     serve.add_argument("--log-level", default="INFO")
-    keygen = sub.add_parser("keygen", help="write CURVE server and client key pairs into DIR")
+    keygen = sub.add_parser("keygen", help="write the CURVE server key pair (unless DIR has one) and a client "
+                            "key pair per role, authorized under DIR/authorized_clients/<role>/")
     keygen.add_argument("dir")
+    keygen.add_argument("--role", choices=sorted(auth.ROLE_OPS), help="one client key of this role (default: one per role)")
+    keygen.add_argument("--name", help="the client key's file name (with --role; default: the role)")
     args = parser.parse_args(argv)
     if args.command == "keygen":
-        for name, path in auth.keygen(args.dir).items():
+        if args.name and not args.role:
+            parser.error("--name needs --role")
+        roles = (args.role,) if args.role else tuple(auth.ROLE_OPS)
+        for name, path in auth.keygen(args.dir, roles, args.name).items():
             print(f"{name}: {path}")
         return 0
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")

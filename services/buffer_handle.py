@@ -103,6 +103,17 @@ class BufferHandle:
         self.client.health()
 
     @property
+    def worker_client(self):
+        """The client the rollout workers use: with CURVE roles, one with the worker key
+        (`buffer.curve.worker_client_secret_key_file`); else the run's own."""
+        curve = self.supervisor.config.curve if self.supervisor is not None else None
+        if curve is None or curve.worker_client_secret_key_file is None:
+            return self.client
+        worker_curve = curve.model_copy(update={"client_secret_key_file": curve.worker_client_secret_key_file,
+                                                "client_public_key_file": None})
+        return ZmqBufferClient(self.supervisor.config.model_copy(update={"curve": worker_curve}))
+
+    @property
     def log_path(self) -> Path | None:
         if self.supervisor is not None:
             return self.supervisor.config.log.path

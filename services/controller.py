@@ -153,8 +153,8 @@ class Controller:
             self.buffer.client.set_version(self.version)
         self.weights.publish(self.learner)
         self._start_exporter()
-        self.workers = WorkerPool(cfg, self.model_dir, self.buffer.client, self.weights.store, self.stop_requested,
-                                  self.exporter)
+        self.workers = WorkerPool(cfg, self.model_dir, self.buffer.worker_client, self.weights.store,
+                                  self.stop_requested, self.exporter)
         self.workers.start()
         self._started = True
 

@@ -210,21 +210,30 @@ def test_client_reports_refusals_with_reason():
 def test_batch_for_a_vanished_learner_is_handed_back_at_once():
     """A learner parks a long pull and dies; the batch that would have gone to it is not stuck in
     a lease until expiry: the next learner gets it right away."""
-    import time
-
     import msgpack
     import zmq
 
+    import psutil
+
     server = BufferServer(BufferConfig(port=0, gate=GateConfig(batch_size=1, eta=None))).start()
+    port = int(server.endpoint.rsplit(":", 1)[1])
+
+    def server_side_peers() -> set:  # the server's end of each TCP connection (it runs in this process)
+        return {c.raddr for c in psutil.Process().net_connections(kind="tcp") if c.laddr.port == port and c.raddr}
+
     try:
         ctx = zmq.Context()
+        before = server_side_peers()
         doomed = ctx.socket(zmq.DEALER)
         doomed.connect(server.endpoint)
         doomed.send(msgpack.packb({"v": PROTOCOL_VERSION, "id": "x", "op": "pull_batch", "args": {"batch_size": 1, "timeout": 30}}))
+        assert wait_until(lambda: len(server._pulls) == 1)
+        doomed_peer = server_side_peers() - before
+        assert doomed_peer, "the doomed learner's connection is not visible"
         with BufferClient(server.endpoint) as client:
-            assert wait_until(lambda: len(server._pulls) == 1)
             doomed.close(linger=0)
-            time.sleep(1.0)  # the server's I/O thread notices the disconnect
+            # The server's I/O thread has closed its end of the connection: the peer is gone.
+            assert wait_until(lambda: not server_side_peers() & doomed_peer, timeout=30)
             permit = client.acquire_permit("w")
             group = make_group(permit.ticket)
             client.push_group(group, permit.permit_id)

@@ -37,7 +37,7 @@ def test_plot_redraws_a_run(tmp_path, capsys):
 
 def test_buffer_subcommand_delegates_to_the_buffer_service_cli(tmp_path, capsys):
     assert main(["buffer", "keygen", str(tmp_path / "keys")]) == 0
-    assert (tmp_path / "keys" / "server.key").is_file() and (tmp_path / "keys" / "client.key_secret").is_file()
+    assert (tmp_path / "keys" / "server.key").is_file() and (tmp_path / "keys" / "admin.key_secret").is_file()
     assert "server_public_key_file" in capsys.readouterr().out
 
 
