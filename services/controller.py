@@ -28,9 +28,11 @@ from pathlib import Path
 import msgpack
 
 from buffer.errors import BufferUnavailable
+from rollout_workers.rewards import reward_metrics
 from services import checkpoint as ckpt
 from services.buffer_handle import BufferHandle
 from services.config import TINY_MODEL, ConfigError, EtarlConfig, build_config, read_yaml
+from services.inputs import check_run_inputs, ray_runtime_env
 from services.plots import MetricLog, plot_run
 from services.weights import WeightPublisher
 from services.worker_pool import WorkerPool
@@ -97,10 +99,12 @@ def start_ray(cfg: EtarlConfig) -> None:
         from services.local_ray import init_local_ray  # every Ray server on 127.0.0.1
 
         init_local_ray(num_cpus=num_cpus, namespace=cfg.ray.namespace, log_to_driver=cfg.ray.log_to_driver,
-                       runtime_env={"env_vars": env})
+                       runtime_env=ray_runtime_env(cfg, env))
     else:
-        # Inside a cluster (or a `ray job submit` job) the job's runtime environment applies.
-        ray.init(address=cfg.ray.address, namespace=cfg.ray.namespace, log_to_driver=cfg.ray.log_to_driver)
+        # Inside a cluster (or a `ray job submit` job) the job's runtime environment applies (plus the
+        # reward's module when it must travel).
+        ray.init(address=cfg.ray.address, namespace=cfg.ray.namespace, log_to_driver=cfg.ray.log_to_driver,
+                 runtime_env=ray_runtime_env(cfg))
 
 
 class Controller:
@@ -134,6 +138,7 @@ class Controller:
         (self.run_dir / CONFIG_FILE).write_text(cfg.to_yaml())
         os.environ["VLLM_LOGGING_LEVEL"] = QUIET_VLLM  # the evaluator's engine runs in this process
         self.model_dir = resolve_model(cfg)
+        check_run_inputs(cfg, self.model_dir)
         start_ray(cfg)
         from learner.distributed import LearnerGroup
 
@@ -283,6 +288,7 @@ class Controller:
             "throughput/samples_per_s": samples / (t_end - t0), "throughput/tokens_per_s": tokens / (t_end - t0),
             "audit/tickets": tickets, "audit/groups": [g.group_id for g in batch.groups],
             "audit/sample_versions": [s.weight_version for g in batch.groups for s in g.samples],
+            **reward_metrics(batch.groups),
         }
         return record
 
