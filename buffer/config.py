@@ -33,6 +33,9 @@ class GateConfig(_Strict):
 class StoreConfig(_Strict):
     capacity_groups: int = Field(4096, ge=1, description="groups held (ready + leased); pushes beyond are refused")
     lease_s: float = Field(300.0, gt=0, description="a pulled batch not acked by then goes back to the queue")
+    remembered_settled_groups: int = Field(
+        100_000, ge=1, description="consumed or dropped groups whose ids are kept (about 100 bytes each) so a "
+        "retried push of one is answered as a duplicate; a push retried later is refused as unknown_permit")
 
 
 class LogConfig(_Strict):

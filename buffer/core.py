@@ -37,9 +37,11 @@ the gate's, which are restored from the log):
                                stale-drop rate by length
   leases_expired, nacks        counters
   log_bytes, log_fsyncs, log_compactions        durable log (0 without a log)
+  log_compaction_longest_lock_s  the longest a background compaction held the lock (its swap)
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -49,7 +51,7 @@ from dataclasses import dataclass
 from buffer.admission import AdmissionGate, Permit
 from buffer.codec import check_group, group_index, pack_frames, unpack_frames
 from buffer.config import BufferConfig
-from buffer.durable_log import DurableLog
+from buffer.durable_log import Compaction, DurableLog
 from buffer.errors import BufferError, ProtocolError, RequestError
 from buffer.sample import new_id
 from buffer.store import GroupStore, Lease
@@ -96,13 +98,16 @@ class BufferCore:
         self.clock = clock
         g = config.gate
         self.gate = AdmissionGate(g.batch_size, g.eta, g.max_concurrent, g.permit_lease_s, config.max_version_jump)
-        self.store = GroupStore(config.store.capacity_groups, config.store.lease_s)
+        self.store = GroupStore(config.store.capacity_groups, config.store.lease_s,
+                                remembered_settled=config.store.remembered_settled_groups)
         self.enqueued = 0
         self._pending_dropped = 0
         self._settled: list[dict] = []  # ack and drop records since the last compaction (to archive)
         self._settle_n = 0  # the next settle number (an ack or drop record's `n`)
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
+        self._requests = threading.local()  # this thread's request depth (group commit at depth 0)
+        self._compaction: threading.Thread | None = None
         self.counters = _Counters()
         self.log: DurableLog | None = None
         self.started_at = time.time()
@@ -121,7 +126,7 @@ class BufferCore:
     def acquire_permits(self, worker_id: str, permit_ids: list[str], timeout: float = 0.0) -> list[Permit]:
         """Up to len(permit_ids) permits: waits up to `timeout` for the first, then takes as many
         more as are free right now (a worker generating several groups in one engine batch)."""
-        with self._lock:
+        with self._request():
             permits = self.try_acquire_many(worker_id, permit_ids)
             if permits or timeout <= 0:
                 self.finish_gate_wait(bool(permits))
@@ -139,7 +144,7 @@ class BufferCore:
     def try_acquire_many(self, worker_id: str, permit_ids: list[str]) -> list[Permit]:
         """Non-blocking: a permit per id, in order, while the gate has capacity. Ids of permits
         already granted return those permits (a retried request)."""
-        with self._lock:
+        with self._request():
             permits = []
             for permit_id in permit_ids:
                 permit = self.try_acquire(worker_id, permit_id)
@@ -152,14 +157,15 @@ class BufferCore:
         """One non-blocking attempt; a known permit_id returns its permit (a retried request)."""
         if not isinstance(worker_id, str) or len(worker_id) > self.limits.max_string_chars:
             raise ProtocolError("worker_id must be a short string", "bad_args")
-        with self._lock:
+        with self._request():
             self._tick_locked()
             known = permit_id is not None and permit_id in self.gate.permits
             if not known and self._store_room() <= 0:
                 return None  # no room for its group: wait, rather than generate a push refused as full
             permit = self.gate.try_acquire(worker_id, self.clock(), permit_id)
             if permit is not None and not known:
-                self._append({"op": "acquire", "permit": permit.to_dict()})
+                # Not synced on its own: a grant lost in a machine crash is harmless (DurableLog.append)
+                self._append({"op": "acquire", "permit": permit.to_dict()}, durable=False)
             return permit
 
     def _store_room(self) -> int:
@@ -168,18 +174,18 @@ class BufferCore:
 
     def capacity(self) -> int:
         """Permits grantable now: the gate's η formula, and room in the store for their groups."""
-        with self._lock:
+        with self._request():
             return min(self.gate.capacity(), self._store_room())
 
     def start_gate_wait(self) -> None:
         """An acquire request starts waiting for capacity (the ZMQ server parks it)."""
-        with self._lock:
+        with self._request():
             self.enqueued += 1
 
     def finish_gate_wait(self, granted: bool, started: float | None = None) -> None:
         """Account one acquire request that is over, granted or not; `started` (core clock) is
         when a request that waited called `start_gate_wait`."""
-        with self._lock:
+        with self._request():
             if started is not None:
                 self.enqueued -= 1
                 self.counters.gate_wait_seconds += self.clock() - started
@@ -191,7 +197,7 @@ class BufferCore:
         """End a permit without a group: its ticket is reissued, or, with `quarantine` (the
         engine's error for a prompt that failed on its own again and again), set aside for good.
         False if the permit is not held."""
-        with self._lock:
+        with self._request():
             if quarantine is None:
                 permit = self.gate.release(permit_id)
                 record = {"op": "release", "permit": permit_id}
@@ -209,7 +215,7 @@ class BufferCore:
             return True
 
     def set_version(self, version: int) -> None:
-        with self._lock:
+        with self._request():
             if version != self.gate.version:
                 self.gate.set_version(version)
                 self._append({"op": "version", "version": version})
@@ -217,7 +223,7 @@ class BufferCore:
 
     def recover(self, version: int) -> None:
         """Resume a run at learner version v with a fresh buffer: accepted = v·B (see AdmissionGate)."""
-        with self._lock:
+        with self._request():
             self.gate.recover(version)
             self._append({"op": "recover", "version": version})
             self._changed.notify_all()
@@ -237,7 +243,7 @@ class BufferCore:
         if len(groups) != len(permit_ids):
             raise ProtocolError(f"{len(groups)} groups but {len(permit_ids)} permit ids", "bad_args")
         packed = [self._packed(g) for g in groups]
-        with self._lock:
+        with self._request():
             self._tick_locked()
             checked = [self._check_push(p, permit_id, position) for position, (p, permit_id)
                        in enumerate(zip(packed, permit_ids))]
@@ -257,7 +263,7 @@ class BufferCore:
         """`push_groups`, then as many of the next permits as the gate allows right now (no
         waiting): a worker's push and its next acquire in one request. If the push fails, no
         permit is taken. Ids of permits already granted return those (a retried request)."""
-        with self._lock:
+        with self._request():
             results = self.push_groups(groups, permit_ids)
             return results, self.try_acquire_many(worker_id, next_permit_ids)
 
@@ -305,7 +311,7 @@ class BufferCore:
         if version is not None and ack_lease_id is None:
             raise ProtocolError("pull_batch: version is set with the ack of the previous batch (ack_lease_id)",
                                 "bad_args")
-        with self._lock:
+        with self._request():
             if ack_lease_id is not None:
                 self.ack(ack_lease_id, version)
             result = self.try_pull(batch_size, lease_id)
@@ -316,7 +322,7 @@ class BufferCore:
             return result
 
     def try_pull(self, batch_size: int, lease_id: str | None = None) -> PullResult | None:
-        with self._lock:
+        with self._request():
             if lease_id is not None and lease_id in self.store.leases:
                 return self._result(self.store.leases[lease_id], 0)  # a retried pull
             self._tick_locked()
@@ -337,6 +343,7 @@ class BufferCore:
         if not dropped:
             return
         tickets = [g.ticket for g in dropped]
+        self.store.settle(dropped)
         self._append_settled({"op": "drop", "reason": "stale", "groups": [g.group_id for g in dropped],
                               "tickets": tickets})
         self.gate.return_dropped(tickets)
@@ -350,7 +357,7 @@ class BufferCore:
         """The learner trained on the lease: its groups are consumed, exactly once. With `version`,
         the learner's new weight version is set right after (`set_version`): the end of a learner
         step in one request."""
-        with self._lock:
+        with self._request():
             if version is not None:
                 self.gate.check_version(version)  # a refused version changes nothing, the ack included
             consumed = self._ack(lease_id)
@@ -359,10 +366,11 @@ class BufferCore:
             return consumed
 
     def _ack(self, lease_id: str) -> int:
-        with self._lock:
+        with self._request():
             lease = self.store.ack(lease_id, self.clock())
             if isinstance(lease, int):
                 return lease  # acked before: a retried ack
+            self.store.settle(lease.groups)
             self._append_settled({"op": "ack", "lease": lease_id, "groups": [g.group_id for g in lease.groups],
                                   "tickets": [g.ticket for g in lease.groups]})
             version = self.gate.version if lease.version is None else lease.version
@@ -377,7 +385,7 @@ class BufferCore:
             return len(lease.groups)
 
     def nack(self, lease_id: str) -> int:
-        with self._lock:
+        with self._request():
             n = self.store.nack(lease_id)
             if n:
                 self._append({"op": "nack", "lease": lease_id})
@@ -389,7 +397,7 @@ class BufferCore:
 
     def tick(self) -> bool:
         """Reclaim expired permits and leases, sync the log if due. True if waiters may proceed."""
-        with self._lock:
+        with self._request():
             changed = self._tick_locked()
             if changed:
                 self._changed.notify_all()
@@ -410,18 +418,18 @@ class BufferCore:
 
     def next_deadline(self) -> float | None:
         """The earliest permit or lease expiry (monotonic clock)."""
-        with self._lock:
+        with self._request():
             deadlines = [d for d in (min(self.gate.deadlines.values(), default=None),
                                      self.store.next_lease_deadline()) if d is not None]
             return min(deadlines, default=None)
 
     def count_bad_message(self, error: BufferError) -> None:
-        with self._lock:
+        with self._request():
             target = self.counters.request_errors if isinstance(error, RequestError) else self.counters.bad_messages
             target[error.reason] += 1
 
     def stats(self) -> dict:
-        with self._lock:
+        with self._request():
             c, gate, store = self.counters, self.gate, self.store
             return {
                 "version": gate.version, "eta": gate.eta, "batch_size": gate.batch_size,
@@ -447,24 +455,41 @@ class BufferCore:
                 "log_bytes": self.log.size if self.log else 0,
                 "log_fsyncs": self.log.fsyncs if self.log else 0,
                 "log_compactions": self.log.compactions if self.log else 0,
+                "log_compaction_longest_lock_s": self.log.longest_compaction_lock_s if self.log else 0.0,
             }
 
     def health(self) -> dict:
-        with self._lock:
+        with self._request():
             return {"ok": True, "version": self.gate.version, "uptime_s": time.time() - self.started_at,
                     "groups_ready": len(self.store.ready), "running": self.gate.running,
                     "durable": self.log is not None}
 
     def close(self) -> None:
+        self.wait_for_compaction()
         with self._lock:
             if self.log is not None:
                 self.log.close()
 
     # ---- durability -------------------------------------------------------------------------
 
-    def _append(self, record: dict) -> None:
+    @contextlib.contextmanager
+    def _request(self):
+        """One request (or a call nested in one): state changes under the lock, and at the end of
+        the outermost call the request's log records are committed together (one fsync at most)
+        before the caller answers."""
+        with self._lock:
+            depth = getattr(self._requests, "depth", 0)
+            self._requests.depth = depth + 1
+            try:
+                yield
+            finally:
+                self._requests.depth = depth
+                if depth == 0 and self.log is not None:
+                    self.log.commit()
+
+    def _append(self, record: dict, durable: bool = True) -> None:
         if self.log is not None:
-            self.log.append(record)
+            self.log.append(record, durable)
 
     def _append_settled(self, record: dict) -> None:
         """Log an ack or drop under the next settle number; compaction archives it."""
@@ -505,9 +530,9 @@ class BufferCore:
             self.gate.load_state(record["gate"], now)
             self.store.next_seq = record["next_seq"]
             self.store.load_lease_memory(record.get("leases", {}))
+            for group_id, digest in record.get("settled", []):
+                self.store.remember_settled(group_id, digest)
             self._settle_n = max(self._settle_n, record.get("settle_n", 0))
-            for group_id, sample_ids in record["consumed"].items():
-                self.store.remember_ids(group_id, sample_ids)
         else:
             raise ValueError(f"buffer log {self.log.path}: unknown record op {op!r}")
 
@@ -516,10 +541,9 @@ class BufferCore:
             raise ValueError(f"buffer log {self.log.path}: an {record['op']!r} record without tickets: the log was "
                              "written by an older etarl; start the buffer with a new log")
         if record["op"] == "ack" and record.get("lease") in self.store.leases:
-            self.store.ack(record["lease"], now)  # also remembers it: a retried ack is answered
+            self.store.settle(self.store.ack(record["lease"], now).groups)  # remembered: a retried ack is answered
         else:  # an ack of an expired lease, or a drop: the groups were ready
-            for group_id in record["groups"]:
-                self.store.remove_ready(group_id)
+            self.store.settle([g for gid in record["groups"] if (g := self.store.remove_ready(gid)) is not None])
             self.store.forget_expired(record.get("lease"))
             if record["op"] == "drop":
                 self.gate.return_dropped(record["tickets"])
@@ -529,15 +553,39 @@ class BufferCore:
         self._settled.append(record)
 
     def _maybe_compact(self) -> None:
-        """Rewrite the log as a snapshot + live groups once it is big and twice its size after the last rewrite."""
+        """Compact the log in the background once it is big and twice its size after the last
+        compaction (the doubling keeps it amortised O(1) per write). Only the snapshot (references)
+        and the final swap hold the lock."""
         log = self.log
-        if log is None or log.size < max(log.config.compact_min_bytes, 2 * log.base_size):
-            return  # the doubling keeps compaction amortised O(1) per write
-        log.compact(self.snapshot_records(), self._settled)
+        if log is None or self._compaction is not None:
+            return
+        if log.size < max(log.config.compact_min_bytes, 2 * log.base_size):
+            return
+        job = Compaction(log, self.snapshot_records(), self._settled)
         self._settled = []
+        self._compaction = threading.Thread(target=self._compact, args=(job,), name="buffer-compaction", daemon=True)
+        self._compaction.start()
 
-    def snapshot_records(self, keep_in_flight: bool = True, keep_consumed_ids: bool = True) -> list[dict]:
-        """The state as log records: one `snapshot` (gate, cursor, ids of consumed groups), one
+    def _compact(self, job: Compaction) -> None:
+        try:
+            job.run(self._lock)
+        except Exception:  # the log stays as it was; its settled records are archived next time
+            logging.getLogger(__name__).exception("buffer log %s: compaction failed", job.log.path)
+            with self._lock:
+                self._settled = job.settled + self._settled
+        finally:
+            with self._lock:
+                self._compaction = None
+
+    def wait_for_compaction(self, timeout: float | None = None) -> bool:
+        """Wait for a background compaction to end; True if none is running."""
+        thread = self._compaction
+        if thread is not None:
+            thread.join(timeout)
+        return self._compaction is None
+
+    def snapshot_records(self, keep_in_flight: bool = True, keep_settled_ids: bool = True) -> list[dict]:
+        """The state as log records: one `snapshot` (gate, cursor, digests of settled groups), one
         `push` per live group, one `lease` per leased batch. `keep_in_flight=False` is a
         checkpoint's view: work in flight does not survive a resume, so the tickets of held permits
         go back to the reissue pool and leased groups are ready again (no `lease` records)."""
@@ -547,13 +595,8 @@ class BufferCore:
                 gate["free_tickets"] = sorted(gate["free_tickets"] + [p["ticket"] for p in gate["permits"]])
                 gate["permits"] = []
             live = self.store.live_groups()
-            consumed: dict[str, list[str]] = {}
-            if keep_consumed_ids:
-                live_ids = {g.group_id for g in live}
-                for sid, gid in self.store.sample_group.items():
-                    if gid not in live_ids:
-                        consumed.setdefault(gid, []).append(sid)
-            head = {"op": "snapshot", "gate": gate, "next_seq": self.store.next_seq, "consumed": consumed,
+            settled = list(self.store.settled.items()) if keep_settled_ids else []
+            head = {"op": "snapshot", "gate": gate, "next_seq": self.store.next_seq, "settled": settled,
                     "leases": self.store.lease_memory(), "settle_n": self._settle_n}
             leased = {g.group_id for lease in self.store.leases.values() for g in lease.groups}
             # handed_out without the current lease: replaying its `lease` record counts it again
@@ -565,8 +608,8 @@ class BufferCore:
     def restore(self, records: list[dict]) -> None:
         """Load `snapshot_records()` (of another buffer, e.g. from a checkpoint) into this fresh one;
         with a durable log, the log is rewritten to hold exactly that state."""
-        with self._lock:
-            if self.store.groups_held or self.gate.running or self.gate.accepted or self.store.sample_group:
+        with self._request():
+            if self.store.groups_held or self.gate.running or self.gate.accepted or self.store.settled:
                 raise RequestError("restore needs a fresh buffer (this one already holds state)", "not_fresh")
             for record in records:
                 self._replay(record)

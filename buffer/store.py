@@ -3,12 +3,16 @@
 Groups are kept packed (`buffer.codec.pack_frames`): the validated wire frames, re-sent as is.
 `pull` takes the oldest groups by (weight_version, arrival); groups staler than η are dropped and
 counted, never silently. A pulled batch is a lease: `ack` consumes it, `nack` or expiry puts its
-groups back where they were. Sample ids are remembered for the whole run, so a retried push of a
-group that was already accepted (even already consumed) is recognised, and never stored twice.
+groups back where they were. The sample ids of every group held are known, and of the last
+`remembered_settled` groups that were consumed or dropped a digest is kept, so a retried push of a
+group already accepted (even already consumed) is recognised and never stored twice. Memory for
+settled groups is bounded (about 100 bytes each): a push retried after more than that many groups
+settled meets its consumed permit and is refused (`unknown_permit`), still never stored twice.
 Plain state, not thread-safe: `buffer.core.BufferCore` locks it.
 """
 from __future__ import annotations
 
+import hashlib
 import heapq
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -44,14 +48,17 @@ class Lease:
 
 
 class GroupStore:
-    def __init__(self, capacity_groups: int, lease_s: float, remembered_leases: int = 4096):
+    def __init__(self, capacity_groups: int, lease_s: float, remembered_leases: int = 4096,
+                 remembered_settled: int = 100_000):
         self.capacity_groups = capacity_groups
         self.lease_s = lease_s
         self._heap: list[tuple[int, int, str]] = []  # (weight_version, seq, group_id) of ready groups
         self.ready: dict[str, StoredGroup] = {}
         self.leases: dict[str, Lease] = {}
-        self.sample_group: dict[str, str] = {}  # every accepted sample id -> its group id
-        self.known_groups: set[str] = set()
+        self.sample_group: dict[str, str] = {}  # sample id -> group id, of the groups held
+        self.held_ids: set[str] = set()  # ids of the groups held (ready or leased)
+        self.settled: OrderedDict[str, int] = OrderedDict()  # consumed or dropped group id -> ids_digest
+        self._remembered_settled = remembered_settled
         self.finished_leases: OrderedDict[str, int] = OrderedDict()  # acked lease ids -> groups (idempotent ack)
         # expired lease ids -> {group id: its handed_out count then}: ackable while none was handed out again
         self._expired: OrderedDict[str, dict[str, int]] = OrderedDict()
@@ -77,11 +84,15 @@ class GroupStore:
     def is_duplicate(self, group_id: str, sample_ids: list[str]) -> bool:
         """True if this group was accepted before (a retried push); RequestError if it overlaps
         an accepted group without being it."""
-        owners = {self.sample_group.get(sid) for sid in sample_ids}
-        if owners == {group_id}:
-            return True
-        if owners == {None} and group_id not in self.known_groups:
-            return False
+        if group_id in self.settled:
+            if self.settled[group_id] == ids_digest(sample_ids):
+                return True
+        else:
+            owners = {self.sample_group.get(sid) for sid in sample_ids}
+            if owners == {group_id}:
+                return True
+            if owners == {None} and group_id not in self.held_ids:
+                return False
         raise RequestError(f"group {group_id!r} overlaps an accepted group (reused group id or sample ids "
                            "with different content)", "conflicting_push")
 
@@ -100,15 +111,25 @@ class GroupStore:
         stored = StoredGroup(index.group_id, min(index.weight_versions), tuple(index.sample_ids),
                              tuple(index.weight_versions), packed, seq, len(packed), index.prompt_index,
                              index.response_tokens)
-        self.remember_ids(index.group_id, index.sample_ids)
+        for sid in index.sample_ids:
+            self.sample_group[sid] = index.group_id
+        self.held_ids.add(index.group_id)
         self._make_ready(stored)
         return stored
 
-    def remember_ids(self, group_id: str, sample_ids: list[str]) -> None:
-        """Keep the ids of an accepted group for the whole run (duplicate detection)."""
-        self.known_groups.add(group_id)
-        for sid in sample_ids:
-            self.sample_group[sid] = group_id
+    def settle(self, groups: list[StoredGroup]) -> None:
+        """Groups consumed or dropped: their sample ids give way to a digest, kept for the last
+        `remembered_settled` groups (a retried push of one of them is a duplicate)."""
+        for g in groups:
+            for sid in g.sample_ids:
+                self.sample_group.pop(sid, None)
+            self.held_ids.discard(g.group_id)
+            self.remember_settled(g.group_id, ids_digest(g.sample_ids))
+
+    def remember_settled(self, group_id: str, digest: int) -> None:
+        self.settled[group_id] = digest
+        while len(self.settled) > self._remembered_settled:
+            self.settled.popitem(last=False)
 
     def _make_ready(self, g: StoredGroup) -> None:
         self.ready[g.group_id] = g
@@ -232,3 +253,8 @@ class GroupStore:
         """Ready and leased groups, oldest first (for log compaction)."""
         groups = list(self.ready.values()) + [g for lease in self.leases.values() for g in lease.groups]
         return sorted(groups, key=lambda g: g.order)
+
+
+def ids_digest(sample_ids) -> int:
+    """A stable 64-bit digest of a group's sample ids (the same in every process)."""
+    return int.from_bytes(hashlib.blake2b("\n".join(sample_ids).encode(), digest_size=8).digest(), "little")

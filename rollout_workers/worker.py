@@ -33,10 +33,10 @@ from buffer.sample import Group, Sample, new_id
 from lm.causal_lm import load_tokenizer
 from lm.weight_sync import resolve_weights
 from rollout_workers.config import RolloutConfig
+from rollout_workers.data import Problem, PromptFormat, train_prompts
 from rollout_workers.engines import make_engine
 from rollout_workers.engines.base import Completion, GenerationEngine, SamplingParams
 from rollout_workers.rewards import RewardRunner
-from rollout_workers.tasks import Problem, train_prompts
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +95,7 @@ class RolloutWorker:
         self._bad_prompts: dict[int, str] = {}
         self.last_error = ""
         self.tokenizer = None
+        self.prompt_format: PromptFormat | None = None
         self.prompts = None
         self.rewards: RewardRunner | None = None
 
@@ -106,16 +107,17 @@ class RolloutWorker:
             self.engine = make_engine(cfg.engine, cfg.model_path, seed=cfg.sampling.seed or 0)
         if self.tokenizer is None:
             self.tokenizer = load_tokenizer(cfg.model_path)
+            self.prompt_format = PromptFormat.for_model(cfg.model_path, cfg.task, self.tokenizer,
+                                                        cfg.engine.max_model_len)
         if self.prompts is None:
-            self.prompts = train_prompts(cfg.task)
+            self.prompts = train_prompts(cfg.task, self.prompt_format, cfg.sampling.max_new_tokens)
         if self.rewards is None:
             self.rewards = RewardRunner(cfg.reward, timeout_s=cfg.reward_timeout_s)
 
     def _sampling_params(self, ticket: int) -> SamplingParams:
         s = self.config.sampling
         stop = list(s.stop_token_ids)
-        if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in stop:
-            stop.append(self.tokenizer.eos_token_id)
+        stop += [t for t in self.prompt_format.stop_token_ids if t not in stop]  # EOS, generation_config's
         # A group's seed follows its ticket: a run is reproducible, and a reissued ticket draws
         # the same samples as before if the weights have not changed.
         seed = None if s.seed is None else s.seed + ticket * s.n
@@ -192,7 +194,7 @@ class RolloutWorker:
     def generate_groups(self, tickets: list[int]) -> list[Group]:
         """Generate, score and tag one group per ticket, all in one engine batch (no buffer involved)."""
         problems: list[Problem] = [self.prompts.problem(t) for t in tickets]
-        prompts = [self.tokenizer(p.prompt, add_special_tokens=False)["input_ids"] for p in problems]
+        prompts = [self.prompt_format.encode(p) for p in problems]
         requests = [(prompt, self._sampling_params(t)) for prompt, t in zip(prompts, tickets)]
         started_version = self.engine.version
         started = time.perf_counter()
@@ -206,7 +208,7 @@ class RolloutWorker:
 
     def _make_group(self, ticket: int, problem: Problem, prompt_ids: list[int], responses, started_version: int) -> Group:
         texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c, _ in responses]
-        rewards = self.rewards.score(texts, problem.answer)
+        scored = self.rewards.score(texts, problem)
         group_id = new_id()
         samples = [
             Sample(
@@ -215,16 +217,17 @@ class RolloutWorker:
                 response_ids=np.asarray(completion.token_ids, dtype=np.int32),
                 rollout_log_probs=np.asarray(completion.log_probs, dtype=np.float32),
                 loss_mask=np.ones(len(completion.token_ids), dtype=np.uint8),
-                reward=float(reward),
+                reward=reward.value,
                 weight_version=started_version,
                 token_versions=np.asarray(versions, dtype=np.int32),
                 worker_id=self.worker_id,
                 finish_reason=completion.finish_reason,
-                metadata={"ticket": int(ticket), "family": problem.family, "difficulty": int(problem.difficulty)},
+                metadata={"ticket": int(ticket), "family": problem.family, "difficulty": int(problem.difficulty),
+                          **reward.metrics},
             )
-            for (completion, versions), reward in zip(responses, rewards)
+            for (completion, versions), reward in zip(responses, scored)
         ]
-        self._recent_rewards.extend(rewards)
+        self._recent_rewards.extend(reward.value for reward in scored)
         self.counters["samples_total"] += len(samples)
         self.counters["tokens_total"] += sum(len(s.response_ids) for s in samples)
         return Group(group_id=group_id, samples=samples, prompt_index=int(ticket))

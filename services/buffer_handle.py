@@ -28,13 +28,17 @@ def _buffer_actor_class():
     """The buffer actor plus the two calls a checkpoint needs: a consistent snapshot of the gate
     (tickets, cursor, counters) and of the groups held, as the buffer's own log records, and
     their restore into a fresh buffer (the buffer's own log replay)."""
-    from services.buffer_actor import BufferActor
+    import ray
+
+    from services.buffer_actor import LEARNER, BufferActor
 
     class CheckpointableBufferActor(BufferActor):
+        @ray.method(concurrency_group=LEARNER)
         def snapshot(self) -> list[dict]:
             # Generations in flight do not survive a resume: their tickets go back to be reissued.
-            return self.core.snapshot_records(keep_in_flight=False, keep_consumed_ids=False)
+            return self.core.snapshot_records(keep_in_flight=False, keep_settled_ids=False)
 
+        @ray.method(concurrency_group=LEARNER)
         def restore(self, records: list[dict]) -> dict:
             self.core.restore(records)
             stats = self.core.stats()

@@ -28,9 +28,11 @@ from pathlib import Path
 import msgpack
 
 from buffer.errors import BufferUnavailable
+from rollout_workers.rewards import reward_metrics
 from services import checkpoint as ckpt
 from services.buffer_handle import BufferHandle
 from services.config import TINY_MODEL, ConfigError, EtarlConfig, build_config, read_yaml
+from services.inputs import check_run_inputs
 from services.placement import Placement, start_ray
 from services.plots import MetricLog, plot_run
 from services.weights import WeightPublisher
@@ -112,13 +114,15 @@ class Controller:
     # ---------------------------------------------------------------- start and stop
 
     def start(self) -> None:
-        """Check the placement plan (a run that cannot fit stops here, before anything starts),
-        reserve it, then start the buffer, the weight store, the learner ranks and the workers,
-        each with the resources the plan gives it (services/placement.py)."""
+        """Check the run's inputs and its placement plan (a run that cannot start stops here,
+        before Ray or any actor starts), reserve the plan, then start the buffer, the weight
+        store, the learner ranks and the workers, each with the resources the plan gives it
+        (services/placement.py)."""
         cfg = self.cfg
+        self.model_dir = resolve_model(cfg)
+        check_run_inputs(cfg, self.model_dir)
         plan = start_ray(cfg)
         (self.run_dir / CONFIG_FILE).write_text(cfg.to_yaml())
-        self.model_dir = resolve_model(cfg)
         self.placement = Placement(plan, cfg.ray.placement_timeout_s)
         from learner.distributed import LearnerGroup
 
@@ -271,6 +275,7 @@ class Controller:
             "throughput/samples_per_s": samples / (t_end - t0), "throughput/tokens_per_s": tokens / (t_end - t0),
             "audit/tickets": tickets, "audit/groups": [g.group_id for g in batch.groups],
             "audit/sample_versions": [s.weight_version for g in batch.groups for s in g.samples],
+            **reward_metrics(batch.groups),
         }
         return record
 

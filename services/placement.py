@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.config import ConfigError, EtarlConfig
+from services.inputs import ray_runtime_env
 
 log = logging.getLogger("etarl")
 
@@ -304,10 +305,12 @@ def start_ray(cfg: EtarlConfig) -> Plan:
         (node,) = cluster.nodes
         env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "VLLM_LOGGING_LEVEL": QUIET_VLLM}
         init_local_ray(num_cpus=int(node.cpus), num_gpus=int(node.gpus), namespace=cfg.ray.namespace,
-                       log_to_driver=cfg.ray.log_to_driver, runtime_env={"env_vars": env})
+                       log_to_driver=cfg.ray.log_to_driver, runtime_env=ray_runtime_env(cfg, env))
         return plan
-    # Inside a cluster (or a `ray job submit` job) the job's runtime environment applies.
-    ray.init(address=cfg.ray.address, namespace=cfg.ray.namespace, log_to_driver=cfg.ray.log_to_driver)
+    # Inside a cluster (or a `ray job submit` job) the job's runtime environment applies (plus the
+    # reward's module when it must travel).
+    ray.init(address=cfg.ray.address, namespace=cfg.ray.namespace, log_to_driver=cfg.ray.log_to_driver,
+             runtime_env=ray_runtime_env(cfg))
     return check_plan(cfg, running_cluster(f"the Ray cluster at ray.address={cfg.ray.address}"))
 
 

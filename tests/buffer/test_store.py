@@ -99,16 +99,44 @@ def test_retried_push_does_not_duplicate_and_conflicts_are_refused():
     group = make_group(permit.ticket)
     assert core.push_group(encode_group(group), permit.permit_id) == {"samples": 2, "duplicate": False}
     assert core.push_group(encode_group(group), permit.permit_id) == {"samples": 2, "duplicate": True}
-    batch = core.pull_batch(1)
-    core.ack(batch.lease_id)
-    assert core.push_group(encode_group(group), permit.permit_id)["duplicate"], "even after consumption"
-    assert core.stats()["pushed_samples"] == 2 and core.gate.accepted == 1
     other = core.acquire_permit("w")
-    mixed = make_group(other.ticket)
+    mixed = make_group(other.ticket)  # a new group reusing a sample id of a group held
     mixed.samples[0] = group.samples[0]
     mixed.samples[0].group_id = mixed.group_id
     with pytest.raises(RequestError, match="overlaps"):
         core.push_group(encode_group(mixed), other.permit_id)
+    group.samples[0].group_id = group.group_id
+    batch = core.pull_batch(1)
+    core.ack(batch.lease_id)
+    assert core.push_group(encode_group(group), permit.permit_id)["duplicate"], "even after consumption"
+    assert core.stats()["pushed_samples"] == 2 and core.gate.accepted == 1
+    reused_id = make_group(other.ticket)  # the consumed group's id with other samples
+    reused_id.group_id = group.group_id
+    for s in reused_id.samples:
+        s.group_id = group.group_id
+    with pytest.raises(RequestError, match="overlaps"):
+        core.push_group(encode_group(reused_id), other.permit_id)
+
+
+def test_memory_for_settled_groups_is_bounded():
+    """Consumed groups leave a digest, for the last `remembered_settled_groups` of them: a retried
+    push of a recent one is a duplicate; of an older one it meets its consumed permit."""
+    config = BufferConfig(gate=GateConfig(batch_size=1, eta=None, max_concurrent=8),
+                          store={"remembered_settled_groups": 3})
+    core = BufferCore(config)
+    pushed = []
+    for _ in range(5):
+        permit = core.acquire_permit("w")
+        pushed.append((make_group(permit.ticket, n=4), permit.permit_id))
+        core.push_group(encode_group(pushed[-1][0]), permit.permit_id)
+        core.ack(core.pull_batch(1).lease_id)
+    assert len(core.store.settled) == 3 and not core.store.sample_group and not core.store.held_ids
+    group, permit_id = pushed[-1]
+    assert core.push_group(encode_group(group), permit_id)["duplicate"]
+    group, permit_id = pushed[0]
+    with pytest.raises(RequestError, match="not held"):
+        core.push_group(encode_group(group), permit_id)
+    assert core.stats()["consumed_groups"] == 5 and core.gate.accepted == 5
 
 
 def test_push_needs_the_right_permit_and_room():

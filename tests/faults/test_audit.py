@@ -92,6 +92,7 @@ def compacted(tmp_path):
         push(version)
         result = core.pull_batch(1)  # the first drops the version-0 group as too stale
         core.ack(result.lease_id, version=version + 1)
+        assert core.wait_for_compaction(timeout=60)  # compaction runs in the background
         group = groups[-1]
         trained.append(Consumption(result.version, [group.group_id], [group.prompt_index],
                                    [s.weight_version for s in group.samples], dropped_stale=result.dropped_stale))

@@ -229,12 +229,15 @@ def test_a_prompt_the_engine_refuses_is_quarantined_and_the_run_goes_on(tiny_mod
     generated again prompt by prompt (its batch-mates are pushed), the bad prompt is retried alone
     and, after max_prompt_failures, quarantined: never reissued, counted on both sides, named
     with its ticket and the engine's error. When the prompt set wraps around, the same prompt
-    under a new ticket is set aside at once."""
+    under a new ticket is set aside at once. (The prompt checks refuse such a prompt before a run
+    starts; here the config claims a context of 128 tokens while the engine has 64, so the prompt
+    passes the checks and fails in the engine, as one would that the checks cannot foresee.)"""
     prompts = tmp_path / "prompts.jsonl"
     rows = ['{"prompt": "1+1=", "answer": "2"}', '{"prompt": "%s=", "answer": "1"}' % ("1+" * 40),
             '{"prompt": "2+3=", "answer": "5"}']
     prompts.write_text("\n".join(rows) + "\n")
-    cfg = config(tiny_model_dir, task=TaskConfig(kind="file", path=str(prompts)), groups_per_batch=3)
+    cfg = config(tiny_model_dir, task=TaskConfig(kind="file", path=str(prompts)), groups_per_batch=3,
+                 engine=EngineConfig(max_model_len=128))
     worker = RolloutWorker(cfg, "worker-e", buffer, WeightStore(), engine=vllm_engine)
     stats = run_until(worker, lambda w: w.counters["prompts_quarantined_total"] >= 2 and w.counters["groups_total"] >= 4)
     buffer_stats = buffer.stats()
