@@ -38,6 +38,7 @@ the gate's, which are restored from the log):
   leases_expired, nacks        counters
   log_bytes, log_fsyncs, log_compactions        durable log (0 without a log)
   log_compaction_longest_lock_s  the longest a background compaction held the lock (its swap)
+  log_compaction_windows       (start, end) wall-clock times of the recent compactions
 """
 from __future__ import annotations
 
@@ -267,10 +268,12 @@ class BufferCore:
             results = self.push_groups(groups, permit_ids)
             return results, self.try_acquire_many(worker_id, next_permit_ids)
 
-    def _packed(self, group) -> bytes:
-        packed = bytes(group) if not isinstance(group, (list, tuple)) else pack_frames(group)
-        if len(packed) > self.limits.max_message_bytes:
-            raise ProtocolError(f"group of {len(packed)} bytes exceeds max_message_bytes", "oversized")
+    def _packed(self, group):
+        """A packed group as received (bytes or a view into a received message: kept without a
+        copy), or the packed form of a group's frames."""
+        packed = pack_frames(group) if isinstance(group, (list, tuple)) else group
+        if memoryview(packed).nbytes > self.limits.max_message_bytes:
+            raise ProtocolError(f"group of {memoryview(packed).nbytes} bytes exceeds max_message_bytes", "oversized")
         return packed
 
     def _check_push(self, packed: bytes, permit_id: str, position: int):
@@ -456,6 +459,7 @@ class BufferCore:
                 "log_fsyncs": self.log.fsyncs if self.log else 0,
                 "log_compactions": self.log.compactions if self.log else 0,
                 "log_compaction_longest_lock_s": self.log.longest_compaction_lock_s if self.log else 0.0,
+                "log_compaction_windows": list(self.log.compaction_windows) if self.log else [],
             }
 
     def health(self) -> dict:

@@ -183,14 +183,17 @@ class BufferServer:
 
     # ---- one message ------------------------------------------------------------------------
 
-    def _receive(self) -> tuple[list[bytes], str | None]:
-        """The next message and its client's role (None: no roles configured, every op allowed).
-        A role is read from the message's ZAP User-Id (the client's public key)."""
-        if self._roles is None:
-            return self.socket.recv_multipart(zmq.NOBLOCK), None
+    def _receive(self) -> tuple[list, str | None]:
+        """The next message (identity as bytes, the other frames as views into the received
+        messages: a pushed group is stored and logged without a copy) and its client's role
+        (None: no roles configured, every op allowed). A role is read from the message's ZAP
+        User-Id (the client's public key)."""
         frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
+        views = [frames[0].bytes, *(f.buffer for f in frames[1:])]
+        if self._roles is None:
+            return views, None
         user = frames[-1].get("User-Id")
-        return [f.bytes for f in frames], self._roles.get(user.encode() if user else b"", "")
+        return views, self._roles.get(user.encode() if user else b"", "")
 
     def _handle(self, frames: list[bytes], role: str | None = None) -> None:
         identity, request_id = frames[0], None
@@ -225,7 +228,7 @@ class BufferServer:
 
     def _send(self, identity: bytes, message: list) -> bool:
         try:
-            self.socket.send_multipart([identity, *message], flags=zmq.NOBLOCK)
+            self.socket.send_multipart([identity, *message], flags=zmq.NOBLOCK, copy=False)  # big frames by reference
             return True
         except zmq.ZMQError:  # the client is gone (EHOSTUNREACH) or not reading (EAGAIN)
             return False

@@ -182,6 +182,8 @@ BUFFER_METRICS: tuple[MetricSpec, ...] = (
     _buffer("buffer_log_bytes", "gauge", "log_bytes", "size of the durable log"),
     _buffer("buffer_log_fsyncs_total", "counter", "log_fsyncs", "fsyncs of the durable log"),
     _buffer("buffer_log_compactions_total", "counter", "log_compactions", "compactions of the durable log"),
+    _buffer("buffer_log_compaction_longest_lock_seconds", "gauge", "log_compaction_longest_lock_s",
+            "the longest a background compaction held the buffer's lock (its final swap)"),
     _buffer("buffer_restarts_total", "counter", "restarts",
             "restarts of the run's buffer after it died (each replays its durable log)"),
     _buffer("consumed_staleness_versions", "histogram", "consumed_staleness",
