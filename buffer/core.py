@@ -98,7 +98,8 @@ class BufferCore:
         self.limits = config.limits
         self.clock = clock
         g = config.gate
-        self.gate = AdmissionGate(g.batch_size, g.eta, g.max_concurrent, g.permit_lease_s, config.max_version_jump)
+        self.gate = AdmissionGate(g.batch_size, g.initial_eta, g.max_concurrent, g.permit_lease_s,
+                                  config.max_version_jump)
         self.store = GroupStore(config.store.capacity_groups, config.store.lease_s,
                                 remembered_settled=config.store.remembered_settled_groups)
         self.enqueued = 0
@@ -220,6 +221,15 @@ class BufferCore:
             if version != self.gate.version:
                 self.gate.set_version(version)
                 self._append({"op": "version", "version": version})
+                self._changed.notify_all()
+
+    def set_eta(self, eta: int | None) -> None:
+        """The staleness bound in force from now on (the run's adaptive η controller sends it);
+        logged, so a restart keeps it."""
+        with self._request():
+            if eta != self.gate.eta:
+                self.gate.set_eta(eta)
+                self._append({"op": "eta", "eta": eta})
                 self._changed.notify_all()
 
     def recover(self, version: int) -> None:
@@ -530,6 +540,8 @@ class BufferCore:
             self.gate.version = max(self.gate.version, record["version"])
         elif op == "recover":
             self.gate.recover(record["version"])
+        elif op == "eta":
+            self.gate.set_eta(record["eta"])
         elif op == "snapshot":
             self.gate.load_state(record["gate"], now)
             self.store.next_seq = record["next_seq"]
