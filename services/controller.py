@@ -110,6 +110,7 @@ class Controller:
         self._started = False
         self.buffer = self.learner = self.weights = self.evaluator = self.exporter = self.workers = None
         self.placement = None
+        self.eta_control = None  # buffer.gate.eta: auto
 
     # ---------------------------------------------------------------- start and stop
 
@@ -135,12 +136,21 @@ class Controller:
             state = self._restore(self.resume_from)
         if state is None:
             self.buffer.client.set_version(self.version)
+        self._start_eta_control()
         self.weights.publish(self.learner)
         self._start_exporter()
         self.workers = WorkerPool(cfg, self.model_dir, self.buffer.worker_client, self.weights.store,
                                   self.stop_requested, self.placement.all_options("rollout"), self.exporter)
         self.workers.start()
         self._started = True
+
+    def _start_eta_control(self) -> None:
+        gate = self.cfg.buffer.gate
+        if gate.adaptive:  # starts at the gate's η (eta_min, or the η a resumed run had)
+            from buffer.eta_control import EtaController
+
+            self.eta_control = EtaController(gate.drift_budget, gate.eta_min, gate.eta_max,
+                                             eta=int(self.buffer.client.stats()["eta"]))
 
     def _restore(self, checkpoint: Path) -> dict:
         state = ckpt.read_state(checkpoint)
@@ -256,6 +266,7 @@ class Controller:
         metrics = self.learner.train_step(batch.groups)
         t_train = time.perf_counter()
         self.version = int(metrics.get("learner/version", self.version + 1))
+        eta_gauges = self._adapt_eta(metrics)  # before the next pull: it drops what the new η rules out
         self.next_batch = self._end_step(batch)
         sync_s = self.weights.publish(self.learner)
         self.step += 1
@@ -275,9 +286,22 @@ class Controller:
             "throughput/samples_per_s": samples / (t_end - t0), "throughput/tokens_per_s": tokens / (t_end - t0),
             "audit/tickets": tickets, "audit/groups": [g.group_id for g in batch.groups],
             "audit/sample_versions": [s.weight_version for g in batch.groups for s in g.samples],
-            **reward_metrics(batch.groups),
+            **reward_metrics(batch.groups), **eta_gauges,
         }
         return record
+
+    def _adapt_eta(self, metrics: dict) -> dict:
+        """`buffer.gate.eta: auto`: feed the step's drift per version to the η controller and send
+        the buffer a changed η. The gauges of the η in force (also under a fixed η)."""
+        if self.eta_control is None:
+            return {"gate/eta": self.cfg.eta if isinstance(self.cfg.eta, int) else math.nan}
+        before = self.eta_control.eta
+        eta = self.eta_control.observe(metrics.get("drift/per_version_k3", math.nan))
+        if eta != before:
+            self.buffer.client.set_eta(eta)
+            log.info("eta %d -> %d (drift per version %.4g nats/token k3, budget %.4g)", before, eta,
+                     self.eta_control.drift, self.eta_control.drift_budget)
+        return self.eta_control.gauges()
 
     def _end_step(self, batch):
         """One request: the batch is consumed, the gate learns the new version, and the next batch
@@ -351,6 +375,7 @@ def _postfix(record: dict, evals: list[dict]) -> str:
         return f"{name}={value:{spec}}" if isinstance(value, (int, float)) and math.isfinite(value) else None
 
     parts = [f"v={record['version']}", fmt("reward/mean", "reward"), fmt("staleness/mean", "stale", ".2f"),
+             fmt("gate/eta", "eta", ".0f"), fmt("drift/per_version_k3", "drift/v", ".1e"),
              fmt("rollout_corr/kl", "kl", ".2e"), fmt("rollout_corr/rollout_is_eff_sample_size", "ess"),
              fmt("throughput/samples_per_s", "samples/s", ".1f")]
     if evals:
