@@ -14,7 +14,8 @@ learner step (the slope), which is what a staleness bound η multiplies. The gap
 KL(μ ‖ π_old) estimators on tokens sampled from μ: k1 = log μ − log π_old and k3 = r − log r − 1
 with r = π_old / μ (verl's `rollout_corr/kl` and `rollout_corr/k3_kl`, here per staleness bucket).
 
-Metrics (`drift_metrics`): `drift/total_k1|k3`, `drift/backend_k1|k3`, `drift/per_version_k1|k3`
+Per batch: `bucket_sums` on each rank's rows (they add up over ranks), then `drift_metrics`:
+`drift/total_k1|k3`, `drift/backend_k1|k3`, `drift/per_version_k1|k3`
 (NaN when the batch holds one staleness only: no slope), `drift/by_staleness/<s>` (k3) and
 `drift/tokens_by_staleness/<s>`. Only tokens in the loss mask count (environment tokens never).
 """
@@ -34,17 +35,26 @@ def token_gaps(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor) -> tu
     return -log_ratio, torch.exp(log_ratio) - log_ratio - 1.0
 
 
-def gap_by_staleness(old_log_prob, rollout_log_prob, token_versions, version: int, mask) -> dict[int, tuple]:
-    """{staleness s: (tokens, mean k1, mean k3)} over the masked tokens."""
+MAX_STALENESS = 64  # the last bucket holds every token at least this stale
+
+
+def bucket_sums(old_log_prob, rollout_log_prob, token_versions, version: int, mask) -> torch.Tensor:
+    """[MAX_STALENESS + 1, 3] float64: per staleness s, (tokens, sum of k1, sum of k3) over the
+    masked tokens. Sums add up over ranks and micro-batches (all-reduce them, then `drift_metrics`)."""
     k1, k3 = token_gaps(old_log_prob, rollout_log_prob)
     mask = mask.bool()
-    staleness = (version - token_versions.long())[mask]
-    k1, k3 = k1[mask], k3[mask]
-    out = {}
-    for s in torch.unique(staleness).tolist():
-        picked = staleness == s
-        out[int(s)] = (int(picked.sum()), float(k1[picked].mean()), float(k3[picked].mean()))
-    return out
+    staleness = (version - token_versions.long())[mask].clamp(0, MAX_STALENESS).cpu()
+    sums = torch.zeros(MAX_STALENESS + 1, 3, dtype=torch.float64)
+    sums[:, 0].index_add_(0, staleness, torch.ones(len(staleness), dtype=torch.float64))
+    sums[:, 1].index_add_(0, staleness, k1[mask].cpu())
+    sums[:, 2].index_add_(0, staleness, k3[mask].cpu())
+    return sums
+
+
+def gap_by_staleness(sums: torch.Tensor) -> dict[int, tuple]:
+    """{staleness s: (tokens, mean k1, mean k3)} of the buckets that hold tokens."""
+    return {s: (int(row[0]), float(row[1] / row[0]), float(row[2] / row[0]))
+            for s, row in enumerate(sums) if row[0] > 0}
 
 
 def split(buckets: dict[int, tuple], column: int) -> tuple[float, float]:
@@ -67,9 +77,9 @@ def split(buckets: dict[int, tuple], column: int) -> tuple[float, float]:
     return backend, slope
 
 
-def drift_metrics(old_log_prob, rollout_log_prob, token_versions, version: int, mask) -> dict[str, float]:
-    """The drift split of one batch (see the module doc); plain floats."""
-    buckets = gap_by_staleness(old_log_prob, rollout_log_prob, token_versions, version, mask)
+def drift_metrics(sums: torch.Tensor) -> dict[str, float]:
+    """The drift split of a batch from its `bucket_sums` (see the module doc); plain floats."""
+    buckets = gap_by_staleness(sums)
     tokens = sum(b[0] for b in buckets.values())
     if not tokens:
         return {}
