@@ -49,9 +49,9 @@ class WorkerPool:
         for index, placed in enumerate(self.worker_options):
             handle = actor.options(
                 name=None, max_restarts=cfg.ray.worker_max_restarts, max_task_retries=0, max_concurrency=4, **placed,
-            ).remote(rollout_cfg, f"worker-{index}", self.buffer_client, self.weight_store)
+            ).remote(rollout_cfg, f"worker-{index}")
             self.workers.append(handle)
-        self.refs = [w.run_in_actor.remote() for w in self.workers]
+        self.refs = [self._run(w) for w in self.workers]
         self.failures = [0] * len(self.workers)
         self.resubmitted_at = [None] * len(self.workers)
 
@@ -97,7 +97,10 @@ class WorkerPool:
             if self.exporter is not None:
                 self.exporter.record_worker_restart(f"worker-{index}")
         self.resubmitted_at[index] = now
-        self.refs[index] = self.workers[index].run_in_actor.remote()
+        self.refs[index] = self._run(self.workers[index])
+
+    def _run(self, worker):
+        return worker.run_in_actor.remote(self.buffer_client, self.weight_store)
 
     def stats(self, timeout: float = 30.0) -> list[dict]:
         """Stats of the workers that answer. A dead or restarting worker (Ray restarts it; its
