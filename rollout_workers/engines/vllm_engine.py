@@ -49,6 +49,7 @@ class VLLMEngine(GenerationEngine):
         model_dir = check_model_dir(model_dir)
         _vllm_env(multiprocess)
         from vllm import LLM
+        from vllm.platforms import current_platform
 
         self.multiprocess = multiprocess
         self.dtype = dtype
@@ -64,6 +65,9 @@ class VLLMEngine(GenerationEngine):
             enforce_eager=True,
             kv_cache_memory_bytes=kv_cache_bytes,
             enable_prefix_caching=True,
+            # vLLM-CPU cannot rewind a seeded request's sampler after a partial prefill ("CPU
+            # Generator does not use offset"): on CPU, prompts are prefilled whole.
+            enable_chunked_prefill=not current_platform.is_cpu(),
         )
         self.vocab_size = self._llm.llm_engine.model_config.get_vocab_size()
         self.max_model_len = self._llm.llm_engine.model_config.max_model_len
