@@ -170,20 +170,20 @@ class BadRewardValue(ValueError):
     """A reward returned something that is not a finite number (or a dict holding one as 'score')."""
 
 
-def _is_number(value: Any) -> bool:
+def is_finite_number(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def to_scored(value: Any) -> Scored:
     """A reward function's return value as a Scored; BadRewardValue says what is wrong with it."""
     if isinstance(value, dict):
-        if not _is_number(value.get("score")):
+        if not is_finite_number(value.get("score")):
             raise BadRewardValue(f"returned a dict whose 'score' is {value.get('score')!r}, not a finite number")
         metrics = {f"reward/{key}": float(v) for key, v in value.items()
                    if isinstance(key, str) and key not in _RESERVED_METRICS
                    and isinstance(v, numbers.Real) and math.isfinite(v)}
         return Scored(float(value["score"]), dict(list(metrics.items())[:MAX_REWARD_METRICS]))
-    if not _is_number(value):
+    if not is_finite_number(value):
         raise BadRewardValue(f"returned {value!r:.200}, not a finite number")
     return Scored(float(value), {})
 
