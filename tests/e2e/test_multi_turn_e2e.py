@@ -26,7 +26,7 @@ from services.metrics import MetricsExporter, catalogue_names, prometheus_name
 from services.plots import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
-STEPS = 8
+STEPS = 6
 PROMPTS = 200
 
 

@@ -13,14 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from buffer.client import BufferClient
-from buffer.config import BufferConfig, GateConfig
-from buffer.server import BufferServer
 from learner.batch import build_batch
 from learner.losses import staleness_metrics
 from lm.causal_lm import load_causal_lm, load_tokenizer, response_log_probs
 from lm.weight_sync import WeightStore, save_weights_folder
-from rollout_helpers import perturbed
+from rollout_helpers import PublishWhenArmed, perturbed, pull_all
 from rollout_workers.agent_loop import AgentLoop, stop_token_ids
 from rollout_workers.config import RolloutConfig, SamplingConfig, TaskConfig
 from rollout_workers.data import PromptFormat, heldout_problems
@@ -151,15 +148,6 @@ def test_stop_texts_must_be_one_token(tokenizer):
 # ---- through the worker and the buffer ---------------------------------------------------------
 
 
-@pytest.fixture
-def buffer():
-    server = BufferServer(BufferConfig(port=0, gate=GateConfig(batch_size=4, eta=None, permit_lease_s=60))).start()
-    client = BufferClient(server.endpoint)
-    yield client
-    client.close()
-    server.stop()
-
-
 def worker_config(cfg, model_dir, **changes) -> RolloutConfig:
     base = cfg.rollout.model_copy(update=dict(
         model_path=str(model_dir), sampling=SamplingConfig(n=4, max_new_tokens=12, seed=0), weight_poll_s=0.0,
@@ -167,34 +155,12 @@ def worker_config(cfg, model_dir, **changes) -> RolloutConfig:
     return base.model_copy(update=changes)
 
 
-def pull(client, count):
-    batch = client.pull_batch(count, timeout=5.0)
-    assert batch is not None, client.stats()
-    client.ack(batch.lease_id)
-    return batch.groups
-
-
-class PublishBetweenTurns(WeightStore):
-    """A learner that moves to version 1 once the first turn is generated: it tells the gate, then
-    publishes (armed by the test after the worker's first engine call)."""
-
-    def __init__(self, payload: dict, client):
-        super().__init__()
-        self.pending, self.armed, self.client = payload, False, client
-
-    def latest_version(self) -> int:
-        if self.armed and self.pending is not None:
-            self.client.set_version(self.pending["version"])
-            self.publish(self.pending)
-            self.pending = None
-        return super().latest_version()
-
-
 def test_weights_loaded_between_turns_tag_the_later_turns(cfg, model_dir, fresh_engine, buffer, tmp_path):
     old_model = load_causal_lm(model_dir).eval()
     new_weights = perturbed(old_model.state_dict(), scale=0.02, seed=4)
-    store = PublishBetweenTurns({"version": 1, "kind": "folder",
-                                 "path": str(save_weights_folder(new_weights, tmp_path / "v1", 1))}, buffer)
+    # The learner moves to version 1 once the first turn is generated (the test arms the store then).
+    store = PublishWhenArmed({"version": 1, "kind": "folder",
+                              "path": str(save_weights_folder(new_weights, tmp_path / "v1", 1))}, buffer)
     worker = RolloutWorker(worker_config(cfg, model_dir, groups_per_batch=4), "mt-a", buffer, store,
                            engine=fresh_engine)
     real_generate = worker._generate_with_updates
@@ -208,7 +174,7 @@ def test_weights_loaded_between_turns_tag_the_later_turns(cfg, model_dir, fresh_
     stats = worker.run(max_groups=4)
     worker.close()
     assert stats["weight_loads_total"] == 1 and stats["loaded_version"] == 1 and stats["interrupted_generations_total"] == 0
-    groups = pull(buffer, 4)
+    groups = pull_all(buffer, 4)
     samples = [s for g in groups for s in g.samples]
     two_turns = [s for s in samples if s.metadata["turns"] == 2]
     assert two_turns and all(s.weight_version == 0 for s in samples)
@@ -245,7 +211,7 @@ def test_misbehaving_environments_end_one_trajectory_each_and_the_worker_goes_on
     worker.close()
     assert stats["groups_total"] == 6 and stats["failed_generations_total"] == 0
     assert stats["env_failures_total"] == 5 * 4 and stats["env_timeouts_total"] == 4
-    groups = {g.prompt_index: g for g in pull(buffer, 6)}
+    groups = {g.prompt_index: g for g in pull_all(buffer, 6)}
     for ticket, how in enumerate(behaviours):
         for s in groups[ticket].samples:
             if how == "ok":
