@@ -147,6 +147,13 @@ class AdmissionGate:
         self.deadlines.pop(permit_id, None)
         return self.permits.pop(permit_id, None)
 
+    def set_eta(self, eta: int | None) -> None:
+        """A new bound, in force from the next event: a smaller η admits less (and the store drops
+        at pull what is now too stale), a larger one opens capacity at once."""
+        if eta is not None and (not isinstance(eta, int) or eta < 0):
+            raise RequestError(f"eta must be an int >= 0 or None, got {eta!r}", "bad_eta")
+        self.eta = eta
+
     def check_version(self, version: int) -> None:
         """The learner's version never goes back (RequestError 'version_regression') nor jumps more
         than max_version_jump ahead ('version_jump')."""
@@ -183,7 +190,7 @@ class AdmissionGate:
             "version": self.version, "accepted": self.accepted, "rejected": self.rejected,
             "released": self.released, "reclaimed": self.reclaimed, "next_ticket": self.next_ticket,
             "free_tickets": sorted(self.free_tickets), "permits": [p.to_dict() for p in self.permits.values()],
-            "quarantined": sorted(self.quarantined),
+            "quarantined": sorted(self.quarantined), "eta": self.eta,
         }
 
     def load_state(self, state: dict, now: float) -> None:
@@ -192,6 +199,7 @@ class AdmissionGate:
         self.free_tickets = list(state["free_tickets"])
         heapq.heapify(self.free_tickets)
         self.quarantined = set(state.get("quarantined", []))
+        self.eta = state.get("eta", self.eta)
         self.permits.clear()
         self.deadlines.clear()
         for p in state["permits"]:

@@ -117,6 +117,10 @@ class BufferClient:
         """The learner's weight version. Call it before publishing those weights to workers."""
         self._call("set_version", {"version": int(version)})
 
+    def set_eta(self, eta: int | None) -> None:
+        """The staleness bound η from now on (the run's adaptive controller; None: unbounded)."""
+        self._call("set_eta", {"eta": None if eta is None else int(eta)})
+
     def recover(self, version: int) -> None:
         """Resume a run at learner version v on a buffer with no durable state: accepted = v·B."""
         self._call("recover", {"version": int(version)})

@@ -7,7 +7,7 @@ from environment variables (see `buffer.auth`).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -25,9 +25,33 @@ class GateConfig(_Strict):
     batch_size: int = Field(8, ge=1)
     # 2, not AReaL's 4 (the `coding` preset): with rollouts outpacing the learner the window stays
     # full, and in the embedded run eta = 4 then learned less than 1 or 2 (docs/results.md)
-    eta: int | None = Field(2, ge=0, description="max staleness in versions; 0 = synchronous, None = unbounded")
+    eta: Union[int, None, Literal["auto"]] = Field(
+        2, description="max staleness in versions; 0 = synchronous, None = unbounded, auto = from the measured "
+        "drift per version (buffer/eta_control.py), starting at eta_min")
+    drift_budget: float = Field(
+        0.02, gt=0, description="eta auto: the largest staleness drift (k3, nats per token) a sample may carry "
+        "at training time; eta = floor(budget / drift per version)")
+    eta_min: int = Field(1, ge=0, description="eta auto: the smallest eta")
+    eta_max: int = Field(8, ge=0, description="eta auto: the largest eta")
     max_concurrent: int = Field(64, ge=1, description="max permits held at once (generations in flight)")
     permit_lease_s: float = Field(600.0, gt=0, description="a permit not used or released by then is reclaimed")
+
+    @model_validator(mode="after")
+    def _eta_in_range(self):
+        if isinstance(self.eta, int) and self.eta < 0:
+            raise ValueError(f"eta must be >= 0, None or 'auto', got {self.eta}")
+        if self.eta_min > self.eta_max:
+            raise ValueError(f"eta_min ({self.eta_min}) exceeds eta_max ({self.eta_max})")
+        return self
+
+    @property
+    def adaptive(self) -> bool:
+        return self.eta == "auto"
+
+    @property
+    def initial_eta(self) -> int | None:
+        """The η the gate starts with (eta_min under `auto`)."""
+        return self.eta_min if self.adaptive else self.eta
 
 
 class StoreConfig(_Strict):

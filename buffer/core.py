@@ -38,6 +38,7 @@ the gate's, which are restored from the log):
   leases_expired, nacks        counters
   log_bytes, log_fsyncs, log_compactions        durable log (0 without a log)
   log_compaction_longest_lock_s  the longest a background compaction held the lock (its swap)
+  log_compaction_windows       (start, end) wall-clock times of the recent compactions
 """
 from __future__ import annotations
 
@@ -97,7 +98,8 @@ class BufferCore:
         self.limits = config.limits
         self.clock = clock
         g = config.gate
-        self.gate = AdmissionGate(g.batch_size, g.eta, g.max_concurrent, g.permit_lease_s, config.max_version_jump)
+        self.gate = AdmissionGate(g.batch_size, g.initial_eta, g.max_concurrent, g.permit_lease_s,
+                                  config.max_version_jump)
         self.store = GroupStore(config.store.capacity_groups, config.store.lease_s,
                                 remembered_settled=config.store.remembered_settled_groups)
         self.enqueued = 0
@@ -221,6 +223,15 @@ class BufferCore:
                 self._append({"op": "version", "version": version})
                 self._changed.notify_all()
 
+    def set_eta(self, eta: int | None) -> None:
+        """The staleness bound in force from now on (the run's adaptive η controller sends it);
+        logged, so a restart keeps it."""
+        with self._request():
+            if eta != self.gate.eta:
+                self.gate.set_eta(eta)
+                self._append({"op": "eta", "eta": eta})
+                self._changed.notify_all()
+
     def recover(self, version: int) -> None:
         """Resume a run at learner version v with a fresh buffer: accepted = v·B (see AdmissionGate)."""
         with self._request():
@@ -267,10 +278,12 @@ class BufferCore:
             results = self.push_groups(groups, permit_ids)
             return results, self.try_acquire_many(worker_id, next_permit_ids)
 
-    def _packed(self, group) -> bytes:
-        packed = bytes(group) if not isinstance(group, (list, tuple)) else pack_frames(group)
-        if len(packed) > self.limits.max_message_bytes:
-            raise ProtocolError(f"group of {len(packed)} bytes exceeds max_message_bytes", "oversized")
+    def _packed(self, group):
+        """A packed group as received (bytes or a view into a received message: kept without a
+        copy), or the packed form of a group's frames."""
+        packed = pack_frames(group) if isinstance(group, (list, tuple)) else group
+        if memoryview(packed).nbytes > self.limits.max_message_bytes:
+            raise ProtocolError(f"group of {memoryview(packed).nbytes} bytes exceeds max_message_bytes", "oversized")
         return packed
 
     def _check_push(self, packed: bytes, permit_id: str, position: int):
@@ -456,6 +469,7 @@ class BufferCore:
                 "log_fsyncs": self.log.fsyncs if self.log else 0,
                 "log_compactions": self.log.compactions if self.log else 0,
                 "log_compaction_longest_lock_s": self.log.longest_compaction_lock_s if self.log else 0.0,
+                "log_compaction_windows": list(self.log.compaction_windows) if self.log else [],
             }
 
     def health(self) -> dict:
@@ -526,6 +540,8 @@ class BufferCore:
             self.gate.version = max(self.gate.version, record["version"])
         elif op == "recover":
             self.gate.recover(record["version"])
+        elif op == "eta":
+            self.gate.set_eta(record["eta"])
         elif op == "snapshot":
             self.gate.load_state(record["gate"], now)
             self.store.next_seq = record["next_seq"]

@@ -27,6 +27,7 @@ import os
 import struct
 import time
 import zlib
+from collections import deque
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -37,12 +38,28 @@ from buffer.config import LogConfig
 log = logging.getLogger(__name__)
 _HEAD = struct.Struct("<II")
 _COPY_CHUNK = 16 << 20  # bytes copied per read while a compaction catches up with the log's tail
-_TAIL_UNDER_LOCK = 4 << 20  # a compaction takes the lock once the tail left to copy is this small
+_TAIL_UNDER_LOCK = 256 << 10  # a compaction takes the lock once the tail left to copy is this small
+_INLINE_BYTES = 64 << 10  # a group payload at least this big is written from its own buffer
 
 
 def _encode(record: dict) -> bytes:
-    body = msgpack.packb(record, use_bin_type=True)
-    return _HEAD.pack(len(body), zlib.crc32(body)) + body
+    return b"".join(_encode_parts(record))
+
+
+def _encode_parts(record: dict) -> list:
+    """A record as buffers to write in order: the head, then its msgpack map, whose large `group`
+    payload (a pushed group, megabytes at real sizes) is written from the caller's buffer as it
+    is, not copied into the map (the bytes on disk are the same as `msgpack.packb(record)`)."""
+    payload = record.get("group")
+    if payload is None or memoryview(payload).nbytes < _INLINE_BYTES:
+        body = msgpack.packb(record, use_bin_type=True)
+        return [_HEAD.pack(len(body), zlib.crc32(body)), body]
+    packer = msgpack.Packer(use_bin_type=True)
+    size = memoryview(payload).nbytes
+    prefix = packer.pack_map_header(len(record)) + b"".join(
+        packer.pack(k) + packer.pack(v) for k, v in record.items() if k != "group")
+    prefix += packer.pack("group") + packer.pack_bin_header(size)
+    return [_HEAD.pack(len(prefix) + size, zlib.crc32(payload, zlib.crc32(prefix))), prefix, payload]
 
 
 def settled_path(path: str | os.PathLike) -> Path:
@@ -95,6 +112,12 @@ def _write_all(fd: int, data: bytes, what: str) -> None:
         raise OSError(f"{what}: short write")
 
 
+def _write_record(fd: int, record: dict, what: str) -> None:
+    parts = _encode_parts(record)
+    if os.writev(fd, parts) != sum(memoryview(p).nbytes for p in parts):  # one syscall, as one write
+        raise OSError(f"{what}: short write")
+
+
 class DurableLog:
     def __init__(self, config: LogConfig):
         if config.path is None:
@@ -106,6 +129,7 @@ class DurableLog:
         self.compactions = 0
         self.truncated_bytes = 0
         self.longest_compaction_lock_s = 0.0  # the longest the buffer's lock was held by a compaction
+        self.compaction_windows: deque[tuple[float, float]] = deque(maxlen=256)  # (start, end), wall clock
         self._dirty = False  # written since the last fsync
         self._must_sync = False  # written a record that must be synced before the request is answered
         self._last_sync = time.monotonic()
@@ -145,7 +169,7 @@ class DurableLog:
         crash the buffer survives (a permit grant: a forgotten permit's push is refused as
         unknown and its ticket issued again, so nothing is lost or trained twice); it is synced
         with the next record that must be, or by the interval."""
-        _write_all(self._fd, _encode(record), f"buffer log {self.path}")
+        _write_record(self._fd, record, f"buffer log {self.path}")
         self._dirty = True
         self._must_sync = self._must_sync or durable
 
@@ -187,15 +211,16 @@ class DurableLog:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             for record in records:
-                _write_all(fd, _encode(record), f"buffer log {tmp}")
+                _write_record(fd, record, f"buffer log {tmp}")
             os.fsync(fd)
         finally:
             os.close(fd)
         self._swap_in(tmp)
 
-    def _swap_in(self, tmp: Path) -> None:
+    def _swap_in(self, tmp: Path, sync_dir: bool = True) -> None:
         os.replace(tmp, self.path)
-        _fsync_dir(self.path.parent)
+        if sync_dir:
+            _fsync_dir(self.path.parent)
         os.close(self._fd)
         self._open()
         self._dirty = self._must_sync = False
@@ -222,24 +247,37 @@ class Compaction:
         self.tmp = log._compact_path()
 
     def run(self, lock) -> None:
+        began = time.time()
+        try:
+            self._run(lock)
+        finally:
+            self.log.compaction_windows.append((began, time.time()))
+
+    def _run(self, lock) -> None:
         log_ = self.log
         log_.archive(self.settled)
         fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             for record in self.snapshot:
-                _write_all(fd, _encode(record), f"buffer log {self.tmp}")
+                _write_record(fd, record, f"buffer log {self.tmp}")
             self.snapshot = []
             with open(log_.path, "rb") as src:
                 self._copy_tail(src, fd, until=None)  # most of the tail, without the lock
                 os.fsync(fd)
                 started = time.monotonic()
+                # With fsync "always" an answered request must survive a machine crash, so the
+                # rename is made durable before anything is appended to the new log; with
+                # "interval" that may wait until after the lock (a crash may lose the interval).
+                always = log_.config.fsync == "always"
                 with lock:  # nothing is appended now: copy the rest and swap
                     self._copy_tail(src, fd, until=log_.size)
                     os.fsync(fd)
                     os.close(fd)
                     fd = -1
-                    log_._swap_in(self.tmp)
+                    log_._swap_in(self.tmp, sync_dir=always)
                     log_.longest_compaction_lock_s = max(log_.longest_compaction_lock_s, time.monotonic() - started)
+                if not always:
+                    _fsync_dir(log_.path.parent)
         finally:
             if fd >= 0:
                 os.close(fd)

@@ -4,7 +4,7 @@ Requests are `[header, *payload]` (`buffer.codec`), header = {"v", "id", "op", "
 echoes "id" with {"ok": true, "result": ...} or {"ok": false, "error": {"reason", "message"}}.
 Operations: acquire_permits, release_permit, push_groups, pull_batch (which can first ack the
 previous batch and set the version: a learner's step end and its next batch in one request),
-ack (which can also set the version), nack, set_version, recover, stats, health.
+ack (which can also set the version), nack, set_version, set_eta, recover, stats, health.
 acquire_permits and pull_batch long-poll: a request that cannot be served yet is parked until it
 can or until its timeout, while the loop keeps serving others. A worker
 takes the permits of one engine batch in one request and pushes their groups in one request
@@ -75,6 +75,7 @@ _ARG_TYPES = {
     "timeout": (lambda v: _number(v) and 0 <= v <= 86400, "seconds in [0, 86400]"),
     "batch_size": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an int"),
     "version": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "an int >= 0"),
+    "eta": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "an int >= 0"),
 }
 _OP_ARGS = {
     "acquire_permits": {"worker_id": _REQUIRED, "timeout": 0.0, "permit_ids": _REQUIRED},
@@ -84,6 +85,7 @@ _OP_ARGS = {
     "ack": {"lease_id": _REQUIRED, "version": None},
     "nack": {"lease_id": _REQUIRED},
     "set_version": {"version": _REQUIRED},
+    "set_eta": {"eta": None},
     "recover": {"version": _REQUIRED},
     "stats": {},
     "health": {},
@@ -135,7 +137,7 @@ class BufferServer:
         self._handlers = {
             "acquire_permits": self._acquire, "release_permit": self._release, "push_groups": self._push,
             "pull_batch": self._pull, "ack": self._ack, "nack": self._nack, "set_version": self._set_version,
-            "recover": self._recover, "stats": self._stats, "health": self._health,
+            "recover": self._recover, "stats": self._stats, "health": self._health, "set_eta": self._set_eta,
         }
 
     # ---- loop -------------------------------------------------------------------------------
@@ -183,14 +185,17 @@ class BufferServer:
 
     # ---- one message ------------------------------------------------------------------------
 
-    def _receive(self) -> tuple[list[bytes], str | None]:
-        """The next message and its client's role (None: no roles configured, every op allowed).
-        A role is read from the message's ZAP User-Id (the client's public key)."""
-        if self._roles is None:
-            return self.socket.recv_multipart(zmq.NOBLOCK), None
+    def _receive(self) -> tuple[list, str | None]:
+        """The next message (identity as bytes, the other frames as views into the received
+        messages: a pushed group is stored and logged without a copy) and its client's role
+        (None: no roles configured, every op allowed). A role is read from the message's ZAP
+        User-Id (the client's public key)."""
         frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
+        views = [frames[0].bytes, *(f.buffer for f in frames[1:])]
+        if self._roles is None:
+            return views, None
         user = frames[-1].get("User-Id")
-        return [f.bytes for f in frames], self._roles.get(user.encode() if user else b"", "")
+        return views, self._roles.get(user.encode() if user else b"", "")
 
     def _handle(self, frames: list[bytes], role: str | None = None) -> None:
         identity, request_id = frames[0], None
@@ -225,7 +230,7 @@ class BufferServer:
 
     def _send(self, identity: bytes, message: list) -> bool:
         try:
-            self.socket.send_multipart([identity, *message], flags=zmq.NOBLOCK)
+            self.socket.send_multipart([identity, *message], flags=zmq.NOBLOCK, copy=False)  # big frames by reference
             return True
         except zmq.ZMQError:  # the client is gone (EHOSTUNREACH) or not reading (EAGAIN)
             return False
@@ -302,6 +307,10 @@ class BufferServer:
 
     def _set_version(self, identity, request_id, args, _payload):
         self.core.set_version(args["version"])
+        return None,
+
+    def _set_eta(self, identity, request_id, args, _payload):
+        self.core.set_eta(args["eta"])
         return None,
 
     def _recover(self, identity, request_id, args, _payload):

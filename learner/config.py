@@ -25,9 +25,12 @@ class DistributedConfig(BaseModel):
     backend: Literal["gloo", "nccl"] = "gloo"
     strategy: Literal["allreduce", "fsdp"] = Field(
         "allreduce", description="allreduce: full replicas, gradients summed; fsdp: sharded (GPU, nccl)")
-    master_addr: str = "127.0.0.1"
-    master_port: int = Field(0, ge=0, le=65535, description="0: pick a free port")
+    master_port: int = Field(0, ge=0, le=65535, description="the rendezvous port on rank 0's node, when the "
+                             "ranks span nodes (0: a free port); ranks on one node meet through a file")
     timeout_s: float = Field(300.0, gt=0, description="collective timeout")
+    placement: Literal["pack", "spread"] = Field(
+        "pack", description="the ranks' placement group: pack (as few nodes as possible) or spread (one rank "
+        "per node where possible)")
 
     @model_validator(mode="after")
     def _fsdp_needs_nccl(self):
@@ -61,7 +64,9 @@ class LearnerConfig(BaseModel):
 
     model_path: str = Field(..., description="HF model folder of the initial policy")
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    device: str = Field("cpu", description="'cpu' or 'cuda' (a rank uses cuda:<local rank>)")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="auto: the GPU Ray assigned to the rank if CUDA works there, else the CPU; cuda: "
+        "that GPU or an error (lm/device.py)")
     seed: int = 0
 
     # AdamW and the learning-rate schedule (warm-up, then constant / linear / cosine decay)

@@ -80,50 +80,82 @@ class ProcessGroupComm:
         dist.barrier()
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+def node_interface(address: str) -> str | None:
+    """The network interface that holds `address` (None: no interface of this machine does)."""
+    import psutil
+
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.address == address for a in addresses):
+            return name
+    return None
 
 
-_LOOPBACK = ("127.0.0.1", "localhost", "::1")
-
-
-def rendezvous_url(master_addr: str, master_port: int) -> str:
-    """Where the ranks meet. Ranks on one machine (a loopback master_addr) meet through a fresh
-    file: torch's TCPStore server listens on every interface whatever address it is given, and a
-    local run keeps every socket on 127.0.0.1. Across machines: tcp://master_addr:port."""
-    if master_addr in _LOOPBACK:
-        return f"file://{tempfile.gettempdir()}/etarl-rendezvous-{uuid.uuid4().hex}"
-    return f"tcp://{master_addr}:{master_port or free_port(master_addr)}"
-
-
-def init_process_group(rank: int, world_size: int, backend: str, init_method: str, timeout_s: float) -> None:
+def init_process_group(rank: int, world_size: int, backend: str, init_method: str, timeout_s: float,
+                       store=None) -> None:
+    """Join the process group through `init_method` (a file://) or a ready `store` (a TCPStore)."""
     if dist.is_initialized():
         raise RuntimeError("torch.distributed is already initialised in this process")
-    if init_method.startswith("file://") and backend == "gloo":
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's pair sockets on loopback too
-    dist.init_process_group(
-        backend=backend,
-        init_method=init_method,
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
+    where = {"store": store} if store is not None else {"init_method": init_method}
+    dist.init_process_group(backend=backend, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s), **where)
 
 
 class LearnerRank:
-    """One rank of a learner group: joins the process group, then holds a `Learner`.
-    Made a Ray actor by `LearnerGroup` (or by services); plain class, plain-dict results."""
+    """One rank of a learner group: learns where it runs (`where`), joins the process group
+    (`join`), then holds a `Learner`. Made a Ray actor by `LearnerGroup`; plain-dict results.
 
-    def __init__(self, config, rank: int, init_method: str):
+    Rendezvous (rank 0, `open_rendezvous`): ranks on one node meet through a fresh file on it;
+    ranks on several nodes through a TCPStore that rank 0 serves on a socket it has bound to its
+    node's address (torch binds every interface when it opens the port itself). gloo's and NCCL's
+    own sockets go on the interface holding the node's address too."""
+
+    def __init__(self, config, rank: int):
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+        self.config = config
+        self.rank = rank
+        self.learner = None
+        self._listener: socket.socket | None = None
+        self._rendezvous_file: Path | None = None
+
+    def where(self) -> dict:
+        """This rank's node (Ray's node id, the node's address) and the GPUs Ray assigned it."""
+        import ray
+
+        return {"rank": self.rank, "node_id": ray.get_runtime_context().get_node_id(),
+                "address": ray.util.get_node_ip_address(), "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+                "device": None if self.learner is None else str(self.learner.device)}
+
+    def open_rendezvous(self, across_nodes: bool) -> str:
+        """Rank 0: where the ranks meet (see the class doc)."""
+        if not across_nodes:
+            self._rendezvous_file = Path(tempfile.gettempdir()) / f"etarl-rendezvous-{uuid.uuid4().hex}"
+            return f"file://{self._rendezvous_file}"
+        host = self.where()["address"]
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._listener = socket.create_server((host, self.config.distributed.master_port), family=family)
+        port = self._listener.getsockname()[1]
+        return f"tcp://[{host}]:{port}" if family == socket.AF_INET6 else f"tcp://{host}:{port}"
+
+    def join(self, init_method: str) -> int:
+        """Join the process group, then load the model; the learner's version."""
         from learner.trainer import Learner
 
-        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-        dcfg = config.distributed
-        init_process_group(rank, dcfg.world_size, dcfg.backend, init_method, dcfg.timeout_s)
-        comm = ProcessGroupComm(rank, dcfg.world_size, sum_grads=dcfg.strategy != "fsdp")
-        self.learner = Learner(config, comm=comm)
+        dcfg = self.config.distributed
+        interface = node_interface(self.where()["address"])
+        if interface is not None:
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", interface)
+        store = None
+        if init_method.startswith("tcp://"):
+            host, _, port = init_method[len("tcp://"):].rpartition(":")
+            listen_fd = self._listener.fileno() if self._listener is not None else None
+            store = dist.TCPStore(host.strip("[]"), int(port), dcfg.world_size, is_master=self.rank == 0,
+                                  timeout=datetime.timedelta(seconds=dcfg.timeout_s), master_listen_fd=listen_fd,
+                                  use_libuv=True)
+        init_process_group(self.rank, dcfg.world_size, dcfg.backend, init_method, dcfg.timeout_s, store=store)
+        comm = ProcessGroupComm(self.rank, dcfg.world_size, sum_grads=dcfg.strategy != "fsdp")
+        self.learner = Learner(self.config, comm=comm)
+        return self.learner.version
 
     def call(self, name: str, *args, **kwargs):
         attr = getattr(self.learner, name)
@@ -132,31 +164,50 @@ class LearnerRank:
     def shutdown(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+        if self._listener is not None:
+            self._listener.close()
+        if self._rendezvous_file is not None:
+            self._rendezvous_file.unlink(missing_ok=True)
 
 
 class LearnerGroup:
     """`world_size` learner ranks as Ray actors, driven together. Every rank runs each step on
     its shard; rank 0's metrics and weight payloads are returned (all ranks hold the same weights).
 
-    `ray_options` go to each rank's actor (e.g. {"num_cpus": 1} or {"num_gpus": 1})."""
+    `rank_options[r]`: rank r's Ray options (its resources and placement-group bundle; services
+    builds them from the placement plan); `ray_options`: options every rank gets (e.g.
+    {"num_cpus": 0}). The ranks meet where they landed: see `LearnerRank`."""
 
-    def __init__(self, config, ray_options: dict | None = None):
+    def __init__(self, config, ray_options: dict | None = None, rank_options: list[dict] | None = None):
         import ray
 
         dcfg = config.distributed
-        self.init_method = rendezvous_url(dcfg.master_addr, dcfg.master_port)
-        options = {"num_cpus": 1, **(ray_options or {})}
+        if rank_options is not None and len(rank_options) != dcfg.world_size:
+            raise ValueError(f"{len(rank_options)} rank placements for world_size={dcfg.world_size}")
         actor = ray.remote(LearnerRank)
         self.config = config
         self.world_size = dcfg.world_size
-        self.ranks = [actor.options(**options).remote(config, rank, self.init_method)
-                      for rank in range(dcfg.world_size)]
-        self._call_all("version")  # wait until every rank has joined and loaded the model
+        placed = rank_options or [{}] * self.world_size
+        self.ranks = [actor.options(**{"num_cpus": 1, **(ray_options or {}), **placed[r]}).remote(config, r)
+                      for r in range(self.world_size)]
+        try:
+            across_nodes = len({w["node_id"] for w in self.where()}) > 1
+            self.init_method = ray.get(self.ranks[0].open_rendezvous.remote(across_nodes))
+            ray.get([r.join.remote(self.init_method) for r in self.ranks])  # every rank joins, loads the model
+        except BaseException:
+            self._kill()
+            raise
 
     def _call_all(self, method: str, *args, **kwargs) -> list:
         import ray
 
         return ray.get([r.call.remote(method, *args, **kwargs) for r in self.ranks])
+
+    def where(self) -> list[dict]:
+        """Each rank's node, GPU ids and device."""
+        import ray
+
+        return ray.get([r.where.remote() for r in self.ranks])
 
     @property
     def version(self) -> int:
@@ -193,7 +244,10 @@ class LearnerGroup:
         try:
             ray.get([r.shutdown.remote() for r in self.ranks])
         finally:
-            for r in self.ranks:
-                ray.kill(r)
-            if self.init_method.startswith("file://"):
-                Path(self.init_method[len("file://"):]).unlink(missing_ok=True)
+            self._kill()
+
+    def _kill(self) -> None:
+        import ray
+
+        for r in self.ranks:
+            ray.kill(r)

@@ -115,11 +115,13 @@ class Learner:
     # ------------------------------------------------------------------ set-up
 
     def _device(self) -> torch.device:
-        if self.config.device.startswith("cuda") and self.comm.world_size > 1:
-            local = self.comm.rank % max(1, torch.cuda.device_count())
-            torch.cuda.set_device(local)
-            return torch.device("cuda", local)
-        return torch.device(self.config.device)
+        """The GPU Ray assigned to this rank, or the CPU (`lm.device.resolve_device`)."""
+        from lm.device import resolve_device
+
+        device = resolve_device(self.config.device, f"learner rank {self.comm.rank}")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        return device
 
     def _wrap(self, model):
         if self.config.distributed.strategy != "fsdp":

@@ -19,6 +19,18 @@ class EngineConfig(_Strict):
         False, description="vLLM engine core in its own process (weights then travel as a safetensors folder)")
     max_model_len: int | None = Field(None, ge=8, description="vLLM context length; None: the model's")
     kv_cache_mib: int = Field(256, ge=16, description="vLLM KV-cache memory")
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="GPUs one vLLM engine spreads over (on one node); the worker asks Ray for that many")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="auto: the GPUs Ray assigned to the worker if CUDA works there, else the CPU "
+        "(vLLM: the device its build supports; lm/device.py)")
+
+    @model_validator(mode="after")
+    def _tensor_parallel_needs_vllm(self):
+        if self.tensor_parallel_size > 1 and self.kind != "vllm":
+            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} needs kind 'vllm' (the transformers "
+                             f"engine runs on one device)")
+        return self
 
 
 class SamplingConfig(_Strict):

@@ -68,8 +68,8 @@ class RolloutWorker:
         self,
         config: RolloutConfig | dict,
         worker_id: str,
-        buffer_client,
-        weight_store,
+        buffer_client=None,
+        weight_store=None,
         engine: GenerationEngine | None = None,
     ) -> None:
         self.config = config if isinstance(config, RolloutConfig) else RolloutConfig.model_validate(config)
@@ -319,10 +319,14 @@ class RolloutWorker:
                     self._release(permit.permit_id)
             return self.stats()
 
-    def run_in_actor(self) -> dict:
+    def run_in_actor(self, buffer_client, weight_store) -> dict:
         """`run()` as a Ray actor's task: a worker that needs a restart ends its process, and Ray
         restarts the actor as after a crash (its permits are already back; the restart counts
-        against the pool's budget). In-process callers use `run()`, which raises instead."""
+        against the pool's budget). In-process callers use `run()`, which raises instead. The
+        buffer client and the weight store come with the task, not the constructor: actor handles
+        among a restartable actor's constructor arguments would live in the object store (Ray
+        warns that such an actor may fail to restart)."""
+        self.client, self.store = buffer_client, weight_store
         try:
             return self.run()
         except WorkerNeedsRestart as exc:

@@ -120,6 +120,10 @@ class BufferActor:
         self.core.set_version(version)
 
     @ray.method(concurrency_group=LEARNER)
+    def set_eta(self, eta: int | None) -> None:
+        self.core.set_eta(eta)
+
+    @ray.method(concurrency_group=LEARNER)
     def recover(self, version: int) -> None:
         self.core.recover(version)
 
@@ -243,6 +247,9 @@ class RayBufferClient:
 
     def set_version(self, version: int) -> None:
         self._call("set_version", int(version))
+
+    def set_eta(self, eta: int | None) -> None:
+        self._call("set_eta", None if eta is None else int(eta))
 
     def recover(self, version: int) -> None:
         self._call("recover", int(version))

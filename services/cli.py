@@ -4,6 +4,7 @@
     etarl eval  [--config F] [--model DIR | --run RUN_DIR] [key=value ...]   held-out evaluation
     etarl plot  RUN_DIR                                           redraw a run's PNG plots
     etarl config [--config F] [key=value ...]                     print the resolved config
+    etarl plan  [--config F] [--raycluster M] [key=value ...]     what each actor asks Ray for; does it fit
     etarl data check FILE [--config F] [key=value ...]            check a prompt file against the model
     etarl buffer serve|keygen ...                                 the standalone buffer service
 
@@ -46,6 +47,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     show = sub.add_parser("config", help="print the resolved config as YAML")
     _add_config_args(show)
+
+    plan = sub.add_parser("plan", help="print the placement plan as JSON (every role: count, resources per actor, "
+                          "placement; the total) and check it against the cluster; exit 2 if it cannot fit")
+    _add_config_args(plan)
+    plan.add_argument("--raycluster", metavar="MANIFEST", help="check against the nodes a KubeRay RayCluster or "
+                      "RayJob manifest declares (default: ray.address: the embedded cluster's declared resources, "
+                      "or the running cluster)")
 
     data = sub.add_parser("data", help="prompt files: etarl data check FILE [key=value ...]")
     data_sub = data.add_subparsers(dest="data_command", required=True)
@@ -91,6 +99,15 @@ def _dispatch(args) -> int:
         return 0
     if args.command == "config":
         print(load_config(args.config, args.overrides).to_yaml(), end="")
+        return 0
+    if args.command == "plan":
+        from services.placement import plan_report
+
+        report, problems = plan_report(load_config(args.config, args.overrides), args.raycluster)
+        print(json.dumps(report, indent=1))
+        if problems:
+            print("etarl: the run does not fit the cluster:\n  " + "\n  ".join(problems), file=sys.stderr)
+            return EXIT_CONFIG_ERROR
         return 0
     if args.command == "train":
         from services.controller import resume_config, run_training

@@ -45,10 +45,14 @@ class RayConfig(BaseModel):
     address: str = Field("local", description="'local': an embedded cluster on 127.0.0.1; 'auto' or "
                          "'ray://host:port': join an existing cluster")
     num_cpus: Optional[int] = Field(None, ge=1, description="CPUs of the embedded cluster (None: all)")
+    num_gpus: Optional[int] = Field(None, ge=0, description="GPUs of the embedded cluster (None: those Ray "
+                                    "detects); declared GPUs need not exist (placement tests on a CPU machine)")
     namespace: str = "etarl"
     worker_max_restarts: int = Field(3, ge=0, description="Ray restarts of a crashed rollout worker")
     worker_num_cpus: float = Field(1.0, ge=0, description="Ray CPUs reserved per rollout worker")
     learner_num_cpus: float = Field(1.0, ge=0, description="Ray CPUs reserved per learner rank")
+    placement_timeout_s: float = Field(600.0, gt=0, description="how long to wait for the cluster to free "
+                                       "the resources the plan reserves (`etarl plan`) before giving up")
     log_to_driver: bool = Field(False, description="show the actors' logs in this terminal")
 
 

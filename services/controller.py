@@ -34,7 +34,8 @@ from rollout_workers.rewards import reward_metrics
 from services import checkpoint as ckpt
 from services.buffer_handle import BufferHandle
 from services.config import TINY_MODEL, ConfigError, EtarlConfig, build_config, read_yaml
-from services.inputs import check_run_inputs, ray_runtime_env
+from services.inputs import check_run_inputs
+from services.placement import Placement, start_ray
 from services.plots import MetricLog, plot_run
 from services.weights import WeightPublisher
 from services.worker_pool import WorkerPool
@@ -42,7 +43,6 @@ from services.worker_pool import WorkerPool
 log = logging.getLogger("etarl")
 
 BUFFER_STATE_FILE = "buffer.msgpack"
-QUIET_VLLM = os.environ.get("VLLM_LOGGING_LEVEL", "ERROR")  # vLLM's warnings drown the progress bar
 CONFIG_FILE = "config.yaml"
 
 
@@ -88,27 +88,6 @@ def resume_config(run_dir: str | os.PathLike, config_file: str | None, overrides
     return build_config(tree, overrides, source=str(source))
 
 
-def start_ray(cfg: EtarlConfig) -> None:
-    import ray
-
-    if ray.is_initialized():
-        return
-    env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "VLLM_LOGGING_LEVEL": QUIET_VLLM}
-    if cfg.ray.address == "local":
-        # Logical CPUs: enough for every actor; the real cores are shared by all of them.
-        needed = cfg.rollout.num_workers + cfg.learner.distributed.world_size
-        num_cpus = cfg.ray.num_cpus or max(os.cpu_count() or 1, needed)
-        from services.local_ray import init_local_ray  # every Ray server on 127.0.0.1
-
-        init_local_ray(num_cpus=num_cpus, namespace=cfg.ray.namespace, log_to_driver=cfg.ray.log_to_driver,
-                       runtime_env=ray_runtime_env(cfg, env))
-    else:
-        # Inside a cluster (or a `ray job submit` job) the job's runtime environment applies (plus the
-        # reward's module when it must travel).
-        ray.init(address=cfg.ray.address, namespace=cfg.ray.namespace, log_to_driver=cfg.ray.log_to_driver,
-                 runtime_env=ray_runtime_env(cfg))
-
-
 class Controller:
     def __init__(self, cfg: EtarlConfig, resume: str | os.PathLike | None = None):
         self.cfg = cfg
@@ -132,33 +111,48 @@ class Controller:
         self.evals: list[dict] = []
         self._started = False
         self.buffer = self.learner = self.weights = self.evaluator = self.exporter = self.workers = None
+        self.placement = None
+        self.eta_control = None  # buffer.gate.eta: auto
 
     # ---------------------------------------------------------------- start and stop
 
     def start(self) -> None:
+        """Check the run's inputs and its placement plan (a run that cannot start stops here,
+        before Ray or any actor starts), reserve the plan, then start the buffer, the weight
+        store, the learner ranks and the workers, each with the resources the plan gives it
+        (services/placement.py)."""
         cfg = self.cfg
-        (self.run_dir / CONFIG_FILE).write_text(cfg.to_yaml())
-        os.environ["VLLM_LOGGING_LEVEL"] = QUIET_VLLM  # the evaluator's engine runs in this process
         self.model_dir = resolve_model(cfg)
         check_run_inputs(cfg, self.model_dir)
-        start_ray(cfg)
+        plan = start_ray(cfg)
+        (self.run_dir / CONFIG_FILE).write_text(cfg.to_yaml())
+        self.placement = Placement(plan, cfg.ray.placement_timeout_s)
         from learner.distributed import LearnerGroup
 
         learner_cfg = cfg.learner.model_copy(update={"model_path": str(self.model_dir)})
         self.buffer = BufferHandle(cfg, self.run_dir)
         self.weights = WeightPublisher()
-        self.learner = LearnerGroup(learner_cfg, ray_options={"num_cpus": cfg.ray.learner_num_cpus})
+        self.learner = LearnerGroup(learner_cfg, rank_options=self.placement.all_options("learner"))
         state = None
         if self.resume_from is not None:
             state = self._restore(self.resume_from)
         if state is None:
             self.buffer.client.set_version(self.version)
+        self._start_eta_control()
         self.weights.publish(self.learner)
         self._start_exporter()
         self.workers = WorkerPool(cfg, self.model_dir, self.buffer.worker_client, self.weights.store,
-                                  self.stop_requested, self.exporter)
+                                  self.stop_requested, self.placement.all_options("rollout"), self.exporter)
         self.workers.start()
         self._started = True
+
+    def _start_eta_control(self) -> None:
+        gate = self.cfg.buffer.gate
+        if gate.adaptive:  # starts at the gate's η (eta_min, or the η a resumed run had)
+            from buffer.eta_control import EtaController
+
+            self.eta_control = EtaController(gate.drift_budget, gate.eta_min, gate.eta_max,
+                                             eta=int(self.buffer.client.stats()["eta"]))
 
     def _restore(self, checkpoint: Path) -> dict:
         state = ckpt.read_state(checkpoint)
@@ -201,6 +195,9 @@ class Controller:
         if self.exporter is not None:
             self.exporter.close()
             self.exporter = None
+        if self.placement is not None:
+            self.placement.release()
+            self.placement = None
 
     # ---------------------------------------------------------------- the loop
 
@@ -271,6 +268,7 @@ class Controller:
         metrics = self.learner.train_step(batch.groups)
         t_train = time.perf_counter()
         self.version = int(metrics.get("learner/version", self.version + 1))
+        eta_gauges = self._adapt_eta(metrics)  # before the next pull: it drops what the new η rules out
         self.next_batch = self._end_step(batch)
         sync_s = self.weights.publish(self.learner)
         self.step += 1
@@ -290,9 +288,22 @@ class Controller:
             "throughput/samples_per_s": samples / (t_end - t0), "throughput/tokens_per_s": tokens / (t_end - t0),
             "audit/tickets": tickets, "audit/groups": [g.group_id for g in batch.groups],
             "audit/sample_versions": [s.weight_version for g in batch.groups for s in g.samples],
-            **reward_metrics(batch.groups), **multi_turn_metrics(batch.groups),
+            **reward_metrics(batch.groups), **multi_turn_metrics(batch.groups), **eta_gauges,
         }
         return record
+
+    def _adapt_eta(self, metrics: dict) -> dict:
+        """`buffer.gate.eta: auto`: feed the step's drift per version to the η controller and send
+        the buffer a changed η. The gauges of the η in force (also under a fixed η)."""
+        if self.eta_control is None:
+            return {"gate/eta": self.cfg.eta if isinstance(self.cfg.eta, int) else math.nan}
+        before = self.eta_control.eta
+        eta = self.eta_control.observe(metrics.get("drift/per_version_k3", math.nan))
+        if eta != before:
+            self.buffer.client.set_eta(eta)
+            log.info("eta %d -> %d (drift per version %.4g nats/token k3, budget %.4g)", before, eta,
+                     self.eta_control.drift, self.eta_control.drift_budget)
+        return self.eta_control.gauges()
 
     def _end_step(self, batch):
         """One request: the batch is consumed, the gate learns the new version, and the next batch
@@ -321,10 +332,10 @@ class Controller:
         return self.cfg.eval.enabled and bool(every) and self.step % every == 0
 
     def _evaluate(self, metric_log: MetricLog | None, progress) -> dict:
-        from services.evaluation import PolicyEvaluator
+        from services.evaluation import RemoteEvaluator
 
-        if self.evaluator is None:
-            self.evaluator = PolicyEvaluator.from_config(self.cfg, self.model_dir)
+        if self.evaluator is None:  # an actor with the evaluator's resources, never the driver
+            self.evaluator = RemoteEvaluator(self.cfg, self.model_dir, self.placement.options("evaluator"))
         metrics = self.evaluator.evaluate_payload(self.weights.latest())
         self.evals.append({"step": self.step, **metrics})
         progress.write(f"eval @ step {self.step}: " + ", ".join(f"{k[5:]}={v:.3f}" for k, v in metrics.items()
@@ -371,6 +382,7 @@ def _postfix(record: dict, evals: list[dict]) -> str:
         return f"{name}={value:{spec}}" if isinstance(value, (int, float)) and math.isfinite(value) else None
 
     parts = [f"v={record['version']}", fmt("reward/mean", "reward"), fmt("staleness/mean", "stale", ".2f"),
+             fmt("gate/eta", "eta", ".0f"), fmt("drift/per_version_k3", "drift/v", ".1e"),
              fmt("rollout_corr/kl", "kl", ".2e"), fmt("rollout_corr/rollout_is_eff_sample_size", "ess"),
              fmt("throughput/samples_per_s", "samples/s", ".1f")]
     if evals:

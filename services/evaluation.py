@@ -208,3 +208,42 @@ class AgentEvaluator(PolicyEvaluator):
     def close(self) -> None:
         self.agent.close()
         super().close()
+
+
+class EvaluatorActor:
+    """A `PolicyEvaluator` in a Ray actor of its own, with the resources the placement plan gives
+    the evaluator (its engine's GPUs): evaluation never runs in the driver, which may sit on a
+    node without GPUs (the KubeRay head)."""
+
+    def __init__(self, cfg, model_dir):
+        self.evaluator = PolicyEvaluator.from_config(cfg, model_dir)
+
+    def evaluate_payload(self, payload: dict | None) -> dict[str, float]:
+        return self.evaluator.evaluate_payload(payload)
+
+    def close(self) -> None:
+        self.evaluator.close()
+
+
+class RemoteEvaluator:
+    """What the run holds: `evaluate_payload` and `close`, as `PolicyEvaluator`, on an
+    `EvaluatorActor` started with `options` (services/placement.py)."""
+
+    def __init__(self, cfg, model_dir, options: dict):
+        import ray
+
+        self.actor = ray.remote(EvaluatorActor).options(max_restarts=0, **options).remote(cfg, str(model_dir))
+
+    def evaluate_payload(self, payload: dict | None) -> dict[str, float]:
+        import ray
+
+        return ray.get(self.actor.evaluate_payload.remote(payload))
+
+    def close(self) -> None:
+        import ray
+
+        try:
+            ray.get(self.actor.close.remote(), timeout=60)
+        except Exception:  # a dead or stuck evaluator: killed below all the same
+            pass
+        ray.kill(self.actor)

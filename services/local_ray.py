@@ -16,16 +16,37 @@ from __future__ import annotations
 LOOPBACK = "127.0.0.1"
 
 
-def init_local_ray(**init_kwargs):
-    """`ray.init` of a new local cluster bound to 127.0.0.1, without the dashboard's web UI."""
-    import ray
+def local_only_mode() -> None:
+    """Ray's local-only mode: nodes started from this process keep a loopback address."""
     from ray._private import ray_constants
 
     if not hasattr(ray_constants, "ENABLE_RAY_CLUSTER"):
         raise RuntimeError("this Ray has no ray_constants.ENABLE_RAY_CLUSTER: cannot keep a local Ray "
                            "cluster on 127.0.0.1; see services/local_ray.py")
     ray_constants.ENABLE_RAY_CLUSTER = False  # = RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, read at call time
+
+
+def init_local_ray(**init_kwargs):
+    """`ray.init` of a new local cluster bound to 127.0.0.1, without the dashboard's web UI."""
+    import ray
+
+    local_only_mode()
     # "local": always a new cluster. Without it, ray.init joins a cluster another process (or a
     # killed one, through a stale /tmp/ray/ray_current_cluster) left on this machine.
     init_kwargs.setdefault("address", "local")
     return ray.init(_node_ip_address=LOOPBACK, include_dashboard=False, **init_kwargs)
+
+
+def loopback_cluster(nodes: list[dict], head: dict | None = None):
+    """Several Ray nodes on this machine, all on 127.0.0.1 (`ray.cluster_utils.Cluster`): a head
+    node (`head`: its ray start options, e.g. {"num_cpus": 1}) and one node per entry of `nodes`
+    (e.g. {"num_cpus": 2, "num_gpus": 2}: GPUs may be declared, not real). For placement tests;
+    connect with `ray.init(address=cluster.address)`, end with `cluster.shutdown()`."""
+    from ray.cluster_utils import Cluster
+
+    local_only_mode()
+    cluster = Cluster(initialize_head=True, head_node_args={"node_ip_address": LOOPBACK, "include_dashboard": False,
+                                                            **(head or {})})
+    for node in nodes:
+        cluster.add_node(node_ip_address=LOOPBACK, **node)
+    return cluster

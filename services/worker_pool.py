@@ -17,8 +17,18 @@ _WORKER_BACK_AFTER_S = 5.0  # a restarted worker whose loop ran this long is bac
 
 
 class WorkerPool:
-    def __init__(self, cfg, model_dir, buffer_client, weight_store, stop_requested, exporter=None):
+    """`worker_options[i]`: worker i's Ray options from the run's placement plan (its CPUs, its
+    engine's GPUs, its placement-group bundle; services/placement.py). None (tests): each worker
+    asks for ray.worker_num_cpus CPUs and no GPU, so its engine runs on the CPU."""
+
+    def __init__(self, cfg, model_dir, buffer_client, weight_store, stop_requested,
+                 worker_options: list[dict] | None = None, exporter=None):
+        if worker_options is None:
+            worker_options = [{"num_cpus": cfg.ray.worker_num_cpus}] * cfg.rollout.num_workers
+        if len(worker_options) != cfg.rollout.num_workers:
+            raise ValueError(f"{len(worker_options)} workers placed, rollout.num_workers={cfg.rollout.num_workers}")
         self.cfg = cfg
+        self.worker_options = worker_options
         self.stop_requested = stop_requested  # the run's: a worker that ends then is not a failure
         self.model_dir = model_dir
         self.buffer_client = buffer_client
@@ -36,13 +46,12 @@ class WorkerPool:
         cfg = self.cfg
         rollout_cfg = cfg.rollout.model_copy(update={"model_path": str(self.model_dir)})
         actor = ray.remote(RolloutWorker)
-        for index in range(cfg.rollout.num_workers):
+        for index, placed in enumerate(self.worker_options):
             handle = actor.options(
-                name=None, num_cpus=cfg.ray.worker_num_cpus, max_restarts=cfg.ray.worker_max_restarts,
-                max_task_retries=0, max_concurrency=4,
-            ).remote(rollout_cfg, f"worker-{index}", self.buffer_client, self.weight_store)
+                name=None, max_restarts=cfg.ray.worker_max_restarts, max_task_retries=0, max_concurrency=4, **placed,
+            ).remote(rollout_cfg, f"worker-{index}")
             self.workers.append(handle)
-        self.refs = [w.run_in_actor.remote() for w in self.workers]
+        self.refs = [self._run(w) for w in self.workers]
         self.failures = [0] * len(self.workers)
         self.resubmitted_at = [None] * len(self.workers)
 
@@ -88,7 +97,10 @@ class WorkerPool:
             if self.exporter is not None:
                 self.exporter.record_worker_restart(f"worker-{index}")
         self.resubmitted_at[index] = now
-        self.refs[index] = self.workers[index].run_in_actor.remote()
+        self.refs[index] = self._run(self.workers[index])
+
+    def _run(self, worker):
+        return worker.run_in_actor.remote(self.buffer_client, self.weight_store)
 
     def stats(self, timeout: float = 30.0) -> list[dict]:
         """Stats of the workers that answer. A dead or restarting worker (Ray restarts it; its

@@ -70,6 +70,12 @@ PANELS = [
      [("sum by (reason) (rate(etarl_groups_dropped_total[5m]))", "dropped {{reason}}"),
       ("sum by (reason) (rate(etarl_buffer_request_errors_total[5m]))", "refused {{reason}}"),
       ("sum by (reason) (rate(etarl_buffer_bad_messages_total[5m]))", "bad message {{reason}}")], {}),
+    ("Drift: backend vs staleness, and eta", "short",
+     "The sampler-learner gap (k3) split into its backend part and its growth per version; eta auto keeps "
+     "eta x drift per version within the budget.",
+     [("etarl_drift_total_k3", "total gap"), ("etarl_drift_backend_k3", "backend"),
+      ("etarl_drift_per_version_k3", "per version"), ("etarl_drift_smoothed_per_version_k3", "per version (smoothed)"),
+      ("etarl_drift_budget_k3", "budget"), ("etarl_gate_eta", "eta")], {}),
     ("Stale drops by response length", "percentunit",
      "Fraction of groups of each length dropped as too stale (staleness is judged by a group's start version).",
      [("rate(etarl_groups_dropped_stale_by_length_total[15m]) / (rate(etarl_groups_dropped_stale_by_length_total[15m])"

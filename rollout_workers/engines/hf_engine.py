@@ -12,6 +12,7 @@ import os
 import torch
 
 from lm.causal_lm import load_causal_lm
+from lm.device import resolve_device
 from rollout_workers.engines.base import (
     Completion,
     GenerationEngine,
@@ -34,8 +35,10 @@ class _InterruptCheck:
 
 
 class HFEngine(GenerationEngine):
-    def __init__(self, model_dir: str | os.PathLike, dtype: str = "float32", version: int = 0) -> None:
-        self.model = load_causal_lm(model_dir, dtype=dtype).eval()
+    def __init__(self, model_dir: str | os.PathLike, dtype: str = "float32", version: int = 0,
+                 device: str = "auto") -> None:
+        self.device = resolve_device(device, "transformers engine")
+        self.model = load_causal_lm(model_dir, dtype=dtype, device=str(self.device)).eval()
         self.dtype = dtype
         self.version = version
         self.vocab_size = self.model.config.vocab_size
@@ -66,7 +69,7 @@ class HFEngine(GenerationEngine):
             return_dict_in_generate=True,
         )
         check = _InterruptCheck(interrupt) if interrupt is not None else None
-        ids = torch.tensor([prompt], dtype=torch.long)
+        ids = torch.tensor([prompt], dtype=torch.long, device=self.device)
         with torch.random.fork_rng():
             if params.seed is not None:
                 torch.manual_seed(params.seed)
@@ -78,7 +81,10 @@ class HFEngine(GenerationEngine):
             )
         new_tokens = out.sequences[:, len(prompt) :]
         # scores[t]: [n, vocab] processed scores at step t; -inf where top-k/top-p masked a token.
-        scores = torch.stack(out.scores, dim=1).float() if out.scores else torch.zeros(params.n, 0, 1)
+        if out.scores:
+            scores = torch.stack(out.scores, dim=1).float()
+        else:
+            scores = torch.zeros(params.n, 0, 1, device=self.device)
         logps = torch.log_softmax(scores, dim=-1).gather(-1, new_tokens[:, :, None]).squeeze(-1)
         stops = set(params.stop_token_ids)
         completions = []

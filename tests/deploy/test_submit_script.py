@@ -54,7 +54,8 @@ def ray_head():
     dashboard = free_port()
     cmd = [str(VENV_BIN / "ray"), "start", "--head", "--block", "--node-ip-address", "127.0.0.1",
            "--port", str(free_port()), "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard),
-           "--include-dashboard", "true", "--num-cpus", "2", "--temp-dir", temp_dir, "--disable-usage-stats",
+           "--include-dashboard", "true", "--num-cpus", "3", "--temp-dir", temp_dir, "--disable-usage-stats",
+           # 3 logical CPUs: the default plan's worker, learner rank and evaluator (`etarl plan`).
            # The job agent's HTTP port is fixed (52365) by default: another Ray on this machine may hold it.
            "--dashboard-agent-listen-port", str(free_port())]
     log = open(Path(temp_dir) / "ray-start.log", "w+")

@@ -24,7 +24,7 @@ import psutil, ray
 if sys.argv[1] == "etarl":
     from services.config import build_config
     from services.controller import start_ray
-    start_ray(build_config({"ray": {"num_cpus": 2, "log_to_driver": False}}))
+    start_ray(build_config({"ray": {"num_cpus": 2, "log_to_driver": False}, "eval": {"enabled": False}}))
 else:  # the call etarl made before services.local_ray
     ray.init(num_cpus=2, _node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False)
 

@@ -1,0 +1,95 @@
+"""How far the sampler's policy is from the learner's, split into its two causes.
+
+Every token of a batch carries three things the learner already has: the sampler's log-prob μ
+(`rollout_log_prob`), the proximal log-prob π_old (the learner's current weights, recomputed at
+the start of the step) and the version that sampled it. With s = the learner's version − the
+token's version (its staleness), the gap between μ and π_old is
+
+    gap(s) ≈ backend + s · drift_per_version
+
+`backend` is the mismatch between the inference and the training backends at equal weights (the
+gap of tokens sampled by the current version, s = 0; else the intercept of a fit), which η cannot
+shrink and the rollout correction handles; `drift_per_version` is how far the policy moves per
+learner step (the slope), which is what a staleness bound η multiplies. The gap is measured with
+KL(μ ‖ π_old) estimators on tokens sampled from μ: k1 = log μ − log π_old and k3 = r − log r − 1
+with r = π_old / μ (verl's `rollout_corr/kl` and `rollout_corr/k3_kl`, here per staleness bucket).
+
+Per batch: `bucket_sums` on each rank's rows (they add up over ranks), then `drift_metrics`:
+`drift/total_k1|k3`, `drift/backend_k1|k3`, `drift/per_version_k1|k3`
+(NaN when the batch holds one staleness only: no slope), `drift/by_staleness/<s>` (k3) and
+`drift/tokens_by_staleness/<s>`. Only tokens in the loss mask count (environment tokens never).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+SAFETY_BOUND = 20.0  # log-ratios are clamped as the rollout correction clamps them
+MIN_BUCKET_TOKENS = 16  # a staleness bucket with fewer tokens says too little to fit
+
+
+def token_gaps(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token k1 and k3 estimates of KL(μ ‖ π_old), in float64."""
+    log_ratio = (old_log_prob.double() - rollout_log_prob.double()).clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    return -log_ratio, torch.exp(log_ratio) - log_ratio - 1.0
+
+
+MAX_STALENESS = 64  # the last bucket holds every token at least this stale
+
+
+def bucket_sums(old_log_prob, rollout_log_prob, token_versions, version: int, mask) -> torch.Tensor:
+    """[MAX_STALENESS + 1, 3] float64: per staleness s, (tokens, sum of k1, sum of k3) over the
+    masked tokens. Sums add up over ranks and micro-batches (all-reduce them, then `drift_metrics`)."""
+    k1, k3 = token_gaps(old_log_prob, rollout_log_prob)
+    mask = mask.bool()
+    staleness = (version - token_versions.long())[mask].clamp(0, MAX_STALENESS).cpu()
+    sums = torch.zeros(MAX_STALENESS + 1, 3, dtype=torch.float64)
+    sums[:, 0].index_add_(0, staleness, torch.ones(len(staleness), dtype=torch.float64))
+    sums[:, 1].index_add_(0, staleness, k1[mask].cpu())
+    sums[:, 2].index_add_(0, staleness, k3[mask].cpu())
+    return sums
+
+
+def gap_by_staleness(sums: torch.Tensor) -> dict[int, tuple]:
+    """{staleness s: (tokens, mean k1, mean k3)} of the buckets that hold tokens."""
+    return {s: (int(row[0]), float(row[1] / row[0]), float(row[2] / row[0]))
+            for s, row in enumerate(sums) if row[0] > 0}
+
+
+def split(buckets: dict[int, tuple], column: int) -> tuple[float, float]:
+    """(backend, per-version drift) of one estimator (column 1: k1, 2: k3) from the buckets: a
+    least-squares line through the bucket means weighted by their token counts. The backend is the
+    s = 0 bucket's mean when it has enough tokens (exactly the gap at equal weights), else the
+    intercept; NaN where the data cannot say (no bucket, or one staleness only)."""
+    usable = {s: b for s, b in buckets.items() if b[0] >= MIN_BUCKET_TOKENS} or buckets
+    if not usable:
+        return math.nan, math.nan
+    weights = torch.tensor([b[0] for b in usable.values()], dtype=torch.float64)
+    xs = torch.tensor(list(usable), dtype=torch.float64)
+    ys = torch.tensor([b[column] for b in usable.values()], dtype=torch.float64)
+    if len(usable) < 2:
+        return (float(ys[0]) if 0 in usable else math.nan), math.nan
+    x_mean = float((weights * xs).sum() / weights.sum())
+    y_mean = float((weights * ys).sum() / weights.sum())
+    slope = float((weights * (xs - x_mean) * (ys - y_mean)).sum() / (weights * (xs - x_mean) ** 2).sum())
+    backend = float(ys[list(usable).index(0)]) if 0 in usable else y_mean - slope * x_mean
+    return backend, slope
+
+
+def drift_metrics(sums: torch.Tensor) -> dict[str, float]:
+    """The drift split of a batch from its `bucket_sums` (see the module doc); plain floats."""
+    buckets = gap_by_staleness(sums)
+    tokens = sum(b[0] for b in buckets.values())
+    if not tokens:
+        return {}
+    out = {}
+    for name, column in (("k1", 1), ("k3", 2)):
+        backend, per_version = split(buckets, column)
+        out[f"drift/total_{name}"] = sum(b[0] * b[column] for b in buckets.values()) / tokens
+        out[f"drift/backend_{name}"] = backend
+        out[f"drift/per_version_{name}"] = per_version
+    for s, (count, _, k3) in sorted(buckets.items()):
+        out[f"drift/by_staleness/{s}"] = k3
+        out[f"drift/tokens_by_staleness/{s}"] = float(count)
+    return out

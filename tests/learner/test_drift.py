@@ -1,0 +1,78 @@
+"""The drift split: from μ, π_old and each token's version, the gap by staleness, its backend
+part (the gap at equal weights) and its drift per version (the slope), on batches built with a
+known backend and slope."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from learner.drift import bucket_sums, drift_metrics, token_gaps
+
+
+def batch(backend: float, per_version: float, staleness: list[int], tokens: int = 40, version: int = 10):
+    """Rows of `tokens` tokens; row i sampled `staleness[i]` versions ago, its log-ratio chosen so
+    that k1 = backend + s · per_version exactly."""
+    rows = len(staleness)
+    old = -torch.rand(rows, tokens, generator=torch.Generator().manual_seed(0)) - 0.5
+    gap = torch.tensor([backend + s * per_version for s in staleness], dtype=torch.float32)[:, None]
+    rollout = old + gap  # k1 = log μ − log π_old = gap
+    versions = torch.tensor([version - s for s in staleness])[:, None].expand(rows, tokens)
+    return old, rollout, versions, version, torch.ones(rows, tokens)
+
+
+def split_of(*parts):
+    return drift_metrics(bucket_sums(*parts))
+
+
+def test_backend_and_drift_per_version_are_recovered():
+    metrics = split_of(*batch(backend=0.01, per_version=0.02, staleness=[0, 0, 1, 1, 2, 3]))
+    assert metrics["drift/backend_k1"] == pytest.approx(0.01, abs=1e-6)
+    assert metrics["drift/per_version_k1"] == pytest.approx(0.02, abs=1e-6)
+    k3 = lambda gap: math.exp(-gap) + gap - 1  # noqa: E731 (k3 of a constant log-ratio -gap)
+    assert metrics["drift/by_staleness/2"] == pytest.approx(k3(0.05), rel=1e-5)
+    assert metrics["drift/tokens_by_staleness/1"] == 80
+    total = (2 * 0.01 + 2 * 0.03 + 0.05 + 0.07) / 6
+    assert metrics["drift/total_k1"] == pytest.approx(total, abs=1e-6)
+
+
+def test_without_fresh_tokens_the_backend_is_the_intercept():
+    metrics = split_of(*batch(backend=0.004, per_version=0.01, staleness=[1, 2, 2, 3]))
+    assert metrics["drift/backend_k1"] == pytest.approx(0.004, abs=1e-6)
+    assert metrics["drift/per_version_k1"] == pytest.approx(0.01, abs=1e-6)
+
+
+def test_one_staleness_only_has_no_slope():
+    metrics = split_of(*batch(backend=0.01, per_version=0.02, staleness=[0, 0]))
+    assert metrics["drift/backend_k3"] > 0 and math.isnan(metrics["drift/per_version_k3"])
+
+
+def test_masked_tokens_do_not_count():
+    old, rollout, versions, version, mask = batch(backend=0.0, per_version=0.02, staleness=[0, 1, 2])
+    rollout[1, :20] += 5.0  # environment tokens: wild log-probs, out of the loss mask
+    mask[1, :20] = 0
+    metrics = split_of(old, rollout, versions, version, mask)
+    assert metrics["drift/per_version_k1"] == pytest.approx(0.02, abs=1e-6)
+    assert metrics["drift/tokens_by_staleness/1"] == 20
+
+
+def test_k1_and_k3_estimate_the_same_kl():
+    """On tokens drawn from μ, both estimate KL(μ ‖ π_old): compare with the exact value."""
+    gen = torch.Generator().manual_seed(3)
+    mu = torch.softmax(torch.randn(50, generator=gen), -1)
+    pi = torch.softmax(torch.log(mu) + 0.3 * torch.randn(50, generator=gen), -1)
+    draws = torch.multinomial(mu, 200_000, replacement=True, generator=gen)
+    k1, k3 = token_gaps(torch.log(pi)[draws], torch.log(mu)[draws])
+    exact = float((mu * (torch.log(mu) - torch.log(pi))).sum())
+    assert float(k1.mean()) == pytest.approx(exact, rel=0.05) and float(k3.mean()) == pytest.approx(exact, rel=0.05)
+
+
+def test_sums_of_two_halves_give_the_split_of_the_whole():
+    """Ranks compute sums on their own rows; the all-reduced sums give the whole batch's split."""
+    old, rollout, versions, version, mask = batch(backend=0.003, per_version=0.015, staleness=[0, 1, 2, 3, 1, 0])
+    whole = bucket_sums(old, rollout, versions, version, mask)
+    halves = bucket_sums(old[:3], rollout[:3], versions[:3], version, mask[:3]) + \
+        bucket_sums(old[3:], rollout[3:], versions[3:], version, mask[3:])
+    assert torch.allclose(whole, halves)
+    assert drift_metrics(halves)["drift/per_version_k1"] == pytest.approx(0.015, abs=1e-6)
