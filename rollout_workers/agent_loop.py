@@ -131,15 +131,14 @@ def stop_token_ids(tokenizer, stops: list[str]) -> tuple[int, ...]:
 class AgentLoop:
     """Runs engine batches of multi-turn trajectories (see the module doc)."""
 
-    def __init__(self, config: MultiTurnConfig, tokenizer, prompt_format: PromptFormat,
-                 envs: EnvironmentPool | None = None) -> None:
+    def __init__(self, config: MultiTurnConfig, tokenizer, prompt_format: PromptFormat) -> None:
         if not config.enabled:
             raise ValueError("rollout.multi_turn.environment is not set: there is no environment to run")
         self.config = config
         self.tokenizer = tokenizer
         self.prompt_format = prompt_format
         self.stop_ids = stop_token_ids(tokenizer, config.stop)
-        self.envs = envs or EnvironmentPool(config.environment, config.environment_kwargs, config.step_timeout_s)
+        self.envs = EnvironmentPool(config.environment, config.environment_kwargs, config.step_timeout_s)
         limits = [x for x in (config.max_total_tokens, prompt_format.context_len) if x]
         self.budget = min(limits) if limits else math.inf
         self.turns_total = 0

@@ -20,8 +20,9 @@ import pytest
 from buffer.sample import Sample
 from services import checkpoint as ckpt
 from services.audit import audit, read_checkpoint_buffer, read_run_log
-from services.config import load_config
-from services.controller import _policy_versions, run_training
+from services.config import ConfigError, load_config
+from services.controller import _policy_versions, resolve_model, run_training
+from services.inputs import check_run_inputs
 from services.metrics import MetricsExporter, catalogue_names, prometheus_name
 from services.plots import read_metrics
 
@@ -94,3 +95,13 @@ def test_staleness_is_judged_by_policy_tokens():
     empty = Sample(sample_id="e", group_id="g", prompt_ids=[1], response_ids=[], rollout_log_probs=[], loss_mask=[],
                    reward=0.0, weight_version=4)
     assert _policy_versions(empty) == [4]
+
+
+@pytest.mark.parametrize("override, why", [
+    ("rollout.multi_turn.environment=no_such_module_xyz:Env", "cannot import module"),
+    ("rollout.multi_turn.stop=['</calc>', '12']", "'12' is 2 tokens"),
+])
+def test_a_bad_environment_or_stop_text_stops_the_run_before_it_starts(override, why):
+    cfg = load_config(REPO / "configs" / "multi_turn.yaml", [f"run.cache_dir={REPO / '.cache'}", override])
+    with pytest.raises(ConfigError, match=f"rollout.multi_turn: .*{why}"):
+        check_run_inputs(cfg, resolve_model(cfg))
