@@ -120,7 +120,8 @@ class RolloutConfig(_Strict):
     multi_turn: MultiTurnConfig = Field(default_factory=MultiTurnConfig)
     reward: str = Field("math", description="built-in name (math, exact), 'module:function' or "
                         "'path/to/file.py:function'; fn(response, answer) or verl's compute_score(data_source, "
-                        "solution_str, ground_truth, extra_info=None), sync or async")
+                        "solution_str, ground_truth, extra_info=None), sync or async; not used by multi-turn "
+                        "rollouts (their environment gives the rewards)")
     reward_timeout_s: float = Field(5.0, gt=0)
     groups_per_batch: int = Field(
         4, ge=1, description="permits taken at once (when free) and generated in one engine batch")
