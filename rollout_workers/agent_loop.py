@@ -156,7 +156,7 @@ class AgentLoop:
             if turn:
                 between_turns()
             self._turn(active, generate, turn)
-            self._step(episodes, [e for e in active if not e.ended])
+            self._step(episodes, active)
             turn += 1
         out, start = [], 0
         for _, params in requests:
@@ -171,12 +171,14 @@ class AgentLoop:
     def _reset(self, episodes: list[Trajectory]) -> None:
         for e, outcome in zip(episodes, self.envs.reset([e.problem for e in episodes])):
             e.env_seconds += outcome.seconds
-            if outcome.observation is None:
-                e.prompt_ids = self.prompt_format.encode(e.problem)
-            else:
-                e.prompt_ids = self.tokenizer(outcome.observation, add_special_tokens=False)["input_ids"]
+            given = outcome.observation is not None
+            ids = self.tokenizer(outcome.observation, add_special_tokens=False)["input_ids"] if given else []
+            e.prompt_ids = ids or self.prompt_format.encode(e.problem)  # a sample's prompt is never empty
             if outcome.error:
                 e.fail(outcome.error, self.config.failure_reward)
+            elif given and not ids:
+                e.fail(self.envs.record_failure("reset's prompt text is 0 tokens of this tokenizer"),
+                       self.config.failure_reward)
             elif len(e.prompt_ids) >= self.budget:
                 e.finish_reason = "length"
 
@@ -193,8 +195,6 @@ class AgentLoop:
 
     def _step(self, episodes: list[Trajectory], stepping: list[Trajectory]) -> None:
         """The environments' answers to the turn just generated, in parallel."""
-        if not stepping:
-            return
         slot = {id(e): i for i, e in enumerate(episodes)}
         actions = [self.tokenizer.decode(e.last_action, skip_special_tokens=True) for e in stepping]
         for e, outcome in zip(stepping, self.envs.step([slot[id(e)] for e in stepping], actions)):

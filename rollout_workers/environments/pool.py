@@ -117,9 +117,13 @@ class EnvironmentPool:
     def _failed(self, slot: int, why: str, seconds: float, kill: bool = True) -> EnvOutcome:
         if kill:
             self.children[slot].kill()
+        return EnvOutcome(done=True, seconds=seconds, error=self.record_failure(why))
+
+    def record_failure(self, why: str) -> str:
+        """Count a failure of the environment (also one its caller found) and return its message."""
         self.counters["env_failures_total"] += 1
         self.last_error = f"environment {self.spec!r}: {why}"
-        return EnvOutcome(done=True, seconds=seconds, error=self.last_error)
+        return self.last_error
 
     def stats(self) -> dict[str, float]:
         return dict(self.counters)

@@ -51,3 +51,16 @@ class Echo(Environment):
         self.seen += 1
         done = self.seen >= self.turns
         return StepResult(None if done else f"<r>{len(action)}</r>", 0.5, done, {"seen": float(self.seen)})
+
+
+class Prompter(Environment):
+    """Writes the prompt itself (`text`) and takes the first action as the answer."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def reset(self, problem):
+        return self.text
+
+    def step(self, action: str) -> StepResult:
+        return StepResult(None, 1.0, True, {})

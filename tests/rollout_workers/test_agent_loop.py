@@ -139,6 +139,22 @@ def test_turn_and_token_limits_end_trajectories(cfg, model_dir, tokenizer, engin
     assert all(e.finish_reason == "stop" for e in episodes if e not in called)
 
 
+@pytest.mark.parametrize("text", ["12+34=", "\u2603\u2603"])
+def test_an_environment_may_write_the_prompt(cfg, model_dir, tokenizer, engine, text):
+    """reset's text is the prompt, tokenised as is; a text of no tokens fails its trajectory (the
+    sample keeps the problem's prompt: a sample's prompt is never empty)."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    episodes, _, loop = run_episodes(cfg, model_dir, tokenizer, engine, count=2, n=2,
+                                     environment="env_helpers:Prompter", environment_kwargs={"text": text})
+    for e in episodes:
+        if ids:
+            assert e.prompt_ids == ids and e.reward == 1.0 and e.turns == 1 and e.finish_reason == "stop"
+        else:
+            assert e.prompt_ids == tokenizer(e.problem.prompt, add_special_tokens=False)["input_ids"]
+            assert e.finish_reason == "env_error" and "0 tokens" in e.error and e.response_ids == []
+    assert loop.stats()["env_failures_total"] == (0 if ids else 4)
+
+
 def test_stop_texts_must_be_one_token(tokenizer):
     assert stop_token_ids(tokenizer, ["</calc>"]) == (tokenizer.convert_tokens_to_ids("</calc>"),)
     with pytest.raises(ValueError, match="'12' is 2 tokens"):
