@@ -132,7 +132,7 @@ def test_trajectories_are_token_exact_masked_and_carry_the_behaviour_log_probs(c
 
 @pytest.mark.parametrize("limit, value, reason", [("max_turns", 1, "max_turns"), ("max_total_tokens", 20, "length")])
 def test_turn_and_token_limits_end_trajectories(cfg, model_dir, tokenizer, engine, limit, value, reason):
-    episodes, _, _ = run_episodes(cfg, model_dir, tokenizer, engine, **{limit: value})
+    episodes, _, _ = run_episodes(cfg, model_dir, tokenizer, engine, count=8, n=2, **{limit: value})
     called = [e for e in episodes if e.response_ids[0] == tokenizer.convert_tokens_to_ids("<calc>")]
     assert called and all(e.finish_reason == reason and e.turns == 1 for e in called)
     assert all(len(e.prompt_ids) + len(e.response_ids) <= 20 for e in called) or reason != "length"
