@@ -26,7 +26,7 @@ import math
 from typing import Literal, Optional, Union
 
 import torch
-from pydantic import BaseModel, ConfigDict, PrivateAttr, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 # exp(±20) ≈ [2e-9, 5e8]: keeps every exponentiated ratio finite in float32.
 SAFETY_BOUND = 20.0
@@ -38,6 +38,14 @@ RS_OPTIONS = (
     "seq_mean_k1", "seq_mean_k2", "seq_mean_k3",
     "seq_max_k2", "seq_max_k3",
 )
+# etarl's turn-level forms of the sequence options (multi-turn trajectories, Source 5 of the
+# five-sources reference): the statistic is taken per turn, and a turn that fails is rejected alone.
+TURN_RS_OPTIONS = (
+    "turn_sum_k1", "turn_sum_k2", "turn_sum_k3",
+    "turn_mean_k1", "turn_mean_k2", "turn_mean_k3",
+    "turn_max_k2", "turn_max_k3",
+)
+MAX_TURN_METRICS = 64
 # The first usage guide's names, kept working: token / sequence (product) / geometric (mean).
 RS_ALIASES = {"token": "token_k1", "sequence": "seq_sum_k1", "geometric": "seq_mean_k1"}
 
@@ -54,7 +62,7 @@ class RejectionCriterion(BaseModel):
 
     @property
     def level(self) -> str:
-        return self.option.split("_k")[0]  # token | seq_sum | seq_mean | seq_max
+        return self.option.split("_k")[0]  # token | seq_sum | seq_mean | seq_max | turn_sum | turn_mean | turn_max
 
     @property
     def estimator(self) -> str:
@@ -94,30 +102,36 @@ def _parse_bounds(field: str, spec: Union[str, float]) -> tuple[Optional[float],
 class RolloutCorrectionConfig(BaseModel):
     """How the learner corrects the gap between the rollout (behaviour) policy and the learner.
 
-    rollout_is: None | "token" | "sequence": IS weight ρ = π_old/π_rollout per token or per
-        sequence (product), detached. rollout_is_threshold: a float caps weights from above (TIS);
+    rollout_is: None | "token" | "sequence" | "turn": IS weight ρ = π_old/π_rollout per token, per
+        sequence (product), or per turn (the product over the turn's tokens, applied to that turn
+        only), detached. A turn is a run of valid tokens: in a multi-turn trajectory, the tokens
+        the policy wrote between two environment observations (loss mask 0). rollout_is_threshold: a float caps weights from above (TIS);
         "L_U" is IcePop: weights outside [L, U] become 0 (the mask is unchanged).
     rollout_rs: None or comma-separated options that must all pass (see RS_OPTIONS; "token",
-        "sequence", "geometric" are the older names of token_k1, seq_sum_k1, seq_mean_k1).
+        "sequence", "geometric" are the older names of token_k1, seq_sum_k1, seq_mean_k1; the
+        TURN_RS_OPTIONS take the seq_ statistic per turn and reject a failing turn alone).
         k1 options bound the ratio (per token, per-sequence product, or geometric mean) to
         [lower, upper]; k2 (½·log²ρ) and k3 (ρ − log ρ − 1) options bound a divergence from above.
     rollout_rs_threshold: a float, "L_U" (k1 only), or one entry per option separated by commas.
         rollout_rs_threshold_lower: the k1 lower bound when the threshold is a single float
         (default 1/upper).
     rollout_token_veto_threshold: reject a whole sequence if any token's unclamped ρ is below it.
+    rollout_turn_metrics: report `rollout_corr/kl_by_turn/<t>` and `k3_kl_by_turn/<t>` for turns
+        t = 1..N (0 when a batch has no turn t; 0: off).
     bypass_mode: π_old := π_rollout (no proximal forward pass). loss_type: "ppo_clip" (PPO on
         π_θ/π_rollout) or "reinforce" (bypass only: −stopgrad(w)·A·log π_θ).
     """
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
-    rollout_is: Optional[Literal["token", "sequence"]] = None
+    rollout_is: Optional[Literal["token", "sequence", "turn"]] = None
     rollout_is_threshold: Union[float, str] = 2.0
     rollout_is_batch_normalize: bool = False
     rollout_rs: Optional[str] = None
     rollout_rs_threshold: Optional[Union[float, str]] = None
     rollout_rs_threshold_lower: Optional[float] = None
     rollout_token_veto_threshold: Optional[float] = None
+    rollout_turn_metrics: int = Field(0, ge=0, le=MAX_TURN_METRICS)
     bypass_mode: bool = False
     loss_type: Literal["ppo_clip", "reinforce"] = "ppo_clip"
 
@@ -151,9 +165,9 @@ class RolloutCorrectionConfig(BaseModel):
             if not name:
                 continue
             name = RS_ALIASES.get(name, name)
-            if name not in RS_OPTIONS:
+            if name not in RS_OPTIONS + TURN_RS_OPTIONS:
                 raise ValueError(f"rollout_rs: unknown option {raw.strip()!r}; choose from "
-                                 f"{', '.join(RS_OPTIONS)} (or {', '.join(RS_ALIASES)})")
+                                 f"{', '.join(RS_OPTIONS + TURN_RS_OPTIONS)} (or {', '.join(RS_ALIASES)})")
             if name not in options:
                 options.append(name)
         if not options:
@@ -164,7 +178,7 @@ class RolloutCorrectionConfig(BaseModel):
     def _consistent(self):
         self._is_bounds = _parse_bounds("rollout_is_threshold", self.rollout_is_threshold)
         if self.rollout_is_batch_normalize and self.rollout_is is None:
-            raise ValueError("rollout_is_batch_normalize needs rollout_is ('token' or 'sequence')")
+            raise ValueError("rollout_is_batch_normalize needs rollout_is ('token', 'sequence' or 'turn')")
         if self.loss_type == "reinforce" and not self.bypass_mode:
             raise ValueError("loss_type 'reinforce' needs bypass_mode=true (decoupled mode uses ppo_clip)")
         veto = self.rollout_token_veto_threshold
@@ -230,6 +244,12 @@ class RolloutCorrectionConfig(BaseModel):
     @property
     def icepop(self) -> bool:
         return self._is_bounds[0] is not None
+
+    @property
+    def uses_turns(self) -> bool:
+        """Whether anything is computed per turn (the IS weight, a rejection option, the metrics)."""
+        return (self.rollout_is == "turn" or self.rollout_turn_metrics > 0
+                or any(c.level.startswith("turn") for c in self._criteria))
 
     @property
     def enabled(self) -> bool:
@@ -470,6 +490,42 @@ def _masked_std(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = False) -> 
     return sq.clamp_min(0).sqrt()
 
 
+# ---- turns ---------------------------------------------------------------------------------------
+class Turns:
+    """The turns of a [B, T] bool mask: the runs of valid tokens of each row (in a multi-turn
+    trajectory the environment's tokens, loss mask 0, separate them). Reductions per turn give
+    [B, K] tensors (K: the most turns in a row, at least 1); `spread` puts a per-turn value back
+    on the turn's tokens."""
+
+    def __init__(self, mask: torch.Tensor) -> None:
+        before = torch.zeros_like(mask)
+        before[:, 1:] = mask[:, :-1]
+        index = (mask & ~before).long().cumsum(-1) - 1
+        self.mask = mask
+        self.index = torch.where(mask, index, torch.full_like(index, -1))  # -1: not in a turn
+        self.count = max(int(self.index.max()) + 1 if self.index.numel() else 0, 1)
+        self._slot = self.index.clamp(min=0)
+        self.tokens = self.sum(torch.ones(mask.shape, dtype=torch.float64, device=mask.device))
+        self.valid = self.tokens > 0  # [B, K]: turns that exist
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        out = x.new_zeros(x.shape[0], self.count)
+        return out.scatter_add_(1, self._slot, torch.where(self.mask, x, torch.zeros((), dtype=x.dtype, device=x.device)))
+
+    def mean(self, x: torch.Tensor) -> torch.Tensor:
+        return self.sum(x) / self.tokens.to(x.dtype).clamp_min(1)
+
+    def max(self, x: torch.Tensor) -> torch.Tensor:
+        low = torch.full((), -math.inf, dtype=x.dtype, device=x.device)
+        out = torch.full((x.shape[0], self.count), -math.inf, dtype=x.dtype, device=x.device)
+        out = out.scatter_reduce_(1, self._slot, torch.where(self.mask, x, low), "amax")
+        return torch.where(torch.isfinite(out), out, torch.zeros_like(out))
+
+    def spread(self, per_turn: torch.Tensor) -> torch.Tensor:
+        """[B, K] -> [B, T]: each token gets its turn's value (tokens outside turns: turn 0's)."""
+        return per_turn.gather(1, self._slot)
+
+
 # ---- the correction ----------------------------------------------------------------------------
 def compute_rollout_correction(
     old_log_prob: torch.Tensor,
@@ -491,17 +547,20 @@ def compute_rollout_correction(
     rollout = check_token_values("rollout_log_prob", rollout_log_prob.detach(), mask).to(dtype)
     log_ratio = old - rollout  # 0 at padding
     seq_valid = mask.any(-1)
+    turns = Turns(mask) if config.uses_turns else None
     stats: dict[str, torch.Tensor] = {}
 
     weights = None
     if config.rollout_is is not None:
-        weights = _is_weights(log_ratio, mask, seq_valid, config, stats)
+        weights = _is_weights(log_ratio, mask, seq_valid, turns, config, stats)
 
     keep = torch.ones_like(mask)
     if config.rejection_criteria:
-        keep = _rejection_keep(log_ratio, mask, seq_valid, config.rejection_criteria, stats)
+        keep = _rejection_keep(log_ratio, mask, seq_valid, turns, config.rejection_criteria, stats)
     _veto(log_ratio, mask, seq_valid, config.rollout_token_veto_threshold, keep, stats)
     _offpolicy_stats(old, rollout, log_ratio, mask, seq_valid, stats)
+    if config.rollout_turn_metrics:
+        _by_turn_stats(log_ratio, turns, config.rollout_turn_metrics, stats)
 
     modified = response_mask * keep.to(response_mask.dtype) if response_mask.dtype != torch.bool \
         else response_mask & keep
@@ -516,14 +575,17 @@ def to_floats(stats: dict[str, torch.Tensor], prefix: str = "") -> dict[str, flo
     return {prefix + k: float(v) for k, v in zip(stats, values)}
 
 
-def _is_weights(log_ratio, mask, seq_valid, config, stats) -> torch.Tensor:
+def _is_weights(log_ratio, mask, seq_valid, turns, config, stats) -> torch.Tensor:
     zero = torch.zeros((), dtype=log_ratio.dtype, device=log_ratio.device)
     upper, lower = config.is_upper, config.is_lower
     if config.rollout_is == "token":
         raw = torch.exp(log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND))
-    else:
-        seq_log = masked_sum_rows(log_ratio, mask)
-        raw = torch.exp(seq_log.clamp(-SAFETY_BOUND, SAFETY_BOUND))[:, None].expand_as(log_ratio)
+    elif config.rollout_is == "sequence":
+        unit_log, unit_valid = masked_sum_rows(log_ratio, mask), seq_valid
+        raw = torch.exp(unit_log.clamp(-SAFETY_BOUND, SAFETY_BOUND))[:, None].expand_as(log_ratio)
+    else:  # turn: each turn's product, on its own tokens
+        unit_log, unit_valid = turns.sum(log_ratio), turns.valid
+        raw = torch.exp(turns.spread(unit_log).clamp(-SAFETY_BOUND, SAFETY_BOUND))
     raw = torch.where(mask, raw, zero)
     if lower is None:
         weights = raw.clamp(max=upper)
@@ -531,15 +593,15 @@ def _is_weights(log_ratio, mask, seq_valid, config, stats) -> torch.Tensor:
         weights = torch.where((raw >= lower) & (raw <= upper), raw, zero)
     low = lower if lower is not None else 1.0 / upper
 
-    # max/min/fractions describe the ratios before truncation: sequence level in log space, so
-    # they are the true extremes even beyond the safety bound.
-    if config.rollout_is == "sequence":
-        seq_log = torch.where(seq_valid, seq_log, zero)
+    # max/min/fractions describe the ratios before truncation: sequence (turn) level in log space,
+    # so they are the true extremes even beyond the safety bound, over sequences (turns).
+    if config.rollout_is != "token":
+        unit_log = torch.where(unit_valid, unit_log, zero)
         # exp of the true log extremes, capped at exp(20) against overflow (small ones just underflow)
-        stats["rollout_is_max"] = torch.exp(_masked_max(seq_log, seq_valid).clamp(max=SAFETY_BOUND))
-        stats["rollout_is_min"] = torch.exp(_masked_min(seq_log, seq_valid).clamp(max=SAFETY_BOUND))
-        stats["rollout_is_ratio_fraction_high"] = masked_mean((seq_log > math.log(upper)).to(zero.dtype), seq_valid)
-        stats["rollout_is_ratio_fraction_low"] = masked_mean((seq_log < math.log(low)).to(zero.dtype), seq_valid)
+        stats["rollout_is_max"] = torch.exp(_masked_max(unit_log, unit_valid).clamp(max=SAFETY_BOUND))
+        stats["rollout_is_min"] = torch.exp(_masked_min(unit_log, unit_valid).clamp(max=SAFETY_BOUND))
+        stats["rollout_is_ratio_fraction_high"] = masked_mean((unit_log > math.log(upper)).to(zero.dtype), unit_valid)
+        stats["rollout_is_ratio_fraction_low"] = masked_mean((unit_log < math.log(low)).to(zero.dtype), unit_valid)
     else:
         stats["rollout_is_max"] = _masked_max(raw, mask)
         stats["rollout_is_min"] = _masked_min(raw, mask)
@@ -562,7 +624,7 @@ def _is_weights(log_ratio, mask, seq_valid, config, stats) -> torch.Tensor:
         stats["rollout_is_oob_ratio"] = masked_mean(((raw < lower) | (raw > upper)).to(zero.dtype), mask)
 
     if config.rollout_is_batch_normalize:
-        # Token level: mean over valid tokens; sequence level: mean of per-sequence means.
+        # Token level: mean over valid tokens; sequence and turn level: mean of per-sequence means.
         factor = mean if config.rollout_is == "token" else stats["rollout_is_seq_mean"]
         factor = torch.where(factor > 1e-8, factor, torch.ones_like(factor))
         weights = weights / factor
@@ -570,7 +632,7 @@ def _is_weights(log_ratio, mask, seq_valid, config, stats) -> torch.Tensor:
     return weights.detach()
 
 
-def _rejection_keep(log_ratio, mask, seq_valid, criteria, stats) -> torch.Tensor:
+def _rejection_keep(log_ratio, mask, seq_valid, turns, criteria, stats) -> torch.Tensor:
     """Bool [B, T]: True where every criterion passes (padding is True; the mask handles it)."""
     dtype = log_ratio.dtype
     safe = log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND)
@@ -581,6 +643,9 @@ def _rejection_keep(log_ratio, mask, seq_valid, criteria, stats) -> torch.Tensor
         if c.level == "token":
             stat = per_token
             stat_mask = mask
+        elif c.level.startswith("turn"):
+            stat = getattr(turns, c.level.removeprefix("turn_"))(per_token)  # turns.sum | mean | max
+            stat_mask = turns.valid
         else:
             if c.level == "seq_sum":
                 stat = masked_sum_rows(per_token, mask)
@@ -598,7 +663,12 @@ def _rejection_keep(log_ratio, mask, seq_valid, criteria, stats) -> torch.Tensor
             high, low = stat > c.upper, torch.zeros_like(stat, dtype=torch.bool)
             shown = stat
         passed = ~(high | low)
-        keep = passed if c.level == "token" else passed[:, None].expand_as(mask)
+        if c.level == "token":
+            keep = passed
+        elif c.level.startswith("turn"):
+            keep = turns.spread(passed)  # a failing turn is rejected alone
+        else:
+            keep = passed[:, None].expand_as(mask)
         keep_all = keep_all & keep
         name = f"rollout_rs_{c.option}"
         stats[f"{name}_mean"] = masked_mean(shown, stat_mask)
@@ -633,6 +703,16 @@ def _veto(log_ratio, mask, seq_valid, threshold, keep, stats) -> None:
     keep &= ~vetoed[:, None]
     stats["rollout_is_veto_fraction"] = masked_mean(vetoed.to(dtype), seq_valid)
     stats["rollout_is_catastrophic_token_fraction"] = masked_mean(catastrophic.to(dtype), mask)
+
+
+def _by_turn_stats(log_ratio, turns: Turns, count: int, stats) -> None:
+    """KL (k1) and K3 of the tokens of turn t, for t = 1..count (0 where no row has turn t)."""
+    safe = log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    k3 = torch.exp(safe) - safe - 1.0
+    for t in range(count):
+        in_turn = turns.index == t
+        stats[f"kl_by_turn/{t + 1}"] = masked_mean(-log_ratio, in_turn)
+        stats[f"k3_kl_by_turn/{t + 1}"] = masked_mean(k3, in_turn)
 
 
 def _offpolicy_stats(old, rollout, log_ratio, mask, seq_valid, stats) -> None:

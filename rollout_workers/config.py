@@ -1,9 +1,10 @@
 """Rollout-side configuration (pydantic, unknown keys are errors), composed by services/config.py."""
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class _Strict(BaseModel):
@@ -77,15 +78,50 @@ class TaskConfig(_Strict):
         return self
 
 
+class MultiTurnConfig(_Strict):
+    """Multi-turn, tool-using rollouts (rollout_workers.agent_loop): on when `environment` is set."""
+
+    environment: str | None = Field(
+        None, description="null: single-turn; a built-in (calculator), 'module:Class' or 'path/to/file.py:Class'")
+    environment_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="keyword arguments of the environment's constructor (JSON values)")
+    max_turns: int = Field(4, ge=1, description="policy turns per trajectory at most")
+    max_total_tokens: int | None = Field(
+        None, ge=2, description="prompt + every turn and observation at most; null: the engine's context "
+        "(rollout.sampling.max_new_tokens bounds each turn)")
+    stop: list[str] = Field(
+        default_factory=list, description="texts that end a turn besides EOS, each one token of the tokenizer "
+        "(e.g. '</calc>'); the token stays in the turn")
+    step_timeout_s: float = Field(10.0, gt=0, description="an environment call (reset or step) that takes longer "
+                                  "ends its trajectory with failure_reward")
+    failure_reward: float = Field(0.0, description="reward of a trajectory whose environment hung, crashed or "
+                                  "returned garbage")
+
+    @field_validator("environment_kwargs")
+    @classmethod
+    def _json(cls, value: dict) -> dict:
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"environment_kwargs must be JSON values (they go to the environment's process): {err}")
+        return value
+
+    @property
+    def enabled(self) -> bool:
+        return self.environment is not None
+
+
 class RolloutConfig(_Strict):
     model_path: str | None = Field(None, description="HF model folder; services fills it from run.model")
     num_workers: int = Field(1, ge=1)
     engine: EngineConfig = Field(default_factory=EngineConfig)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     task: TaskConfig = Field(default_factory=TaskConfig)
+    multi_turn: MultiTurnConfig = Field(default_factory=MultiTurnConfig)
     reward: str = Field("math", description="built-in name (math, exact), 'module:function' or "
                         "'path/to/file.py:function'; fn(response, answer) or verl's compute_score(data_source, "
-                        "solution_str, ground_truth, extra_info=None), sync or async")
+                        "solution_str, ground_truth, extra_info=None), sync or async; not used by multi-turn "
+                        "rollouts (their environment gives the rewards)")
     reward_timeout_s: float = Field(5.0, gt=0)
     groups_per_batch: int = Field(
         4, ge=1, description="permits taken at once (when free) and generated in one engine batch")

@@ -25,7 +25,6 @@ import numbers
 import os
 import re
 import site
-import subprocess
 import sys
 import sysconfig
 from collections.abc import Callable
@@ -33,6 +32,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from rollout_workers.child_process import ChildProcess, ChildStartFailed, serve
 from rollout_workers.data.problems import Problem
 
 RewardFn = Callable[[str, str], float]
@@ -88,15 +88,15 @@ def _is_file(module_part: str) -> bool:
     return module_part.endswith(".py") or "/" in module_part or os.sep in module_part
 
 
-def _load_file_module(path: Path, spec: str):
-    """The module of a reward file, loaded from the file (registered as etarl_reward_<stem>), or,
-    where the file is not on this node, the module <stem> shipped in the job's py_modules."""
+def _load_file_module(path: Path, spec: str, kind: str = "reward"):
+    """The module of a reward (or environment) file, loaded from the file (registered as
+    etarl_<kind>_<stem>), or, where the file is not on this node, the module <stem> shipped in the job's py_modules."""
     if not path.is_file():
         try:
             return importlib.import_module(path.stem)
         except ImportError:
-            raise ValueError(f"reward {spec!r}: file {str(path)!r} does not exist") from None
-    name = f"etarl_reward_{path.stem}"
+            raise ValueError(f"{kind} {spec!r}: file {str(path)!r} does not exist") from None
+    name = f"etarl_{kind}_{path.stem}"
     module_spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[name] = module  # the file's own pickling and dataclasses need it registered
@@ -104,30 +104,35 @@ def _load_file_module(path: Path, spec: str):
         module_spec.loader.exec_module(module)
     except Exception as err:
         del sys.modules[name]
-        raise ValueError(f"reward {spec!r}: loading {str(path)!r} failed: {type(err).__name__}: {err}") from None
+        raise ValueError(f"{kind} {spec!r}: loading {str(path)!r} failed: {type(err).__name__}: {err}") from None
     return module
 
 
-def resolve_reward(spec: str) -> Callable:
-    """The function a reward spec names: a built-in, "module:function" or "path/file.py:function";
-    errors say what is wrong with the spec."""
-    if spec in BUILTIN_REWARDS:
-        return BUILTIN_REWARDS[spec]
+def resolve_named(spec: str, builtins: dict[str, Any], kind: str = "reward", thing: str = "function") -> Any:
+    """What a spec names: a built-in, "module:attribute" or "path/file.py:attribute" (rewards'
+    convention, shared by environments); errors say what is wrong with the spec."""
+    if spec in builtins:
+        return builtins[spec]
     module_name, sep, attr = spec.rpartition(":")
     if not sep or not module_name or not attr:
-        raise ValueError(f"reward {spec!r} is neither a built-in ({sorted(BUILTIN_REWARDS)}), 'module:function' "
-                         f"nor 'path/to/file.py:function'")
+        raise ValueError(f"{kind} {spec!r} is neither a built-in ({sorted(builtins)}), 'module:{thing}' "
+                         f"nor 'path/to/file.py:{thing}'")
     if _is_file(module_name):
-        module = _load_file_module(Path(module_name).expanduser(), spec)
+        module = _load_file_module(Path(module_name).expanduser(), spec, kind)
     else:
         try:
             module = importlib.import_module(module_name)
         except ImportError as err:
-            raise ValueError(f"reward {spec!r}: cannot import module {module_name!r} ({err})") from None
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise ValueError(f"reward {spec!r}: module {module_name!r} has no callable {attr!r}")
-    return fn
+            raise ValueError(f"{kind} {spec!r}: cannot import module {module_name!r} ({err})") from None
+    found = getattr(module, attr, None)
+    if not callable(found):
+        raise ValueError(f"{kind} {spec!r}: module {module_name!r} has no callable {attr!r}")
+    return found
+
+
+def resolve_reward(spec: str) -> Callable:
+    """The function a reward spec names: a built-in, "module:function" or "path/file.py:function"."""
+    return resolve_named(spec, BUILTIN_REWARDS, "reward")
 
 
 def _call_style(fn: Callable, spec: str) -> tuple[str, ...] | None:
@@ -165,20 +170,20 @@ class BadRewardValue(ValueError):
     """A reward returned something that is not a finite number (or a dict holding one as 'score')."""
 
 
-def _is_number(value: Any) -> bool:
+def is_finite_number(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def to_scored(value: Any) -> Scored:
     """A reward function's return value as a Scored; BadRewardValue says what is wrong with it."""
     if isinstance(value, dict):
-        if not _is_number(value.get("score")):
+        if not is_finite_number(value.get("score")):
             raise BadRewardValue(f"returned a dict whose 'score' is {value.get('score')!r}, not a finite number")
         metrics = {f"reward/{key}": float(v) for key, v in value.items()
                    if isinstance(key, str) and key not in _RESERVED_METRICS
                    and isinstance(v, numbers.Real) and math.isfinite(v)}
         return Scored(float(value["score"]), dict(list(metrics.items())[:MAX_REWARD_METRICS]))
-    if not _is_number(value):
+    if not is_finite_number(value):
         raise BadRewardValue(f"returned {value!r:.200}, not a finite number")
     return Scored(float(value), {})
 
@@ -249,35 +254,26 @@ def reward_py_modules(spec: str) -> list[str]:
     return [str(where)]
 
 
-def _child_main() -> None:
-    """Entry point of the reward process: `python -m rollout_workers.rewards SPEC`. Requests come
-    on stdin, replies go out on a private copy of stdout; the reward's own prints go to stderr."""
-    from multiprocessing.connection import Connection
-
-    replies = Connection(os.dup(1), readable=False)
-    os.dup2(2, 1)
-    requests = Connection(os.dup(0), writable=False)
+def _reward_handler():
+    """The reward process's handler: (response, problem) -> ("ok", (value, metrics)) | ("bad" |
+    "error", why). Started as `python -m rollout_workers.rewards SPEC`."""
     reward = Reward(sys.argv[1])
-    replies.send(("ready", None))
-    while True:
-        try:
-            message = requests.recv()
-        except EOFError:
-            return
+
+    def handle(message):
         response, problem = message
         try:
-            replies.send(("ok", tuple(reward(response, problem))))  # a plain tuple: this module is __main__ here
+            return "ok", tuple(reward(response, problem))  # a plain tuple: this module is __main__ here
         except BadRewardValue as err:
-            replies.send(("bad", str(err)))
+            return "bad", str(err)
         except Exception as err:  # the reward's own bug: report it, keep serving
-            replies.send(("error", f"{type(err).__name__}: {err}"))
+            return "error", f"{type(err).__name__}: {err}"
+
+    return handle
 
 
 class RewardRunner:
-    """Scores responses in a child process, one response at a time, each within timeout_s.
-
-    The child is a fresh interpreter (`python -m`), not a fork (unsafe in threaded Ray/vLLM
-    processes) nor a multiprocessing spawn (which re-imports the caller's main script)."""
+    """Scores responses in a child process (`rollout_workers.child_process`), one response at a
+    time, each within timeout_s."""
 
     def __init__(
         self, spec: str = "math", timeout_s: float = 5.0, failure_reward: float = 0.0, start_timeout_s: float = 60.0
@@ -288,39 +284,12 @@ class RewardRunner:
         self.spec = spec
         self.timeout_s = timeout_s
         self.failure_reward = failure_reward
-        self.start_timeout_s = start_timeout_s
         self.calls_total = 0
         self.failures_total = 0
         self.timeouts_total = 0
         self.last_error = ""
-        self._proc: subprocess.Popen | None = None
-        self._send = self._recv = None
-
-    def _start(self) -> None:
-        from multiprocessing.connection import Connection
-
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "rollout_workers.rewards", self.spec],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
-        )
-        self._send = Connection(os.dup(self._proc.stdin.fileno()), readable=False)
-        self._recv = Connection(os.dup(self._proc.stdout.fileno()), writable=False)
-        self._proc.stdin.close()
-        self._proc.stdout.close()
-        # Starting Python is slow on a loaded machine: wait for it apart from the reward timeout.
-        if not self._recv.poll(self.start_timeout_s) or self._recv.recv()[0] != "ready":
-            self._kill()
-            raise TimeoutError(f"reward process for {self.spec!r} did not start in {self.start_timeout_s}s")
-
-    def _kill(self) -> None:
-        if self._proc is not None:
-            self._proc.kill()
-            self._proc.wait(timeout=5)
-        for conn in (self._send, self._recv):
-            if conn is not None:
-                conn.close()
-        self._proc = self._send = self._recv = None
+        # Starting Python is slow on a loaded machine: start_timeout_s is apart from the reward timeout.
+        self._child = ChildProcess("rollout_workers.rewards", [spec], start_timeout_s)
 
     def _fail(self, why: str) -> Scored:
         self.failures_total += 1
@@ -330,17 +299,15 @@ class RewardRunner:
     def score_one(self, response: str, problem: Problem) -> Scored:
         self.calls_total += 1
         try:
-            if self._proc is None or self._proc.poll() is not None:
-                self._kill()
-                self._start()
-            self._send.send((response, problem))
-            if not self._recv.poll(self.timeout_s):
-                self.timeouts_total += 1
-                self._kill()
-                return self._fail(f"reward {self.spec!r} took longer than {self.timeout_s}s")
-            status, value = self._recv.recv()
-        except (EOFError, OSError, TimeoutError) as err:
-            self._kill()
+            self._child.ensure_started()
+            self._child.send((response, problem))
+            status, value = self._child.reply(self.timeout_s)
+        except TimeoutError:
+            self._child.kill()
+            self.timeouts_total += 1
+            return self._fail(f"reward {self.spec!r} took longer than {self.timeout_s}s")
+        except (EOFError, OSError, ChildStartFailed) as err:
+            self._child.kill()
             return self._fail(f"reward {self.spec!r} process died ({type(err).__name__})")
         if status == "error":
             return self._fail(f"reward {self.spec!r} raised {value}")
@@ -359,14 +326,14 @@ class RewardRunner:
         }
 
     def close(self) -> None:
-        self._kill()
+        self._child.kill()
 
     def __del__(self) -> None:
         try:
-            self._kill()
+            self._child.kill()
         except Exception:
             pass
 
 
 if __name__ == "__main__":
-    _child_main()
+    serve(_reward_handler)

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import torch
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from rollout_workers.data import ALPHABET, Problem, mixed_problems
 
@@ -36,6 +36,9 @@ CHAT_TEMPLATE = (
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{ '<|assistant|>' }}{%- endif -%}"
 )
+# The calculator tool's markers (rollout_workers.environments.calculator), added as single tokens
+# to the tokenizer of a model warm-started on tool transcripts: `</calc>` ends a turn.
+TOOL_TOKENS = ("<calc>", "</calc>", "<r>", "</r>")
 SPEC_FILE = "etarl_tiny_model.json"
 BUILD_VERSION = 2  # bump when the build recipe changes, so old caches are not reused (2: the chat template)
 
@@ -57,15 +60,22 @@ class TinyModelSpec(BaseModel):
     batch_size: int = 64
     learning_rate: float = 3e-3
     seed: int = 0
+    tool_transcripts: float = Field(
+        0.0, ge=0.0, le=1.0, description="fraction of warm-start examples that are calculator tool transcripts "
+        "(the rest answer directly); > 0 adds the tool tokens to the tokenizer")
 
     def cache_key(self) -> str:
-        blob = json.dumps({"build": BUILD_VERSION, **self.model_dump()}, sort_keys=True)
+        # A spec without tool transcripts hashes as it did before the field existed (same folder).
+        fields = self.model_dump(exclude={"tool_transcripts"} if not self.tool_transcripts else set())
+        blob = json.dumps({"build": BUILD_VERSION, **fields}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
-def build_tokenizer():
+def build_tokenizer(tool_tokens: bool = False):
     """A character-level WordLevel tokenizer trained on task text, as a PreTrainedTokenizerFast,
-    with the turn markers appended after the characters (so their ids come last) and a chat template."""
+    with the turn markers appended after the characters (so their ids come last) and a chat
+    template; `tool_tokens` appends TOOL_TOKENS as ordinary (not special) added tokens, so decoding
+    keeps them."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -78,6 +88,8 @@ def build_tokenizer():
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, eos_token=EOS, unk_token=UNK,
                                         additional_special_tokens=[USER, ASSISTANT])
     tokenizer.chat_template = CHAT_TEMPLATE
+    if tool_tokens:
+        tokenizer.add_tokens(list(TOOL_TOKENS))
     return tokenizer
 
 
@@ -109,30 +121,53 @@ def encode_problem(tokenizer, problem: Problem) -> tuple[list[int], list[int]]:
     return prompt, answer
 
 
-def _sft_batch(tokenizer, problems: list[Problem]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    pairs = [encode_problem(tokenizer, p) for p in problems]
-    width = max(len(p) + len(a) for p, a in pairs)
-    ids = torch.full((len(pairs), width), tokenizer.pad_token_id, dtype=torch.long)
+def tool_transcript(tokenizer, problem: Problem) -> tuple[list[int], list[int]]:
+    """Ids and labels (-100: no loss) of a calculator episode: the policy's call and answer are
+    learned, the prompt and the calculator's reply are not."""
+    def ids(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    prompt, answer = encode_problem(tokenizer, problem)
+    call = ids(f"<calc>{problem.prompt.rstrip('=')}</calc>")
+    reply = ids(f"<r>{problem.answer}</r>")
+    return prompt + call + reply + answer, [-100] * len(prompt) + call + [-100] * len(reply) + answer
+
+
+def direct_answer(tokenizer, problem: Problem) -> tuple[list[int], list[int]]:
+    prompt, answer = encode_problem(tokenizer, problem)
+    return prompt + answer, [-100] * len(prompt) + answer
+
+
+def _sft_batch(tokenizer, examples: list[tuple[list[int], list[int]]]) -> tuple[torch.Tensor, ...]:
+    width = max(len(x) for x, _ in examples)
+    ids = torch.full((len(examples), width), tokenizer.pad_token_id, dtype=torch.long)
     attention = torch.zeros_like(ids)
     labels = torch.full_like(ids, -100)
-    for row, (p, a) in enumerate(pairs):
-        ids[row, : len(p) + len(a)] = torch.tensor(p + a)
-        attention[row, : len(p) + len(a)] = 1
-        labels[row, len(p) : len(p) + len(a)] = torch.tensor(a)  # loss on the answer only
+    for row, (x, y) in enumerate(examples):
+        ids[row, : len(x)] = torch.tensor(x)
+        attention[row, : len(x)] = 1
+        labels[row, : len(y)] = torch.tensor(y)
     return ids, attention, labels
 
 
 def warm_start(model, tokenizer, spec: TinyModelSpec, log=print) -> None:
-    """A few hundred supervised steps on train problems: enough to learn the format and part of the task."""
+    """A few hundred supervised steps on train problems: enough to learn the format and part of the
+    task. With tool_transcripts, that fraction of the examples are calculator episodes."""
     problems = mixed_problems(spec.families, spec.difficulties, "train", 20000, seed=spec.seed)
     rng = random.Random(spec.seed)
+    tool_rng = random.Random(f"{spec.seed}:tools")  # its own stream: the draws of problems stay the same
+
+    def example(problem: Problem):
+        use_tool = spec.tool_transcripts and tool_rng.random() < spec.tool_transcripts
+        return (tool_transcript if use_tool else direct_answer)(tokenizer, problem)
+
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.learning_rate, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: min(1.0, (step + 1) / 20) * max(0.1, 1 - step / spec.warm_start_steps)
     )
     model.train()
     for step in range(spec.warm_start_steps):
-        ids, attention, labels = _sft_batch(tokenizer, rng.sample(problems, spec.batch_size))
+        ids, attention, labels = _sft_batch(tokenizer, [example(p) for p in rng.sample(problems, spec.batch_size)])
         loss = model(input_ids=ids, attention_mask=attention, labels=labels).loss
         optimizer.zero_grad()
         loss.backward()
@@ -182,7 +217,7 @@ def build_tiny_model(folder: str | os.PathLike, spec: TinyModelSpec | None = Non
     spec = spec or TinyModelSpec()
     folder = Path(folder)
     started = time.perf_counter()
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(tool_tokens=spec.tool_transcripts > 0)
     vocab = len(tokenizer)
     model = build_model(spec, vocab_size=-(-vocab // 16) * 16, tokenizer=tokenizer)
     warm_start(model, tokenizer, spec, log=log)

@@ -18,6 +18,8 @@ weights and continues each unfinished response from where it stopped, so its ear
 their old version in token_versions. The weights in the model folder are version 0; a (re)started
 worker loads the store's latest version before its first generation. A killed worker's permit
 comes back through the buffer's lease.
+With `rollout.multi_turn.environment` set, step 3 runs the agent loop (`rollout_workers.agent_loop`):
+trajectories of turns and environment observations, new weights loaded between turns.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ import numpy as np
 from buffer.sample import Group, Sample, new_id
 from lm.causal_lm import load_tokenizer
 from lm.weight_sync import resolve_weights
+from rollout_workers.agent_loop import AgentLoop, agent_group
 from rollout_workers.config import RolloutConfig
 from rollout_workers.data import Problem, PromptFormat, train_prompts
 from rollout_workers.engines import make_engine
@@ -98,6 +101,7 @@ class RolloutWorker:
         self.prompt_format: PromptFormat | None = None
         self.prompts = None
         self.rewards: RewardRunner | None = None
+        self.agent: AgentLoop | None = None  # multi-turn rollouts
 
     # ---------------------------------------------------------------- set-up
 
@@ -111,8 +115,10 @@ class RolloutWorker:
                                                         cfg.engine.max_model_len)
         if self.prompts is None:
             self.prompts = train_prompts(cfg.task, self.prompt_format, cfg.sampling.max_new_tokens)
-        if self.rewards is None:
+        if self.rewards is None and not cfg.multi_turn.enabled:
             self.rewards = RewardRunner(cfg.reward, timeout_s=cfg.reward_timeout_s)
+        if self.agent is None and cfg.multi_turn.enabled:
+            self.agent = AgentLoop(cfg.multi_turn, self.tokenizer, self.prompt_format)
 
     def _sampling_params(self, ticket: int) -> SamplingParams:
         s = self.config.sampling
@@ -193,6 +199,8 @@ class RolloutWorker:
 
     def generate_groups(self, tickets: list[int]) -> list[Group]:
         """Generate, score and tag one group per ticket, all in one engine batch (no buffer involved)."""
+        if self.agent is not None:
+            return self._agent_groups(tickets)
         problems: list[Problem] = [self.prompts.problem(t) for t in tickets]
         prompts = [self.prompt_format.encode(p) for p in problems]
         requests = [(prompt, self._sampling_params(t)) for prompt, t in zip(prompts, tickets)]
@@ -231,6 +239,28 @@ class RolloutWorker:
         self.counters["samples_total"] += len(samples)
         self.counters["tokens_total"] += sum(len(s.response_ids) for s in samples)
         return Group(group_id=group_id, samples=samples, prompt_index=int(ticket))
+
+    def _agent_groups(self, tickets: list[int]) -> list[Group]:
+        """One group of multi-turn trajectories per ticket, all advancing in one engine batch per turn."""
+        requests = [(self.prompts.problem(t), self._sampling_params(t)) for t in tickets]
+        started, env_s = time.perf_counter(), self.agent.envs.counters["env_seconds_total"]
+        episodes = self.agent.run(requests, self._generate_with_updates, self._between_turns, self.engine.version)
+        env_s = self.agent.envs.counters["env_seconds_total"] - env_s
+        self.counters["generation_s"] += time.perf_counter() - started - env_s
+        self._probe_prompt = episodes[0][0].prompt_ids
+        groups = [agent_group(t, trajectories, self.worker_id) for t, trajectories in zip(tickets, episodes)]
+        samples = [s for g in groups for s in g.samples]
+        self._recent_rewards.extend(s.reward for s in samples)
+        self.counters["samples_total"] += len(samples)
+        self.counters["tokens_total"] += sum(int(s.loss_mask.sum()) for s in samples)  # generated tokens
+        return groups
+
+    def _between_turns(self) -> None:
+        """Load new weights between two turns if the store has them (nothing is aborted)."""
+        if self._stop.is_set():
+            raise StopRequested()
+        if self._new_weights_waiting():
+            self.load_weights_or_restart()
 
     def _generate_with_updates(self, requests: list[tuple[list[int], SamplingParams]]):
         """For each request, its n completions with per-token weight versions. A generation
@@ -446,6 +476,8 @@ class RolloutWorker:
         self.stop()
         if self.rewards is not None:
             self.rewards.close()
+        if self.agent is not None:
+            self.agent.close()
         if self._owns_engine and self.engine is not None:
             self.engine.close()
             self.engine = None
@@ -463,4 +495,6 @@ class RolloutWorker:
         )
         if self.rewards is not None:
             c.update(self.rewards.stats())
+        if self.agent is not None:
+            c.update(self.agent.stats())
         return c

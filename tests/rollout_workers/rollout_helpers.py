@@ -1,11 +1,14 @@
 """Helpers for the rollout-worker tests: misbehaving reward functions (imported by path in the
-reward child process) and a reference for processed (temperature/top-k/top-p) log-probs."""
+reward child process), a reference for processed (temperature/top-k/top-p) log-probs, pulling from
+the buffer, and a weight store that publishes when a test arms it."""
 from __future__ import annotations
 
 import os
 import time
 
 import torch
+
+from lm.weight_sync import WeightStore
 
 
 def hang(response: str, answer: str) -> float:
@@ -120,3 +123,27 @@ def verl_no_score(data_source, solution_str, ground_truth, extra_info=None):
 
 def three_args(response, answer, extra):
     return 0.0
+
+
+def pull_all(client, count):
+    """`count` groups from the buffer, acked."""
+    batch = client.pull_batch(count, timeout=5.0)
+    assert batch is not None, client.stats()
+    client.ack(batch.lease_id)
+    return batch.groups
+
+
+class PublishWhenArmed(WeightStore):
+    """A weight store whose learner moves to the pending version at the first version check after
+    the test arms it: as the controller does, it tells the gate the new version, then publishes."""
+
+    def __init__(self, payload: dict, buffer):
+        super().__init__()
+        self.pending, self.armed, self.buffer = payload, False, buffer
+
+    def latest_version(self) -> int:
+        if self.armed and self.pending is not None:
+            self.buffer.set_version(self.pending["version"])
+            self.publish(self.pending)
+            self.pending = None
+        return super().latest_version()

@@ -140,13 +140,13 @@ def test_reward_runner_recovers_after_a_hang():
     runner = RewardRunner("rollout_helpers:length_reward", timeout_s=0.5)
     try:
         assert runner.score_one("abc", problem("x")).value == 3.0
-        first_child = runner._proc.pid
-        runner.spec = "rollout_helpers:hang"
-        runner._kill()  # the next call starts a child running the hanging reward
+        first_child = runner._child._proc.pid
+        runner._child.args = ["rollout_helpers:hang"]
+        runner._child.kill()  # the next call starts a child running the hanging reward
         assert runner.score_one("abc", problem("x")).value == 0.0
-        runner.spec = "rollout_helpers:length_reward"
+        runner._child.args = ["rollout_helpers:length_reward"]
         assert runner.score_one("abcd", problem("x")).value == 4.0
-        assert runner._proc.pid != first_child and runner.stats()["reward_timeouts_total"] == 1
+        assert runner._child._proc.pid != first_child and runner.stats()["reward_timeouts_total"] == 1
     finally:
         runner.close()
     with pytest.raises(ValueError, match="timeout_s"):

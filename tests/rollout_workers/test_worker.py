@@ -11,11 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from rollout_helpers import perturbed
+from rollout_helpers import PublishWhenArmed, perturbed, pull_all
 
-from buffer.client import BufferClient
 from buffer.config import BufferConfig, GateConfig
-from buffer.server import BufferServer
 from lm.causal_lm import load_causal_lm, response_log_probs
 from lm.weight_sync import WeightStore, save_weights_folder
 from rollout_workers.config import EngineConfig, RolloutConfig, SamplingConfig, TaskConfig
@@ -26,26 +24,10 @@ from rollout_workers.worker import RolloutWorker, WorkerNeedsRestart
 pytestmark = pytest.mark.timeout(180)  # a stuck worker loop fails its test instead of the suite
 
 
-@pytest.fixture
-def buffer():
-    server = BufferServer(BufferConfig(port=0, gate=GateConfig(batch_size=4, eta=None, permit_lease_s=60))).start()
-    client = BufferClient(server.endpoint)
-    yield client
-    client.close()
-    server.stop()
-
-
 def config(model_dir, **changes) -> RolloutConfig:
     base = dict(model_path=str(model_dir), sampling=SamplingConfig(n=4, max_new_tokens=8, seed=0),
                 weight_poll_s=0.0, acquire_timeout_s=0.2, error_backoff_s=0.0, groups_per_batch=2)
     return RolloutConfig(**{**base, **changes})
-
-
-def pull_all(client, count):
-    batch = client.pull_batch(count, timeout=5.0)
-    assert batch is not None, client.stats()
-    client.ack(batch.lease_id)
-    return batch.groups
 
 
 def assert_log_probs_match(model, group, tol=1e-4):
@@ -144,30 +126,13 @@ def test_worker_loads_published_weights_before_generating(tiny_model_dir, vllm_e
     worker.close()
 
 
-class PublishDuringGeneration(WeightStore):
-    """A weight store whose learner moves to version 1 once the worker is mid-generation (armed by
-    the worker's first interrupt check, which the engine makes after a token): as the controller
-    does, it tells the gate the new version, then publishes the weights."""
-
-    def __init__(self, payload: dict, buffer):
-        super().__init__()
-        self.pending, self.armed, self.buffer = payload, False, buffer
-
-    def latest_version(self) -> int:
-        if self.armed and self.pending is not None:
-            self.buffer.set_version(self.pending["version"])
-            self.publish(self.pending)
-            self.pending = None
-        return super().latest_version()
-
-
 def test_interrupt_on_update_continues_with_new_weights_and_tags_tokens(tiny_model_dir, buffer, tmp_path):
     """The transformers engine stops after the first token when weights arrive; the rest of
     each response comes from version 1 and is tagged so, the first token keeps version 0."""
     base = load_causal_lm(tiny_model_dir).state_dict()
     new_weights = perturbed(base, scale=0.05, seed=2)
     payload = {"version": 1, "kind": "folder", "path": str(save_weights_folder(new_weights, tmp_path / "v1", 1))}
-    store = PublishDuringGeneration(payload, buffer)
+    store = PublishWhenArmed(payload, buffer)  # armed by the worker's first interrupt check (after a token)
     cfg = config(tiny_model_dir, engine=EngineConfig(kind="hf"), interrupt_on_update=True, groups_per_batch=1)
     worker = RolloutWorker(cfg, "worker-c", buffer, store)
     real_interrupt = worker._interrupt
