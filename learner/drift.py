@@ -93,3 +93,52 @@ def drift_metrics(sums: torch.Tensor) -> dict[str, float]:
         out[f"drift/by_staleness/{s}"] = k3
         out[f"drift/tokens_by_staleness/{s}"] = float(count)
     return out
+
+
+def exact_split(old_log_prob, rollout_log_prob, generating_log_prob, token_versions, version: int, mask
+                ) -> dict[str, float]:
+    """The split measured exactly on rows scored with the weights that sampled them
+    (`generating_log_prob` = log π_learner(θ_k), k the token's version): backend = KL(μ ‖ π_θk) and
+    staleness = KL(π_θk ‖ π_old), both k3 on the tokens μ drew, and the staleness per version.
+    Beside them, the cheap estimate's split of the same rows and how far it is off."""
+    mask = mask.bool()
+    _, backend = token_gaps(generating_log_prob, rollout_log_prob)
+    _, staleness_gap = token_gaps(old_log_prob, generating_log_prob)
+    staleness = (version - token_versions.long()).double()
+    tokens = int(mask.sum())
+    if not tokens:
+        return {}
+    stale = mask & (staleness > 0)
+    per_version = (float(staleness_gap[stale].sum() / staleness[stale].sum()) if stale.any() else math.nan)
+    estimate = drift_metrics(bucket_sums(old_log_prob, rollout_log_prob, token_versions, version, mask))
+    exact = {"drift/exact_backend_k3": float(backend[mask].mean()),
+             "drift/exact_staleness_k3": float(staleness_gap[mask].mean()),
+             "drift/exact_per_version_k3": per_version, "drift/exact_probe_tokens": float(tokens)}
+    exact["drift/estimate_error_backend_k3"] = estimate["drift/backend_k3"] - exact["drift/exact_backend_k3"]
+    exact["drift/estimate_error_per_version_k3"] = estimate["drift/per_version_k3"] - per_version
+    return exact
+
+
+class VersionWeights:
+    """CPU copies of the policy's weights for the versions still inside the staleness window
+    (`keep` of them), and a model to score with any of them: the exact drift probe's memory,
+    `keep` × the model's size (a 7B model in bf16: 14 GB per version, host memory)."""
+
+    def __init__(self, model_path: str, dtype: str, keep: int):
+        self.model_path, self.dtype, self.keep = model_path, dtype, keep
+        self.weights: dict[int, dict[str, torch.Tensor]] = {}
+        self._model = None
+
+    def remember(self, version: int, state: dict[str, torch.Tensor]) -> None:
+        self.weights[version] = {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
+        for old in sorted(self.weights)[:-self.keep]:
+            del self.weights[old]
+
+    def model_for(self, version: int):
+        """A model holding the weights of `version` (one CPU model, reloaded per version)."""
+        from lm.causal_lm import load_causal_lm
+
+        if self._model is None:
+            self._model = load_causal_lm(self.model_path, dtype=self.dtype).eval().requires_grad_(False)
+        self._model.load_state_dict(self.weights[version], strict=False)
+        return self._model

@@ -76,3 +76,45 @@ def test_sums_of_two_halves_give_the_split_of_the_whole():
         bucket_sums(old[3:], rollout[3:], versions[3:], version, mask[3:])
     assert torch.allclose(whole, halves)
     assert drift_metrics(halves)["drift/per_version_k1"] == pytest.approx(0.015, abs=1e-6)
+
+
+def test_the_exact_split_separates_backend_and_staleness():
+    """Rows sampled by versions 0 and 2 of a policy now at version 3, with a known backend gap
+    (μ vs π_θk) and a known staleness gap (π_θk vs π_old): the exact split finds both, and the
+    estimate's error is reported beside it."""
+    from learner.drift import exact_split
+
+    rows, tokens, version = 4, 50, 3
+    staleness = torch.tensor([3, 3, 1, 1])
+    generating = -torch.rand(rows, tokens, generator=torch.Generator().manual_seed(1)) - 0.5
+    rollout = generating + 0.01  # backend: log μ − log π_θk = 0.01 on every token
+    old = generating - 0.02 * staleness[:, None]  # staleness: log π_θk − log π_old = 0.02 per version
+    versions = (version - staleness)[:, None].expand(rows, tokens)
+    found = exact_split(old, rollout, generating, versions, version, torch.ones(rows, tokens))
+    k3 = lambda gap: math.exp(-gap) + gap - 1  # noqa: E731
+    assert found["drift/exact_backend_k3"] == pytest.approx(k3(0.01), rel=1e-4)
+    per_token = [k3(0.02 * s) for s in (3, 3, 1, 1)]
+    assert found["drift/exact_staleness_k3"] == pytest.approx(sum(per_token) / 4, rel=1e-4)
+    assert found["drift/exact_per_version_k3"] == pytest.approx(sum(per_token) * tokens / (8 * tokens), rel=1e-4)
+    assert math.isfinite(found["drift/estimate_error_backend_k3"]) and found["drift/exact_probe_tokens"] == 200
+
+
+def test_version_weights_keep_the_window_and_score_with_an_old_version(tmp_path):
+    from learner_helpers import build_tiny_policy
+
+    from learner.drift import VersionWeights
+    from lm.causal_lm import load_causal_lm
+
+    folder = build_tiny_policy(tmp_path / "policy", seed=1)
+    model = load_causal_lm(folder)
+    keep = VersionWeights(str(folder), "float32", keep=2)
+    for version in range(4):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.01)
+        keep.remember(version, model.state_dict())
+    assert sorted(keep.weights) == [2, 3]
+    scorer = keep.model_for(2)
+    first = next(iter(keep.weights[2]))
+    assert torch.equal(scorer.state_dict()[first], keep.weights[2][first])
+    assert not torch.equal(keep.weights[2][first], keep.weights[3][first])
