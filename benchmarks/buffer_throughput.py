@@ -223,6 +223,8 @@ def drive_service(endpoint, server_pid, total_groups, group_size, producers, bat
     samples, groups, version = 0, 0, 0
     batch = None
     while batch is None:  # producers start at their own pace on a loaded machine
+        if not any(p.is_alive() for p in procs):
+            raise RuntimeError("the producers ended before the first batch")
         batch = learner.pull_batch(batch_groups, timeout=30)
     while True:  # the controller's loop: a step's end (ack, new version) takes the next batch
         groups, samples, version = groups + len(batch.groups), samples + len(batch.samples), version + 1
@@ -232,6 +234,8 @@ def drive_service(endpoint, server_pid, total_groups, group_size, producers, bat
         want = min(batch_groups, per * producers - groups)
         following = learner.pull_batch(want, timeout=30, ack_lease_id=batch.lease_id, version=version)
         while following is None:
+            if not any(p.is_alive() for p in procs):
+                raise RuntimeError(f"the producers ended before {per * producers} groups arrived ({groups} did)")
             following = learner.pull_batch(want, timeout=30)
         batch = following
     elapsed = time.perf_counter() - t0

@@ -55,11 +55,23 @@ def _encode_parts(record: dict) -> list:
         body = msgpack.packb(record, use_bin_type=True)
         return [_HEAD.pack(len(body), zlib.crc32(body)), body]
     packer = msgpack.Packer(use_bin_type=True)
+    keys = list(record)
+    at = keys.index("group")
+    pack = lambda ks: b"".join(packer.pack(k) + packer.pack(record[k]) for k in ks)  # noqa: E731
     size = memoryview(payload).nbytes
-    prefix = packer.pack_map_header(len(record)) + b"".join(
-        packer.pack(k) + packer.pack(v) for k, v in record.items() if k != "group")
-    prefix += packer.pack("group") + packer.pack_bin_header(size)
-    return [_HEAD.pack(len(prefix) + size, zlib.crc32(payload, zlib.crc32(prefix))), prefix, payload]
+    before = packer.pack_map_header(len(record)) + pack(keys[:at]) + packer.pack("group") + _bin_header(size)
+    after = pack(keys[at + 1:])
+    crc = zlib.crc32(after, zlib.crc32(payload, zlib.crc32(before)))
+    return [_HEAD.pack(len(before) + size + len(after), crc), before, payload, after]
+
+
+def _bin_header(size: int) -> bytes:
+    """msgpack's header of a bin of `size` bytes (bin 8/16/32), as packb writes it."""
+    if size < 1 << 8:
+        return struct.pack(">BB", 0xC4, size)
+    if size < 1 << 16:
+        return struct.pack(">BH", 0xC5, size)
+    return struct.pack(">BI", 0xC6, size)
 
 
 def settled_path(path: str | os.PathLike) -> Path:
