@@ -375,21 +375,23 @@ def during(times: list[tuple[float, float]], windows: list) -> tuple[list, list]
 
 
 def run_large(args) -> dict:
-    group_size, producers, pull = 16, 2, 8
+    group_size, producers, pull, per_request = 16, args.producers, 8, args.groups_per_request
     size = sample_bytes(LARGE) * group_size
     log_config = {"fsync": "interval", "fsync_interval_ms": 100, "compact_min_bytes": args.compact_mb << 20}
     print(f"groups of {group_size} samples x ({LARGE[0]} + {LARGE[1]}) tokens = {size / 1e6:.2f} MB, "
-          f"{args.large_groups} groups per run, {producers} producers, B = {pull}, durable log {log_config}, "
+          f"{args.large_groups} groups per run, {producers} producers pushing {per_request} groups per request "
+          f"(the worker's engine batch), B = {pull}, durable log {log_config}, "
           f"{os.cpu_count()} CPUs, loadavg {os.getloadavg()[0]:.1f}", flush=True)
-    raws, rates, times, stats = [], [], [], []
+    raws, rates, times, stats, cpus = [], [], [], [], []
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         for round_ in range(args.rounds):
             raws.append(run_raw(args.large_groups, group_size, producers, LARGE)[0])
             log = {"path": str(workdir / f"large-{round_}.log"), **log_config}
-            rate, pushed, _, final = run_service(workdir, args.large_groups, group_size, producers, pull, 1, True,
-                                                 LARGE, log=log)
+            rate, pushed, cpu, final = run_service(workdir, args.large_groups, group_size, producers, pull,
+                                                   per_request, True, LARGE, log=log)
             rates.append(rate)
+            cpus.append(cpu)
             times.append(pushed)
             stats.append(final)
             print(f"round {round_ + 1}/{args.rounds}: raw {raws[-1] * sample_bytes(LARGE) / 1e6:.0f} MB/s, service "
@@ -411,6 +413,8 @@ def run_large(args) -> dict:
     print(f"raw PUSH/PULL + codec   : {raw_mb:8.0f} MB/s (median of {args.rounds})")
     print(f"service, durable log    : {service_mb:8.0f} MB/s   ratio {service_mb / raw_mb:.2f}   (goal >= 0.5)")
     print(f"push round trip         : p50 {p50 * 1e3:.1f} ms, p99 {p99 * 1e3:.1f} ms over {len(all_times)} pushes")
+    per_mb = {part: float(np.median([c[part] for c in cpus])) * 1e6 / sample_bytes(LARGE) * 1e3 for part in cpus[0]}
+    print("CPU per MB moved        : " + ", ".join(f"{part} {ms:.1f} ms" for part, ms in per_mb.items()))
     print(f"during a compaction     : {len(inside)} pushes, p99 {p99_in * 1e3:.1f} ms vs {p99_out * 1e3:.1f} ms "
           f"without = {p99_in / p99_out:.2f}x (goal <= 2x); longest push {longest_in * 1e3:.1f} ms; "
           f"{compactions} compactions, the longest lock hold {lock * 1e3:.1f} ms")
@@ -421,7 +425,8 @@ def run_large(args) -> dict:
             "push_p99_ms": round(p99 * 1e3, 1), "compactions": compactions, "pushes_during_compaction": len(inside),
             "p99_during_compaction_ms": round(p99_in * 1e3, 1), "p99_without_ms": round(p99_out * 1e3, 1),
             "p99_ratio": round(p99_in / p99_out, 2), "longest_push_during_compaction_ms": round(longest_in * 1e3, 1),
-            "longest_compaction_lock_ms": round(lock * 1e3, 1), "memory_ratio": round(grown / raw_bytes, 3)}
+            "longest_compaction_lock_ms": round(lock * 1e3, 1), "memory_ratio": round(grown / raw_bytes, 3),
+            "cpu_ms_per_mb": {part: round(ms, 2) for part, ms in per_mb.items()}}
 
 
 if __name__ == "__main__":
