@@ -33,7 +33,8 @@ class Probe:
     def pid(self):
         return os.getpid()
 
-probe_pid = ray.get(Probe.remote().pid.remote())  # an actor's core worker listens too
+probe = Probe.remote()  # held: an actor whose handle is dropped exits, and its sockets with it
+probe_pid = ray.get(probe.pid.remote())  # an actor's core worker listens too
 me = psutil.Process()
 started = time.time()
 deadline = started + 150
