@@ -173,34 +173,38 @@ def chunked_token_log_probs(hidden, weight, bias, targets, temperature: float = 
     return log_probs, (entropy if with_entropy else None)
 
 
-def _autocast_state(device_type: str) -> tuple[bool, torch.dtype]:
-    return torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
+def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype the head's matmuls run in: autocast's when it is on, else the weight's."""
+    device_type = hidden.device.type
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
 
 
 class _ChunkedLogProbs(torch.autograd.Function):
     """The LM head, log-softmax and entropy of a token set, chunk by chunk (prime-rl's
     FusedOutputLinear, without the vocabulary split). With z = logits / T, p = softmax(z),
-    H = -Σ p log p:  d log p_target / dz = onehot(target) - p;  dH / dz = -p (log p + H)."""
+    H = -Σ p log p:  d log p_target / dz = onehot(target) - p;  dH / dz = -p (log p + H).
+    At most two [chunk, vocab] float32 buffers are alive at once, forward or backward."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, temperature, chunk, with_entropy, entropy_grad):
-        device_type = hidden.device.type
-        ctx.autocast = (device_type, *_autocast_state(device_type))
+        compute = _compute_dtype(hidden, weight)
+        w, b = weight.to(compute), None if bias is None else bias.to(compute)
         n = hidden.shape[0]
-        dtype = torch.promote_types(weight.dtype, torch.float32)  # float64 stays float64 (exactness tests)
+        dtype = torch.promote_types(compute, torch.float32)  # float64 stays float64 (exactness tests)
         log_probs = torch.empty(n, dtype=dtype, device=hidden.device)
         lse = torch.empty_like(log_probs)
         entropy = torch.zeros_like(log_probs)
         for start in range(0, n, chunk):
             end = min(n, start + chunk)
-            z = _tempered_logits(hidden[start:end], weight, bias, temperature)
+            z = _tempered_logits(hidden[start:end].to(compute), w, b, temperature)
             lse[start:end] = torch.logsumexp(z, -1)
             log_probs[start:end] = z.gather(-1, targets[start:end, None]).squeeze(-1) - lse[start:end]
             if with_entropy:
                 log_p = z.sub_(lse[start:end, None])
-                entropy[start:end] = -(log_p.exp() * log_p).sum(-1)
+                entropy[start:end] = -log_p.exp().mul_(log_p).sum(-1)
+            del z
         ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
-        ctx.temperature, ctx.chunk = temperature, chunk
+        ctx.temperature, ctx.chunk, ctx.compute = temperature, chunk, compute
         ctx.entropy_grad = with_entropy and entropy_grad
         if not ctx.entropy_grad:
             ctx.mark_non_differentiable(entropy)
@@ -209,33 +213,37 @@ class _ChunkedLogProbs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_log_probs, grad_entropy):
         hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
-        device_type, autocast_on, autocast_dtype = ctx.autocast
         want_hidden, want_weight, want_bias = ctx.needs_input_grad[:3]
+        compute = ctx.compute
+        w, b = weight.to(compute), None if bias is None else bias.to(compute)
         grad_hidden = torch.zeros_like(hidden) if want_hidden else None
         grad_weight = torch.zeros_like(weight, dtype=lse.dtype) if want_weight else None
         grad_bias = torch.zeros_like(bias, dtype=lse.dtype) if want_bias else None
         if grad_log_probs is None:
             grad_log_probs = torch.zeros_like(lse)
-        with torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_on):
-            for start in range(0, hidden.shape[0], ctx.chunk):
-                end = min(hidden.shape[0], start + ctx.chunk)
-                h = hidden[start:end]
-                log_p = _tempered_logits(h, weight, bias, ctx.temperature).sub_(lse[start:end, None])
-                p = log_p.exp()
-                # d loss / dz, built in place on log_p: the entropy term, then the log-prob term.
-                if ctx.entropy_grad and grad_entropy is not None:
-                    grad_z = log_p.add_(entropy[start:end, None]).mul_(p).mul_(-grad_entropy[start:end, None])
+        for start in range(0, hidden.shape[0], ctx.chunk):
+            end = min(hidden.shape[0], start + ctx.chunk)
+            h = hidden[start:end].to(compute)
+            log_p = _tempered_logits(h, w, b, ctx.temperature).sub_(lse[start:end, None])
+            p = log_p.exp()
+            # d loss / dz, built in place on log_p: the entropy term, then the log-prob term.
+            if ctx.entropy_grad and grad_entropy is not None:
+                grad_z = log_p.add_(entropy[start:end, None]).mul_(p).mul_(-grad_entropy[start:end, None])
+            else:
+                grad_z = log_p.zero_()
+            g = grad_log_probs[start:end, None]
+            grad_z.sub_(p.mul_(g)).scatter_add_(-1, targets[start:end, None], g)
+            del p
+            grad_logits = grad_z.div_(ctx.temperature).to(compute)
+            if want_hidden:
+                grad_hidden[start:end] = (grad_logits @ w).to(hidden.dtype)
+            if want_weight:
+                if grad_logits.dtype == grad_weight.dtype:
+                    grad_weight.addmm_(grad_logits.T, h)  # in place: no [vocab, hidden] temporary
                 else:
-                    grad_z = log_p.zero_()
-                g = grad_log_probs[start:end, None]
-                grad_z.sub_(p.mul_(g)).scatter_add_(-1, targets[start:end, None], g)
-                grad_logits = grad_z.div_(ctx.temperature)
-                if want_hidden:
-                    grad_hidden[start:end] = (grad_logits.to(weight.dtype) @ weight).to(hidden.dtype)
-                if want_weight:
-                    grad_weight += grad_logits.T.to(h.dtype) @ h
-                if want_bias:
-                    grad_bias += grad_logits.sum(0)
+                    grad_weight += grad_logits.T @ h
+            if want_bias:
+                grad_bias += grad_logits.sum(0)
         grad_weight = grad_weight.to(weight.dtype) if want_weight else None
         grad_bias = grad_bias.to(bias.dtype) if want_bias else None
         return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
