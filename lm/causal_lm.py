@@ -183,26 +183,32 @@ class _ChunkedLogProbs(torch.autograd.Function):
     """The LM head, log-softmax and entropy of a token set, chunk by chunk (prime-rl's
     FusedOutputLinear, without the vocabulary split). With z = logits / T, p = softmax(z),
     H = -Σ p log p:  d log p_target / dz = onehot(target) - p;  dH / dz = -p (log p + H).
-    At most two [chunk, vocab] float32 buffers are alive at once, forward or backward."""
+    At most two [chunk, vocab] buffers (float32, or float64 for a float64 model) serve every
+    chunk of a call, and each chunk makes few passes over them: at this size the elementwise
+    work, not the matmul, sets the speed on CPU, and fresh buffers would page-fault every time."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, temperature, chunk, with_entropy, entropy_grad):
         compute = _compute_dtype(hidden, weight)
-        w, b = weight.to(compute), None if bias is None else bias.to(compute)
+        w, b = weight.to(compute), None if bias is None else _scaled(bias, temperature, compute)
         n = hidden.shape[0]
         dtype = torch.promote_types(compute, torch.float32)  # float64 stays float64 (exactness tests)
         log_probs = torch.empty(n, dtype=dtype, device=hidden.device)
         lse = torch.empty_like(log_probs)
         entropy = torch.zeros_like(log_probs)
+        z_buf, p_buf = (_vocab_buffer(min(chunk, n), weight.shape[0], dtype, hidden.device) for _ in range(2))
         for start in range(0, n, chunk):
             end = min(n, start + chunk)
-            z = _tempered_logits(hidden[start:end].to(compute), w, b, temperature)
-            lse[start:end] = torch.logsumexp(z, -1)
-            log_probs[start:end] = z.gather(-1, targets[start:end, None]).squeeze(-1) - lse[start:end]
-            if with_entropy:
-                log_p = z.sub_(lse[start:end, None])
-                entropy[start:end] = -log_p.exp().mul_(log_p).sum(-1)
-            del z
+            z = _tempered_logits(z_buf[: end - start], _scaled(hidden[start:end], temperature, compute), w, b)
+            z_max = z.amax(-1, keepdim=True)
+            z.sub_(z_max)  # shifted: exp cannot overflow
+            p = torch.exp(z, out=p_buf[: end - start])  # unnormalised
+            total = p.sum(-1)
+            log_total = total.log()
+            lse[start:end] = z_max.squeeze(-1) + log_total
+            log_probs[start:end] = z.gather(-1, targets[start:end, None]).squeeze(-1) - log_total
+            if with_entropy:  # H = log S - Σ p z / S (p is not needed after this)
+                entropy[start:end] = log_total - p.mul_(z).sum(-1) / total
         ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
         ctx.temperature, ctx.chunk, ctx.compute = temperature, chunk, compute
         ctx.entropy_grad = with_entropy and entropy_grad
@@ -214,44 +220,60 @@ class _ChunkedLogProbs(torch.autograd.Function):
     def backward(ctx, grad_log_probs, grad_entropy):
         hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
         want_hidden, want_weight, want_bias = ctx.needs_input_grad[:3]
-        compute = ctx.compute
-        w, b = weight.to(compute), None if bias is None else bias.to(compute)
+        compute, temperature = ctx.compute, ctx.temperature
+        w, b = weight.to(compute), None if bias is None else _scaled(bias, temperature, compute)
         grad_hidden = torch.zeros_like(hidden) if want_hidden else None
         grad_weight = torch.zeros_like(weight, dtype=lse.dtype) if want_weight else None
         grad_bias = torch.zeros_like(bias, dtype=lse.dtype) if want_bias else None
         if grad_log_probs is None:
             grad_log_probs = torch.zeros_like(lse)
-        for start in range(0, hidden.shape[0], ctx.chunk):
-            end = min(hidden.shape[0], start + ctx.chunk)
-            h = hidden[start:end].to(compute)
-            log_p = _tempered_logits(h, w, b, ctx.temperature).sub_(lse[start:end, None])
-            p = log_p.exp()
-            # d loss / dz, built in place on log_p: the entropy term, then the log-prob term.
-            if ctx.entropy_grad and grad_entropy is not None:
-                grad_z = log_p.add_(entropy[start:end, None]).mul_(p).mul_(-grad_entropy[start:end, None])
-            else:
-                grad_z = log_p.zero_()
+        with_entropy = ctx.entropy_grad and grad_entropy is not None
+        n, vocab = hidden.shape[0], weight.shape[0]
+        z_buf = _vocab_buffer(min(ctx.chunk, n), vocab, lse.dtype, hidden.device)
+        p_buf = _vocab_buffer(min(ctx.chunk, n), vocab, lse.dtype, hidden.device) if with_entropy else None
+        for start in range(0, n, ctx.chunk):
+            end = min(n, start + ctx.chunk)
+            h = _scaled(hidden[start:end], temperature, compute)
+            log_p = _tempered_logits(z_buf[: end - start], h, w, b).sub_(lse[start:end, None])
             g = grad_log_probs[start:end, None]
-            grad_z.sub_(p.mul_(g)).scatter_add_(-1, targets[start:end, None], g)
-            del p
-            grad_logits = grad_z.div_(ctx.temperature).to(compute)
+            # d loss / dz = -p (g + g_H (log p + H)) + g onehot(target), built in place.
+            if with_entropy:
+                p = torch.exp(log_p, out=p_buf[: end - start])
+                coef = log_p.add_(entropy[start:end, None]).mul_(grad_entropy[start:end, None]).add_(g)
+                grad_z = coef.mul_(p).neg_()
+            else:
+                grad_z = log_p.exp_().mul_(-g)
+            grad_z = grad_z.scatter_add_(-1, targets[start:end, None], g).to(compute)
+            # z = (h/T) W^T + b/T: the temperature scales the [chunk, hidden] side, never [chunk, vocab].
             if want_hidden:
-                grad_hidden[start:end] = (grad_logits @ w).to(hidden.dtype)
+                grad_hidden[start:end] = (grad_z @ w).div_(temperature).to(hidden.dtype)
             if want_weight:
-                if grad_logits.dtype == grad_weight.dtype:
-                    grad_weight.addmm_(grad_logits.T, h)  # in place: no [vocab, hidden] temporary
+                if grad_z.dtype == grad_weight.dtype:
+                    grad_weight.addmm_(grad_z.T, h)  # in place: no [vocab, hidden] temporary
                 else:
-                    grad_weight += grad_logits.T @ h
+                    grad_weight += grad_z.T @ h
             if want_bias:
-                grad_bias += grad_logits.sum(0)
+                grad_bias += grad_z.sum(0) / temperature
         grad_weight = grad_weight.to(weight.dtype) if want_weight else None
         grad_bias = grad_bias.to(bias.dtype) if want_bias else None
         return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
 
 
-def _tempered_logits(hidden, weight, bias, temperature: float) -> torch.Tensor:
-    """A chunk's logits / T in at least float32 (a fresh tensor the caller may modify in place)."""
-    logits = torch.nn.functional.linear(hidden, weight, bias)
-    if logits.dtype in (torch.float16, torch.bfloat16):
-        return logits.float().div_(temperature)
-    return logits.div_(temperature)
+def _vocab_buffer(rows: int, vocab: int, dtype: torch.dtype, device) -> torch.Tensor:
+    return torch.empty(rows, vocab, dtype=dtype, device=device)
+
+
+def _scaled(x: torch.Tensor, temperature: float, dtype: torch.dtype) -> torch.Tensor:
+    """x / T in the compute dtype (no copy when T = 1 and the dtype already matches)."""
+    return (x if temperature == 1.0 else x / temperature).to(dtype)
+
+
+def _tempered_logits(out: torch.Tensor, scaled_hidden, weight, scaled_bias) -> torch.Tensor:
+    """A chunk's logits / T, from hidden / T and bias / T, written into `out` (float32 or float64)."""
+    if weight.dtype == out.dtype:
+        torch.mm(scaled_hidden, weight.T, out=out)
+        if scaled_bias is not None:
+            out.add_(scaled_bias)
+    else:  # bfloat16 / float16 compute: the logits are made in that dtype, reduced in float32
+        out.copy_(torch.nn.functional.linear(scaled_hidden, weight, scaled_bias))
+    return out

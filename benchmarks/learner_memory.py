@@ -1,0 +1,363 @@
+"""Learner memory at the real vocabulary size: the token budget bounds it, not the batch.
+
+    .venv/bin/python benchmarks/learner_memory.py [--quick] [--device cpu|cuda]
+
+Builds a Qwen2-architecture policy from config with Qwen's vocabulary (151,936 tokens) and a
+hidden size this machine can train (default 512 wide, 4 layers; --quick: 128 wide, 2 layers), and
+random sequences of 512 to 4,096 tokens (--quick: 32 to 192), the first quarter of the shortest
+the prompt. Every measurement runs in a fresh child process, so each peak is its own:
+
+  * one learner step (decoupled token-TIS: proximal pass, update, optimizer step) at batch sizes
+    8, 32 and 128 sequences and one token budget: peak memory (resident set on CPU, allocated on
+    CUDA), tokens/s and the padding fraction; the old path (one pass per minibatch, float32
+    [B, L, vocab] log-softmax) where it fits in this machine's memory, else its logits' size;
+  * log-prob memory: the chunked head's forward+backward over the response tokens of a full
+    micro-batch, against the float32 [B, L, vocab] logits of the old path (and, measured, the old
+    head on that micro-batch);
+  * tokens/s of the learner's forward+backward over the planned micro-batches against a plain
+    transformers forward+backward (`labels` loss over the response tokens) over the same ones.
+
+Goals (issue 17): peak at B=128 within 1.15x of B=8; log-prob memory at most 1/8 of the naive
+float32 [B, L, V]; tokens/s at least 0.9x the plain pass. Prints the numbers and, as its last
+line, a JSON summary. Asserts nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from buffer.sample import Group, Sample  # noqa: E402
+from learner.batch import build_batch, plan_micro_batches  # noqa: E402
+from lm.causal_lm import chunked_token_log_probs, load_causal_lm, pad_sequences, response_log_probs  # noqa: E402
+
+QWEN_VOCAB = 151_936
+BATCH_SIZES = (8, 32, 128)
+GROUP_SIZE = 8
+GiB = 2**30
+
+
+# ---------------------------------------------------------------- the model and the data
+
+def build_policy(folder: Path, hidden: int, layers: int, max_len: int) -> Path:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=QWEN_VOCAB, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
+                         num_hidden_layers=layers, num_attention_heads=max(1, hidden // 64), num_key_value_heads=1,
+                         max_position_embeddings=max_len, tie_word_embeddings=True)
+    Qwen2ForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+def random_groups(batch_size: int, min_len: int, max_len: int, seed: int = 0) -> list[Group]:
+    """Groups of GROUP_SIZE sequences; prompts of min_len / 4 tokens, one per group; totals spread
+    evenly over [min_len, max_len] and shuffled, so every batch size holds the longest sequences
+    and its largest micro-batch is the budget's (random tokens: the cost does not depend on them)."""
+    rng = np.random.default_rng(seed)
+    totals = rng.permutation(np.linspace(min_len, max_len, batch_size).round().astype(int))
+    prompt_len = max(1, min_len // 4)
+    groups = []
+    for g in range(max(1, batch_size // GROUP_SIZE)):
+        prompt = rng.integers(1, QWEN_VOCAB, prompt_len)
+        samples = []
+        for i in range(min(GROUP_SIZE, batch_size)):
+            n = max(1, int(totals[g * GROUP_SIZE + i]) - prompt_len)
+            samples.append(Sample(sample_id=f"{g}-{i}", group_id=f"g{g}", prompt_ids=prompt,
+                                  response_ids=rng.integers(1, QWEN_VOCAB, n),
+                                  rollout_log_probs=-rng.exponential(3.0, n).astype(np.float32),
+                                  loss_mask=np.ones(n, np.uint8), reward=float(rng.random()), weight_version=0))
+        groups.append(Group(group_id=f"g{g}", samples=samples, prompt_index=g))
+    return groups
+
+
+def former_response_log_probs(model, prompts, responses, temperature=1.0, pad_id=0, with_entropy=False,
+                              entropy_grad=True, chunk_tokens=None):
+    """The log-probs as etarl computed them before the chunked head: float32 [B, L, V] logits of
+    every position, a log-softmax per row (the old path, for comparison; chunk_tokens is ignored)."""
+    input_ids, attention, response_mask, width = pad_sequences(prompts, responses, pad_id)
+    device = next(model.parameters()).device
+    logits = model(input_ids=input_ids.to(device), attention_mask=attention.to(device)).logits.float() / temperature
+    rows, entropies = [], []
+    for row, (p, r) in enumerate(zip(prompts, responses)):
+        log_dist = torch.log_softmax(logits[row, len(p) - 1 : len(p) + len(r) - 1], dim=-1)
+        targets = input_ids[row, len(p) : len(p) + len(r)].to(device)
+        rows.append(torch.nn.functional.pad(log_dist.gather(-1, targets[:, None]).squeeze(-1), (0, width - len(r))))
+        if with_entropy:
+            with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
+                ent = -(log_dist.exp() * log_dist).sum(-1)
+            entropies.append(torch.nn.functional.pad(ent, (0, width - len(r))))
+    if with_entropy:
+        return torch.stack(rows), response_mask.to(device), torch.stack(entropies)
+    return torch.stack(rows), response_mask.to(device)
+
+
+# ---------------------------------------------------------------- peak memory, per process
+
+class PeakMemory:
+    """Peak resident memory on CPU (Linux VmHWM, reset through /proc/self/clear_refs) or peak
+    allocated CUDA memory, in bytes, from `start()` on."""
+
+    def __init__(self, device: str):
+        self.cuda = device.startswith("cuda")
+
+    @staticmethod
+    def _status(field: str) -> int:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+        raise RuntimeError(f"/proc/self/status has no {field}")
+
+    def now(self) -> int:
+        return torch.cuda.memory_allocated() if self.cuda else self._status("VmRSS")
+
+    def start(self) -> int:
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            Path("/proc/self/clear_refs").write_text("5")  # the high-water mark restarts from here
+        return self.now()
+
+    def peak(self) -> int:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return torch.cuda.max_memory_allocated()
+        return self._status("VmHWM")
+
+
+# ---------------------------------------------------------------- the child measurements
+
+def child_step(spec: dict) -> dict:
+    """One learner step at batch size B; `old` swaps in the former log-probs and one pass per minibatch."""
+    import learner.trainer as trainer
+    from learner.config import LearnerConfig
+
+    groups = random_groups(spec["batch"], spec["min_len"], spec["max_len"], seed=spec["batch"])
+    config = LearnerConfig(model_path=spec["model"], device=spec["device"], lr=1e-5,
+                           max_tokens_per_micro_batch=None if spec["old"] else spec["budget"],
+                           logprob_chunk_tokens=spec["chunk"])
+    if spec["old"]:
+        trainer.response_log_probs = former_response_log_probs
+    learner = trainer.Learner(config)
+    memory = PeakMemory(spec["device"])
+    base = memory.start()
+    start = time.perf_counter()
+    metrics = learner.train_step(groups)
+    seconds = time.perf_counter() - start
+    batch = build_batch(groups)
+    tokens = sum(len(p) + len(r) for p, r in zip(batch.prompts, batch.responses))
+    return {"peak_bytes": memory.peak(), "base_bytes": base, "step_s": seconds, "tokens": tokens,
+            "tokens_per_s": tokens / seconds, "padding_fraction": metrics["perf/padding_fraction"],
+            "longest": max(len(p) + len(r) for p, r in zip(batch.prompts, batch.responses))}
+
+
+def child_head(spec: dict) -> dict:
+    """Forward+backward of the head alone over `rows` x `length` tokens (responses `resp` long):
+    the chunked head on the response positions, or the former full-vocabulary one on all of them."""
+    model = load_causal_lm(spec["model"], device=spec["device"])
+    # The weight's own gradient is the parameters' memory, the same on both paths: left out.
+    weight = model.get_output_embeddings().weight.detach()
+    rows, length, resp = spec["rows"], spec["length"], spec["resp"]
+    gen = torch.Generator().manual_seed(0)
+    memory = PeakMemory(spec["device"])
+    if spec["kind"] == "chunked":
+        hidden = torch.randn(rows * resp, weight.shape[1], generator=gen).to(spec["device"]).requires_grad_()
+        targets = torch.randint(0, QWEN_VOCAB, (rows * resp,), generator=gen).to(spec["device"])
+        base = memory.start()
+        log_probs, entropy = chunked_token_log_probs(hidden, weight, None, targets, chunk_tokens=spec["chunk"],
+                                                     with_entropy=True, entropy_grad=False)
+        log_probs.sum().backward()
+    else:
+        hidden = torch.randn(rows, length, weight.shape[1], generator=gen).to(spec["device"]).requires_grad_()
+        targets = torch.randint(0, QWEN_VOCAB, (rows, resp), generator=gen).to(spec["device"])
+        base = memory.start()
+        logits = (hidden @ weight.T).float()
+        log_dist = torch.log_softmax(logits[:, length - resp - 1 : length - 1], -1)
+        log_dist.gather(-1, targets[..., None]).sum().backward()
+    return {"head_bytes": memory.peak() - base}
+
+
+def child_throughput(spec: dict) -> dict:
+    """Seconds of forward+backward over the same micro-batches: the learner's log-probs (chunked
+    head on response positions) and a plain transformers pass with a `labels` loss."""
+    groups = random_groups(spec["batch"], spec["min_len"], spec["max_len"], seed=spec["batch"])
+    batch = build_batch(groups)
+    model = load_causal_lm(spec["model"], device=spec["device"])
+    lengths = [len(p) + len(r) for p, r in zip(batch.prompts, batch.responses)]
+    plan = plan_micro_batches(lengths, spec["budget"])
+
+    def ours(rows):
+        lp, mask = response_log_probs(model, [batch.prompts[r] for r in rows], [batch.responses[r] for r in rows],
+                                      chunk_tokens=spec["chunk"])
+        (-(lp * mask).sum() / mask.sum()).backward()
+
+    def plain(rows):
+        ids, attention, _, _ = pad_sequences([batch.prompts[r] for r in rows], [batch.responses[r] for r in rows])
+        labels = ids.clone()
+        labels[attention == 0] = -100
+        for i, r in enumerate(rows):
+            labels[i, : len(batch.prompts[r])] = -100  # the loss on response tokens, as the learner's
+        model(input_ids=ids.to(spec["device"]), attention_mask=attention.to(spec["device"]),
+              labels=labels.to(spec["device"])).loss.backward()
+
+    seconds = {"ours": [], "plain": []}
+    for _ in range(spec["repeats"]):
+        for name, fn in (("ours", ours), ("plain", plain)):  # taking turns: load changes hit both
+            model.zero_grad(set_to_none=True)
+            start = time.perf_counter()
+            for rows in plan:
+                fn(rows)
+            if spec["device"].startswith("cuda"):
+                torch.cuda.synchronize()
+            seconds[name].append(time.perf_counter() - start)
+    tokens = sum(lengths)
+    best = {name: min(values) for name, values in seconds.items()}
+    return {"tokens": tokens, "micro_batches": len(plan), "ours_tokens_per_s": tokens / best["ours"],
+            "plain_tokens_per_s": tokens / best["plain"]}
+
+
+CHILDREN = {"step": child_step, "head": child_head, "throughput": child_throughput}
+
+
+def run_child(spec: dict) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    done = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True,
+                          env=env)
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+        return {"error": f"exit {done.returncode}: {' | '.join(tail)}"}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+# ---------------------------------------------------------------- the run
+
+def mem_available() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a smaller model and shorter sequences (< 3 min on 2 cores)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--hidden", type=int)
+    parser.add_argument("--layers", type=int)
+    parser.add_argument("--min-len", type=int)
+    parser.add_argument("--max-len", type=int)
+    parser.add_argument("--budget", type=int, help="max_tokens_per_micro_batch (default: 2 x the longest sequence)")
+    parser.add_argument("--chunk", type=int, help="logprob_chunk_tokens (default: budget / 16)")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    if args.child:
+        spec = json.loads(args.child)
+        print(json.dumps(CHILDREN[spec.pop("child")](spec)))
+        return
+
+    quick = args.quick
+    hidden = args.hidden or (128 if quick else 512)
+    layers = args.layers or (2 if quick else 4)
+    min_len, max_len = args.min_len or (32 if quick else 512), args.max_len or (192 if quick else 4096)
+    budget = args.budget or 2 * max_len
+    chunk = args.chunk or max(1, budget // 16)  # the config defaults' proportion (16,384 / 1,024)
+    started = time.perf_counter()
+    print(f"Qwen2 vocab {QWEN_VOCAB}, hidden {hidden}, {layers} layers; sequences {min_len}-{max_len} tokens; "
+          f"budget {budget} tokens per micro-batch, LM-head chunks of {chunk}; device {args.device}, "
+          f"{torch.get_num_threads()} torch thread(s)")
+    with tempfile.TemporaryDirectory() as tmp:
+        model = str(build_policy(Path(tmp) / "policy", hidden, layers, max_len + 8))
+        common = {"model": model, "device": args.device, "min_len": min_len, "max_len": max_len, "budget": budget,
+                  "chunk": chunk}
+
+        steps = {}
+        for batch in BATCH_SIZES:
+            steps[batch] = run_child({"child": "step", **common, "batch": batch, "old": False})
+            r = steps[batch]
+            print(f"  step B={batch:4d}: " + (r.get("error") or
+                  f"peak {r['peak_bytes'] / GiB:6.2f} GiB (before the step {r['base_bytes'] / GiB:.2f}), "
+                  f"{r['tokens_per_s']:8.0f} tokens/s, {r['tokens']} tokens, padding {r['padding_fraction']:.3f}"))
+        naive = {b: b * steps[b].get("longest", max_len) * QWEN_VOCAB * 4 for b in BATCH_SIZES}
+        old = {}
+        for batch in BATCH_SIZES:
+            if 3 * naive[batch] > 0.5 * mem_available() or args.device.startswith("cuda") and batch > BATCH_SIZES[0]:
+                print(f"  old step B={batch:4d}: not run, its float32 [B, L, V] logits alone are "
+                      f"{naive[batch] / GiB:.1f} GiB")
+                continue
+            old[batch] = run_child({"child": "step", **common, "batch": batch, "old": True})
+            r = old[batch]
+            print(f"  old step B={batch:4d}: " + (r.get("error") or
+                  f"peak {r['peak_bytes'] / GiB:6.2f} GiB, {r['tokens_per_s']:8.0f} tokens/s"))
+
+        # The head on the largest micro-batch the budget allows: rows x the longest sequence.
+        rows = max(1, budget // max_len)
+        resp = max_len - max_len // 8
+        head = run_child({"child": "head", **common, "kind": "chunked", "rows": rows, "length": max_len, "resp": resp})
+        micro_naive = rows * max_len * QWEN_VOCAB * 4
+        head_old = {"error": "not run: too big for this machine"}
+        if 3 * micro_naive < 0.5 * mem_available():
+            head_old = run_child({"child": "head", **common, "kind": "naive", "rows": rows, "length": max_len,
+                                  "resp": resp})
+        print(f"  log-prob head, {rows} x {max_len} tokens ({resp} of them response): chunked "
+              f"{head.get('head_bytes', float('nan')) / GiB:.3f} GiB, former "
+              + (head_old.get("error") or f"{head_old['head_bytes'] / GiB:.3f} GiB")
+              + f"; float32 [b, L, V] of this micro-batch {micro_naive / GiB:.2f} GiB, "
+              f"of the B={BATCH_SIZES[0]} batch {naive[BATCH_SIZES[0]] / GiB:.2f} GiB")
+
+        throughput = run_child({"child": "throughput", **common, "batch": BATCH_SIZES[0] * (1 if quick else 1),
+                                "repeats": 2})
+        if "error" not in throughput:
+            print(f"  forward+backward over {throughput['micro_batches']} micro-batches, {throughput['tokens']} "
+                  f"tokens: learner {throughput['ours_tokens_per_s']:.0f} tokens/s, plain transformers "
+                  f"{throughput['plain_tokens_per_s']:.0f} tokens/s")
+        else:
+            print(f"  throughput: {throughput['error']}")
+
+    ok = all("error" not in steps[b] for b in BATCH_SIZES)
+    peak_ratio = steps[BATCH_SIZES[-1]]["peak_bytes"] / steps[BATCH_SIZES[0]]["peak_bytes"] if ok else None
+    step_ratio = ((steps[BATCH_SIZES[-1]]["peak_bytes"] - steps[BATCH_SIZES[-1]]["base_bytes"])
+                  / (steps[BATCH_SIZES[0]]["peak_bytes"] - steps[BATCH_SIZES[0]]["base_bytes"])) if ok else None
+    head_fraction = head["head_bytes"] / naive[BATCH_SIZES[0]] if "head_bytes" in head else None
+    speed = (throughput["ours_tokens_per_s"] / throughput["plain_tokens_per_s"]) if "error" not in throughput else None
+    summary = {
+        "benchmark": "learner_memory", "quick": quick, "device": args.device, "vocab": QWEN_VOCAB, "hidden": hidden,
+        "layers": layers, "min_len": min_len, "max_len": max_len, "budget_tokens": budget, "chunk_tokens": chunk,
+        "peak_gib": {str(b): round(steps[b]["peak_bytes"] / GiB, 3) for b in BATCH_SIZES if "peak_bytes" in steps[b]},
+        "step_increase_gib": {str(b): round((steps[b]["peak_bytes"] - steps[b]["base_bytes"]) / GiB, 3)
+                              for b in BATCH_SIZES if "peak_bytes" in steps[b]},
+        "old_peak_gib": {str(b): round(r["peak_bytes"] / GiB, 3) for b, r in old.items() if "peak_bytes" in r},
+        "old_logits_gib": {str(b): round(naive[b] / GiB, 2) for b in BATCH_SIZES},
+        "tokens_per_s": {str(b): round(steps[b]["tokens_per_s"], 1) for b in BATCH_SIZES if "tokens_per_s" in steps[b]},
+        "old_tokens_per_s": {str(b): round(r["tokens_per_s"], 1) for b, r in old.items() if "tokens_per_s" in r},
+        "padding_fraction": {str(b): round(steps[b]["padding_fraction"], 4) for b in BATCH_SIZES
+                             if "padding_fraction" in steps[b]},
+        "peak_ratio_largest_vs_smallest": peak_ratio and round(peak_ratio, 3),
+        "step_increase_ratio_largest_vs_smallest": step_ratio and round(step_ratio, 3),
+        "logprob_head_gib": round(head["head_bytes"] / GiB, 3) if "head_bytes" in head else None,
+        "former_head_gib_one_micro_batch": round(head_old["head_bytes"] / GiB, 3) if "head_bytes" in head_old else None,
+        "logprob_fraction_of_naive": head_fraction and round(head_fraction, 4),
+        "tokens_per_s_vs_plain": speed and round(speed, 3),
+        "goals": {"peak_within_1.15x": peak_ratio is not None and peak_ratio <= 1.15,
+                  "logprob_at_most_1/8_naive": head_fraction is not None and head_fraction <= 1 / 8,
+                  "tokens_per_s_at_least_0.9x_plain": speed is not None and speed >= 0.9},
+        "wall_s": round(time.perf_counter() - started, 1),
+    }
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
