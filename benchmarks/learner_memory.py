@@ -51,18 +51,18 @@ GiB = 2**30
 
 # ---------------------------------------------------------------- the model and the data
 
-def build_policy(folder: Path, hidden: int, layers: int, max_len: int) -> Path:
+def build_policy(folder: Path, vocab: int, hidden: int, layers: int, max_len: int) -> Path:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=QWEN_VOCAB, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
+    config = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
                          num_hidden_layers=layers, num_attention_heads=max(1, hidden // 64), num_key_value_heads=1,
                          max_position_embeddings=max_len, tie_word_embeddings=True)
     Qwen2ForCausalLM(config).save_pretrained(folder)
     return folder
 
 
-def random_groups(batch_size: int, min_len: int, max_len: int, seed: int = 0) -> list[Group]:
+def random_groups(batch_size: int, min_len: int, max_len: int, vocab: int, seed: int = 0) -> list[Group]:
     """Groups of GROUP_SIZE sequences; prompts of min_len / 4 tokens, one per group; totals spread
     evenly over [min_len, max_len] and shuffled, so every batch size holds the longest sequences
     and its largest micro-batch is the budget's (random tokens: the cost does not depend on them)."""
@@ -71,12 +71,12 @@ def random_groups(batch_size: int, min_len: int, max_len: int, seed: int = 0) ->
     prompt_len = max(1, min_len // 4)
     groups = []
     for g in range(max(1, batch_size // GROUP_SIZE)):
-        prompt = rng.integers(1, QWEN_VOCAB, prompt_len)
+        prompt = rng.integers(1, vocab, prompt_len)
         samples = []
         for i in range(min(GROUP_SIZE, batch_size)):
             n = max(1, int(totals[g * GROUP_SIZE + i]) - prompt_len)
             samples.append(Sample(sample_id=f"{g}-{i}", group_id=f"g{g}", prompt_ids=prompt,
-                                  response_ids=rng.integers(1, QWEN_VOCAB, n),
+                                  response_ids=rng.integers(1, vocab, n),
                                   rollout_log_probs=-rng.exponential(3.0, n).astype(np.float32),
                                   loss_mask=np.ones(n, np.uint8), reward=float(rng.random()), weight_version=0))
         groups.append(Group(group_id=f"g{g}", samples=samples, prompt_index=g))
@@ -145,13 +145,16 @@ def child_step(spec: dict) -> dict:
     import learner.trainer as trainer
     from learner.config import LearnerConfig
 
-    groups = random_groups(spec["batch"], spec["min_len"], spec["max_len"], seed=spec["batch"])
+    groups = random_groups(spec["batch"], spec["min_len"], spec["max_len"], spec["vocab"], seed=spec["batch"])
     config = LearnerConfig(model_path=spec["model"], device=spec["device"], lr=1e-5,
                            max_tokens_per_micro_batch=None if spec["old"] else spec["budget"],
                            logprob_chunk_tokens=spec["chunk"])
     if spec["old"]:
         trainer.response_log_probs = former_response_log_probs
     learner = trainer.Learner(config)
+    # A warm-up step on one short group: the optimizer's state exists and one-time set-up is done
+    # before the measured step, whose peak then is the step's own on top of a trained model.
+    learner.train_step(random_groups(GROUP_SIZE, spec["min_len"], spec["min_len"], spec["vocab"], seed=1))
     memory = PeakMemory(spec["device"])
     base = memory.start()
     start = time.perf_counter()
@@ -165,24 +168,24 @@ def child_step(spec: dict) -> dict:
 
 
 def child_head(spec: dict) -> dict:
-    """Forward+backward of the head alone over `rows` x `length` tokens (responses `resp` long):
-    the chunked head on the response positions, or the former full-vocabulary one on all of them."""
-    model = load_causal_lm(spec["model"], device=spec["device"])
-    # The weight's own gradient is the parameters' memory, the same on both paths: left out.
-    weight = model.get_output_embeddings().weight.detach()
+    """Forward+backward of the head alone (a random [vocab, hidden] weight) over `rows` x `length`
+    tokens, `resp` of each a response: the chunked head on the response positions, or the former
+    full-vocabulary one on every position."""
     rows, length, resp = spec["rows"], spec["length"], spec["resp"]
     gen = torch.Generator().manual_seed(0)
+    # The weight's own gradient is the parameters' memory, the same on both paths: left out.
+    weight = (torch.randn(spec["vocab"], spec["hidden"], generator=gen) * 0.02).to(spec["device"])
     memory = PeakMemory(spec["device"])
     if spec["kind"] == "chunked":
         hidden = torch.randn(rows * resp, weight.shape[1], generator=gen).to(spec["device"]).requires_grad_()
-        targets = torch.randint(0, QWEN_VOCAB, (rows * resp,), generator=gen).to(spec["device"])
+        targets = torch.randint(0, spec["vocab"], (rows * resp,), generator=gen).to(spec["device"])
         base = memory.start()
         log_probs, entropy = chunked_token_log_probs(hidden, weight, None, targets, chunk_tokens=spec["chunk"],
                                                      with_entropy=True, entropy_grad=False)
         log_probs.sum().backward()
     else:
         hidden = torch.randn(rows, length, weight.shape[1], generator=gen).to(spec["device"]).requires_grad_()
-        targets = torch.randint(0, QWEN_VOCAB, (rows, resp), generator=gen).to(spec["device"])
+        targets = torch.randint(0, spec["vocab"], (rows, resp), generator=gen).to(spec["device"])
         base = memory.start()
         logits = (hidden @ weight.T).float()
         log_dist = torch.log_softmax(logits[:, length - resp - 1 : length - 1], -1)
@@ -193,7 +196,7 @@ def child_head(spec: dict) -> dict:
 def child_throughput(spec: dict) -> dict:
     """Seconds of forward+backward over the same micro-batches: the learner's log-probs (chunked
     head on response positions) and a plain transformers pass with a `labels` loss."""
-    groups = random_groups(spec["batch"], spec["min_len"], spec["max_len"], seed=spec["batch"])
+    groups = random_groups(spec["batch"], spec["min_len"], spec["max_len"], spec["vocab"], seed=spec["batch"])
     batch = build_batch(groups)
     model = load_causal_lm(spec["model"], device=spec["device"])
     lengths = [len(p) + len(r) for p, r in zip(batch.prompts, batch.responses)]
@@ -251,16 +254,100 @@ def mem_available() -> int:
     return 0
 
 
+def fits(nbytes: int, device: str) -> bool:
+    """Whether a float32 [B, L, V] path (about three such tensors) fits in half this machine's free memory."""
+    free = torch.cuda.mem_get_info()[0] if device.startswith("cuda") else mem_available()
+    return 3 * nbytes < 0.5 * free
+
+
+def measure_steps(common: dict, batch_sizes, old: bool) -> dict[int, dict]:
+    results = {}
+    for batch in batch_sizes:
+        logits = batch * common["max_len"] * common["vocab"] * 4
+        label = "old step" if old else "step"
+        if old and not fits(logits, common["device"]):
+            print(f"  {label} B={batch:4d}: not run, its float32 [B, L, V] logits alone are {logits / GiB:.1f} GiB")
+            continue
+        r = results[batch] = run_child({"child": "step", **common, "batch": batch, "old": old})
+        print(f"  {label} B={batch:4d}: " + (r.get("error") or
+              f"peak {r['peak_bytes'] / GiB:6.3f} GiB (before the step {r['base_bytes'] / GiB:.3f}), "
+              f"{r['tokens_per_s']:8.0f} tokens/s, {r['tokens']} tokens, padding {r['padding_fraction']:.3f}"))
+    return results
+
+
+def measure_head(common: dict) -> dict:
+    """The head on the largest micro-batch the budget allows: rows x the longest sequence."""
+    rows, length = max(1, common["budget"] // common["max_len"]), common["max_len"]
+    resp = length - length // 8
+    spec = {"child": "head", **common, "rows": rows, "length": length, "resp": resp}
+    chunked = run_child({**spec, "kind": "chunked"})
+    former_logits = rows * length * common["vocab"] * 4
+    former = run_child({**spec, "kind": "naive"}) if fits(former_logits, common["device"]) else {"error": "not run"}
+    show = lambda r: r.get("error") or f"{r['head_bytes'] / GiB:.3f} GiB"  # noqa: E731
+    print(f"  log-prob head, {rows} x {length} tokens ({resp} of them response): chunked {show(chunked)}, "
+          f"former {show(former)}; float32 [b, L, V] of this micro-batch {former_logits / GiB:.2f} GiB")
+    return {"chunked": chunked, "former": former, "rows": rows}
+
+
+def measure_throughput(common: dict, batch: int) -> dict:
+    r = run_child({"child": "throughput", **common, "batch": batch, "repeats": 2})
+    print("  " + (r.get("error") or f"forward+backward over {r['micro_batches']} micro-batches, {r['tokens']} tokens: "
+          f"learner {r['ours_tokens_per_s']:.0f} tokens/s, plain transformers {r['plain_tokens_per_s']:.0f} tokens/s"))
+    return r
+
+
+def summarize(setup: dict, steps: dict, old: dict, head: dict, throughput: dict) -> dict:
+    sizes = setup["batch_sizes"]
+    small, large = steps.get(sizes[0], {}), steps.get(sizes[-1], {})
+    measured = "peak_bytes" in small and "peak_bytes" in large
+    peak_ratio = large["peak_bytes"] / small["peak_bytes"] if measured else None
+    step_ratio = ((large["peak_bytes"] - large["base_bytes"]) / (small["peak_bytes"] - small["base_bytes"])
+                  if measured else None)
+    # The old path's [B, L, V] for the smallest batch (its actual longest sequence).
+    naive = sizes[0] * small.get("longest", setup["max_len"]) * setup["vocab"] * 4
+    head_bytes = head["chunked"].get("head_bytes")
+    head_fraction = head_bytes / naive if head_bytes else None
+    speed = (throughput["ours_tokens_per_s"] / throughput["plain_tokens_per_s"]) if "error" not in throughput else None
+    gib = lambda x: round(x / GiB, 3)  # noqa: E731
+    return {
+        "benchmark": "learner_memory", **{k: v for k, v in setup.items() if k != "batch_sizes"},
+        "batch_sizes": list(sizes),
+        "peak_gib": {str(b): gib(r["peak_bytes"]) for b, r in steps.items() if "peak_bytes" in r},
+        "step_increase_gib": {str(b): gib(r["peak_bytes"] - r["base_bytes"]) for b, r in steps.items()
+                              if "peak_bytes" in r},
+        "old_peak_gib": {str(b): gib(r["peak_bytes"]) for b, r in old.items() if "peak_bytes" in r},
+        "old_logits_gib": {str(b): gib(b * setup["max_len"] * setup["vocab"] * 4) for b in sizes},
+        "tokens_per_s": {str(b): round(r["tokens_per_s"], 1) for b, r in steps.items() if "tokens_per_s" in r},
+        "old_tokens_per_s": {str(b): round(r["tokens_per_s"], 1) for b, r in old.items() if "tokens_per_s" in r},
+        "padding_fraction": {str(b): round(r["padding_fraction"], 4) for b, r in steps.items()
+                             if "padding_fraction" in r},
+        "peak_ratio_largest_vs_smallest": peak_ratio and round(peak_ratio, 3),
+        "step_increase_ratio_largest_vs_smallest": step_ratio and round(step_ratio, 3),
+        "logprob_head_gib": head_bytes and gib(head_bytes),
+        "former_head_gib_one_micro_batch": head["former"].get("head_bytes") and gib(head["former"]["head_bytes"]),
+        "naive_logits_gib_smallest_batch": gib(naive),
+        "logprob_fraction_of_naive": head_fraction and round(head_fraction, 4),
+        "tokens_per_s_learner_fwd_bwd": throughput.get("ours_tokens_per_s") and round(throughput["ours_tokens_per_s"], 1),
+        "tokens_per_s_plain_fwd_bwd": throughput.get("plain_tokens_per_s") and round(throughput["plain_tokens_per_s"], 1),
+        "tokens_per_s_vs_plain": speed and round(speed, 3),
+        "goals": {"peak_within_1.15x": peak_ratio is not None and peak_ratio <= 1.15,
+                  "logprob_at_most_1/8_naive": head_fraction is not None and head_fraction <= 1 / 8,
+                  "tokens_per_s_at_least_0.9x_plain": speed is not None and speed >= 0.9},
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="a smaller model and shorter sequences (< 3 min on 2 cores)")
+    parser.add_argument("--quick", action="store_true", help="a smaller model, shorter sequences (< 3 min on 2 cores)")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--vocab", type=int, default=QWEN_VOCAB)
     parser.add_argument("--hidden", type=int)
     parser.add_argument("--layers", type=int)
     parser.add_argument("--min-len", type=int)
     parser.add_argument("--max-len", type=int)
     parser.add_argument("--budget", type=int, help="max_tokens_per_micro_batch (default: 2 x the longest sequence)")
     parser.add_argument("--chunk", type=int, help="logprob_chunk_tokens (default: budget / 16)")
+    parser.add_argument("--batch-sizes", default=",".join(map(str, BATCH_SIZES)), help="sequences per step")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -270,92 +357,27 @@ def main() -> None:
         return
 
     quick = args.quick
-    hidden = args.hidden or (128 if quick else 512)
-    layers = args.layers or (2 if quick else 4)
-    min_len, max_len = args.min_len or (32 if quick else 512), args.max_len or (192 if quick else 4096)
+    max_len = args.max_len or (192 if quick else 4096)
     budget = args.budget or 2 * max_len
-    chunk = args.chunk or max(1, budget // 16)  # the config defaults' proportion (16,384 / 1,024)
+    setup = {"quick": quick, "device": args.device, "vocab": args.vocab, "hidden": args.hidden or (128 if quick else 512),
+             "layers": args.layers or (2 if quick else 4), "min_len": args.min_len or (32 if quick else 512),
+             "max_len": max_len, "budget": budget,
+             "chunk": args.chunk or max(1, budget // 16),  # the config defaults' proportion (16,384 / 1,024)
+             "batch_sizes": sorted(int(b) for b in args.batch_sizes.split(","))}
     started = time.perf_counter()
-    print(f"Qwen2 vocab {QWEN_VOCAB}, hidden {hidden}, {layers} layers; sequences {min_len}-{max_len} tokens; "
-          f"budget {budget} tokens per micro-batch, LM-head chunks of {chunk}; device {args.device}, "
-          f"{torch.get_num_threads()} torch thread(s)")
+    print(f"Qwen2 vocab {setup['vocab']}, hidden {setup['hidden']}, {setup['layers']} layers; sequences "
+          f"{setup['min_len']}-{max_len} tokens; budget {budget} tokens per micro-batch, LM-head chunks of "
+          f"{setup['chunk']}; device {args.device}, {torch.get_num_threads()} torch thread(s)")
     with tempfile.TemporaryDirectory() as tmp:
-        model = str(build_policy(Path(tmp) / "policy", hidden, layers, max_len + 8))
-        common = {"model": model, "device": args.device, "min_len": min_len, "max_len": max_len, "budget": budget,
-                  "chunk": chunk}
-
-        steps = {}
-        for batch in BATCH_SIZES:
-            steps[batch] = run_child({"child": "step", **common, "batch": batch, "old": False})
-            r = steps[batch]
-            print(f"  step B={batch:4d}: " + (r.get("error") or
-                  f"peak {r['peak_bytes'] / GiB:6.2f} GiB (before the step {r['base_bytes'] / GiB:.2f}), "
-                  f"{r['tokens_per_s']:8.0f} tokens/s, {r['tokens']} tokens, padding {r['padding_fraction']:.3f}"))
-        naive = {b: b * steps[b].get("longest", max_len) * QWEN_VOCAB * 4 for b in BATCH_SIZES}
-        old = {}
-        for batch in BATCH_SIZES:
-            if 3 * naive[batch] > 0.5 * mem_available() or args.device.startswith("cuda") and batch > BATCH_SIZES[0]:
-                print(f"  old step B={batch:4d}: not run, its float32 [B, L, V] logits alone are "
-                      f"{naive[batch] / GiB:.1f} GiB")
-                continue
-            old[batch] = run_child({"child": "step", **common, "batch": batch, "old": True})
-            r = old[batch]
-            print(f"  old step B={batch:4d}: " + (r.get("error") or
-                  f"peak {r['peak_bytes'] / GiB:6.2f} GiB, {r['tokens_per_s']:8.0f} tokens/s"))
-
-        # The head on the largest micro-batch the budget allows: rows x the longest sequence.
-        rows = max(1, budget // max_len)
-        resp = max_len - max_len // 8
-        head = run_child({"child": "head", **common, "kind": "chunked", "rows": rows, "length": max_len, "resp": resp})
-        micro_naive = rows * max_len * QWEN_VOCAB * 4
-        head_old = {"error": "not run: too big for this machine"}
-        if 3 * micro_naive < 0.5 * mem_available():
-            head_old = run_child({"child": "head", **common, "kind": "naive", "rows": rows, "length": max_len,
-                                  "resp": resp})
-        print(f"  log-prob head, {rows} x {max_len} tokens ({resp} of them response): chunked "
-              f"{head.get('head_bytes', float('nan')) / GiB:.3f} GiB, former "
-              + (head_old.get("error") or f"{head_old['head_bytes'] / GiB:.3f} GiB")
-              + f"; float32 [b, L, V] of this micro-batch {micro_naive / GiB:.2f} GiB, "
-              f"of the B={BATCH_SIZES[0]} batch {naive[BATCH_SIZES[0]] / GiB:.2f} GiB")
-
-        throughput = run_child({"child": "throughput", **common, "batch": BATCH_SIZES[0] * (1 if quick else 1),
-                                "repeats": 2})
-        if "error" not in throughput:
-            print(f"  forward+backward over {throughput['micro_batches']} micro-batches, {throughput['tokens']} "
-                  f"tokens: learner {throughput['ours_tokens_per_s']:.0f} tokens/s, plain transformers "
-                  f"{throughput['plain_tokens_per_s']:.0f} tokens/s")
-        else:
-            print(f"  throughput: {throughput['error']}")
-
-    ok = all("error" not in steps[b] for b in BATCH_SIZES)
-    peak_ratio = steps[BATCH_SIZES[-1]]["peak_bytes"] / steps[BATCH_SIZES[0]]["peak_bytes"] if ok else None
-    step_ratio = ((steps[BATCH_SIZES[-1]]["peak_bytes"] - steps[BATCH_SIZES[-1]]["base_bytes"])
-                  / (steps[BATCH_SIZES[0]]["peak_bytes"] - steps[BATCH_SIZES[0]]["base_bytes"])) if ok else None
-    head_fraction = head["head_bytes"] / naive[BATCH_SIZES[0]] if "head_bytes" in head else None
-    speed = (throughput["ours_tokens_per_s"] / throughput["plain_tokens_per_s"]) if "error" not in throughput else None
-    summary = {
-        "benchmark": "learner_memory", "quick": quick, "device": args.device, "vocab": QWEN_VOCAB, "hidden": hidden,
-        "layers": layers, "min_len": min_len, "max_len": max_len, "budget_tokens": budget, "chunk_tokens": chunk,
-        "peak_gib": {str(b): round(steps[b]["peak_bytes"] / GiB, 3) for b in BATCH_SIZES if "peak_bytes" in steps[b]},
-        "step_increase_gib": {str(b): round((steps[b]["peak_bytes"] - steps[b]["base_bytes"]) / GiB, 3)
-                              for b in BATCH_SIZES if "peak_bytes" in steps[b]},
-        "old_peak_gib": {str(b): round(r["peak_bytes"] / GiB, 3) for b, r in old.items() if "peak_bytes" in r},
-        "old_logits_gib": {str(b): round(naive[b] / GiB, 2) for b in BATCH_SIZES},
-        "tokens_per_s": {str(b): round(steps[b]["tokens_per_s"], 1) for b in BATCH_SIZES if "tokens_per_s" in steps[b]},
-        "old_tokens_per_s": {str(b): round(r["tokens_per_s"], 1) for b, r in old.items() if "tokens_per_s" in r},
-        "padding_fraction": {str(b): round(steps[b]["padding_fraction"], 4) for b in BATCH_SIZES
-                             if "padding_fraction" in steps[b]},
-        "peak_ratio_largest_vs_smallest": peak_ratio and round(peak_ratio, 3),
-        "step_increase_ratio_largest_vs_smallest": step_ratio and round(step_ratio, 3),
-        "logprob_head_gib": round(head["head_bytes"] / GiB, 3) if "head_bytes" in head else None,
-        "former_head_gib_one_micro_batch": round(head_old["head_bytes"] / GiB, 3) if "head_bytes" in head_old else None,
-        "logprob_fraction_of_naive": head_fraction and round(head_fraction, 4),
-        "tokens_per_s_vs_plain": speed and round(speed, 3),
-        "goals": {"peak_within_1.15x": peak_ratio is not None and peak_ratio <= 1.15,
-                  "logprob_at_most_1/8_naive": head_fraction is not None and head_fraction <= 1 / 8,
-                  "tokens_per_s_at_least_0.9x_plain": speed is not None and speed >= 0.9},
-        "wall_s": round(time.perf_counter() - started, 1),
-    }
+        model = str(build_policy(Path(tmp) / "policy", setup["vocab"], setup["hidden"], setup["layers"], max_len + 8))
+        common = {"model": model, **{k: setup[k] for k in ("device", "vocab", "hidden", "min_len", "max_len", "budget",
+                                                           "chunk")}}
+        steps = measure_steps(common, setup["batch_sizes"], old=False)
+        old = measure_steps(common, setup["batch_sizes"], old=True)
+        head = measure_head(common)
+        throughput = measure_throughput(common, setup["batch_sizes"][0])
+    summary = summarize(setup, steps, old, head, throughput)
+    summary["wall_s"] = round(time.perf_counter() - started, 1)
     print(json.dumps(summary))
 
 
