@@ -24,10 +24,11 @@ def test_learner_memory_script_reports_every_measurement():
     assert summary["benchmark"] == "learner_memory" and summary["batch_sizes"] == [8, 16]
     assert summary["budget"] == 64 and summary["chunk"] == 4  # the defaults: 2 x longest, budget / 16
 
-    for kind, key in (("step", "peak_gib"), ("old step", "old_peak_gib")):
+    for kind, key, sizes in (("step", "peak_gib", {"8", "16"}), ("old step", "old_peak_gib", {"8"})):
         printed = dict(re.findall(rf"^  {kind} B=\s*(\d+): peak\s+([\d.]+) GiB", text, re.M))
-        assert set(printed) == {"8", "16"}, text
+        assert set(printed) == sizes, text
         assert {b: float(v) for b, v in printed.items()} == summary[key]
+    assert re.search(r"old step B=  16: not run, its float32 \[B, L, V\] logits alone are", text)
     assert all(0.0 <= f < 1.0 for f in summary["padding_fraction"].values())
     # The old path pads every row to the batch's longest; the planner sorts rows into passes.
     assert summary["padding_fraction"]["16"] < 0.375 <= min(
