@@ -66,6 +66,11 @@ class TrainBatch:
         return TrainBatch(**{f.name: getattr(self, f.name).to(device) if isinstance(getattr(self, f.name), torch.Tensor)
                              else getattr(self, f.name) for f in fields(self)})
 
+    def sequence_lengths(self, rows: list[int] | None = None) -> list[int]:
+        """Prompt+response tokens of the given rows (all by default)."""
+        rows = range(len(self)) if rows is None else rows
+        return [len(self.prompts[r]) + len(self.responses[r]) for r in rows]
+
     def rows_of_groups(self, group_positions: list[int]) -> list[int]:
         wanted = set(group_positions)
         return [row for row, g in enumerate(self.group_index.tolist()) if g in wanted]

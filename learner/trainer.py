@@ -187,6 +187,7 @@ class Learner:
 
         # 1. Validate and pad the groups; advantages over the whole batch.
         batch = build_batch(groups, learner_version=self.version)
+        self._check_budget(batch)
         advantages = compute_advantages(batch.rewards, batch.group_index, batch.response_mask, cfg.advantage)
         minibatches = self._minibatch_groups(batch.num_groups)
         shard_rows = batch.rows_of_groups(  # every group this rank trains on, in any epoch
@@ -225,14 +226,25 @@ class Learner:
 
         metrics = self._combine(partial, len(grad_norms), shard_stats, timing)
         metrics.update(self._batch_metrics(batch))
-        real, slots = self._reduce({"real": float(self._slots[0]), "slots": float(self._slots[1])}, "sum").values()
-        metrics["perf/padding_fraction"] = 1.0 - real / slots if slots else 0.0
+        tokens = self._reduce({"real": float(self._slots[0]), "slots": float(self._slots[1])}, "sum")
+        metrics["perf/padding_fraction"] = 1.0 - tokens["real"] / tokens["slots"] if tokens["slots"] else 0.0
         metrics["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
         metrics["actor/optimizer_steps"] = float(len(grad_norms))
         metrics["actor/lr"] = lr
         metrics["learner/version"] = float(self.version)
         metrics["timing_s/step"] = time.perf_counter() - step_start
         return metrics
+
+    def _check_budget(self, batch: TrainBatch) -> None:
+        """Every rank checks every row before any collective, so a sequence the budget cannot
+        hold is an error on all ranks at once, not a rank leaving the others waiting."""
+        budget = self.config.max_tokens_per_micro_batch
+        lengths = batch.sequence_lengths()
+        longest = max(range(len(lengths)), key=lengths.__getitem__)
+        if budget is not None and lengths[longest] > budget:
+            raise ValueError(f"sample {batch.sample_ids[longest]!r} has {lengths[longest]} prompt+response tokens, "
+                             f"more than the micro-batch budget max_tokens_per_micro_batch={budget}: raise the "
+                             f"budget to at least the longest sequence (prompt + max response tokens)")
 
     def _my_part(self, group_positions: list[int]) -> list[int]:
         """This rank's groups of a minibatch: every world_size-th, starting at its rank."""
@@ -355,7 +367,7 @@ class Learner:
     def _micro_batches(self, batch: TrainBatch, rows: list[int]) -> list[list[int]]:
         """`rows` of `batch` in micro-batches within the token budget, as many on every rank."""
         cfg = self.config
-        lengths = [len(batch.prompts[r]) + len(batch.responses[r]) for r in rows]
+        lengths = batch.sequence_lengths(rows)
         plan = plan_micro_batches(lengths, cfg.max_tokens_per_micro_batch, self.comm, cfg.micro_batch_size)
         return [[rows[i] for i in mb] for mb in plan]
 
@@ -363,7 +375,7 @@ class Learner:
         """(log π(response tokens), entropy or None) of one micro-batch under the policy (or the
         given model), with gradients if they are enabled."""
         cfg = self.config
-        real, slots = padding_counts([len(p) + len(r) for p, r in zip(mb.prompts, mb.responses)])
+        real, slots = padding_counts(mb.sequence_lengths())
         self._slots += torch.tensor([real, slots], dtype=torch.float64)
         with self._autocast():
             out = response_log_probs(model or self.model, mb.prompts, mb.responses, cfg.temperature,
