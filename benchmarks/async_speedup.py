@@ -36,7 +36,7 @@ def run_mode(mode_overrides: list[str], common: list[str], run_dir: Path, warmup
     try:
         controller.start()
         controller.run()
-        worker_stats = controller.worker_stats()
+        worker_stats = controller.workers.stats()
     finally:
         controller.stop()
     steps = [r for r in read_metrics(run_dir) if "timing_s/step_total" in r]

@@ -7,9 +7,11 @@ i.e. while
 
 (B = batch size in groups, i = learner version, η = None: no staleness term). Each grant is a
 `Permit` with a `ticket`, the data cursor: the worker generates for prompt number `ticket`.
-Tickets of released or reclaimed permits are reissued first (smallest first), so the run neither
-skips nor repeats a prompt. A permit ends in exactly one of: `consume` (its group was accepted),
-`release` (generation failed or was rejected), or reclaim after `lease_s` without either.
+Tickets of released or reclaimed permits, and of groups dropped as stale, are reissued first
+(smallest first), so the run neither skips nor repeats a prompt. A permit ends in exactly one of:
+`consume` (its group was accepted), `release` (generation failed or was rejected), `quarantine`
+(its prompt failed the engine again and again: the ticket is never reissued), or reclaim after
+`lease_s` without any of those.
 
 Recovery: a run resumed at version v starts with accepted = v·B and the cursor at v·B, so it
 never over-admits. The gate is plain state, not thread-safe: `buffer.core.BufferCore` locks it.
@@ -35,13 +37,15 @@ class Permit:
 
 
 class AdmissionGate:
-    def __init__(self, batch_size: int, eta: int | None, max_concurrent: int, lease_s: float):
+    def __init__(self, batch_size: int, eta: int | None, max_concurrent: int, lease_s: float,
+                 max_version_jump: int | None = None):
         if batch_size < 1 or max_concurrent < 1 or (eta is not None and eta < 0) or lease_s <= 0:
             raise ValueError(f"bad gate settings: B={batch_size}, eta={eta}, max_concurrent={max_concurrent}, lease_s={lease_s}")
         self.batch_size = batch_size
         self.eta = eta
         self.max_concurrent = max_concurrent
         self.lease_s = lease_s
+        self.max_version_jump = max_version_jump  # None: any
         self.version = 0
         self.accepted = 0
         self.rejected = 0
@@ -51,6 +55,7 @@ class AdmissionGate:
         self.free_tickets: list[int] = []  # min-heap of tickets to reissue first
         self.permits: dict[str, Permit] = {}
         self.deadlines: dict[str, float] = {}
+        self.quarantined: set[int] = set()  # tickets whose prompt the engine cannot take
 
     @property
     def running(self) -> int:
@@ -101,6 +106,14 @@ class AdmissionGate:
             heapq.heappush(self.free_tickets, permit.ticket)
         return permit
 
+    def quarantine(self, permit_id: str) -> Permit | None:
+        """The permit's prompt failed generation `max_prompt_failures` times on its own: the
+        permit ends and its ticket is set aside for good (never reissued)."""
+        permit = self._drop(permit_id)
+        if permit is not None:
+            self.quarantined.add(permit.ticket)
+        return permit
+
     def consume(self, permit_id: str) -> Permit:
         """The permit's group was accepted into the buffer: running → accepted."""
         permit = self._drop(permit_id)
@@ -110,11 +123,14 @@ class AdmissionGate:
         self.accepted += 1
         return permit
 
-    def return_dropped(self, groups: int) -> None:
-        """Accepted groups the store dropped as stale will never be trained on: their slots go back
+    def return_dropped(self, tickets: list[int]) -> None:
+        """Accepted groups the store dropped as stale will never be trained on. Their slots go back
         to the gate, or every drop would shrink capacity for good and (η + 1)·B drops would close it
-        while the buffer is empty. The η bound itself is enforced again at pull time."""
-        self.accepted = max(0, self.accepted - groups)
+        while the buffer is empty; their tickets are reissued, so the prompts are generated again
+        (a run neither skips nor repeats a prompt). The η bound itself is enforced again at pull time."""
+        self.accepted = max(0, self.accepted - len(tickets))
+        for ticket in tickets:
+            heapq.heappush(self.free_tickets, ticket)
 
     def reclaim_expired(self, now: float) -> list[Permit]:
         """Permits whose holder neither pushed nor released within the lease: their tickets return."""
@@ -132,9 +148,16 @@ class AdmissionGate:
         return self.permits.pop(permit_id, None)
 
     def check_version(self, version: int) -> None:
-        """The learner's version never goes back: RequestError('version_regression') if it would."""
+        """The learner's version never goes back (RequestError 'version_regression') nor jumps more
+        than max_version_jump ahead ('version_jump')."""
         if version < self.version:
             raise RequestError(f"version {version} is older than the current version {self.version}", "version_regression")
+        self._check_jump(version)
+
+    def _check_jump(self, version: int) -> None:
+        if self.max_version_jump is not None and version - self.version > self.max_version_jump:
+            raise RequestError(f"version {version} is more than max_version_jump={self.max_version_jump} ahead of "
+                               f"the current version {self.version}", "version_jump")
 
     def set_version(self, version: int) -> None:
         self.check_version(version)
@@ -145,6 +168,8 @@ class AdmissionGate:
         continues at v·B. Outstanding permits of the old run are forgotten."""
         if version < 0:
             raise RequestError(f"cannot recover to negative version {version}", "bad_version")
+        if self.version or self.accepted or self.permits:  # a fresh gate may resume at any version
+            self._check_jump(version)
         self.version = version
         self.accepted = version * self.batch_size
         self.next_ticket = version * self.batch_size
@@ -158,6 +183,7 @@ class AdmissionGate:
             "version": self.version, "accepted": self.accepted, "rejected": self.rejected,
             "released": self.released, "reclaimed": self.reclaimed, "next_ticket": self.next_ticket,
             "free_tickets": sorted(self.free_tickets), "permits": [p.to_dict() for p in self.permits.values()],
+            "quarantined": sorted(self.quarantined),
         }
 
     def load_state(self, state: dict, now: float) -> None:
@@ -165,6 +191,7 @@ class AdmissionGate:
             setattr(self, key, int(state[key]))
         self.free_tickets = list(state["free_tickets"])
         heapq.heapify(self.free_tickets)
+        self.quarantined = set(state.get("quarantined", []))
         self.permits.clear()
         self.deadlines.clear()
         for p in state["permits"]:

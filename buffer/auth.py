@@ -1,8 +1,13 @@
-"""CURVE keys for the buffer service.
+"""CURVE keys and client roles for the buffer service.
 
 Keys come from key files (made by `python -m buffer keygen DIR`, paths in `CurveConfig`) or from
 environment variables, which win over files. A key never comes from the config file itself and is
 never logged or put in an error message.
+
+Roles: the authorized clients' public keys live in one folder per role under
+`authorized_clients_dir` (`worker/`, `learner/`, `admin/`); a client may call only its role's
+operations (`ROLE_OPS`), anything else is answered `forbidden` and changes nothing. A key outside
+every role folder is refused at start.
 """
 from __future__ import annotations
 
@@ -19,24 +24,76 @@ ENV_SERVER_SECRET = "ETARL_BUFFER_SERVER_SECRET_KEY"
 ENV_CLIENT_PUBLIC = "ETARL_BUFFER_CLIENT_PUBLIC_KEY"
 ENV_CLIENT_SECRET = "ETARL_BUFFER_CLIENT_SECRET_KEY"
 
+# What each role may call (admin: everything, `recover` included).
+ROLE_OPS: dict[str, frozenset[str] | None] = {
+    "worker": frozenset({"acquire_permits", "release_permit", "push_groups", "stats", "health"}),
+    "learner": frozenset({"pull_batch", "ack", "nack", "set_version", "stats", "health"}),
+    "admin": None,
+}
 
-def keygen(directory: str | Path) -> dict[str, Path]:
-    """Write a server and a client key pair (secret files mode 0600) and an `authorized_clients/`
-    folder holding the client's public key. Returns the file paths (never the keys)."""
+
+def role_allows(role: str, op: str) -> bool:
+    allowed = ROLE_OPS[role]
+    return allowed is None or op in allowed
+
+
+def keygen(directory: str | Path, roles: tuple[str, ...] = tuple(ROLE_OPS), name: str | None = None
+           ) -> dict[str, Path]:
+    """Write the server key pair (unless DIR holds one) and a client key pair per role, named after
+    the role (or `name`, for one role), with its public key in `authorized_clients/<role>/`.
+    Secret files are mode 0600. Returns the file paths (never the keys)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    authorized = directory / "authorized_clients"
-    authorized.mkdir(exist_ok=True)
+    unknown = [r for r in roles if r not in ROLE_OPS]
+    if unknown or (name is not None and len(roles) != 1):
+        raise ValueError(f"roles must be some of {sorted(ROLE_OPS)} (a name needs exactly one role), got {roles}")
     paths = {}
-    for name in ("server", "client"):
-        public, secret = zmq.auth.create_certificates(str(directory), name)
-        os.chmod(secret, 0o600)
-        paths[f"{name}_public_key_file"] = Path(public)
-        paths[f"{name}_secret_key_file"] = Path(secret)
-    client_public = paths["client_public_key_file"]
-    (authorized / client_public.name).write_bytes(client_public.read_bytes())
+    if not (directory / "server.key_secret").is_file():
+        _pair(directory, "server")
+    paths["server_public_key_file"] = directory / "server.key"
+    paths["server_secret_key_file"] = directory / "server.key_secret"
+    authorized = directory / "authorized_clients"
+    for role in roles:
+        public, secret = _pair(directory, name or role)
+        (authorized / role).mkdir(parents=True, exist_ok=True)
+        (authorized / role / public.name).write_bytes(public.read_bytes())
+        paths[f"{role}_client_public_key_file"] = public
+        paths[f"{role}_client_secret_key_file"] = secret
     paths["authorized_clients_dir"] = authorized
     return paths
+
+
+def _pair(directory: Path, name: str) -> tuple[Path, Path]:
+    public, secret = zmq.auth.create_certificates(str(directory), name)
+    os.chmod(secret, 0o600)
+    return Path(public), Path(secret)
+
+
+def load_roles(directory: str | Path) -> dict[bytes, str]:
+    """Each authorized public key (Z85) and its role, from `directory/<role>/*.key`. A key file
+    outside every role folder, or a folder that is no role, is an error naming it."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise FileNotFoundError(f"CURVE authorized_clients_dir {str(directory)!r} does not exist")
+    roles: dict[bytes, str] = {}
+    for entry in sorted(directory.iterdir()):
+        if entry.is_dir() and entry.name in ROLE_OPS:
+            roles.update({key: entry.name for key in zmq.auth.load_certificates(str(entry))})
+        elif entry.is_dir() or entry.suffix == ".key":
+            raise ValueError(f"CURVE authorized_clients_dir: {str(entry)!r} is in no role folder; every client key "
+                             f"belongs to one of {sorted(ROLE_OPS)} (authorized_clients/<role>/NAME.key: "
+                             f"`etarl buffer keygen DIR --role ROLE` makes one)")
+    return roles
+
+
+class _RoleKeys:
+    """A ZAP credentials provider: a client is admitted if its key has a role."""
+
+    def __init__(self, roles: dict[bytes, str]):
+        self.roles = roles
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return key in self.roles
 
 
 def _key(env_name: str, path: Path | None, secret: bool, what: str) -> bytes:
@@ -59,21 +116,21 @@ def _key(env_name: str, path: Path | None, secret: bool, what: str) -> bytes:
 
 def configure_server(socket: zmq.Socket, cfg: CurveConfig):
     """Make `socket` a CURVE server. With `authorized_clients_dir`, a ZAP authenticator admits only
-    those clients; returns the authenticator thread (stop it when closing), else None."""
+    the clients whose keys have a role. Returns (the authenticator thread or None, {Z85 public key:
+    role} or None when any client that knows the server key is admitted)."""
     socket.curve_secretkey = _key(ENV_SERVER_SECRET, cfg.server_secret_key_file, True, "server secret")
     socket.curve_publickey = _key(ENV_SERVER_PUBLIC, cfg.server_public_key_file or cfg.server_secret_key_file,
                                   False, "server public")
     socket.curve_server = True
     if cfg.authorized_clients_dir is None:
-        return None
+        return None, None
     from zmq.auth.thread import ThreadAuthenticator
 
-    if not Path(cfg.authorized_clients_dir).is_dir():
-        raise FileNotFoundError(f"CURVE authorized_clients_dir {str(cfg.authorized_clients_dir)!r} does not exist")
+    roles = load_roles(cfg.authorized_clients_dir)
     auth = ThreadAuthenticator(socket.context)
     auth.start()
-    auth.configure_curve(domain="*", location=str(cfg.authorized_clients_dir))
-    return auth
+    auth.configure_curve_callback(domain="*", credentials_provider=_RoleKeys(roles))
+    return auth, roles
 
 
 def configure_client(socket: zmq.Socket, cfg: CurveConfig) -> None:

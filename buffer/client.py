@@ -55,9 +55,11 @@ class BufferClient:
                                                    "permit_ids": [new_id() for _ in range(count)]}, wait=timeout)
         return [Permit(**p) for p in result]
 
-    def release_permit(self, permit_id: str) -> bool:
-        """Give a permit back (generation failed or rejected); its ticket is reissued. False if unknown."""
-        return self._call("release_permit", {"permit_id": permit_id})[0]
+    def release_permit(self, permit_id: str, quarantine: str | None = None) -> bool:
+        """Give a permit back (generation failed or rejected); its ticket is reissued. With
+        `quarantine` (why: the engine's error), its prompt is set aside for good. False if unknown."""
+        args = {"permit_id": permit_id} if quarantine is None else {"permit_id": permit_id, "quarantine": quarantine}
+        return self._call("release_permit", args)[0]
 
     def push_group(self, group: Group, permit_id: str) -> dict:
         """Push a finished group under its permit. Returns {"samples": n, "duplicate": bool};
@@ -98,7 +100,8 @@ class BufferClient:
         if result is None:
             return None
         groups = [decode_group(unpack_frames(packed), self.limits) for packed in frames]
-        return PulledBatch(result["lease_id"], groups, result["dropped_stale"], result["version"])
+        return PulledBatch(result["lease_id"], groups, result["dropped_stale"], result["version"],
+                           result.get("prompts_quarantined", 0))
 
     def ack(self, lease_id: str, version: int | None = None) -> int:
         """The batch was trained on: its groups are consumed. Returns the number of groups. With

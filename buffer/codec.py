@@ -35,7 +35,7 @@ import struct
 import sys
 from dataclasses import dataclass
 from itertools import accumulate
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import msgpack
 import numpy as np
@@ -134,6 +134,10 @@ class GroupView:
     @property
     def weight_versions(self) -> list[int]:
         return [m["weight_version"] for m in self.samples]
+
+    def index(self) -> "GroupIndex":
+        return GroupIndex(self.group_id, self.sample_ids, self.weight_versions, self.prompt_index,
+                          max((m["n_response"] for m in self.samples), default=0))
 
     def field(self, name: str, k: int) -> np.ndarray | None:
         """Sample k's array `name` (a view), None for token_rewards it does not have."""
@@ -387,8 +391,17 @@ def frames_nbytes(frames: Sequence) -> int:
     return sum(memoryview(f).nbytes for f in frames)
 
 
-def group_index(header_frame) -> tuple[str, list[str], list[int]]:
-    """(group_id, sample ids, sample weight versions) from an already validated group header."""
+class GroupIndex(NamedTuple):
+    group_id: str
+    sample_ids: list[str]
+    weight_versions: list[int]
+    prompt_index: int
+    response_tokens: int  # the longest response
+
+
+def group_index(header_frame) -> GroupIndex:
+    """What the store keeps of a group, from its already validated header."""
     header = unpack(header_frame)
     samples = header["samples"]
-    return header["group_id"], [s["sample_id"] for s in samples], [s["weight_version"] for s in samples]
+    return GroupIndex(header["group_id"], [s["sample_id"] for s in samples], [s["weight_version"] for s in samples],
+                      header["prompt_index"], max((s["n_response"] for s in samples), default=0))

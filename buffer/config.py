@@ -33,6 +33,9 @@ class GateConfig(_Strict):
 class StoreConfig(_Strict):
     capacity_groups: int = Field(4096, ge=1, description="groups held (ready + leased); pushes beyond are refused")
     lease_s: float = Field(300.0, gt=0, description="a pulled batch not acked by then goes back to the queue")
+    remembered_settled_groups: int = Field(
+        100_000, ge=1, description="consumed or dropped groups whose ids are kept (about 100 bytes each) so a "
+        "retried push of one is answered as a duplicate; a push retried later is refused as unknown_permit")
 
 
 class LogConfig(_Strict):
@@ -64,8 +67,14 @@ class CurveConfig(_Strict):
     client_public_key_file: Path | None = None
     client_secret_key_file: Path | None = None
     authorized_clients_dir: Path | None = Field(
-        None, description="public keys of the allowed clients; None = any client that knows the server key"
+        None, description="public keys of the allowed clients, one folder per role (worker/, learner/, admin/); "
+        "None = any client that knows the server key, with every right (loopback, or allow_any_client)"
     )
+    allow_any_client: bool = Field(
+        False, description="on a non-loopback bind without authorized_clients_dir, admit any client that knows "
+        "the server's public key (it can call every operation); refused unless set on purpose")
+    worker_client_secret_key_file: Path | None = Field(
+        None, description="the key the run's rollout workers use (role worker); None: client_secret_key_file")
 
 
 class ClientConfig(_Strict):
@@ -82,6 +91,9 @@ class BufferConfig(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(5557, ge=0, le=65535)
     allow_remote_without_auth: bool = False
+    max_version_jump: int = Field(
+        16, ge=1, description="set_version (or an ack with a version) and recover may move the learner version "
+        "at most this far ahead in one request: a wrong or hostile call cannot close the gate for good")
     gate: GateConfig = GateConfig()
     store: StoreConfig = StoreConfig()
     log: LogConfig = LogConfig()
@@ -95,6 +107,15 @@ class BufferConfig(_Strict):
             raise ValueError(
                 f"buffer.host={self.host!r} is not loopback and CURVE is off; enable buffer.curve "
                 "or set buffer.allow_remote_without_auth=true"
+            )
+        curve = self.curve
+        if (self.host not in LOOPBACK_HOSTS and curve.enabled and curve.authorized_clients_dir is None
+                and not curve.allow_any_client):
+            raise ValueError(
+                f"buffer.host={self.host!r} is not loopback and buffer.curve.authorized_clients_dir is unset: CURVE "
+                "would encrypt but admit any holder of the server's public key, with every right (recover, "
+                "set_version). Set buffer.curve.authorized_clients_dir (`etarl buffer keygen DIR` makes one with a "
+                "folder per role), or buffer.curve.allow_any_client=true on purpose"
             )
         return self
 

@@ -22,6 +22,7 @@ the gate's, which are restored from the log):
   rejected                     counter: acquire requests that ended without a permit
   permits_released, permits_reclaimed            counters
   next_ticket, free_tickets    data cursor and tickets waiting to be reissued
+  prompts_quarantined          counter: tickets set aside for good (their prompt fails the engine)
   groups_ready, groups_leased, samples_ready, bytes_held     store contents
   pushed_samples, pushed_groups, duplicate_pushes            counters
   consumed_samples, consumed_groups                          counters (acked)
@@ -31,11 +32,17 @@ the gate's, which are restored from the log):
   gate_wait_seconds            counter: total time acquire requests waited
   gate_waits                   counter: acquire requests that waited
   consumed_staleness: {staleness: n}  counter: consumed samples by (pull version − weight_version)
+  consumed_groups_by_length, dropped_groups_by_length: {le: n}  counters: groups consumed, and
+                               dropped as stale, by their longest response (LENGTH_BUCKETS): the
+                               stale-drop rate by length
   leases_expired, nacks        counters
   log_bytes, log_fsyncs, log_compactions        durable log (0 without a log)
+  log_compaction_longest_lock_s  the longest a background compaction held the lock (its swap)
 """
 from __future__ import annotations
 
+import contextlib
+import logging
 import threading
 import time
 from collections import Counter
@@ -44,12 +51,21 @@ from dataclasses import dataclass
 from buffer.admission import AdmissionGate, Permit
 from buffer.codec import check_group, group_index, pack_frames, unpack_frames
 from buffer.config import BufferConfig
-from buffer.durable_log import DurableLog
+from buffer.durable_log import Compaction, DurableLog
 from buffer.errors import BufferError, ProtocolError, RequestError
 from buffer.sample import new_id
 from buffer.store import GroupStore, Lease
 
-_WAIT_SLICE_S = 0.25  # blocked callers re-check leases and deadlines at least this often
+log = logging.getLogger(__name__)
+_WAIT_SLICE_S = 0.25
+# Upper bounds (tokens of a group's longest response) of the buckets that count settled groups
+# by length: staleness is judged by a group's start version, so long generations are the ones dropped.
+LENGTH_BUCKETS = (64, 256, 1024, 4096, 16384)
+
+
+def length_bucket(tokens: int) -> str:
+    """The Prometheus-style `le` label of a response length."""
+    return next((str(b) for b in LENGTH_BUCKETS if tokens <= b), "+Inf")  # blocked callers re-check leases and deadlines at least this often
 
 
 @dataclass
@@ -58,6 +74,7 @@ class PullResult:
     groups: list[bytes]  # packed groups (buffer.codec.unpack_frames)
     dropped_stale: int
     version: int
+    prompts_quarantined: int = 0
 
 
 class _Counters:
@@ -71,6 +88,7 @@ class _Counters:
         self.bad_messages: Counter = Counter()
         self.request_errors: Counter = Counter()
         self.consumed_staleness: Counter = Counter()
+        self.settled_by_length = {"consumed": Counter(), "dropped": Counter()}  # length bucket -> groups
 
 
 class BufferCore:
@@ -79,12 +97,17 @@ class BufferCore:
         self.limits = config.limits
         self.clock = clock
         g = config.gate
-        self.gate = AdmissionGate(g.batch_size, g.eta, g.max_concurrent, g.permit_lease_s)
-        self.store = GroupStore(config.store.capacity_groups, config.store.lease_s)
+        self.gate = AdmissionGate(g.batch_size, g.eta, g.max_concurrent, g.permit_lease_s, config.max_version_jump)
+        self.store = GroupStore(config.store.capacity_groups, config.store.lease_s,
+                                remembered_settled=config.store.remembered_settled_groups)
         self.enqueued = 0
         self._pending_dropped = 0
+        self._settled: list[dict] = []  # ack and drop records since the last compaction (to archive)
+        self._settle_n = 0  # the next settle number (an ack or drop record's `n`)
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
+        self._requests = threading.local()  # this thread's request depth (group commit at depth 0)
+        self._compaction: threading.Thread | None = None
         self.counters = _Counters()
         self.log: DurableLog | None = None
         self.started_at = time.time()
@@ -103,7 +126,7 @@ class BufferCore:
     def acquire_permits(self, worker_id: str, permit_ids: list[str], timeout: float = 0.0) -> list[Permit]:
         """Up to len(permit_ids) permits: waits up to `timeout` for the first, then takes as many
         more as are free right now (a worker generating several groups in one engine batch)."""
-        with self._lock:
+        with self._request():
             permits = self.try_acquire_many(worker_id, permit_ids)
             if permits or timeout <= 0:
                 self.finish_gate_wait(bool(permits))
@@ -121,7 +144,7 @@ class BufferCore:
     def try_acquire_many(self, worker_id: str, permit_ids: list[str]) -> list[Permit]:
         """Non-blocking: a permit per id, in order, while the gate has capacity. Ids of permits
         already granted return those permits (a retried request)."""
-        with self._lock:
+        with self._request():
             permits = []
             for permit_id in permit_ids:
                 permit = self.try_acquire(worker_id, permit_id)
@@ -134,14 +157,15 @@ class BufferCore:
         """One non-blocking attempt; a known permit_id returns its permit (a retried request)."""
         if not isinstance(worker_id, str) or len(worker_id) > self.limits.max_string_chars:
             raise ProtocolError("worker_id must be a short string", "bad_args")
-        with self._lock:
+        with self._request():
             self._tick_locked()
             known = permit_id is not None and permit_id in self.gate.permits
             if not known and self._store_room() <= 0:
                 return None  # no room for its group: wait, rather than generate a push refused as full
             permit = self.gate.try_acquire(worker_id, self.clock(), permit_id)
             if permit is not None and not known:
-                self._append({"op": "acquire", "permit": permit.to_dict()})
+                # Not synced on its own: a grant lost in a machine crash is harmless (DurableLog.append)
+                self._append({"op": "acquire", "permit": permit.to_dict()}, durable=False)
             return permit
 
     def _store_room(self) -> int:
@@ -150,18 +174,18 @@ class BufferCore:
 
     def capacity(self) -> int:
         """Permits grantable now: the gate's η formula, and room in the store for their groups."""
-        with self._lock:
+        with self._request():
             return min(self.gate.capacity(), self._store_room())
 
     def start_gate_wait(self) -> None:
         """An acquire request starts waiting for capacity (the ZMQ server parks it)."""
-        with self._lock:
+        with self._request():
             self.enqueued += 1
 
     def finish_gate_wait(self, granted: bool, started: float | None = None) -> None:
         """Account one acquire request that is over, granted or not; `started` (core clock) is
         when a request that waited called `start_gate_wait`."""
-        with self._lock:
+        with self._request():
             if started is not None:
                 self.enqueued -= 1
                 self.counters.gate_wait_seconds += self.clock() - started
@@ -169,17 +193,29 @@ class BufferCore:
             if not granted:
                 self.gate.rejected += 1
 
-    def release_permit(self, permit_id: str) -> bool:
-        with self._lock:
-            permit = self.gate.release(permit_id)
+    def release_permit(self, permit_id: str, quarantine: str | None = None) -> bool:
+        """End a permit without a group: its ticket is reissued, or, with `quarantine` (the
+        engine's error for a prompt that failed on its own again and again), set aside for good.
+        False if the permit is not held."""
+        with self._request():
+            if quarantine is None:
+                permit = self.gate.release(permit_id)
+                record = {"op": "release", "permit": permit_id}
+            else:
+                permit = self.gate.quarantine(permit_id)
+                record = {"op": "quarantine", "permit": permit_id, "ticket": None if permit is None else permit.ticket,
+                          "reason": quarantine[: self.limits.max_string_chars]}
             if permit is None:
                 return False
-            self._append({"op": "release", "permit": permit_id})
+            self._append(record)
+            if quarantine is not None:
+                log.warning("buffer: ticket %d quarantined (its prompt is never reissued): %s", permit.ticket,
+                            record["reason"])
             self._changed.notify_all()
             return True
 
     def set_version(self, version: int) -> None:
-        with self._lock:
+        with self._request():
             if version != self.gate.version:
                 self.gate.set_version(version)
                 self._append({"op": "version", "version": version})
@@ -187,7 +223,7 @@ class BufferCore:
 
     def recover(self, version: int) -> None:
         """Resume a run at learner version v with a fresh buffer: accepted = v·B (see AdmissionGate)."""
-        with self._lock:
+        with self._request():
             self.gate.recover(version)
             self._append({"op": "recover", "version": version})
             self._changed.notify_all()
@@ -207,7 +243,7 @@ class BufferCore:
         if len(groups) != len(permit_ids):
             raise ProtocolError(f"{len(groups)} groups but {len(permit_ids)} permit ids", "bad_args")
         packed = [self._packed(g) for g in groups]
-        with self._lock:
+        with self._request():
             self._tick_locked()
             checked = [self._check_push(p, permit_id, position) for position, (p, permit_id)
                        in enumerate(zip(packed, permit_ids))]
@@ -227,7 +263,7 @@ class BufferCore:
         """`push_groups`, then as many of the next permits as the gate allows right now (no
         waiting): a worker's push and its next acquire in one request. If the push fails, no
         permit is taken. Ids of permits already granted return those (a retried request)."""
-        with self._lock:
+        with self._request():
             results = self.push_groups(groups, permit_ids)
             return results, self.try_acquire_many(worker_id, next_permit_ids)
 
@@ -260,7 +296,7 @@ class BufferCore:
         seq = self.store.next_seq
         self._append({"op": "push", "permit": permit_id, "seq": seq, "group": packed})
         self.gate.consume(permit_id)
-        self.store.add(view.group_id, view.sample_ids, view.weight_versions, packed, seq)
+        self.store.add(view.index(), packed, seq)
         self.counters.pushed_groups += 1
         self.counters.pushed_samples += len(view.sample_ids)
 
@@ -275,7 +311,7 @@ class BufferCore:
         if version is not None and ack_lease_id is None:
             raise ProtocolError("pull_batch: version is set with the ack of the previous batch (ack_lease_id)",
                                 "bad_args")
-        with self._lock:
+        with self._request():
             if ack_lease_id is not None:
                 self.ack(ack_lease_id, version)
             result = self.try_pull(batch_size, lease_id)
@@ -286,7 +322,7 @@ class BufferCore:
             return result
 
     def try_pull(self, batch_size: int, lease_id: str | None = None) -> PullResult | None:
-        with self._lock:
+        with self._request():
             if lease_id is not None and lease_id in self.store.leases:
                 return self._result(self.store.leases[lease_id], 0)  # a retried pull
             self._tick_locked()
@@ -298,18 +334,22 @@ class BufferCore:
             dropped, self._pending_dropped = self._pending_dropped, 0
             return self._result(lease, dropped)
 
-    @staticmethod
-    def _result(lease: Lease, dropped: int) -> PullResult:
-        return PullResult(lease.lease_id, [g.packed for g in lease.groups], dropped, lease.version)
+    def _result(self, lease: Lease, dropped: int) -> PullResult:
+        return PullResult(lease.lease_id, [g.packed for g in lease.groups], dropped, lease.version,
+                          len(self.gate.quarantined))
 
     def _drop_stale(self) -> None:
         dropped = self.store.drop_stale(self.gate.version, self.gate.eta)
         if not dropped:
             return
-        self._append({"op": "drop", "reason": "stale", "groups": [g.group_id for g in dropped]})
-        self.gate.return_dropped(len(dropped))
+        tickets = [g.ticket for g in dropped]
+        self.store.settle(dropped)
+        self._append_settled({"op": "drop", "reason": "stale", "groups": [g.group_id for g in dropped],
+                              "tickets": tickets})
+        self.gate.return_dropped(tickets)
         self._pending_dropped += len(dropped)
         self.counters.dropped_groups["stale"] += len(dropped)
+        self.counters.settled_by_length["dropped"].update(length_bucket(g.response_tokens) for g in dropped)
         self.counters.dropped_samples["stale"] += sum(len(g.sample_ids) for g in dropped)
         self._maybe_compact()
 
@@ -317,7 +357,7 @@ class BufferCore:
         """The learner trained on the lease: its groups are consumed, exactly once. With `version`,
         the learner's new weight version is set right after (`set_version`): the end of a learner
         step in one request."""
-        with self._lock:
+        with self._request():
             if version is not None:
                 self.gate.check_version(version)  # a refused version changes nothing, the ack included
             consumed = self._ack(lease_id)
@@ -326,12 +366,15 @@ class BufferCore:
             return consumed
 
     def _ack(self, lease_id: str) -> int:
-        with self._lock:
+        with self._request():
             lease = self.store.ack(lease_id, self.clock())
             if isinstance(lease, int):
                 return lease  # acked before: a retried ack
-            self._append({"op": "ack", "lease": lease_id, "groups": [g.group_id for g in lease.groups]})
+            self.store.settle(lease.groups)
+            self._append_settled({"op": "ack", "lease": lease_id, "groups": [g.group_id for g in lease.groups],
+                                  "tickets": [g.ticket for g in lease.groups]})
             version = self.gate.version if lease.version is None else lease.version
+            self.counters.settled_by_length["consumed"].update(length_bucket(g.response_tokens) for g in lease.groups)
             for g in lease.groups:
                 self.counters.consumed_groups += 1
                 self.counters.consumed_samples += len(g.sample_ids)
@@ -342,7 +385,7 @@ class BufferCore:
             return len(lease.groups)
 
     def nack(self, lease_id: str) -> int:
-        with self._lock:
+        with self._request():
             n = self.store.nack(lease_id)
             if n:
                 self._append({"op": "nack", "lease": lease_id})
@@ -354,7 +397,7 @@ class BufferCore:
 
     def tick(self) -> bool:
         """Reclaim expired permits and leases, sync the log if due. True if waiters may proceed."""
-        with self._lock:
+        with self._request():
             changed = self._tick_locked()
             if changed:
                 self._changed.notify_all()
@@ -368,25 +411,25 @@ class BufferCore:
         expired = self.store.expire_leases(now)
         self.counters.leases_expired += len(expired)
         for lease in expired:
-            self._append({"op": "nack", "lease": lease.lease_id})
+            self._append({"op": "expire", "lease": lease.lease_id})
         if self.log is not None:
             self.log.sync_if_due()
         return bool(reclaimed or expired)
 
     def next_deadline(self) -> float | None:
         """The earliest permit or lease expiry (monotonic clock)."""
-        with self._lock:
+        with self._request():
             deadlines = [d for d in (min(self.gate.deadlines.values(), default=None),
                                      self.store.next_lease_deadline()) if d is not None]
             return min(deadlines, default=None)
 
     def count_bad_message(self, error: BufferError) -> None:
-        with self._lock:
+        with self._request():
             target = self.counters.request_errors if isinstance(error, RequestError) else self.counters.bad_messages
             target[error.reason] += 1
 
     def stats(self) -> dict:
-        with self._lock:
+        with self._request():
             c, gate, store = self.counters, self.gate, self.store
             return {
                 "version": gate.version, "eta": gate.eta, "batch_size": gate.batch_size,
@@ -395,6 +438,7 @@ class BufferCore:
                 "accepted": gate.accepted, "rejected": gate.rejected,
                 "permits_released": gate.released, "permits_reclaimed": gate.reclaimed,
                 "next_ticket": gate.next_ticket, "free_tickets": len(gate.free_tickets),
+                "prompts_quarantined": len(gate.quarantined),
                 "groups_ready": len(store.ready), "groups_leased": store.groups_leased,
                 "samples_ready": store.samples_ready(),
                 "bytes_held": store.bytes_held + sum(g.nbytes for lease in store.leases.values() for g in lease.groups),
@@ -405,28 +449,55 @@ class BufferCore:
                 "bad_messages": dict(c.bad_messages), "request_errors": dict(c.request_errors),
                 "gate_wait_seconds": c.gate_wait_seconds, "gate_waits": c.gate_waits,
                 "consumed_staleness": {str(k): v for k, v in sorted(c.consumed_staleness.items())},
+                "consumed_groups_by_length": dict(c.settled_by_length["consumed"]),
+                "dropped_groups_by_length": dict(c.settled_by_length["dropped"]),
                 "leases_expired": c.leases_expired, "nacks": c.nacks,
                 "log_bytes": self.log.size if self.log else 0,
                 "log_fsyncs": self.log.fsyncs if self.log else 0,
                 "log_compactions": self.log.compactions if self.log else 0,
+                "log_compaction_longest_lock_s": self.log.longest_compaction_lock_s if self.log else 0.0,
             }
 
     def health(self) -> dict:
-        with self._lock:
+        with self._request():
             return {"ok": True, "version": self.gate.version, "uptime_s": time.time() - self.started_at,
                     "groups_ready": len(self.store.ready), "running": self.gate.running,
                     "durable": self.log is not None}
 
     def close(self) -> None:
+        self.wait_for_compaction()
         with self._lock:
             if self.log is not None:
                 self.log.close()
 
     # ---- durability -------------------------------------------------------------------------
 
-    def _append(self, record: dict) -> None:
+    @contextlib.contextmanager
+    def _request(self):
+        """One request (or a call nested in one): state changes under the lock, and at the end of
+        the outermost call the request's log records are committed together (one fsync at most)
+        before the caller answers."""
+        with self._lock:
+            depth = getattr(self._requests, "depth", 0)
+            self._requests.depth = depth + 1
+            try:
+                yield
+            finally:
+                self._requests.depth = depth
+                if depth == 0 and self.log is not None:
+                    self.log.commit()
+
+    def _append(self, record: dict, durable: bool = True) -> None:
         if self.log is not None:
-            self.log.append(record)
+            self.log.append(record, durable)
+
+    def _append_settled(self, record: dict) -> None:
+        """Log an ack or drop under the next settle number; compaction archives it."""
+        record["n"] = self._settle_n
+        self._settle_n += 1
+        self._append(record)
+        if self.log is not None:
+            self._settled.append(record)
 
     def _replay(self, record: dict) -> None:
         """Apply one logged event to a freshly built core (no logging, no counters)."""
@@ -435,26 +506,22 @@ class BufferCore:
             self.gate.restore_permit(Permit(**record["permit"]), now)
         elif op == "release":
             self.gate.release(record["permit"])
+        elif op == "quarantine":
+            self.gate.quarantine(record["permit"])
         elif op == "push":
-            group_id, sample_ids, versions = group_index(unpack_frames(record["group"])[0])
             if record["permit"] in self.gate.permits:
                 self.gate.consume(record["permit"])
-            self.store.add(group_id, sample_ids, versions, record["group"], record["seq"])
+            stored = self.store.add(group_index(unpack_frames(record["group"])[0]), record["group"], record["seq"])
+            stored.handed_out = record.get("handed_out", 0)
         elif op == "lease":
             groups = [g for gid in record["groups"] if (g := self.store.remove_ready(gid)) is not None]
-            self.store.leases[record["lease"]] = Lease(record["lease"], groups, now + self.store.lease_s,
-                                                       record["version"])
+            self.store.hand_out(record["lease"], groups, now + self.store.lease_s, record["version"])
         elif op == "nack":
             self.store.nack(record["lease"])
-        elif op == "ack" and record.get("lease") in self.store.leases:
-            self.store.ack(record["lease"], now)  # also remembers it: a retried ack is answered
+        elif op == "expire":
+            self.store.expire(record["lease"])
         elif op in ("ack", "drop"):
-            for group_id in record["groups"]:
-                self.store.remove_ready(group_id)
-            if op == "drop":
-                self.gate.return_dropped(len(record["groups"]))
-            if record.get("lease") is not None:
-                self.store.finished_leases[record["lease"]] = len(record["groups"])
+            self._replay_settled(record, now)
         elif op == "version":
             self.gate.version = max(self.gate.version, record["version"])
         elif op == "recover":
@@ -462,20 +529,63 @@ class BufferCore:
         elif op == "snapshot":
             self.gate.load_state(record["gate"], now)
             self.store.next_seq = record["next_seq"]
-            for group_id, sample_ids in record["consumed"].items():
-                self.store.remember_ids(group_id, sample_ids)
+            self.store.load_lease_memory(record.get("leases", {}))
+            for group_id, digest in record.get("settled", []):
+                self.store.remember_settled(group_id, digest)
+            self._settle_n = max(self._settle_n, record.get("settle_n", 0))
         else:
             raise ValueError(f"buffer log {self.log.path}: unknown record op {op!r}")
 
-    def _maybe_compact(self) -> None:
-        """Rewrite the log as a snapshot + live groups once it is big and twice its size after the last rewrite."""
-        log = self.log
-        if log is None or log.size < max(log.config.compact_min_bytes, 2 * log.base_size):
-            return  # the doubling keeps compaction amortised O(1) per write
-        log.rewrite(self.snapshot_records())
+    def _replay_settled(self, record: dict, now: float) -> None:
+        if "tickets" not in record or "n" not in record:
+            raise ValueError(f"buffer log {self.log.path}: an {record['op']!r} record without tickets: the log was "
+                             "written by an older etarl; start the buffer with a new log")
+        if record["op"] == "ack" and record.get("lease") in self.store.leases:
+            self.store.settle(self.store.ack(record["lease"], now).groups)  # remembered: a retried ack is answered
+        else:  # an ack of an expired lease, or a drop: the groups were ready
+            self.store.settle([g for gid in record["groups"] if (g := self.store.remove_ready(gid)) is not None])
+            self.store.forget_expired(record.get("lease"))
+            if record["op"] == "drop":
+                self.gate.return_dropped(record["tickets"])
+            elif record.get("lease") is not None:
+                self.store.remember_finished(record["lease"], len(record["groups"]))
+        self._settle_n = max(self._settle_n, record["n"] + 1)
+        self._settled.append(record)
 
-    def snapshot_records(self, keep_in_flight: bool = True, keep_consumed_ids: bool = True) -> list[dict]:
-        """The state as log records: one `snapshot` (gate, cursor, ids of consumed groups), one
+    def _maybe_compact(self) -> None:
+        """Compact the log in the background once it is big and twice its size after the last
+        compaction (the doubling keeps it amortised O(1) per write). Only the snapshot (references)
+        and the final swap hold the lock."""
+        log = self.log
+        if log is None or self._compaction is not None:
+            return
+        if log.size < max(log.config.compact_min_bytes, 2 * log.base_size):
+            return
+        job = Compaction(log, self.snapshot_records(), self._settled)
+        self._settled = []
+        self._compaction = threading.Thread(target=self._compact, args=(job,), name="buffer-compaction", daemon=True)
+        self._compaction.start()
+
+    def _compact(self, job: Compaction) -> None:
+        try:
+            job.run(self._lock)
+        except Exception:  # the log stays as it was; its settled records are archived next time
+            logging.getLogger(__name__).exception("buffer log %s: compaction failed", job.log.path)
+            with self._lock:
+                self._settled = job.settled + self._settled
+        finally:
+            with self._lock:
+                self._compaction = None
+
+    def wait_for_compaction(self, timeout: float | None = None) -> bool:
+        """Wait for a background compaction to end; True if none is running."""
+        thread = self._compaction
+        if thread is not None:
+            thread.join(timeout)
+        return self._compaction is None
+
+    def snapshot_records(self, keep_in_flight: bool = True, keep_settled_ids: bool = True) -> list[dict]:
+        """The state as log records: one `snapshot` (gate, cursor, digests of settled groups), one
         `push` per live group, one `lease` per leased batch. `keep_in_flight=False` is a
         checkpoint's view: work in flight does not survive a resume, so the tickets of held permits
         go back to the reissue pool and leased groups are ready again (no `lease` records)."""
@@ -485,22 +595,21 @@ class BufferCore:
                 gate["free_tickets"] = sorted(gate["free_tickets"] + [p["ticket"] for p in gate["permits"]])
                 gate["permits"] = []
             live = self.store.live_groups()
-            consumed: dict[str, list[str]] = {}
-            if keep_consumed_ids:
-                live_ids = {g.group_id for g in live}
-                for sid, gid in self.store.sample_group.items():
-                    if gid not in live_ids:
-                        consumed.setdefault(gid, []).append(sid)
-            head = {"op": "snapshot", "gate": gate, "next_seq": self.store.next_seq, "consumed": consumed}
-            pushes = [{"op": "push", "permit": None, "seq": g.seq, "group": g.packed} for g in live]
+            settled = list(self.store.settled.items()) if keep_settled_ids else []
+            head = {"op": "snapshot", "gate": gate, "next_seq": self.store.next_seq, "settled": settled,
+                    "leases": self.store.lease_memory(), "settle_n": self._settle_n}
+            leased = {g.group_id for lease in self.store.leases.values() for g in lease.groups}
+            # handed_out without the current lease: replaying its `lease` record counts it again
+            pushes = [{"op": "push", "permit": None, "seq": g.seq, "group": g.packed,
+                       "handed_out": g.handed_out - (g.group_id in leased)} for g in live]
             leases = [{"op": "lease", **_lease_record(lease)} for lease in self.store.leases.values()]
             return [head, *pushes, *(leases if keep_in_flight else [])]
 
     def restore(self, records: list[dict]) -> None:
         """Load `snapshot_records()` (of another buffer, e.g. from a checkpoint) into this fresh one;
         with a durable log, the log is rewritten to hold exactly that state."""
-        with self._lock:
-            if self.store.groups_held or self.gate.running or self.gate.accepted or self.store.sample_group:
+        with self._request():
+            if self.store.groups_held or self.gate.running or self.gate.accepted or self.store.settled:
                 raise RequestError("restore needs a fresh buffer (this one already holds state)", "not_fresh")
             for record in records:
                 self._replay(record)

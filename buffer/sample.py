@@ -128,12 +128,14 @@ class PulledBatch:
     """What the learner gets from `pull_batch`: B groups under one lease. `ack(lease_id)` once
     trained on (consumed, exactly once), `nack(lease_id)` to hand them back. `dropped_stale`
     counts groups dropped as too stale since the previous batch; `version` is the learner version
-    the buffer judged staleness against."""
+    the buffer judged staleness against; `prompts_quarantined` the buffer's total of prompts set
+    aside for good (they fail the engine)."""
 
     lease_id: str
     groups: list[Group]
     dropped_stale: int
     version: int
+    prompts_quarantined: int = 0
 
     @property
     def samples(self) -> list[Sample]:

@@ -66,6 +66,7 @@ def _number(value) -> bool:
 
 _ARG_TYPES = {
     "worker_id": (lambda v: isinstance(v, str), "a string"),
+    "quarantine": (lambda v: isinstance(v, str) and 0 < len(v) <= 4096, "a reason string (1 to 4096 chars)"),
     "permit_id": (lambda v: isinstance(v, str) and 0 < len(v) <= 256, "a string id"),
     "permit_ids": (_id_list, f"a list of 1 to {_MAX_IDS} string ids"),
     "next_permit_ids": (_id_list, f"a list of 1 to {_MAX_IDS} string ids"),
@@ -77,7 +78,7 @@ _ARG_TYPES = {
 }
 _OP_ARGS = {
     "acquire_permits": {"worker_id": _REQUIRED, "timeout": 0.0, "permit_ids": _REQUIRED},
-    "release_permit": {"permit_id": _REQUIRED},
+    "release_permit": {"permit_id": _REQUIRED, "quarantine": None},
     "push_groups": {"permit_ids": _REQUIRED, "worker_id": None, "next_permit_ids": None},
     "pull_batch": {"batch_size": _REQUIRED, "timeout": 0.0, "lease_id": None, "ack_lease_id": None, "version": None},
     "ack": {"lease_id": _REQUIRED, "version": None},
@@ -119,7 +120,9 @@ class BufferServer:
         self.socket.router_mandatory = 1  # a reply to a gone client fails instead of vanishing
         # A hard cap far above the checked limit, so oversized messages normally get an error reply.
         self.socket.setsockopt(zmq.MAXMSGSIZE, 4 * config.limits.max_message_bytes)
-        self._authenticator = auth.configure_server(self.socket, config.curve) if config.curve.enabled else None
+        # With role folders, each request is checked against its client key's role (auth.ROLE_OPS).
+        self._authenticator, self._roles = (auth.configure_server(self.socket, config.curve) if config.curve.enabled
+                                            else (None, None))
         if config.port == 0:
             self.socket.bind_to_random_port(f"tcp://{config.host}")
         else:
@@ -145,10 +148,10 @@ class BufferServer:
                 if poller.poll(self._poll_timeout_ms()):
                     for _ in range(_BATCH):
                         try:
-                            frames = self.socket.recv_multipart(zmq.NOBLOCK)
+                            frames, role = self._receive()
                         except zmq.Again:
                             break
-                        self._handle(frames)
+                        self._handle(frames, role)
                 self.core.tick()
                 self._serve_parked()
         finally:
@@ -180,7 +183,16 @@ class BufferServer:
 
     # ---- one message ------------------------------------------------------------------------
 
-    def _handle(self, frames: list[bytes]) -> None:
+    def _receive(self) -> tuple[list[bytes], str | None]:
+        """The next message and its client's role (None: no roles configured, every op allowed).
+        A role is read from the message's ZAP User-Id (the client's public key)."""
+        if self._roles is None:
+            return self.socket.recv_multipart(zmq.NOBLOCK), None
+        frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
+        user = frames[-1].get("User-Id")
+        return [f.bytes for f in frames], self._roles.get(user.encode() if user else b"", "")
+
+    def _handle(self, frames: list[bytes], role: str | None = None) -> None:
         identity, request_id = frames[0], None
         try:
             if len(frames) < 2:
@@ -194,6 +206,9 @@ class BufferServer:
             op = header["op"]
             if not isinstance(op, str) or op not in self._handlers:
                 raise ProtocolError(f"unknown op {op!r:.60}", "unknown_op")
+            if role is not None and not auth.role_allows(role, op):
+                raise RequestError(f"{op}: forbidden for a client of role {role or 'none'!r} "
+                                   f"(see buffer.auth.ROLE_OPS)", "forbidden")
             args = parse_args(op, header["args"])
             if op != "push_groups" and len(frames) > 2:
                 raise ProtocolError(f"{op} takes no payload frames, got {len(frames) - 2}", "bad_frame_count")
@@ -249,7 +264,7 @@ class BufferServer:
         return [p.to_dict() for p in permits],
 
     def _release(self, identity, request_id, args, _payload):
-        return self.core.release_permit(args["permit_id"]),
+        return self.core.release_permit(args["permit_id"], args["quarantine"]),
 
     def _push(self, identity, request_id, args, payload):
         if len(payload) != len(args["permit_ids"]):
@@ -275,7 +290,8 @@ class BufferServer:
     def _pull_reply(result: PullResult | None):
         if result is None:
             return None, ()
-        meta = {"lease_id": result.lease_id, "dropped_stale": result.dropped_stale, "version": result.version}
+        meta = {"lease_id": result.lease_id, "dropped_stale": result.dropped_stale, "version": result.version,
+                "prompts_quarantined": result.prompts_quarantined}
         return meta, result.groups  # one packed group per frame
 
     def _ack(self, identity, request_id, args, _payload):
@@ -337,11 +353,17 @@ def main(argv: list[str]) -> int:
     serve.add_argument("--config", help="buffer config YAML (or a run config with a `buffer:` section)")
     serve.add_argument("--port", type=int, help="override the port (0 = any free port)")
     serve.add_argument("--log-level", default="INFO")
-    keygen = sub.add_parser("keygen", help="write CURVE server and client key pairs into DIR")
+    keygen = sub.add_parser("keygen", help="write the CURVE server key pair (unless DIR has one) and a client "
+                            "key pair per role, authorized under DIR/authorized_clients/<role>/")
     keygen.add_argument("dir")
+    keygen.add_argument("--role", choices=sorted(auth.ROLE_OPS), help="one client key of this role (default: one per role)")
+    keygen.add_argument("--name", help="the client key's file name (with --role; default: the role)")
     args = parser.parse_args(argv)
     if args.command == "keygen":
-        for name, path in auth.keygen(args.dir).items():
+        if args.name and not args.role:
+            parser.error("--name needs --role")
+        roles = (args.role,) if args.role else tuple(auth.ROLE_OPS)
+        for name, path in auth.keygen(args.dir, roles, args.name).items():
             print(f"{name}: {path}")
         return 0
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")

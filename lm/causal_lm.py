@@ -53,10 +53,21 @@ def enable_gradient_checkpointing(model) -> None:
         layer.training = True  # this module only: Module.train() would reach the dropouts too
 
 
+# Files any one of which holds a tokenizer transformers can load (fast, sentencepiece, BPE, WordPiece).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+
+
 def load_tokenizer(path: str | os.PathLike):
+    """The tokenizer saved in an HF model folder; a folder without one is a FileNotFoundError that
+    says so (AutoTokenizer's own error points at the model hub)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(check_model_dir(path))
+    folder = check_model_dir(path)
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise FileNotFoundError(f"model path {str(folder)!r} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): "
+                                f"copy the tokenizer files of the model it was made from into it "
+                                f"(tokenizer.save_pretrained)")
+    return AutoTokenizer.from_pretrained(folder)
 
 
 def pad_sequences(

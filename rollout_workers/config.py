@@ -1,7 +1,7 @@
 """Rollout-side configuration (pydantic, unknown keys are errors), composed by services/config.py."""
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -38,10 +38,21 @@ class TaskConfig(_Strict):
     difficulties: list[int] = Field(default_factory=lambda: [2], description="synthetic difficulty levels, mixed")
     num_prompts: int = Field(20000, ge=1, description="train prompts (tickets wrap around after the last)")
     seed: int = 0
-    path: str | None = Field(None, description="kind=file: train prompts, .jsonl or .parquet")
+    path: str | None = Field(None, description="kind=file: train prompts, .jsonl or .parquet (flat or verl layout)")
     heldout_path: str | None = Field(None, description="kind=file: held-out prompts for evaluation")
-    prompt_key: str = "prompt"
-    answer_key: str = "answer"
+    prompt_key: str = Field("prompt", description="the column holding the prompt: text or chat messages")
+    answer_key: str | None = Field(
+        None, description="the reference answer's column, a dotted path allowed; None: reward_model.ground_truth "
+        "in rows that have a reward_model (verl's layout), else answer")
+    data_source_key: str = Field("data_source", description="verl's data_source column (given to the reward)")
+    extra_info_key: str = Field("extra_info", description="verl's extra_info column (given to the reward)")
+    chat_template: str = Field(
+        "auto", description="auto: chat prompts through the tokenizer's template; none: message contents joined; "
+        "or a Jinja file")
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="extra variables for the chat template, e.g. {enable_thinking: false}")
+    skip_invalid: bool = Field(
+        False, description="skip unusable prompt rows (no answer, empty, too long) instead of refusing to start")
 
     @model_validator(mode="after")
     def _check(self):
@@ -60,7 +71,9 @@ class RolloutConfig(_Strict):
     engine: EngineConfig = Field(default_factory=EngineConfig)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     task: TaskConfig = Field(default_factory=TaskConfig)
-    reward: str = Field("math", description="built-in name (math, exact) or 'module:function'")
+    reward: str = Field("math", description="built-in name (math, exact), 'module:function' or "
+                        "'path/to/file.py:function'; fn(response, answer) or verl's compute_score(data_source, "
+                        "solution_str, ground_truth, extra_info=None), sync or async")
     reward_timeout_s: float = Field(5.0, gt=0)
     groups_per_batch: int = Field(
         4, ge=1, description="permits taken at once (when free) and generated in one engine batch")
@@ -69,6 +82,14 @@ class RolloutConfig(_Strict):
     weight_poll_s: float = Field(0.2, ge=0, description="how often to ask the weight store for a new version")
     acquire_timeout_s: float = Field(1.0, gt=0, description="long-poll for a permit (the stop check runs between)")
     error_backoff_s: float = Field(1.0, ge=0, description="pause after a failed generation or push")
+    max_prompt_failures: int = Field(
+        3, ge=1, description="a prompt that fails generation this many times on its own (while the engine "
+        "serves other prompts) is quarantined: its ticket is never reissued")
+    weight_wait_s: float = Field(
+        120.0, gt=0, description="how long a worker waits for the weights its permit needs before it "
+        "generates with the ones it has")
+    weight_load_retries: int = Field(
+        3, ge=0, description="retries of a failed weight load before the worker asks to be restarted")
 
     @classmethod
     def tiny_vllm(cls, **changes) -> "RolloutConfig":

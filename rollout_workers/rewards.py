@@ -1,24 +1,46 @@
 """Reward functions and the runner that calls them safely.
 
-A reward function is `fn(response: str, answer: str) -> float`. Built-ins are named ("math",
-"exact"); any other is given by import path "package.module:function".
+Two forms are accepted, told apart by their signature:
+  fn(response, answer) -> float                                   etarl's form
+  compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float | dict
+                                                                  verl's form, called by keyword
+A dict's "score" is the reward and its other numeric entries become metrics `reward/<key>`
+(averaged over a step's samples). Either form may be `async` (awaited). Built-ins are named
+("math", "exact"); any other is "package.module:function" or "path/to/file.py:function" (verl's
+`custom_reward_function.path`). A module that is not an installed package travels to the workers
+in the Ray job's runtime environment (`reward_py_modules`); a file reward is loaded from its path,
+else, on a node without that path, as the module of the same name shipped that way.
 `RewardRunner` calls the function in a child process with a per-response timeout: a reward that
 hangs, crashes, kills its process or returns a non-number is scored `failure_reward`, counted,
 and the child is replaced, so the worker never stalls.
 """
 from __future__ import annotations
 
+import asyncio
 import importlib
+import importlib.util
+import inspect
 import math
+import numbers
 import os
 import re
+import site
 import subprocess
 import sys
+import sysconfig
 from collections.abc import Callable
 from fractions import Fraction
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from rollout_workers.data.problems import Problem
 
 RewardFn = Callable[[str, str], float]
-
+PLAIN_FORM = "fn(response, answer) -> float"
+VERL_FORM = "compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float | dict"
+VERL_ARGS = ("data_source", "solution_str", "ground_truth", "extra_info")
+MAX_REWARD_METRICS = 16  # metrics a reward may add per sample (they ride in the sample's metadata)
+_RESERVED_METRICS = ("score", "mean", "std")  # the reward itself, and the learner's reward/mean, reward/std
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
 _BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
 _MARKED = re.compile(r"(?:####|answer is|answer:)\s*([^\n]*)", re.IGNORECASE)
@@ -62,23 +84,169 @@ def exact_match_reward(response: str, answer: str) -> float:
 BUILTIN_REWARDS: dict[str, RewardFn] = {"math": math_reward, "exact": exact_match_reward}
 
 
-def resolve_reward(spec: str) -> RewardFn:
-    """A built-in name or "module:function"; errors say what is wrong with the spec."""
+def _is_file(module_part: str) -> bool:
+    return module_part.endswith(".py") or "/" in module_part or os.sep in module_part
+
+
+def _load_file_module(path: Path, spec: str):
+    """The module of a reward file, loaded from the file (registered as etarl_reward_<stem>), or,
+    where the file is not on this node, the module <stem> shipped in the job's py_modules."""
+    if not path.is_file():
+        try:
+            return importlib.import_module(path.stem)
+        except ImportError:
+            raise ValueError(f"reward {spec!r}: file {str(path)!r} does not exist") from None
+    name = f"etarl_reward_{path.stem}"
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[name] = module  # the file's own pickling and dataclasses need it registered
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as err:
+        del sys.modules[name]
+        raise ValueError(f"reward {spec!r}: loading {str(path)!r} failed: {type(err).__name__}: {err}") from None
+    return module
+
+
+def resolve_reward(spec: str) -> Callable:
+    """The function a reward spec names: a built-in, "module:function" or "path/file.py:function";
+    errors say what is wrong with the spec."""
     if spec in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[spec]
-    module_name, sep, attr = spec.partition(":")
+    module_name, sep, attr = spec.rpartition(":")
     if not sep or not module_name or not attr:
-        raise ValueError(
-            f"reward {spec!r} is neither a built-in ({sorted(BUILTIN_REWARDS)}) nor 'module:function'"
-        )
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ValueError(f"reward {spec!r}: cannot import module {module_name!r} ({err})") from None
+        raise ValueError(f"reward {spec!r} is neither a built-in ({sorted(BUILTIN_REWARDS)}), 'module:function' "
+                         f"nor 'path/to/file.py:function'")
+    if _is_file(module_name):
+        module = _load_file_module(Path(module_name).expanduser(), spec)
+    else:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as err:
+            raise ValueError(f"reward {spec!r}: cannot import module {module_name!r} ({err})") from None
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise ValueError(f"reward {spec!r}: module {module_name!r} has no callable {attr!r}")
     return fn
+
+
+def _call_style(fn: Callable, spec: str) -> tuple[str, ...] | None:
+    """How to call a reward: None for etarl's fn(response, answer), else the verl keywords it takes.
+    A signature that fits neither form is a ValueError that shows both."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # no signature to read (some C functions): assume etarl's form
+        return None
+    names = {p.name for p in params}
+    var_keyword = any(p.kind is p.VAR_KEYWORD for p in params)
+    required = [p.name for p in params if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if {"solution_str", "ground_truth"} <= names:
+        passed = tuple(name for name in VERL_ARGS if name in names or var_keyword)
+        if set(required) <= set(passed):
+            return passed
+    else:
+        positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        takes_two = len(positional) >= 2 or any(p.kind is p.VAR_POSITIONAL for p in params)
+        if takes_two and set(required) <= set(positional[:2]):
+            return None
+    shown = f"{getattr(fn, '__name__', 'function')}{inspect.signature(fn)}"
+    raise ValueError(f"reward {spec!r}: {shown} fits neither accepted form:\n  {PLAIN_FORM}   (etarl)\n"
+                     f"  {VERL_FORM}   (verl; a dict's 'score' is the reward, its other numbers metrics)")
+
+
+class Scored(NamedTuple):
+    """A reward and the metrics that came with it ({"reward/<key>": value})."""
+
+    value: float
+    metrics: dict[str, float]
+
+
+class BadRewardValue(ValueError):
+    """A reward returned something that is not a finite number (or a dict holding one as 'score')."""
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def to_scored(value: Any) -> Scored:
+    """A reward function's return value as a Scored; BadRewardValue says what is wrong with it."""
+    if isinstance(value, dict):
+        if not _is_number(value.get("score")):
+            raise BadRewardValue(f"returned a dict whose 'score' is {value.get('score')!r}, not a finite number")
+        metrics = {f"reward/{key}": float(v) for key, v in value.items()
+                   if isinstance(key, str) and key not in _RESERVED_METRICS
+                   and isinstance(v, numbers.Real) and math.isfinite(v)}
+        return Scored(float(value["score"]), dict(list(metrics.items())[:MAX_REWARD_METRICS]))
+    if not _is_number(value):
+        raise BadRewardValue(f"returned {value!r:.200}, not a finite number")
+    return Scored(float(value), {})
+
+
+class Reward:
+    """A reward spec loaded and called the same way whatever its form: `reward(response, problem)`
+    -> Scored. An async reward is awaited on this object's own event loop."""
+
+    def __init__(self, spec: str) -> None:
+        self.spec = spec
+        self.fn = resolve_reward(spec)
+        self.verl_args = _call_style(self.fn, spec)
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def form(self) -> str:
+        return "etarl" if self.verl_args is None else "verl"
+
+    def __call__(self, response: str, problem: Problem) -> Scored:
+        if self.verl_args is None:
+            result = self.fn(response, problem.answer_text)
+        else:
+            given = {"data_source": problem.data_source, "solution_str": response,
+                     "ground_truth": problem.answer, "extra_info": problem.extra_info}
+            result = self.fn(**{name: given[name] for name in self.verl_args})
+        if inspect.isawaitable(result):
+            if self._loop is None:
+                self._loop = asyncio.new_event_loop()
+            result = self._loop.run_until_complete(result)
+        return to_scored(result)
+
+
+def reward_metrics(groups) -> dict[str, float]:
+    """The mean of every `reward/<key>` metric the samples of `groups` carry (a step's record)."""
+    sums: dict[str, list[float]] = {}
+    for group in groups:
+        for sample in group.samples:
+            for key, value in sample.metadata.items():
+                if key.startswith("reward/"):
+                    sums.setdefault(key, []).append(float(value))
+    return {key: sum(values) / len(values) for key, values in sorted(sums.items())}
+
+
+def _installed_roots() -> list[Path]:
+    """Where installed code lives (site-packages, the standard library) and etarl's own tree: a
+    module there is already on every worker."""
+    paths = sysconfig.get_paths()
+    roots = [paths["purelib"], paths["platlib"], paths["stdlib"], *site.getsitepackages(), site.getusersitepackages()]
+    return [Path(r).resolve() for r in roots] + [Path(__file__).resolve().parents[1]]
+
+
+def reward_py_modules(spec: str) -> list[str]:
+    """Local paths the workers need to import a reward: its file, or the top-level package (or
+    module file) of a "module:function" that is not installed. Call where the spec resolves."""
+    module_name, _, _ = spec.rpartition(":")
+    if spec in BUILTIN_REWARDS or not module_name:
+        return []
+    if _is_file(module_name):
+        return [str(Path(module_name).expanduser().resolve())]
+    root = importlib.import_module(module_name.split(".")[0])
+    if getattr(root, "__file__", None):
+        where = Path(root.__file__).resolve()
+        where = where.parent if hasattr(root, "__path__") else where
+    else:  # a namespace package
+        where = Path(next(iter(root.__path__))).resolve()
+    if any(where.is_relative_to(installed) for installed in _installed_roots()):
+        return []
+    return [str(where)]
 
 
 def _child_main() -> None:
@@ -89,16 +257,18 @@ def _child_main() -> None:
     replies = Connection(os.dup(1), readable=False)
     os.dup2(2, 1)
     requests = Connection(os.dup(0), writable=False)
-    fn = resolve_reward(sys.argv[1])
+    reward = Reward(sys.argv[1])
     replies.send(("ready", None))
     while True:
         try:
             message = requests.recv()
         except EOFError:
             return
-        response, answer = message
+        response, problem = message
         try:
-            replies.send(("ok", fn(response, answer)))
+            replies.send(("ok", tuple(reward(response, problem))))  # a plain tuple: this module is __main__ here
+        except BadRewardValue as err:
+            replies.send(("bad", str(err)))
         except Exception as err:  # the reward's own bug: report it, keep serving
             replies.send(("error", f"{type(err).__name__}: {err}"))
 
@@ -114,7 +284,7 @@ class RewardRunner:
     ) -> None:
         if timeout_s <= 0:
             raise ValueError(f"reward timeout_s must be > 0, got {timeout_s}")
-        resolve_reward(spec)  # fail fast, in the caller, on a bad spec
+        Reward(spec)  # fail fast, in the caller, on a bad spec or signature
         self.spec = spec
         self.timeout_s = timeout_s
         self.failure_reward = failure_reward
@@ -152,18 +322,18 @@ class RewardRunner:
                 conn.close()
         self._proc = self._send = self._recv = None
 
-    def _fail(self, why: str) -> float:
+    def _fail(self, why: str) -> Scored:
         self.failures_total += 1
         self.last_error = why
-        return self.failure_reward
+        return Scored(self.failure_reward, {})
 
-    def score_one(self, response: str, answer: str) -> float:
+    def score_one(self, response: str, problem: Problem) -> Scored:
         self.calls_total += 1
         try:
             if self._proc is None or self._proc.poll() is not None:
                 self._kill()
                 self._start()
-            self._send.send((response, answer))
+            self._send.send((response, problem))
             if not self._recv.poll(self.timeout_s):
                 self.timeouts_total += 1
                 self._kill()
@@ -172,14 +342,14 @@ class RewardRunner:
         except (EOFError, OSError, TimeoutError) as err:
             self._kill()
             return self._fail(f"reward {self.spec!r} process died ({type(err).__name__})")
-        if status != "ok":
+        if status == "error":
             return self._fail(f"reward {self.spec!r} raised {value}")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            return self._fail(f"reward {self.spec!r} returned {value!r}, not a finite number")
-        return float(value)
+        if status == "bad":
+            return self._fail(f"reward {self.spec!r} {value}")
+        return Scored(*value)
 
-    def score(self, responses: list[str], answer: str) -> list[float]:
-        return [self.score_one(response, answer) for response in responses]
+    def score(self, responses: list[str], problem: Problem) -> list[Scored]:
+        return [self.score_one(response, problem) for response in responses]
 
     def stats(self) -> dict[str, float]:
         return {

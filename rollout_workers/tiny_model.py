@@ -2,6 +2,10 @@
 causal LM built from a config, and a short supervised warm start on the built-in tasks, saved as
 an ordinary HF folder (loaded by `lm.causal_lm.load_causal_lm`, by transformers and by vLLM).
 
+The tokenizer carries a small chat template (two added special tokens mark the turns; the end of
+a turn is EOS), so chat-formatted prompts work end to end with the tiny model too; the warm start
+never sees them, so the built-in tasks' model is the same with or without them.
+
 The warm start is deliberately short: RL should start from a policy that solves some held-out
 prompts but not all, so there is reward signal and room to improve.
 `ensure_tiny_model(cache_dir)` builds once per spec (the cache key is a hash of the spec) and
@@ -21,11 +25,19 @@ from pathlib import Path
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from rollout_workers.tasks import ALPHABET, Problem, mixed_problems
+from rollout_workers.data import ALPHABET, Problem, mixed_problems
 
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
+USER, ASSISTANT = "<|user|>", "<|assistant|>"  # turn markers of the chat template (appended to the vocab)
+# System and user turns both open with USER; a turn ends with EOS; the generation prompt is ASSISTANT.
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{ ('<|assistant|>' if message['role'] == 'assistant' else '<|user|>') + message['content'] + eos_token }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|assistant|>' }}{%- endif -%}"
+)
 SPEC_FILE = "etarl_tiny_model.json"
-BUILD_VERSION = 1  # bump when the build recipe changes, so old caches are not reused
+BUILD_VERSION = 2  # bump when the build recipe changes, so old caches are not reused (2: the chat template)
 
 
 class TinyModelSpec(BaseModel):
@@ -52,7 +64,8 @@ class TinyModelSpec(BaseModel):
 
 
 def build_tokenizer():
-    """A character-level WordLevel tokenizer trained on task text, as a PreTrainedTokenizerFast."""
+    """A character-level WordLevel tokenizer trained on task text, as a PreTrainedTokenizerFast,
+    with the turn markers appended after the characters (so their ids come last) and a chat template."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -62,7 +75,10 @@ def build_tokenizer():
     trainer = trainers.WordLevelTrainer(special_tokens=[PAD, EOS, UNK], min_frequency=1)
     corpus = [ALPHABET] + [p.prompt + p.answer for p in mixed_problems(["add", "reverse"], [1, 2], "train", 200)]
     tok.train_from_iterator(corpus, trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, eos_token=EOS, unk_token=UNK)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, eos_token=EOS, unk_token=UNK,
+                                        additional_special_tokens=[USER, ASSISTANT])
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
 
 
 def build_model(spec: TinyModelSpec, vocab_size: int, tokenizer):
@@ -147,6 +163,20 @@ def greedy_accuracy(model, tokenizer, problems: list[Problem], max_new_tokens: i
     return correct / len(problems)
 
 
+def _save_quietly(model, folder: Path) -> None:
+    """save_pretrained without its "Writing model shards" bar (one shard of a few MB: noise on the
+    first run's screen)."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model.save_pretrained(folder, safe_serialization=True)
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
 def build_tiny_model(folder: str | os.PathLike, spec: TinyModelSpec | None = None, log=print) -> Path:
     """Build, warm-start and save the tiny model folder (tokenizer included) at `folder`."""
     spec = spec or TinyModelSpec()
@@ -164,7 +194,7 @@ def build_tiny_model(folder: str | os.PathLike, spec: TinyModelSpec | None = Non
         for difficulty in spec.difficulties
     }
     log(f"tiny model: held-out greedy accuracy {accuracy} after {spec.warm_start_steps} steps")
-    model.save_pretrained(folder, safe_serialization=True)
+    _save_quietly(model, folder)
     tokenizer.save_pretrained(folder)
     record = {
         "spec": spec.model_dump(),

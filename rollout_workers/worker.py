@@ -8,7 +8,11 @@ max_concurrency > 1 so `stop()` and `stats()` run while `run()` loops). The loop
   3. generate a group of n per permit, score it, tag every sample (weight_version,
      token_versions, worker_id) and push the groups under their permits, taking the next
      batch's permits in the same request (one request per batch while the gate is open);
-  4. on any failure release the permit (its ticket is reissued) and carry on.
+  4. on any failure release the permit (its ticket is reissued) and carry on. An engine batch that
+     fails is generated again prompt by prompt; a prompt that keeps failing on its own while the
+     engine serves others is quarantined (its ticket is never reissued), so one bad prompt cannot
+     stall the run. A weight load that fails is retried, then the worker asks to be restarted
+     (`WorkerNeedsRestart`: the pool restarts its actor within `ray.worker_max_restarts`).
 With `interrupt_on_update`, a new version aborts the generation in flight; the worker loads the
 weights and continues each unfinished response from where it stopped, so its earlier tokens keep
 their old version in token_versions. The weights in the model folder are version 0; a (re)started
@@ -18,6 +22,7 @@ comes back through the buffer's lease.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -28,18 +33,21 @@ from buffer.sample import Group, Sample, new_id
 from lm.causal_lm import load_tokenizer
 from lm.weight_sync import resolve_weights
 from rollout_workers.config import RolloutConfig
+from rollout_workers.data import Problem, PromptFormat, train_prompts
 from rollout_workers.engines import make_engine
 from rollout_workers.engines.base import Completion, GenerationEngine, SamplingParams
 from rollout_workers.rewards import RewardRunner
-from rollout_workers.tasks import Problem, train_prompts
 
 log = logging.getLogger(__name__)
-# How long a worker waits for the weights its permit needs before it generates with what it has.
-WEIGHT_WAIT_S = 120.0
 
 
 class StopRequested(Exception):
     """stop() was called while a generation was in flight."""
+
+
+class WorkerNeedsRestart(RuntimeError):
+    """The worker cannot go on in this process (its weights do not load, its engine serves
+    nothing); the worker pool restarts the actor. The message says why."""
 
 
 def call(handle, method: str, *args):
@@ -78,10 +86,16 @@ class RolloutWorker:
         self.counters = dict(
             groups_total=0, samples_total=0, tokens_total=0, generation_s=0.0, gate_blocked_s=0.0,
             weight_load_s=0.0, weight_loads_total=0, failed_generations_total=0,
-            interrupted_generations_total=0, permits_released_total=0,
+            interrupted_generations_total=0, permits_released_total=0, prompt_failures_total=0,
+            prompts_quarantined_total=0, weight_load_failures_total=0,
         )
+        self._probe_prompt: list[int] | None = None  # a prompt the engine served (the health probe)
+        # Prompt positions this worker quarantined, with why: a later ticket for the same prompt (the
+        # prompt set wraps around) is quarantined at once instead of failing again.
+        self._bad_prompts: dict[int, str] = {}
         self.last_error = ""
         self.tokenizer = None
+        self.prompt_format: PromptFormat | None = None
         self.prompts = None
         self.rewards: RewardRunner | None = None
 
@@ -93,16 +107,17 @@ class RolloutWorker:
             self.engine = make_engine(cfg.engine, cfg.model_path, seed=cfg.sampling.seed or 0)
         if self.tokenizer is None:
             self.tokenizer = load_tokenizer(cfg.model_path)
+            self.prompt_format = PromptFormat.for_model(cfg.model_path, cfg.task, self.tokenizer,
+                                                        cfg.engine.max_model_len)
         if self.prompts is None:
-            self.prompts = train_prompts(cfg.task)
+            self.prompts = train_prompts(cfg.task, self.prompt_format, cfg.sampling.max_new_tokens)
         if self.rewards is None:
             self.rewards = RewardRunner(cfg.reward, timeout_s=cfg.reward_timeout_s)
 
     def _sampling_params(self, ticket: int) -> SamplingParams:
         s = self.config.sampling
         stop = list(s.stop_token_ids)
-        if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in stop:
-            stop.append(self.tokenizer.eos_token_id)
+        stop += [t for t in self.prompt_format.stop_token_ids if t not in stop]  # EOS, generation_config's
         # A group's seed follows its ticket: a run is reproducible, and a reissued ticket draws
         # the same samples as before if the weights have not changed.
         seed = None if s.seed is None else s.seed + ticket * s.n
@@ -140,14 +155,32 @@ class RolloutWorker:
         self.counters["weight_loads_total"] += 1
         return True
 
+    def load_weights_or_restart(self) -> bool:
+        """`load_latest_weights`, retried `weight_load_retries` times after a failure; then
+        WorkerNeedsRestart. True if new weights were loaded."""
+        retries = self.config.weight_load_retries
+        for attempt in range(retries + 1):
+            try:
+                return self.load_latest_weights()
+            except Exception as err:
+                self.counters["weight_load_failures_total"] += 1
+                self.last_error = f"weight load: {type(err).__name__}: {err}"
+                log.warning("%s: loading weights failed (attempt %d of %d): %s", self.worker_id, attempt + 1,
+                            retries + 1, self.last_error)
+                if attempt == retries or self._stop.wait(self.config.error_backoff_s):
+                    raise WorkerNeedsRestart(f"{self.worker_id}: the weights did not load in {attempt + 1} "
+                                             f"attempt(s): {self.last_error}") from err
+        return False
+
     def _wait_for_weights(self, version: int) -> None:
         """Load weights of at least `version`, waiting (bounded) for the learner to publish them."""
-        deadline = time.monotonic() + WEIGHT_WAIT_S
+        wait_s = self.config.weight_wait_s
+        deadline = time.monotonic() + wait_s
         while self.engine.version < version and not self._stop.is_set():
-            if not self.load_latest_weights():
+            if not self.load_weights_or_restart():
                 if time.monotonic() > deadline:
-                    log.warning("%s: weights v%d not published within %.0fs; generating with v%d",
-                                self.worker_id, version, WEIGHT_WAIT_S, self.engine.version)
+                    log.warning("%s: weights v%d not published within %.0fs (rollout.weight_wait_s); generating "
+                                "with v%d", self.worker_id, version, wait_s, self.engine.version)
                     return
                 self._stop.wait(0.02)
 
@@ -161,12 +194,13 @@ class RolloutWorker:
     def generate_groups(self, tickets: list[int]) -> list[Group]:
         """Generate, score and tag one group per ticket, all in one engine batch (no buffer involved)."""
         problems: list[Problem] = [self.prompts.problem(t) for t in tickets]
-        prompts = [self.tokenizer(p.prompt, add_special_tokens=False)["input_ids"] for p in problems]
+        prompts = [self.prompt_format.encode(p) for p in problems]
         requests = [(prompt, self._sampling_params(t)) for prompt, t in zip(prompts, tickets)]
         started_version = self.engine.version
         started = time.perf_counter()
         generated = self._generate_with_updates(requests)
         self.counters["generation_s"] += time.perf_counter() - started
+        self._probe_prompt = prompts[0]
         return [
             self._make_group(ticket, problem, prompt, responses, started_version)
             for ticket, problem, prompt, responses in zip(tickets, problems, prompts, generated)
@@ -174,7 +208,7 @@ class RolloutWorker:
 
     def _make_group(self, ticket: int, problem: Problem, prompt_ids: list[int], responses, started_version: int) -> Group:
         texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c, _ in responses]
-        rewards = self.rewards.score(texts, problem.answer)
+        scored = self.rewards.score(texts, problem)
         group_id = new_id()
         samples = [
             Sample(
@@ -183,16 +217,17 @@ class RolloutWorker:
                 response_ids=np.asarray(completion.token_ids, dtype=np.int32),
                 rollout_log_probs=np.asarray(completion.log_probs, dtype=np.float32),
                 loss_mask=np.ones(len(completion.token_ids), dtype=np.uint8),
-                reward=float(reward),
+                reward=reward.value,
                 weight_version=started_version,
                 token_versions=np.asarray(versions, dtype=np.int32),
                 worker_id=self.worker_id,
                 finish_reason=completion.finish_reason,
-                metadata={"ticket": int(ticket), "family": problem.family, "difficulty": int(problem.difficulty)},
+                metadata={"ticket": int(ticket), "family": problem.family, "difficulty": int(problem.difficulty),
+                          **reward.metrics},
             )
-            for (completion, versions), reward in zip(responses, rewards)
+            for (completion, versions), reward in zip(responses, scored)
         ]
-        self._recent_rewards.extend(rewards)
+        self._recent_rewards.extend(reward.value for reward in scored)
         self.counters["samples_total"] += len(samples)
         self.counters["tokens_total"] += sum(len(s.response_ids) for s in samples)
         return Group(group_id=group_id, samples=samples, prompt_index=int(ticket))
@@ -211,7 +246,7 @@ class RolloutWorker:
             if self._stop.is_set():
                 raise StopRequested()
             self.counters["interrupted_generations_total"] += 1
-            self.load_latest_weights()
+            self.load_weights_or_restart()
             version = self.engine.version
             more = self.engine.generate_batch(
                 [self._continuation(requests[r], done[r][i][0], i) for r, i in unfinished], interrupt=self._interrupt
@@ -239,7 +274,7 @@ class RolloutWorker:
             pushed, permits = 0, []
             try:
                 while not self._stop.is_set() and (max_groups is None or pushed < max_groups):
-                    if self.load_latest_weights():
+                    if self.load_weights_or_restart():
                         log.info("%s: loaded weights version %d", self.worker_id, self.engine.version)
                     permits = permits or self._acquire_permits()
                     if permits:
@@ -254,6 +289,17 @@ class RolloutWorker:
                     self._release(permit.permit_id)
             return self.stats()
 
+    def run_in_actor(self) -> dict:
+        """`run()` as a Ray actor's task: a worker that needs a restart ends its process, and Ray
+        restarts the actor as after a crash (its permits are already back; the restart counts
+        against the pool's budget). In-process callers use `run()`, which raises instead."""
+        try:
+            return self.run()
+        except WorkerNeedsRestart as exc:
+            log.error("%s; ending this process so that Ray restarts the worker", exc)
+            logging.shutdown()
+            os._exit(70)
+
     def _acquire_permits(self) -> list:
         """One request: wait for a permit, and take up to groups_per_batch - 1 more that are free
         now. Only when the last push brought no permits (the gate was closed, or at start)."""
@@ -267,31 +313,114 @@ class RolloutWorker:
         """Generate and push a group per permit; the push also takes up to `next_count` permits
         for the next engine batch (`push_and_acquire`: one request per batch while the gate is
         open). Returns (groups pushed, next permits). Every permit not consumed by a push is
-        released."""
-        pushed = 0
+        released (or its prompt quarantined)."""
+        held = list(permits)  # permits this call still has to end
         try:
             # A permit granted at learner version v needs weights >= v (the gate moves to v just
             # before v is published): else its samples start stale and, at η = 0, are all dropped.
             self._wait_for_weights(max(p.version for p in permits))
-            groups = self.generate_groups([p.ticket for p in permits])
+            self._set_aside_known_bad(held)
+            made = self._generate_isolating(held) if held else []
+            if not made:
+                return 0, []
             count = 0 if self._stop.is_set() else next_count
-            _, next_permits = self.client.push_and_acquire(groups, [p.permit_id for p in permits], self.worker_id,
-                                                           count)  # the push is all or nothing
-            pushed = len(groups)
-            self.counters["groups_total"] += pushed
-            return pushed, next_permits
+            _, next_permits = self.client.push_and_acquire([g for _, g in made], [p.permit_id for p, _ in made],
+                                                           self.worker_id, count)  # the push is all or nothing
+            held = [p for p in held if all(p is not q for q, _ in made)]
+            self.counters["groups_total"] += len(made)
+            return len(made), next_permits
         except BaseException as err:
-            for permit in permits[pushed:]:
+            for permit in held:
                 self._release(permit.permit_id)
             if isinstance(err, StopRequested):
-                return pushed, []
-            if not isinstance(err, Exception):
-                raise  # KeyboardInterrupt, SystemExit: the permits are back, now go
+                return 0, []
+            if not isinstance(err, Exception) or isinstance(err, WorkerNeedsRestart):
+                raise  # KeyboardInterrupt, SystemExit, a restart: the permits are back, now go
             self.counters["failed_generations_total"] += 1
             self.last_error = f"{type(err).__name__}: {err}"
-            log.warning("%s: tickets %s failed: %s", self.worker_id, [p.ticket for p in permits[pushed:]], self.last_error)
+            log.warning("%s: tickets %s failed: %s", self.worker_id, [p.ticket for p in held], self.last_error)
             self._stop.wait(self.config.error_backoff_s)
-        return pushed, []
+        return 0, []
+
+    def _generate_isolating(self, held: list) -> list[tuple]:
+        """(permit, group) for the permits whose groups were made. If the engine batch fails, each
+        prompt is generated on its own; one that still fails is retried alone up to
+        `max_prompt_failures` times, then quarantined if the engine serves other prompts (else the
+        engine is at fault: WorkerNeedsRestart). Ended permits leave `held`."""
+        try:
+            return list(zip(held, self.generate_groups([p.ticket for p in held])))
+        except StopRequested:
+            raise
+        except Exception as err:
+            batch_error = err
+        log.warning("%s: the engine batch of tickets %s failed (%s: %s); generating each prompt alone",
+                    self.worker_id, [p.ticket for p in held], type(batch_error).__name__, batch_error)
+        alone = len(held) == 1  # the batch was this prompt alone: that failure counts too
+        made, failing = [], []
+        for permit in held:
+            group, error = self._generate_alone(permit)
+            if group is not None:
+                made.append((permit, group))
+            else:
+                failing.append((permit, error))
+        for permit, error in failing:
+            failures = 1 + alone
+            while failures < self.config.max_prompt_failures:
+                group, error = self._generate_alone(permit)
+                if group is not None:
+                    made.append((permit, group))
+                    break
+                failures += 1
+            else:
+                self._quarantine_or_restart(permit, error, engine_served_others=bool(made))
+                held.remove(permit)
+        return made
+
+    def _set_aside_known_bad(self, held: list) -> None:
+        """Quarantine at once the permits whose prompt this worker quarantined before."""
+        for permit in [p for p in held if self._prompt_position(p.ticket) in self._bad_prompts]:
+            reason = self._bad_prompts[self._prompt_position(permit.ticket)]
+            self.client.release_permit(permit.permit_id, quarantine=f"ticket {permit.ticket}: {reason}")
+            self.counters["prompts_quarantined_total"] += 1
+            held.remove(permit)
+
+    def _prompt_position(self, ticket: int) -> int:
+        return ticket % len(self.prompts)
+
+    def _generate_alone(self, permit) -> tuple:
+        """(group, None), or (None, the engine's error) for one prompt on its own."""
+        try:
+            return self.generate_groups([permit.ticket])[0], None
+        except StopRequested:
+            raise
+        except Exception as err:
+            self.counters["prompt_failures_total"] += 1
+            return None, err
+
+    def _quarantine_or_restart(self, permit, error: Exception, engine_served_others: bool) -> None:
+        """Quarantine a prompt that failed `max_prompt_failures` times on its own, once the engine
+        is known to serve other prompts; an engine that serves nothing needs a restart."""
+        reason = f"{type(error).__name__}: {error}"
+        if not (engine_served_others or self._engine_serves_a_probe()):
+            raise WorkerNeedsRestart(f"{self.worker_id}: the engine fails every prompt, the last one ticket "
+                                     f"{permit.ticket}: {reason}") from error
+        log.error("%s: ticket %d quarantined after %d failed generations on its own (its prompt is never "
+                  "reissued): %s", self.worker_id, permit.ticket, self.config.max_prompt_failures, reason)
+        self.client.release_permit(permit.permit_id, quarantine=f"ticket {permit.ticket}: {reason}")
+        self.counters["prompts_quarantined_total"] += 1
+        self._bad_prompts[self._prompt_position(permit.ticket)] = reason
+        self.last_error = reason
+
+    def _engine_serves_a_probe(self) -> bool:
+        """Whether the engine generates one token for a prompt it served before."""
+        if self._probe_prompt is None:
+            return False
+        probe = SamplingParams(n=1, temperature=1.0, max_new_tokens=1, seed=0)
+        try:
+            self.engine.generate_batch([(self._probe_prompt, probe)])
+            return True
+        except Exception:
+            return False
 
     def _release(self, permit_id: str) -> None:
         try:

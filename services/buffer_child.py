@@ -1,5 +1,5 @@
 """`python -m services.buffer_child serve --config X.yaml`: the buffer service as the child of a
-run's controller (`services.controller.BufferSupervisor`), ending when the controller does.
+run's controller (`services.buffer_handle.BufferSupervisor`), ending when the controller does.
 
 The child runs in its own session (a Ctrl-C in the terminal must not take the buffer from a run
 that is still finishing its step), so nothing else would stop it if the controller were killed:

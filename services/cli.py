@@ -4,6 +4,7 @@
     etarl eval  [--config F] [--model DIR | --run RUN_DIR] [key=value ...]   held-out evaluation
     etarl plot  RUN_DIR                                           redraw a run's PNG plots
     etarl config [--config F] [key=value ...]                     print the resolved config
+    etarl data check FILE [--config F] [key=value ...]            check a prompt file against the model
     etarl buffer serve|keygen ...                                 the standalone buffer service
 
 The same entry works as a `ray job submit` entrypoint: `ray job submit -- etarl train
@@ -45,6 +46,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     show = sub.add_parser("config", help="print the resolved config as YAML")
     _add_config_args(show)
+
+    data = sub.add_parser("data", help="prompt files: etarl data check FILE [key=value ...]")
+    data_sub = data.add_subparsers(dest="data_command", required=True)
+    check = data_sub.add_parser(
+        "check", help="the start-of-run prompt checks on FILE (the run's model, chat template and context): rows, "
+        "tokens per prompt (p50/p99/max), unusable rows with their row numbers; exit 1 if a run would refuse it")
+    check.add_argument("file", metavar="FILE", help=".jsonl, .json or .parquet (etarl's flat form or verl's layout)")
+    _add_config_args(check)
 
     buf = sub.add_parser("buffer", help="the standalone buffer service: serve | keygen")
     buf.add_argument("buffer_args", nargs=argparse.REMAINDER, help="arguments of `python -m buffer`")
@@ -92,6 +101,7 @@ def _dispatch(args) -> int:
             cfg = load_config(args.config, args.overrides)
         result = run_training(cfg, resume=args.resume)
         print(json.dumps(result.summary(), indent=1))
+        print(f"plots: {result.run_dir / 'plots'}/*.png   metrics: {result.run_dir / 'metrics.jsonl'}")
         return 0 if result.completed or result.interrupted else 1
     if args.command == "eval":
         from services.controller import evaluate_model
@@ -105,7 +115,22 @@ def _dispatch(args) -> int:
         metrics = evaluate_model(cfg, model=args.model, run_dir=args.run)
         print(json.dumps(metrics, indent=1))
         return 0
+    if args.command == "data":
+        return _data_check(args)
     raise AssertionError(args.command)
+
+
+def _data_check(args) -> int:
+    from services.config import load_config
+    from services.controller import resolve_model
+    from services.inputs import data_check
+
+    cfg = load_config(args.config, args.overrides)
+    task = cfg.rollout.task.model_copy(update={"kind": "file", "path": args.file})
+    cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"task": task})})
+    report, accepted = data_check(cfg, resolve_model(cfg), args.file)
+    print(report)
+    return 0 if accepted else 1
 
 
 if __name__ == "__main__":

@@ -6,10 +6,15 @@ pass@k for one prompt with n samples of which c are correct is 1 - C(n-c, k) / C
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
+
+from rollout_workers.data import Problem
+
+log = logging.getLogger(__name__)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -37,11 +42,10 @@ def mean_pass_at_k(correct_counts: Sequence[int], n: int, k: int) -> float:
 
 @dataclass(frozen=True)
 class EvalPrompt:
-    """One held-out prompt: its token ids and what the reward function needs to score it."""
+    """One held-out prompt: its token ids and the problem the reward function scores against."""
 
     prompt_ids: list[int]
-    answer: str
-    text: str = ""
+    problem: Problem
 
 
 # generate(prompt_ids_batch, n, temperature, seed) -> per prompt, n lists of response token ids
@@ -101,24 +105,33 @@ class PolicyEvaluator:
     @classmethod
     def from_config(cls, cfg, model_dir) -> "PolicyEvaluator":
         from lm.causal_lm import load_tokenizer
+        from rollout_workers.data import PromptFormat, heldout_problems
         from rollout_workers.engines import make_engine
-        from rollout_workers.rewards import resolve_reward
-        from rollout_workers.tasks import heldout_problems
+        from rollout_workers.rewards import Reward
 
+        task = cfg.rollout.task
         tokenizer = load_tokenizer(model_dir)
-        problems = heldout_problems(cfg.rollout.task, cfg.eval.num_prompts, seed=cfg.run.seed)
-        prompts = [EvalPrompt(tokenizer(p.prompt, add_special_tokens=False)["input_ids"], p.answer, p.prompt)
-                   for p in problems]
-        reward_fn = resolve_reward(cfg.rollout.reward)
+        prompt_format = PromptFormat.for_model(model_dir, task, tokenizer, cfg.rollout.engine.max_model_len)
+        problems = heldout_problems(task, cfg.eval.num_prompts, cfg.run.seed, prompt_format, cfg.eval.max_new_tokens)
+        prompts = [EvalPrompt(prompt_format.encode(p), p) for p in problems]
+        reward = Reward(cfg.rollout.reward)
+        failures = []
 
         def score(prompt: EvalPrompt, response: list[int]) -> float:
             text = tokenizer.decode(response, skip_special_tokens=True)
-            return float(reward_fn(text, prompt.answer))
+            try:
+                return reward(text, prompt.problem).value
+            except Exception as err:  # one bad reward call must not stop the run: a wrong answer
+                if not failures:  # logged once: a reward that always fails would fill the screen
+                    log.warning("eval: reward %r failed on %s (scored 0; later failures are not logged): %s: %s",
+                                reward.spec, prompt.problem.where(), type(err).__name__, err)
+                failures.append(prompt.problem.row)
+                return 0.0
 
         engine_cfg = cfg.rollout.engine.model_copy(update={"kind": cfg.eval.engine or cfg.rollout.engine.kind})
         engine = make_engine(engine_cfg, model_dir, seed=cfg.run.seed)
-        stop = tuple(t for t in (tokenizer.eos_token_id,) if t is not None)
-        return cls(engine, tokenizer, prompts, score, cfg.eval, cfg.eval.max_new_tokens, stop, cfg.run.seed)
+        return cls(engine, tokenizer, prompts, score, cfg.eval, cfg.eval.max_new_tokens, prompt_format.stop_token_ids,
+                   cfg.run.seed)
 
     def _generate(self, batch: list[list[int]], n: int, temperature: float, seed: int) -> list[list[list[int]]]:
         from rollout_workers.engines.base import SamplingParams

@@ -25,4 +25,7 @@ def init_local_ray(**init_kwargs):
         raise RuntimeError("this Ray has no ray_constants.ENABLE_RAY_CLUSTER: cannot keep a local Ray "
                            "cluster on 127.0.0.1; see services/local_ray.py")
     ray_constants.ENABLE_RAY_CLUSTER = False  # = RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, read at call time
+    # "local": always a new cluster. Without it, ray.init joins a cluster another process (or a
+    # killed one, through a stale /tmp/ray/ray_current_cluster) left on this machine.
+    init_kwargs.setdefault("address", "local")
     return ray.init(_node_ip_address=LOOPBACK, include_dashboard=False, **init_kwargs)

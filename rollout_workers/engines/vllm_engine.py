@@ -85,6 +85,13 @@ class VLLMEngine(GenerationEngine):
             output_kind=RequestOutputKind.DELTA,
         )
 
+    def _checked(self, prompt_ids, params: SamplingParams) -> list[int]:
+        prompt = check_prompt(prompt_ids, self.vocab_size)
+        if len(prompt) + params.max_new_tokens > self.max_model_len:
+            raise ValueError(f"prompt of {len(prompt)} tokens + max_new_tokens {params.max_new_tokens} "
+                             f"exceeds the engine's max_model_len {self.max_model_len}")
+        return prompt
+
     def generate_batch(
         self, requests: list[tuple[list[int], SamplingParams]], interrupt: Interrupt | None = None
     ) -> list[list[Completion]]:
@@ -95,13 +102,8 @@ class VLLMEngine(GenerationEngine):
         tokens: list[list[list[int]]] = []
         logps: list[list[list[float]]] = []
         finish: list[list[str | None]] = []
-        for row, (prompt_ids, params) in enumerate(requests):
-            prompt = check_prompt(prompt_ids, self.vocab_size)
-            if len(prompt) + params.max_new_tokens > self.max_model_len:
-                raise ValueError(
-                    f"prompt of {len(prompt)} tokens + max_new_tokens {params.max_new_tokens} "
-                    f"exceeds the engine's max_model_len {self.max_model_len}"
-                )
+        prompts = [self._checked(prompt_ids, params) for prompt_ids, params in requests]  # before any is added
+        for row, (prompt, (_, params)) in enumerate(zip(prompts, requests)):
             tokens.append([[] for _ in range(params.n)])
             logps.append([[] for _ in range(params.n)])
             finish.append([None] * params.n)

@@ -32,5 +32,5 @@ def test_presets():
 
 def test_keygen_command(tmp_path, capsys):
     assert main(["keygen", str(tmp_path)]) == 0
-    assert (tmp_path / "server.key_secret").is_file() and (tmp_path / "authorized_clients" / "client.key").is_file()
+    assert (tmp_path / "server.key_secret").is_file() and (tmp_path / "authorized_clients" / "admin" / "admin.key").is_file()
     assert "secret-key" not in capsys.readouterr().out

@@ -62,8 +62,8 @@ def test_sigkill_mid_stream_loses_nothing_acknowledged(buffer_service, tmp_path,
     assert stats["accepted"] == total_groups and stats["running"] == 0
 
 
-def core_with_log(path, **log):
-    return BufferCore(BufferConfig(gate=GateConfig(batch_size=2, eta=2, max_concurrent=8),
+def core_with_log(path, batch_size=2, eta=2, **log):
+    return BufferCore(BufferConfig(gate=GateConfig(batch_size=batch_size, eta=eta, max_concurrent=8),
                                    log=LogConfig(path=path, **log)))
 
 
@@ -107,6 +107,7 @@ def test_compaction_keeps_live_groups_and_consumed_ids(tmp_path):
         if len(core.store.ready) >= 4:
             core.ack(core.pull_batch(2).lease_id)
             core.set_version(core.gate.version + 1)
+            assert core.wait_for_compaction(timeout=60)  # compaction runs in the background
     stats = core.stats()
     assert stats["log_compactions"] > 0
     size_before = path.stat().st_size
@@ -151,3 +152,64 @@ def test_snapshot_restores_into_a_fresh_buffer(tmp_path):
     target.close()
     reopened = core_with_log(tmp_path / "b.log")
     assert len(reopened.store.ready) == 2 and reopened.acquire_permit("w").ticket == 2
+
+
+def test_one_fsync_per_request_and_none_for_a_permit_alone(tmp_path):
+    """Group commit: a request's records are synced together when it is answered, and a permit
+    grant (whose loss in a machine crash is harmless) is not synced on its own."""
+    core = core_with_log(tmp_path / "b.log")  # fsync: always
+    fsyncs = lambda: core.stats()["log_fsyncs"]  # noqa: E731
+    before = fsyncs()
+    permits = core.acquire_permits("w", [f"p{i}" for i in range(4)])
+    assert len(permits) == 4 and fsyncs() == before, "permit grants ride with the next sync"
+    groups = [encode_group(make_group(p.ticket)) for p in permits]
+    results, more = core.push_and_acquire(groups, [p.permit_id for p in permits], "w", ["q0", "q1"])
+    assert len(results) == 4 and len(more) == 2 and fsyncs() == before + 1, "4 pushes + 2 grants: one fsync"
+    batch = core.pull_batch(2)
+    assert fsyncs() == before + 2
+    core.pull_batch(2, ack_lease_id=batch.lease_id, version=1)  # ack + version + lease: one request
+    assert fsyncs() == before + 3
+    core.close()
+    again = core_with_log(tmp_path / "b.log")
+    assert again.gate.version == 1 and again.stats()["groups_leased"] == 2
+
+
+def test_compaction_runs_off_the_request_path(tmp_path, monkeypatch):
+    """While a compaction writes its snapshot (held up here), pushes, pulls and acks are served;
+    the records they wrote meanwhile end up in the compacted log (replayed identically)."""
+    from buffer import durable_log
+
+    writing, release = threading.Event(), threading.Event()
+    real_run = durable_log.Compaction.run
+
+    def slow_run(self, lock):
+        writing.set()
+        assert release.wait(60)
+        real_run(self, lock)
+
+    monkeypatch.setattr(durable_log.Compaction, "run", slow_run)
+    path = tmp_path / "b.log"
+    core = core_with_log(path, compact_min_bytes=0, batch_size=1, eta=None)
+    for _ in range(3):  # until an ack starts a compaction
+        permit = core.acquire_permit("w")
+        core.push_group(encode_group(make_group(permit.ticket)), permit.permit_id)
+        core.ack(core.pull_batch(1).lease_id)
+        if writing.is_set():
+            break
+    assert writing.wait(10), "no compaction started"
+    served = []
+    for _ in range(3):  # the compaction is stuck writing: requests are not
+        permit = core.acquire_permit("w")
+        group = make_group(permit.ticket)
+        core.push_group(encode_group(group), permit.permit_id)
+        served.append(group.group_id)
+    batch = core.pull_batch(1)
+    core.ack(batch.lease_id, version=1)
+    release.set()
+    assert core.wait_for_compaction(timeout=60)
+    assert core.stats()["log_compactions"] == 1
+    state = (sorted(core.store.ready), core.gate.version, core.gate.accepted, core.gate.next_ticket)
+    core.close()
+    again = core_with_log(path, batch_size=1, eta=None)
+    assert (sorted(again.store.ready), again.gate.version, again.gate.accepted, again.gate.next_ticket) == state
+    assert sorted(again.store.ready) == sorted(served[1:])

@@ -99,16 +99,44 @@ def test_retried_push_does_not_duplicate_and_conflicts_are_refused():
     group = make_group(permit.ticket)
     assert core.push_group(encode_group(group), permit.permit_id) == {"samples": 2, "duplicate": False}
     assert core.push_group(encode_group(group), permit.permit_id) == {"samples": 2, "duplicate": True}
-    batch = core.pull_batch(1)
-    core.ack(batch.lease_id)
-    assert core.push_group(encode_group(group), permit.permit_id)["duplicate"], "even after consumption"
-    assert core.stats()["pushed_samples"] == 2 and core.gate.accepted == 1
     other = core.acquire_permit("w")
-    mixed = make_group(other.ticket)
+    mixed = make_group(other.ticket)  # a new group reusing a sample id of a group held
     mixed.samples[0] = group.samples[0]
     mixed.samples[0].group_id = mixed.group_id
     with pytest.raises(RequestError, match="overlaps"):
         core.push_group(encode_group(mixed), other.permit_id)
+    group.samples[0].group_id = group.group_id
+    batch = core.pull_batch(1)
+    core.ack(batch.lease_id)
+    assert core.push_group(encode_group(group), permit.permit_id)["duplicate"], "even after consumption"
+    assert core.stats()["pushed_samples"] == 2 and core.gate.accepted == 1
+    reused_id = make_group(other.ticket)  # the consumed group's id with other samples
+    reused_id.group_id = group.group_id
+    for s in reused_id.samples:
+        s.group_id = group.group_id
+    with pytest.raises(RequestError, match="overlaps"):
+        core.push_group(encode_group(reused_id), other.permit_id)
+
+
+def test_memory_for_settled_groups_is_bounded():
+    """Consumed groups leave a digest, for the last `remembered_settled_groups` of them: a retried
+    push of a recent one is a duplicate; of an older one it meets its consumed permit."""
+    config = BufferConfig(gate=GateConfig(batch_size=1, eta=None, max_concurrent=8),
+                          store={"remembered_settled_groups": 3})
+    core = BufferCore(config)
+    pushed = []
+    for _ in range(5):
+        permit = core.acquire_permit("w")
+        pushed.append((make_group(permit.ticket, n=4), permit.permit_id))
+        core.push_group(encode_group(pushed[-1][0]), permit.permit_id)
+        core.ack(core.pull_batch(1).lease_id)
+    assert len(core.store.settled) == 3 and not core.store.sample_group and not core.store.held_ids
+    group, permit_id = pushed[-1]
+    assert core.push_group(encode_group(group), permit_id)["duplicate"]
+    group, permit_id = pushed[0]
+    with pytest.raises(RequestError, match="not held"):
+        core.push_group(encode_group(group), permit_id)
+    assert core.stats()["consumed_groups"] == 5 and core.gate.accepted == 5
 
 
 def test_push_needs_the_right_permit_and_room():
@@ -210,21 +238,30 @@ def test_client_reports_refusals_with_reason():
 def test_batch_for_a_vanished_learner_is_handed_back_at_once():
     """A learner parks a long pull and dies; the batch that would have gone to it is not stuck in
     a lease until expiry: the next learner gets it right away."""
-    import time
-
     import msgpack
     import zmq
 
+    import psutil
+
     server = BufferServer(BufferConfig(port=0, gate=GateConfig(batch_size=1, eta=None))).start()
+    port = int(server.endpoint.rsplit(":", 1)[1])
+
+    def server_side_peers() -> set:  # the server's end of each TCP connection (it runs in this process)
+        return {c.raddr for c in psutil.Process().net_connections(kind="tcp") if c.laddr.port == port and c.raddr}
+
     try:
         ctx = zmq.Context()
+        before = server_side_peers()
         doomed = ctx.socket(zmq.DEALER)
         doomed.connect(server.endpoint)
         doomed.send(msgpack.packb({"v": PROTOCOL_VERSION, "id": "x", "op": "pull_batch", "args": {"batch_size": 1, "timeout": 30}}))
+        assert wait_until(lambda: len(server._pulls) == 1)
+        doomed_peer = server_side_peers() - before
+        assert doomed_peer, "the doomed learner's connection is not visible"
         with BufferClient(server.endpoint) as client:
-            assert wait_until(lambda: len(server._pulls) == 1)
             doomed.close(linger=0)
-            time.sleep(1.0)  # the server's I/O thread notices the disconnect
+            # The server's I/O thread has closed its end of the connection: the peer is gone.
+            assert wait_until(lambda: not server_side_peers() & doomed_peer, timeout=30)
             permit = client.acquire_permit("w")
             group = make_group(permit.ticket)
             client.push_group(group, permit.permit_id)

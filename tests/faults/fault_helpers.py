@@ -13,7 +13,7 @@ from buffer_helpers import make_group, wait_until  # noqa: E402
 
 from services.audit import Consumption  # noqa: E402
 
-__all__ = ["make_group", "wait_until", "consume_batch"]
+__all__ = ["make_group", "wait_until", "consume_batch", "FlakyWeightStore"]
 
 
 def consume_batch(client, batch_size: int, timeout: float = 1.0) -> Consumption | None:
@@ -24,3 +24,21 @@ def consume_batch(client, batch_size: int, timeout: float = 1.0) -> Consumption 
     client.ack(batch.lease_id)
     return Consumption.of_batch(batch)
 
+
+
+class FlakyWeightStore:
+    """A weight store (the `WeightStore` methods a worker calls) whose first `bad` reads of the
+    latest payload name a folder that is not there: a weight load that fails. Made a Ray actor by
+    the tests, so every process of a restarted worker sees the same count."""
+
+    def __init__(self, good: dict, bad: int):
+        self.good, self.bad = good, bad
+
+    def latest_version(self) -> int:
+        return int(self.good["version"])
+
+    def latest(self) -> dict:
+        if self.bad > 0:
+            self.bad -= 1
+            return {"version": self.good["version"], "kind": "folder", "path": "/nonexistent/weights"}
+        return self.good

@@ -8,6 +8,7 @@ from fault_helpers import make_group
 from buffer.codec import encode_group
 from buffer.config import BufferConfig, GateConfig, LogConfig
 from buffer.core import BufferCore
+from buffer.durable_log import read_records, settled_path
 from services.audit import Consumption, audit, read_buffer_log
 
 
@@ -71,28 +72,63 @@ def test_staleness_above_eta_is_caught(history):
     assert report.over_eta == [(None, 6)] and report.worst_staleness == 6
 
 
-def test_a_compacted_log_needs_reported_drops_to_explain_what_it_settled(tmp_path):
-    """After compaction the log keeps only the ids of settled groups (acked or dropped alike): a
-    group the run did not train on is accounted for only by a drop the buffer reported."""
+@pytest.fixture
+def compacted(tmp_path):
+    """A buffer whose log compacts as soon as it doubles: one group dropped as stale, then steps
+    that consume one group each until an ack, too, was compacted away."""
     path = tmp_path / "b.log"
     core = BufferCore(BufferConfig(gate=GateConfig(batch_size=1, eta=0, max_concurrent=8),
                                    log=LogConfig(path=path, compact_min_bytes=0)))
-    groups = []
-    for version in (0, 1):
-        core.set_version(version)
+    groups, trained = [], []
+
+    def push(version):
         permit = core.acquire_permit("w")
         groups.append(make_group(permit.ticket, version=version))
         core.push_group(encode_group(groups[-1]), permit.permit_id)
-    result = core.pull_batch(1)  # drops the version-0 group as too stale, leases the other
-    core.ack(result.lease_id)
+
+    push(0)
+    core.set_version(1)
+    for version in range(1, 12):
+        push(version)
+        result = core.pull_batch(1)  # the first drops the version-0 group as too stale
+        core.ack(result.lease_id, version=version + 1)
+        assert core.wait_for_compaction(timeout=60)  # compaction runs in the background
+        group = groups[-1]
+        trained.append(Consumption(result.version, [group.group_id], [group.prompt_index],
+                                   [s.weight_version for s in group.samples], dropped_stale=result.dropped_stale))
+        if any(r["op"] == "ack" for r in read_records(settled_path(path))[0]):
+            break
     core.close()
+    assert trained[0].dropped_stale == 1
+    return path, groups, trained
+
+
+def test_a_compacted_log_names_every_settled_group_with_its_ticket(compacted):
+    """Compaction removes the drop and the ack from the log; its settled archive keeps them, so
+    the audit accounts for both groups by id and ticket, whatever the run reported."""
+    path, groups, trained = compacted
+    log_only = read_records(path)[0]
+    assert log_only[0]["op"] == "snapshot" and not any(r["op"] in ("drop", "ack") for r in log_only), "compacted"
     records = read_buffer_log(path)
-    assert records[0]["op"] == "snapshot" and not any(r["op"] == "drop" for r in records), "compacted"
-    fresh = groups[1]
-    trained = Consumption(result.version, [fresh.group_id], [fresh.prompt_index],
-                          [s.weight_version for s in fresh.samples], dropped_stale=result.dropped_stale)
     acknowledged = {g.group_id for g in groups}
-    assert result.dropped_stale == 1
-    assert audit([trained], records, eta=0, acknowledged=acknowledged).ok
-    unexplained = dataclasses.replace(trained, dropped_stale=0)
-    assert audit([unexplained], records, eta=0, acknowledged=acknowledged).lost_groups == [groups[0].group_id]
+    unreported = [dataclasses.replace(c, dropped_stale=0) for c in trained]  # as if a kill cut the reply
+    report = audit(unreported, records, eta=0, acknowledged=acknowledged)
+    assert report.ok, str(report)
+    assert report.dropped_groups == 1 and report.lost_tickets == []
+    # The dropped group's prompt was generated again (its ticket reissued) and trained on once.
+    assert groups[2].prompt_index == groups[0].prompt_index
+    assert [t for c in trained for t in c.tickets].count(groups[0].prompt_index) == 1
+    missing = audit(trained[1:], records, eta=0, acknowledged=acknowledged)  # the run never logged a step
+    assert missing.lost_groups == [groups[1].group_id] and missing.lost_tickets == [groups[1].prompt_index]
+
+
+def test_an_ack_archived_and_still_in_the_log_counts_once(compacted):
+    """A kill between archiving and rewriting leaves an ack in both places, under one settle
+    number: counted once. A second ack of the same group under another number is a duplicate."""
+    path, _, trained = compacted
+    archive = read_records(settled_path(path))[0]
+    records = archive + read_buffer_log(path)
+    assert audit(trained, records, eta=0).ok
+    ack = next(r for r in archive if r["op"] == "ack")
+    again = {**ack, "n": max(r["n"] for r in records if "n" in r) + 1}
+    assert audit(trained, [*records, again], eta=0).duplicated_groups == ack["groups"]

@@ -126,7 +126,7 @@ def test_a_killed_zmq_buffer_without_a_durable_log_stops_the_run_naming_the_fix(
 def test_the_supervisor_stops_after_max_restarts(tmp_path):
     """Without Ray: the supervisor restarts the service on its log, the state comes back, and the
     kill after the last allowed restart is a failure that names buffer.max_restarts."""
-    from services.controller import BufferSupervisor
+    from services.buffer_handle import BufferSupervisor
 
     config = BufferConfig(port=0, log=LogConfig(path=tmp_path / "buffer.log", fsync="interval"),
                           gate=GateConfig(batch_size=2, eta=1, max_concurrent=8),
@@ -277,7 +277,7 @@ def test_the_buffer_child_ends_with_its_controller(tmp_path):
         "import sys, time\n"
         "from pathlib import Path\n"
         "from buffer.config import BufferConfig, LogConfig\n"
-        "from services.controller import BufferSupervisor\n"
+        "from services.buffer_handle import BufferSupervisor\n"
         "folder = Path(sys.argv[1])\n"
         "supervisor = BufferSupervisor(BufferConfig(port=0, log=LogConfig(path=folder / 'b.log')), folder, 1)\n"
         "supervisor.start()\n"

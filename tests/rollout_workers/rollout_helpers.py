@@ -92,3 +92,31 @@ def check_multiprocess_bf16_engine(model_dir: str) -> None:
     finally:
         engine.close()
     print("multiprocess bf16 engine ok")
+
+
+# Rewards in verl's form (imported by path in the reward child process, like the ones above).
+
+def verl_exact(data_source, solution_str, ground_truth, extra_info=None):
+    """verl's form, a dict: the score, an accuracy metric, and what it was given, as numbers."""
+    return {"score": float(solution_str == ground_truth), "acc": float(solution_str == ground_truth),
+            "has_extra": float(extra_info is not None), "source_is_demo": float(data_source == "demo"),
+            "pred": solution_str}  # a non-number: not a metric
+
+
+async def async_verl_exact(data_source, solution_str, ground_truth, extra_info=None):
+    import asyncio
+
+    await asyncio.sleep(0)
+    return float(solution_str == ground_truth)
+
+
+async def async_length(response, answer):
+    return float(len(response))
+
+
+def verl_no_score(data_source, solution_str, ground_truth, extra_info=None):
+    return {"acc": 1.0}
+
+
+def three_args(response, answer, extra):
+    return 0.0

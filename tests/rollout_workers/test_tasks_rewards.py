@@ -1,21 +1,37 @@
-"""Tasks (synthetic families, splits, prompt files), rewards (math answers, pluggable functions)
-and the reward runner that survives hanging, crashing and dying reward functions."""
+"""Tasks (synthetic families, splits, prompt sets), rewards (math answers, both accepted forms,
+async, files and modules) and the reward runner that survives hanging, crashing and dying reward
+functions. Prompt files and their checks: test_data.py."""
 from __future__ import annotations
 
-import json
+import sys
 
 import pytest
 
 from rollout_workers.config import TaskConfig
-from rollout_workers.rewards import RewardRunner, extract_final_answer, math_reward, resolve_reward
-from rollout_workers.tasks import (
+from rollout_workers.data import (
+    Problem,
     PromptSet,
     heldout_problems,
-    load_prompt_file,
     mixed_problems,
     synthetic_problems,
     train_prompts,
 )
+from rollout_workers.rewards import (
+    PLAIN_FORM,
+    VERL_FORM,
+    Reward,
+    RewardRunner,
+    Scored,
+    extract_final_answer,
+    math_reward,
+    resolve_reward,
+    reward_metrics,
+    reward_py_modules,
+)
+
+
+def problem(answer, **fields) -> Problem:
+    return Problem(prompt="q", answer=answer, **fields)
 
 
 @pytest.mark.parametrize("family", ["add", "reverse"])
@@ -58,38 +74,6 @@ def test_prompt_set_wraps_tickets_and_configs_build_sets():
     assert not {p.prompt for p in train.problems} & {p.prompt for p in held}
 
 
-def test_prompt_files_jsonl_and_parquet(tmp_path):
-    rows = [{"question": "What is 2+2?", "solution": "4"}, {"question": "3*3?", "solution": 9}]
-    jsonl = tmp_path / "p.jsonl"
-    jsonl.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
-    problems = load_prompt_file(jsonl, "question", "solution")
-    assert [(p.prompt, p.answer) for p in problems] == [("What is 2+2?", "4"), ("3*3?", "9")]
-
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    parquet = tmp_path / "p.parquet"
-    pq.write_table(pa.Table.from_pylist([{"prompt": "1+1=", "answer": "2"}]), parquet)
-    assert load_prompt_file(parquet)[0].answer == "2"
-    task = TaskConfig(kind="file", path=str(parquet))
-    assert len(train_prompts(task)) == 1
-    with pytest.raises(ValueError, match="heldout_path"):
-        heldout_problems(task, 5)
-
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"prompt": "x", "answer": "1"}\n{oops\n')
-    with pytest.raises(ValueError, match="bad.jsonl:2"):
-        load_prompt_file(bad)
-    missing_answer = tmp_path / "m.jsonl"
-    missing_answer.write_text('{"prompt": "x"}\n')
-    with pytest.raises(ValueError, match="row 1 has no 'answer'"):
-        load_prompt_file(missing_answer)
-    with pytest.raises(FileNotFoundError):
-        load_prompt_file(tmp_path / "nope.jsonl")
-    with pytest.raises(ValueError, match=".jsonl or .parquet"):
-        load_prompt_file(bad.rename(tmp_path / "p.csv"))
-
-
 @pytest.mark.parametrize("response,answer,expected", [
     ("46", "46", 1.0),
     ("46<eos>", "46", 1.0),
@@ -127,7 +111,7 @@ def test_resolve_reward_errors_name_the_problem():
 def test_reward_runner_scores_in_a_child_process():
     runner = RewardRunner("math", timeout_s=5)
     try:
-        assert runner.score(["46", "47", "x 46"], "46") == [1.0, 0.0, 1.0]
+        assert [s.value for s in runner.score(["46", "47", "x 46"], problem("46"))] == [1.0, 0.0, 1.0]
         assert runner.stats() == {"reward_calls_total": 3, "reward_failures_total": 0, "reward_timeouts_total": 0}
     finally:
         runner.close()
@@ -138,11 +122,12 @@ def test_reward_runner_scores_in_a_child_process():
     ("rollout_helpers:crash", "raised RuntimeError: reward bug"),
     ("rollout_helpers:die", "process died"),
     ("rollout_helpers:not_a_number", "not a finite number"),
+    ("rollout_helpers:verl_no_score", "whose 'score' is None"),
 ])
 def test_misbehaving_rewards_score_as_failed_and_are_counted(spec, reason):
     runner = RewardRunner(spec, timeout_s=0.5, failure_reward=-1.0)
     try:
-        assert runner.score(["1", "2"], "1") == [-1.0, -1.0]
+        assert runner.score(["1", "2"], problem("1")) == [Scored(-1.0, {})] * 2
         stats = runner.stats()
         assert stats["reward_failures_total"] == 2 and reason in runner.last_error
         assert stats["reward_timeouts_total"] == (2 if spec.endswith("hang") else 0)
@@ -154,15 +139,125 @@ def test_reward_runner_recovers_after_a_hang():
     """The hung child is killed and replaced; later calls are scored normally."""
     runner = RewardRunner("rollout_helpers:length_reward", timeout_s=0.5)
     try:
-        assert runner.score(["abc"], "") == [3.0]
+        assert runner.score_one("abc", problem("x")).value == 3.0
         first_child = runner._proc.pid
         runner.spec = "rollout_helpers:hang"
         runner._kill()  # the next call starts a child running the hanging reward
-        assert runner.score(["abc"], "") == [0.0]
+        assert runner.score_one("abc", problem("x")).value == 0.0
         runner.spec = "rollout_helpers:length_reward"
-        assert runner.score(["abcd"], "") == [4.0]
+        assert runner.score_one("abcd", problem("x")).value == 4.0
         assert runner._proc.pid != first_child and runner.stats()["reward_timeouts_total"] == 1
     finally:
         runner.close()
     with pytest.raises(ValueError, match="timeout_s"):
         RewardRunner("math", timeout_s=0)
+
+
+def test_both_reward_forms_are_detected_and_called_their_way():
+    """etarl's fn(response, answer) gets the answer as text; verl's compute_score gets its four
+    keywords with the ground truth as the file held it (here a number)."""
+    plain = Reward("rollout_helpers:length_reward")
+    assert plain.form == "etarl" and plain("abcd", problem(7)) == Scored(4.0, {})
+    assert Reward("math")("the answer is 7", problem(7)).value == 1.0  # 7 -> "7" for the etarl form
+
+    verl = Reward("rollout_helpers:verl_exact")
+    assert verl.form == "verl"
+    scored = verl("42", problem("42", data_source="demo", extra_info={"index": 3}))
+    assert scored.value == 1.0
+    # Numbers become reward/<key> metrics; the score itself and a string ("pred") do not.
+    assert scored.metrics == {"reward/acc": 1.0, "reward/has_extra": 1.0, "reward/source_is_demo": 1.0}
+    assert verl("41", problem("42")).metrics == {"reward/acc": 0.0, "reward/has_extra": 0.0,
+                                                  "reward/source_is_demo": 0.0}
+
+
+def test_a_wrong_reward_signature_is_refused_with_both_accepted_forms():
+    with pytest.raises(ValueError) as err:
+        Reward("rollout_helpers:three_args")
+    message = str(err.value)
+    assert "three_args(response, answer, extra)" in message and PLAIN_FORM in message and VERL_FORM in message
+    with pytest.raises(ValueError, match="fits neither"):
+        RewardRunner("rollout_helpers:three_args")  # the runner refuses it in its caller, before any child
+
+
+def test_async_rewards_are_awaited_in_process_and_in_the_reward_child():
+    assert Reward("rollout_helpers:async_length")("abc", problem("")).value == 3.0
+    assert Reward("rollout_helpers:async_verl_exact")("7", problem("7")).value == 1.0
+    runner = RewardRunner("rollout_helpers:async_verl_exact", timeout_s=5)
+    try:
+        assert [s.value for s in runner.score(["7", "8"], problem("7"))] == [1.0, 0.0]
+        assert runner.stats()["reward_failures_total"] == 0
+    finally:
+        runner.close()
+
+
+def test_verl_metrics_travel_through_the_reward_child():
+    runner = RewardRunner("rollout_helpers:verl_exact", timeout_s=5)
+    try:
+        scored = runner.score(["x", "y"], problem("x", data_source="demo", extra_info={"k": [1, 2]}))
+        assert [s.value for s in scored] == [1.0, 0.0]
+        assert scored[0].metrics["reward/acc"] == 1.0 and scored[0].metrics["reward/has_extra"] == 1.0
+        assert scored[1].metrics["reward/acc"] == 0.0
+    finally:
+        runner.close()
+
+
+REWARD_FILE = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return {"score": float(solution_str.strip() == str(ground_truth)), "chars": len(solution_str)}
+'''
+
+
+def test_a_reward_file_is_loaded_from_its_path_or_as_its_shipped_module(tmp_path, monkeypatch):
+    path = tmp_path / "my_verl_reward.py"
+    path.write_text(REWARD_FILE)
+    reward = Reward(f"{path}:compute_score")
+    assert reward.form == "verl" and reward(" 5", problem(5)) == Scored(1.0, {"reward/chars": 2.0})
+    assert reward_py_modules(f"{path}:compute_score") == [str(path)]
+    # On a node without the path, the module of the same name (shipped in py_modules) is used.
+    shipped = tmp_path / "shipped"
+    shipped.mkdir()
+    (shipped / "my_verl_reward.py").write_text(REWARD_FILE)
+    monkeypatch.syspath_prepend(str(shipped))
+    assert Reward(f"{tmp_path / 'elsewhere' / 'my_verl_reward.py'}:compute_score")("5", problem("5")).value == 1.0
+    with pytest.raises(ValueError, match="does not exist"):
+        Reward(f"{tmp_path / 'no_such_reward_file.py'}:compute_score")
+    (tmp_path / "broken.py").write_text("def compute_score(:\n")
+    with pytest.raises(ValueError, match="loading .*broken.py.* failed: SyntaxError"):
+        Reward(f"{tmp_path / 'broken.py'}:compute_score")
+
+
+def test_reward_code_that_must_travel_to_the_workers(tmp_path, monkeypatch):
+    """A module outside any installed location travels (its file, or its top-level package);
+    built-ins, installed packages and etarl's own modules do not."""
+    (tmp_path / "loose_reward_mod.py").write_text(REWARD_FILE)
+    package = tmp_path / "reward_pkg_x" / "scoring"
+    package.mkdir(parents=True)
+    (package.parent / "__init__.py").write_text("")
+    (package / "__init__.py").write_text(REWARD_FILE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert reward_py_modules("loose_reward_mod:compute_score") == [str(tmp_path / "loose_reward_mod.py")]
+    assert reward_py_modules("reward_pkg_x.scoring:compute_score") == [str(tmp_path / "reward_pkg_x")]
+    assert Reward("reward_pkg_x.scoring:compute_score")("1", problem(1)).value == 1.0
+    assert reward_py_modules("math") == []
+    assert reward_py_modules("json:loads") == []  # the standard library
+    assert reward_py_modules("pytest:approx") == []  # an installed package
+    assert reward_py_modules("rollout_workers.rewards:math_reward") == []  # etarl itself
+    for name in ("loose_reward_mod", "reward_pkg_x", "reward_pkg_x.scoring"):
+        sys.modules.pop(name, None)
+
+
+def test_reward_metrics_are_averaged_over_the_samples_that_carry_them():
+    import numpy as np
+
+    from buffer.sample import Group, Sample
+
+    def sample(metadata):
+        return Sample(sample_id=f"s{len(metadata)}{sorted(metadata.items())}", group_id="g",
+                      prompt_ids=np.ones(2, np.int32), response_ids=np.ones(1, np.int32),
+                      rollout_log_probs=np.zeros(1, np.float32), loss_mask=np.ones(1, np.uint8), reward=0.0,
+                      weight_version=0, metadata=metadata)
+
+    groups = [Group("g", [sample({"reward/acc": 1.0, "ticket": 1}), sample({"reward/acc": 0.0})], 0),
+              Group("h", [sample({"reward/acc": 1.0, "reward/len": 4.0}), sample({"family": "add"})], 1)]
+    assert reward_metrics(groups) == {"reward/acc": pytest.approx(2 / 3), "reward/len": 4.0}
+    assert reward_metrics([]) == {}

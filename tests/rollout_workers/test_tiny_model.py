@@ -46,3 +46,21 @@ def test_ensure_tiny_model_builds_once_per_spec(tiny_model_dir, tmp_path):
     assert ensure_tiny_model(tmp_path, small, log=logs.append) == folder and len(list(tmp_path.iterdir())) == 2
     with pytest.raises(ValueError, match="extra"):
         TinyModelSpec(hidden=3)
+
+
+def test_the_kit_tokenizer_has_a_small_chat_template(tiny_model_dir):
+    """Two turn markers appended after the characters (the model's vocabulary size is unchanged and
+    no character moved), a turn ends with EOS, and the generation prompt opens the assistant turn."""
+    from rollout_workers.tiny_model import ASSISTANT, USER
+
+    tokenizer = load_tokenizer(tiny_model_dir)
+    user, assistant = tokenizer.convert_tokens_to_ids([USER, ASSISTANT])
+    assert (user, assistant) == (len(tokenizer) - 2, len(tokenizer) - 1)
+    assert len(tokenizer) <= load_causal_lm(tiny_model_dir).config.vocab_size
+    messages = [{"role": "user", "content": "12+3="}, {"role": "assistant", "content": "15"},
+                {"role": "user", "content": "1+1="}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+    eos = tokenizer.eos_token_id
+    assert list(ids) == [user, *tokenizer("12+3=")["input_ids"], eos, assistant, *tokenizer("15")["input_ids"], eos,
+                         user, *tokenizer("1+1=")["input_ids"], eos, assistant]
+    assert tokenizer.decode(ids, skip_special_tokens=True) == "12+3=151+1="

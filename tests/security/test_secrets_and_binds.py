@@ -62,13 +62,14 @@ def keys(tmp_path_factory):
     paths = auth.keygen(directory)
     stranger = auth.keygen(tmp_path_factory.mktemp("stranger"))
     secrets = {name: zmq.auth.load_certificate(str(paths[f"{name}_secret_key_file"]))[1].decode()
-               for name in ("server", "client")}
-    secrets["stranger"] = zmq.auth.load_certificate(str(stranger["client_secret_key_file"]))[1].decode()
+               for name in ("server", "learner_client")}
+    secrets["stranger"] = zmq.auth.load_certificate(str(stranger["learner_client_secret_key_file"]))[1].decode()
     return directory, paths, stranger, secrets
 
 
 def public_keys(paths, stranger) -> list[str]:
-    files = [paths["server_public_key_file"], paths["client_public_key_file"], stranger["client_public_key_file"]]
+    files = [paths["server_public_key_file"], paths["learner_client_public_key_file"],
+             stranger["learner_client_public_key_file"]]
     return [zmq.auth.load_certificate(str(f))[0].decode() for f in files]
 
 
@@ -84,12 +85,12 @@ def test_keys_never_appear_in_the_service_output(keys, tmp_path, level):
         wait_serving(proc, out)
         endpoint = f"tcp://127.0.0.1:{port}"
         client_curve = CurveConfig(enabled=True, server_public_key_file=paths["server_public_key_file"],
-                                   client_secret_key_file=paths["client_secret_key_file"])
+                                   client_secret_key_file=paths["learner_client_secret_key_file"])
         with BufferClient(endpoint, QUICK, client_curve) as client:
             assert client.health()["ok"]
             with pytest.raises(Exception, match="unknown lease"):
                 client.ack("no-such-lease")  # an error reply, logged by the service
-        unknown = client_curve.model_copy(update={"client_secret_key_file": stranger["client_secret_key_file"]})
+        unknown = client_curve.model_copy(update={"client_secret_key_file": stranger["learner_client_secret_key_file"]})
         for curve in (None, unknown):
             with BufferClient(endpoint, QUICK, curve) as client, pytest.raises(BufferUnavailable):
                 client.health()

@@ -37,5 +37,40 @@ def test_plot_redraws_a_run(tmp_path, capsys):
 
 def test_buffer_subcommand_delegates_to_the_buffer_service_cli(tmp_path, capsys):
     assert main(["buffer", "keygen", str(tmp_path / "keys")]) == 0
-    assert (tmp_path / "keys" / "server.key").is_file() and (tmp_path / "keys" / "client.key_secret").is_file()
+    assert (tmp_path / "keys" / "server.key").is_file() and (tmp_path / "keys" / "admin.key_secret").is_file()
     assert "server_public_key_file" in capsys.readouterr().out
+
+
+def test_data_check_reports_rows_tokens_and_unusable_rows(tiny_model_dir, tmp_path, capsys):
+    """`etarl data check FILE`: the start-of-run checks on a verl parquet without training; exit 0 when
+    a run would accept the file, 1 when it would refuse it."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    def row(question, answer):
+        return {"data_source": "demo", "prompt": [{"role": "user", "content": question}],
+                "reward_model": {"style": "rule", "ground_truth": answer}, "extra_info": {"index": 0}}
+
+    good = tmp_path / "good.parquet"
+    pq.write_table(pa.Table.from_pylist([row("1+2=", "3"), row("12+34=", "46"), row("rev:abcd=", "dcba")]), good)
+    model = f"run.model={tiny_model_dir}"
+    assert main(["data", "check", str(good), model, "rollout.engine.max_model_len=64"]) == 0
+    out = capsys.readouterr().out
+    # "<|user|>" + content + "<eos>" + "<|assistant|>": 7, 9 and 12 tokens.
+    assert f"{good}: 3 rows, 3 usable, 0 unusable" in out and "tokens per prompt: p50 9, p99 12, max 12" in out
+    assert "chat template: the tokenizer's own; context: 64 tokens" in out and "every row is usable" in out
+
+    bad = tmp_path / "bad.parquet"
+    pq.write_table(pa.Table.from_pylist([row("1+2=", "3"), row("", "1"), row("9+9=", None)]), bad)
+    assert main(["data", "check", str(bad), model]) == 1
+    out = capsys.readouterr().out
+    assert f"{bad} row 2: empty prompt" in out and f"{bad} row 3: no answer ('reward_model.ground_truth'" in out
+    assert "a run would refuse this file" in out
+    assert main(["data", "check", str(bad), model, "rollout.task.skip_invalid=true"]) == 0
+    assert "a run would skip the 2 unusable rows" in capsys.readouterr().out
+    # Too long for the context the config gives the engine (the default's tiny 64 tokens, 8 new).
+    assert main(["data", "check", str(good), model, "rollout.engine.max_model_len=16"]) == 1
+    assert f"{good} row 3: prompt of 12 tokens + max_new_tokens 8 exceeds the engine's context of 16" \
+           in capsys.readouterr().out
+    assert main(["data", "check", str(tmp_path / "none.parquet"), model]) == EXIT_CONFIG_ERROR
+    assert "does not exist" in capsys.readouterr().err

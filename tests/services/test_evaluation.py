@@ -4,6 +4,7 @@ import math
 
 import pytest
 
+from rollout_workers.data import Problem
 from services.evaluation import EvalPrompt, evaluate, mean_pass_at_k, pass_at_k
 
 
@@ -37,7 +38,7 @@ def test_pass_at_k_rejects_bad_counts():
 def test_evaluate_greedy_accuracy_and_pass_at_k():
     # Prompt i is answered correctly by greedy decoding iff i is even; sampled answers are
     # correct for the first i of 4 samples (so c = min(i, 4)).
-    prompts = [EvalPrompt(prompt_ids=[i], answer=str(i)) for i in range(4)]
+    prompts = [EvalPrompt(prompt_ids=[i], problem=Problem(f"{i}?", str(i))) for i in range(4)]
     calls = []
 
     def generate(batch, n, temperature, seed):
@@ -47,7 +48,7 @@ def test_evaluate_greedy_accuracy_and_pass_at_k():
         return [[[p[0]] if j < p[0] else [-1] for j in range(n)] for p in batch]
 
     def score(prompt, response):
-        return 1.0 if response == [int(prompt.answer)] else 0.0
+        return 1.0 if response == [int(prompt.problem.answer)] else 0.0
 
     metrics = evaluate(generate, score, prompts, n_samples=4, k=2, temperature=0.7)
     assert calls == [(1, 0.0), (4, 0.7)]
@@ -57,3 +58,29 @@ def test_evaluate_greedy_accuracy_and_pass_at_k():
     assert metrics["eval/pass@1"] == pytest.approx(sum(counts) / 16)
     with pytest.raises(ValueError, match="empty"):
         evaluate(generate, score, [], n_samples=4, k=2, temperature=0.7)
+
+
+def test_a_reward_that_raises_scores_zero_in_evaluation_and_is_logged_once(tiny_model_dir, tmp_path, caplog):
+    """The held-out evaluation goes through the same reward as training: one that raises on an
+    answer scores it 0, the evaluation finishes, and the failure is logged once, not per answer."""
+    import logging
+
+    from services.config import load_config
+    from services.evaluation import PolicyEvaluator
+
+    (tmp_path / "picky_reward.py").write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    if solution_str != ground_truth:\n        raise ValueError('cannot parse ' + repr(solution_str))\n"
+        "    return 1.0\n")
+    cfg = load_config(None, [f"run.model={tiny_model_dir}", "rollout.task.families=[add]",
+                             "rollout.task.difficulties=[3]", "eval.num_prompts=12", "eval.n_samples=0",
+                             "eval.engine=hf", f"rollout.reward={tmp_path / 'picky_reward.py'}:compute_score"])
+    evaluator = PolicyEvaluator.from_config(cfg, tiny_model_dir)
+    try:
+        with caplog.at_level(logging.WARNING):
+            metrics = evaluator.evaluate_payload(None)
+    finally:
+        evaluator.close()
+    assert metrics["eval/num_prompts"] == 12 and metrics["eval/accuracy"] < 1.0  # 3-digit sums: some are wrong
+    failures = [r for r in caplog.records if "eval: reward" in r.getMessage()]
+    assert len(failures) == 1 and "ValueError: cannot parse" in failures[0].getMessage()

@@ -1,0 +1,112 @@
+"""How prompts are written for one model: text as is, chat messages through a chat template.
+
+`rollout.task.chat_template`:
+  auto   messages go through the tokenizer's own template (`apply_chat_template(...,
+         add_generation_prompt=True)`), text prompts are tokenized as they are
+  none   no template: a message prompt is its contents joined by newlines (for base models)
+  PATH   a Jinja file used instead of the tokenizer's template for message prompts
+As verl does, the template renders text and the text is tokenized without adding special tokens
+(a template writes its own BOS). `rollout.task.chat_template_kwargs` go to the template (e.g.
+`{enable_thinking: false}` for Qwen3).
+
+The model folder also says when a response ends: the tokenizer's EOS and every `eos_token_id`
+of `generation_config.json` (instruct models often list two: end of turn and end of text), and
+how long a sequence may be: `rollout.engine.max_model_len`, else the model config's context.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from rollout_workers.data.problems import Problem
+
+TEMPLATE_MODES = ("auto", "none")
+# config.json keys that bound a model's context (vLLM's list); the smallest present wins.
+_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length",
+                 "max_seq_length", "seq_len")
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def model_context_len(model_dir: str | os.PathLike) -> int | None:
+    """The longest sequence (prompt + response) the model folder's config allows; None: it says not."""
+    config = _read_json(Path(model_dir) / "config.json")
+    limits = [int(config[k]) for k in _CONTEXT_KEYS if isinstance(config.get(k), int) and config[k] > 0]
+    return min(limits) if limits else None
+
+
+def eos_token_ids(model_dir: str | os.PathLike, tokenizer) -> tuple[int, ...]:
+    """The ids that end a response: the tokenizer's EOS, then generation_config.json's eos_token_id(s)."""
+    found = [tokenizer.eos_token_id]
+    generation = _read_json(Path(model_dir) / "generation_config.json").get("eos_token_id")
+    found += generation if isinstance(generation, list) else [generation]
+    out: list[int] = []
+    for token in found:
+        if isinstance(token, int) and token not in out:
+            out.append(token)
+    return tuple(out)
+
+
+def read_template(chat_template: str) -> str | None:
+    """The Jinja text of a `chat_template` PATH; None for auto and none."""
+    if chat_template in TEMPLATE_MODES:
+        return None
+    path = Path(chat_template)
+    if not path.is_file():
+        raise FileNotFoundError(f"rollout.task.chat_template: {chat_template!r} is neither auto, none nor a "
+                                f"Jinja file that exists")
+    return path.read_text(encoding="utf-8")
+
+
+class PromptFormat:
+    """Turns a problem's prompt into the token ids a model expects, and knows the model's context
+    length and the ids that end a response."""
+
+    def __init__(self, tokenizer, chat_template: str = "auto", template_kwargs: dict | None = None,
+                 context_len: int | None = None, stop_token_ids: tuple[int, ...] = (),
+                 model_name: str = "the model"):
+        self.tokenizer = tokenizer
+        self.mode = chat_template if chat_template in TEMPLATE_MODES else "file"
+        self.template = read_template(chat_template)
+        self.template_kwargs = dict(template_kwargs or {})
+        self.context_len = context_len
+        self.stop_token_ids = tuple(stop_token_ids)
+        self.model_name = model_name
+
+    @classmethod
+    def for_model(cls, model_dir: str | os.PathLike, task, tokenizer,
+                  max_model_len: int | None = None) -> "PromptFormat":
+        """The format of a model folder under a TaskConfig (`max_model_len`: the engine's, if set)."""
+        return cls(tokenizer, task.chat_template, task.chat_template_kwargs,
+                   context_len=max_model_len or model_context_len(model_dir),
+                   stop_token_ids=eos_token_ids(model_dir, tokenizer), model_name=str(model_dir))
+
+    def describe(self) -> str:
+        template = {"auto": "the tokenizer's own", "none": "none", "file": "the Jinja file given"}[self.mode]
+        context = self.context_len if self.context_len else "not stated by the model"
+        return f"chat template: {template}; context: {context} tokens; response ends at ids {list(self.stop_token_ids)}"
+
+    def render(self, problem: Problem) -> str:
+        """The exact text the tokenizer gets. ValueError says why a chat prompt cannot be rendered."""
+        if not problem.is_chat:
+            return problem.prompt
+        if self.mode == "none":
+            return "\n".join(m["content"] for m in problem.prompt)
+        if self.mode == "auto" and not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(f"the prompt is chat messages but the tokenizer of {self.model_name} has no chat "
+                             f"template (set rollout.task.chat_template to a Jinja file, or to none)")
+        try:
+            return self.tokenizer.apply_chat_template(problem.prompt, chat_template=self.template, tokenize=False,
+                                                      add_generation_prompt=True, **self.template_kwargs)
+        except Exception as err:  # a template may raise on purpose (e.g. "system role not supported")
+            raise ValueError(f"the chat template failed on this prompt: {type(err).__name__}: {err}") from None
+
+    def encode(self, problem: Problem) -> list[int]:
+        return list(self.tokenizer(self.render(problem), add_special_tokens=False)["input_ids"])

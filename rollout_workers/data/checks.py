@@ -1,0 +1,138 @@
+"""Prompt checks, the same at the start of a run, in each worker and in `etarl data check`.
+
+A row is unusable when it has no prompt or no answer, its prompt is empty (as text or as tokens)
+or cannot be rendered by the chat template, or its tokens leave no room for `max_new_tokens`
+within the engine's context (vLLM refuses the whole engine batch for such a prompt). By default a
+file with unusable rows refuses to start a run, listing them (file, row number, why; at most
+MAX_LISTED and the count); `rollout.task.skip_invalid: true` drops them instead, counted and
+logged. Dropping is deterministic, so every worker drops the same rows and tickets map to the
+same problems everywhere.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from rollout_workers.data.chat import PromptFormat
+from rollout_workers.data.files import BadRow, read_prompt_file
+from rollout_workers.data.problems import Problem, PromptSet
+from rollout_workers.data.synthetic import mixed_problems
+
+log = logging.getLogger(__name__)
+MAX_LISTED = 20
+
+
+class InvalidPrompts(ValueError):
+    """A prompt file has unusable rows and rollout.task.skip_invalid is false."""
+
+
+@dataclass
+class PromptReport:
+    """One prompt file checked: its usable problems, its bad rows and the prompts' token counts."""
+
+    source: str
+    rows: int
+    problems: list[Problem]
+    bad: list[BadRow]
+    token_counts: list[int] = field(default_factory=list)  # of the usable prompts (empty: not tokenized)
+    context_len: int | None = None
+    max_new_tokens: int | None = None
+
+    def token_stats(self) -> dict[str, int]:
+        if not self.token_counts:
+            return {}
+        counts = np.asarray(self.token_counts)
+        # "higher": each percentile is the length of a real prompt (99% of the prompts are at most p99)
+        p50, p99 = (int(np.percentile(counts, q, method="higher")) for q in (50, 99))
+        return {"p50": p50, "p99": p99, "max": int(counts.max())}
+
+    def summary(self) -> str:
+        """A few lines for a person: counts, token statistics against the context, the bad rows."""
+        lines = [f"{self.source}: {self.rows} rows, {len(self.problems)} usable, {len(self.bad)} unusable"]
+        stats = self.token_stats()
+        if stats:
+            room = ""
+            if self.context_len:
+                new = self.max_new_tokens or 0
+                room = (f" (context {self.context_len} - max_new_tokens {new}: prompts of up to "
+                        f"{self.context_len - new} tokens fit)")
+            lines.append(f"  tokens per prompt: p50 {stats['p50']}, p99 {stats['p99']}, max {stats['max']}{room}")
+        if self.bad:
+            shown = self.bad[:MAX_LISTED]
+            more = f"; the first {len(shown)}" if len(self.bad) > len(shown) else ""
+            lines.append(f"  unusable rows ({len(self.bad)}{more}):")
+            lines += [f"    {bad}" for bad in shown]
+        return "\n".join(lines)
+
+    def usable(self, skip_invalid: bool) -> list[Problem]:
+        """The usable problems; with bad rows, raise InvalidPrompts unless skip_invalid (then log them)."""
+        if self.bad and not skip_invalid:
+            raise InvalidPrompts(f"prompt file has unusable rows, the run does not start:\n{self.summary()}\n"
+                                 f"Fix them (for prompts too long: a larger rollout.engine.max_model_len or a "
+                                 f"smaller max_new_tokens), or set rollout.task.skip_invalid=true to skip them")
+        if self.bad:
+            log.warning("skipping %d unusable rows of %s (rollout.task.skip_invalid=true):\n%s", len(self.bad),
+                        self.source, "\n".join(f"  {bad}" for bad in self.bad[:MAX_LISTED]))
+        if not self.problems:
+            raise InvalidPrompts(f"prompt file {self.source!r} holds no usable prompt:\n{self.summary()}")
+        return self.problems
+
+
+def check_prompts(path, task, prompt_format: PromptFormat | None = None,
+                  max_new_tokens: int | None = None) -> PromptReport:
+    """Read and check a prompt file. Without a PromptFormat only the rows' shape is checked;
+    with one, each prompt is rendered and tokenized, and checked against the context."""
+    prompt_file = read_prompt_file(path, task)
+    report = PromptReport(prompt_file.source, prompt_file.rows, [], list(prompt_file.bad),
+                          context_len=prompt_format.context_len if prompt_format else None,
+                          max_new_tokens=max_new_tokens)
+    for problem in prompt_file.problems:
+        why, count = _token_problem(problem, prompt_format, max_new_tokens)
+        if why:
+            report.bad.append(BadRow(report.source, problem.row, why))
+            continue
+        report.problems.append(problem)
+        if count is not None:
+            report.token_counts.append(count)
+    report.bad.sort(key=lambda bad: bad.row)
+    return report
+
+
+def _token_problem(problem: Problem, prompt_format: PromptFormat | None, max_new_tokens: int | None):
+    """(why the problem cannot be generated from, its token count); why is None when it can."""
+    if prompt_format is None:
+        return None, None
+    try:
+        count = len(prompt_format.encode(problem))
+    except ValueError as err:
+        return str(err), None
+    if count == 0:
+        return "empty prompt (0 tokens)", None
+    context, new = prompt_format.context_len, max_new_tokens or 0
+    if context and count + new > context:
+        return (f"prompt of {count} tokens + max_new_tokens {new} exceeds the engine's context of {context} "
+                f"tokens"), None
+    return None, count
+
+
+def train_prompts(task, prompt_format: PromptFormat | None = None, max_new_tokens: int | None = None) -> PromptSet:
+    """The training prompt set of a TaskConfig (a file's unusable rows refused or skipped)."""
+    if task.kind == "file":
+        report = check_prompts(task.path, task, prompt_format, max_new_tokens)
+        return PromptSet(report.usable(task.skip_invalid))
+    return PromptSet(mixed_problems(list(task.families), list(task.difficulties), "train", task.num_prompts, task.seed))
+
+
+def heldout_problems(task, count: int, seed: int | None = None, prompt_format: PromptFormat | None = None,
+                     max_new_tokens: int | None = None) -> list[Problem]:
+    """Up to `count` held-out problems of a TaskConfig (never in its training set)."""
+    if task.kind == "file":
+        if not task.heldout_path:
+            raise ValueError("task.kind=file has no task.heldout_path: there is no held-out set to evaluate on")
+        report = check_prompts(task.heldout_path, task, prompt_format, max_new_tokens)
+        return report.usable(task.skip_invalid)[:count]
+    return mixed_problems(
+        list(task.families), list(task.difficulties), "heldout", count, task.seed if seed is None else seed
+    )

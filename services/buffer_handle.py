@@ -1,0 +1,307 @@
+"""The run's buffer: the Ray actor or the supervised ZMQ service, and a client for it.
+
+`BufferHandle` is what the controller holds: a client (Ray actor or ZMQ), and for the Ray
+transport the actor itself (snapshot/restore for checkpoints); for ZMQ the supervised service
+process (`BufferSupervisor`). Both survive a SIGKILL of the buffer's process, up to
+`buffer.max_restarts` times, by replaying the buffer's durable log.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import yaml
+
+from buffer.durable_log import settled_path
+from services.config import ConfigError, EtarlConfig
+
+log = logging.getLogger("etarl")
+
+
+def _buffer_actor_class():
+    """The buffer actor plus the two calls a checkpoint needs: a consistent snapshot of the gate
+    (tickets, cursor, counters) and of the groups held, as the buffer's own log records, and
+    their restore into a fresh buffer (the buffer's own log replay)."""
+    import ray
+
+    from services.buffer_actor import LEARNER, BufferActor
+
+    class CheckpointableBufferActor(BufferActor):
+        @ray.method(concurrency_group=LEARNER)
+        def snapshot(self) -> list[dict]:
+            # Generations in flight do not survive a resume: their tickets go back to be reissued.
+            return self.core.snapshot_records(keep_in_flight=False, keep_settled_ids=False)
+
+        @ray.method(concurrency_group=LEARNER)
+        def restore(self, records: list[dict]) -> dict:
+            self.core.restore(records)
+            stats = self.core.stats()
+            return {k: stats[k] for k in ("version", "groups_ready", "next_ticket", "free_tickets")}
+
+    return CheckpointableBufferActor
+
+
+RAY_BUFFER_LOG = "buffer-actor.log"  # the Ray buffer actor's durable log, in the run folder
+RAY_BUFFER_STARTS = "buffer-actor.starts"  # one line per start of the actor (its restart count)
+_SUPERVISE_EVERY_S = 0.2
+_BUFFER_START_TIMEOUT_S = 120.0
+_BUFFER_STATE_CALL_S = 600.0  # a checkpoint's snapshot or restore of a full buffer may take a while
+
+
+class BufferLost(RuntimeError):
+    """The run's buffer died and could not be brought back without losing data; the message says
+    why and what to change."""
+
+
+class BufferHandle:
+    """The buffer as this run uses it: a client (Ray actor or ZMQ), and for the Ray transport
+    the actor itself (snapshot/restore for checkpoints); for ZMQ the supervised service process.
+
+    Both survive a SIGKILL of the buffer's process, up to `buffer.max_restarts` times: Ray
+    restarts the actor, a `BufferSupervisor` restarts the service child; either replays its
+    durable log and the clients resend what was in flight with the same ids."""
+
+    def __init__(self, cfg: EtarlConfig, run_dir: Path):
+        import ray
+
+        self.transport = cfg.buffer.transport
+        self.max_restarts = cfg.buffer.max_restarts
+        self.run_dir = run_dir
+        self.actor = None
+        self.supervisor = None
+        self._restarts_logged = 0
+        service_cfg = cfg.buffer.service_config()
+        if self.transport == "ray":
+            from services.buffer_actor import RayBufferClient, create_buffer_actor
+
+            starts_file = None
+            if self.max_restarts:
+                # The log serves this run's restarts only: a new `etarl train` (or a resume, which
+                # rebuilds the buffer from its checkpoint) starts it empty; the last one (and its
+                # settled archive) is kept as .prev.
+                log_path = run_dir / RAY_BUFFER_LOG
+                log_path.with_name(log_path.name + ".compact").unlink(missing_ok=True)
+                for kept in (log_path, settled_path(log_path)):
+                    if kept.exists():
+                        kept.replace(kept.with_name(kept.name + ".prev"))
+                service_cfg = service_cfg.model_copy(
+                    update={"log": service_cfg.log.model_copy(update={"path": log_path})})
+                starts_file = run_dir / RAY_BUFFER_STARTS
+            # Pinned to this node: a restarted actor must find its log in the run folder.
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+            self.actor = create_buffer_actor(service_cfg, max_restarts=self.max_restarts, starts_file=starts_file,
+                                             actor_class=_buffer_actor_class(), scheduling_strategy=here)
+            self.client = RayBufferClient(self.actor, service_cfg)
+        else:
+            self.supervisor = BufferSupervisor(service_cfg, run_dir, self.max_restarts)
+            self.client = ZmqBufferClient(self.supervisor.config)
+            self.supervisor.start()
+        self.client.health()
+
+    @property
+    def worker_client(self):
+        """The client the rollout workers use: with CURVE roles, one with the worker key
+        (`buffer.curve.worker_client_secret_key_file`); else the run's own."""
+        curve = self.supervisor.config.curve if self.supervisor is not None else None
+        if curve is None or curve.worker_client_secret_key_file is None:
+            return self.client
+        worker_curve = curve.model_copy(update={"client_secret_key_file": curve.worker_client_secret_key_file,
+                                                "client_public_key_file": None})
+        return ZmqBufferClient(self.supervisor.config.model_copy(update={"curve": worker_curve}))
+
+    @property
+    def log_path(self) -> Path | None:
+        if self.supervisor is not None:
+            return self.supervisor.config.log.path
+        return self.run_dir / RAY_BUFFER_LOG if self.max_restarts else None
+
+    def restarts(self) -> int:
+        """Restarts of the buffer so far (logged once each, as they are first seen)."""
+        if self.supervisor is not None:
+            return self.supervisor.restarts  # the supervisor logs its own
+        count = int(self.client.health().get("restarts", 0))
+        if count > self._restarts_logged:
+            log.warning("the buffer actor's process died; Ray restarted it (restart %d of buffer.max_restarts=%d) "
+                        "and it replayed its log %s: nothing accepted is lost", count, self.max_restarts,
+                        self.log_path)
+            self._restarts_logged = count
+        return count
+
+    def check(self) -> None:
+        """Raise BufferLost if the buffer died and cannot come back (the supervisor's verdict)."""
+        if self.supervisor is not None and self.supervisor.failure is not None:
+            raise BufferLost(self.supervisor.failure)
+
+    def lost(self, exc: BaseException) -> BufferLost:
+        """The error that stops the run when the buffer stopped answering (`exc`)."""
+        if self.supervisor is not None:
+            return BufferLost(self.supervisor.failure or (
+                f"the buffer service stopped answering ({exc}) although its process is running "
+                f"(restarts so far: {self.supervisor.restarts}); see {self.supervisor.output}"))
+        if not self.max_restarts:
+            return BufferLost(f"the buffer actor died ({exc}) and buffer.max_restarts=0, so Ray does not restart "
+                              f"it: the run stops. Set buffer.max_restarts > 0 to let it come back from its log "
+                              f"in the run folder, or resume from the last checkpoint: etarl train --resume "
+                              f"{self.run_dir}")
+        return BufferLost(f"the buffer actor stopped answering ({exc}) after {self._restarts_logged} restart(s) "
+                          f"(buffer.max_restarts={self.max_restarts} allows no more): the run stops. Resume from "
+                          f"the last checkpoint: etarl train --resume {self.run_dir}")
+
+    def snapshot(self) -> dict | None:
+        return self.client.call("snapshot", wait=_BUFFER_STATE_CALL_S) if self.actor is not None else None
+
+    def restore(self, records: list[dict]) -> dict:
+        if self.actor is None:
+            raise ConfigError("this checkpoint holds the buffer of a buffer.transport=ray run; resume it with "
+                              "buffer.transport=ray")
+        return self.client.call("restore", records, wait=_BUFFER_STATE_CALL_S)
+
+    def close(self) -> None:
+        import ray
+
+        if self.actor is not None:
+            try:
+                ray.get(self.actor.shutdown.remote(), timeout=10)
+            except Exception:  # the actor may be gone with Ray already
+                pass
+            ray.kill(self.actor)  # no_restart: a deliberate end is not a death to recover from
+        if self.supervisor is not None:
+            self.supervisor.stop()
+
+
+class ZmqBufferClient:
+    """A `buffer.client.BufferClient` that travels to Ray actors: pickled as its settings, it
+    opens its own socket in the process that first uses it (sockets do not cross processes)."""
+
+    def __init__(self, config):
+        self._settings = config
+        self._client = None
+
+    def __getstate__(self):
+        return {"_settings": self._settings, "_client": None}
+
+    def __getattr__(self, name):
+        if name.startswith("__") or name in ("_settings", "_client"):
+            raise AttributeError(name)
+        if self._client is None:
+            from buffer.client import BufferClient
+
+            self._client = BufferClient.from_config(self._settings)
+        return getattr(self._client, name)
+
+
+class BufferSupervisor:
+    """The standalone buffer service (`python -m buffer serve`, through `services.buffer_child`)
+    as a child process, kept alive.
+
+    A thread polls the child; when it exits (SIGKILL, crash) it is started again on the same
+    config, port and durable log, which it replays; the run's clients resend what was in flight.
+    Each restart is counted and logged. It gives up, setting `failure` (the controller then stops
+    the run), when the service has no durable log (a restart would come back empty, losing the
+    groups it had accepted), or after `max_restarts` restarts."""
+
+    def __init__(self, config, run_dir: Path, max_restarts: int):
+        if config.port == 0:  # a restart must come back where the clients look
+            import socket
+
+            with socket.socket() as s:
+                s.bind((config.host, 0))
+                config = config.model_copy(update={"port": s.getsockname()[1]})
+        self.config = config
+        self.max_restarts = max_restarts
+        self.config_file = run_dir / "buffer.yaml"
+        self.config_file.write_text(yaml.safe_dump({"buffer": config.model_dump(mode="json")}))
+        self.output = run_dir / "buffer.out"
+        self.process: subprocess.Popen | None = None
+        self.restarts = 0
+        self.failure: str | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="buffer-supervisor", daemon=True)
+
+    def start(self) -> None:
+        self.process = self._spawn()
+        if not self._wait_ready(self.process):
+            code = self.process.poll()
+            self.process.kill()
+            raise RuntimeError(f"the buffer service did not start (exit code {code}); see {self.output}")
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=_BUFFER_START_TIMEOUT_S + 10)
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+
+    def _spawn(self) -> subprocess.Popen:
+        # Its own session: a Ctrl-C in the terminal stops the run after its step (which still needs
+        # the buffer), not the buffer; the controller stops it last. services.buffer_child ends it
+        # if the controller dies first (no orphan holding the port and writing the log).
+        from services.buffer_child import PARENT_ENV
+
+        env = {**os.environ, PARENT_ENV: str(os.getpid())}
+        with open(self.output, "ab") as out:
+            return subprocess.Popen([sys.executable, "-m", "services.buffer_child", "serve", "--config",
+                                     str(self.config_file)], stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True, env=env)
+
+    def _wait_ready(self, process: subprocess.Popen) -> bool:
+        """Whether the service answers a health check before it exits or the start-up time runs out."""
+        from buffer.client import BufferClient
+        from buffer.config import ClientConfig
+
+        probe = BufferClient.from_config(self.config)
+        probe.settings = ClientConfig(request_timeout_s=1.0, retries=0)
+        deadline = time.monotonic() + _BUFFER_START_TIMEOUT_S
+        try:
+            while time.monotonic() < deadline and not self._stop.is_set():
+                if process.poll() is not None:
+                    return False
+                try:
+                    probe.health()
+                    return True
+                except Exception:
+                    time.sleep(0.2)
+            return False
+        finally:
+            probe.close()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(_SUPERVISE_EVERY_S):
+            code = self.process.poll()
+            if code is None or self._stop.is_set():
+                continue
+            what = f"the buffer service (pid {self.process.pid}) exited with code {code}"
+            if self.config.log.path is None:
+                self.failure = (f"{what}, and it has no durable log (buffer.log.path is unset): a restart would "
+                                f"lose every group it had accepted, so the run stops. Set buffer.log.path (e.g. "
+                                f"buffer.log.path={self.output.parent / 'buffer.log'}) to let the controller "
+                                f"restart it from its log")
+            elif self.restarts >= self.max_restarts:
+                self.failure = (f"{what} after {self.restarts} restart(s); buffer.max_restarts={self.max_restarts} "
+                                f"allows no more, so the run stops (see {self.output}). Its log "
+                                f"{self.config.log.path} holds everything it accepted")
+            if self.failure is not None:
+                log.error("%s", self.failure)
+                return
+            self.restarts += 1
+            log.warning("%s; restarting it on %s from its log %s (restart %d of buffer.max_restarts=%d)", what,
+                        self.config.endpoint, self.config.log.path, self.restarts, self.max_restarts)
+            self.process = self._spawn()
+            if self._wait_ready(self.process):
+                log.warning("the buffer service is back (pid %d) after replaying its log", self.process.pid)
+            elif self.process.poll() is None and not self._stop.is_set():
+                self.process.kill()  # never answered: counts as another death on the next poll
+                self.process.wait()

@@ -1,0 +1,136 @@
+"""What a run takes from its user, checked before anything starts, and carried where it is needed.
+
+`check_run_inputs` (called by the controller once the model folder is known) fails with a
+ConfigError naming the key when the model folder has no tokenizer, the reward cannot be imported
+or has a signature that fits neither accepted form, the chat template file is missing, or a
+prompt file has unusable rows (`rollout.task.skip_invalid` skips them instead); it logs what it
+checked. `etarl data check` prints the same checks for one file (`data_check`).
+`ray_runtime_env` adds a reward module that is not installed to the Ray job's `py_modules`, so
+the workers of any cluster can import it.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+from rollout_workers.data import InvalidPrompts, PromptFormat, PromptReport, check_prompts
+from services.config import ConfigError, EtarlConfig
+
+log = logging.getLogger("etarl")
+
+
+def prompt_format(cfg: EtarlConfig, model_dir) -> PromptFormat:
+    """How the run writes prompts for its model (tokenizer, chat template, context, EOS ids)."""
+    from lm.causal_lm import load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(model_dir)
+    except FileNotFoundError as err:
+        raise ConfigError(f"run.model: {err}") from None
+    try:
+        return PromptFormat.for_model(model_dir, cfg.rollout.task, tokenizer, cfg.rollout.engine.max_model_len)
+    except FileNotFoundError as err:
+        raise ConfigError(str(err)) from None
+
+
+def check_reward(cfg: EtarlConfig):
+    """The run's reward, loaded here: an import error or a wrong signature stops the run now."""
+    from rollout_workers.rewards import Reward
+
+    try:
+        return Reward(cfg.rollout.reward)
+    except ValueError as err:
+        raise ConfigError(f"rollout.reward: {err}") from None
+
+
+def prompt_reports(cfg: EtarlConfig, fmt: PromptFormat) -> dict[str, PromptReport]:
+    """The checked prompt files of a `rollout.task.kind: file` run, by config key."""
+    task = cfg.rollout.task
+    if task.kind != "file":
+        return {}
+    files = {"rollout.task.path": (task.path, cfg.rollout.sampling.max_new_tokens)}
+    if cfg.eval.enabled:
+        if not task.heldout_path:
+            raise ConfigError("rollout.task.heldout_path is unset, so there are no held-out prompts to evaluate on: "
+                              "set it, or eval.enabled=false")
+        files["rollout.task.heldout_path"] = (task.heldout_path, cfg.eval.max_new_tokens)
+    reports = {}
+    for key, (path, max_new_tokens) in files.items():
+        try:
+            reports[key] = check_prompts(path, task, fmt, max_new_tokens)
+        except (OSError, ValueError) as err:
+            raise ConfigError(f"{key}: {err}") from None
+    return reports
+
+
+def check_run_inputs(cfg: EtarlConfig, model_dir) -> None:
+    """Check the model folder, the reward and the prompt files before a run starts (see above)."""
+    fmt = prompt_format(cfg, model_dir)
+    reward = check_reward(cfg)
+    log.info("model %s: %s; reward %s (%s form)", model_dir, fmt.describe(), reward.spec, reward.form)
+    for key, report in prompt_reports(cfg, fmt).items():
+        try:
+            report.usable(cfg.rollout.task.skip_invalid)
+        except InvalidPrompts as err:
+            raise ConfigError(f"{key}: {err}") from None
+        log.info("prompts %s", report.summary())
+
+
+def data_check(cfg: EtarlConfig, model_dir, path) -> tuple[str, bool]:
+    """`etarl data check`: a report on one prompt file under the run's config, and whether a run
+    would accept the file (no unusable row, or skip_invalid with usable rows left)."""
+    task = cfg.rollout.task
+    fmt = prompt_format(cfg, model_dir)
+    try:
+        report = check_prompts(path, task, fmt, cfg.rollout.sampling.max_new_tokens)
+    except (OSError, ValueError) as err:
+        raise ConfigError(str(err)) from None
+    lines = [f"model {model_dir}: {fmt.describe()}", report.summary()]
+    accepted = bool(report.problems) and (not report.bad or task.skip_invalid)
+    if not report.problems:
+        lines.append("a run would refuse this file: it holds no usable prompt")
+    elif report.bad and task.skip_invalid:
+        lines.append(f"a run would skip the {len(report.bad)} unusable rows (rollout.task.skip_invalid=true)")
+    elif report.bad:
+        lines.append("a run would refuse this file: fix the rows, or set rollout.task.skip_invalid=true to skip them")
+    else:
+        lines.append("every row is usable")
+    return "\n".join(lines), accepted
+
+
+# ---------------------------------------------------------------- the reward module on every node
+
+_SUBMITTED_JOB_CONFIG = "RAY_JOB_CONFIG_JSON_ENV_VAR"  # set by `ray job submit` for its driver
+
+
+def _submitted_job_runtime_env() -> dict:
+    raw = os.environ.get(_SUBMITTED_JOB_CONFIG)
+    return (json.loads(raw).get("runtime_env") or {}) if raw else {}
+
+
+def ray_runtime_env(cfg: EtarlConfig, env_vars: dict[str, str] | None = None) -> dict | None:
+    """The runtime environment for `ray.init`: `env_vars`, plus the reward's module in py_modules
+    when it is not an installed package (None when there is nothing to add). Inside a submitted
+    job whose runtime environment already has a working_dir holding the module, nothing travels
+    twice; one that has py_modules of its own keeps them (ours are added to the same list)."""
+    from rollout_workers.rewards import reward_py_modules
+
+    runtime_env: dict = {"env_vars": dict(env_vars)} if env_vars else {}
+    try:
+        modules = reward_py_modules(cfg.rollout.reward)
+    except ImportError as err:
+        raise ConfigError(f"rollout.reward: cannot import {cfg.rollout.reward!r} ({err})") from None
+    job = _submitted_job_runtime_env()
+    if job.get("working_dir"):  # the driver runs in the job's working_dir: what is under it travels already
+        modules = [m for m in modules if not Path(m).is_relative_to(Path.cwd())]
+    if modules:
+        logging.getLogger("ray._private.runtime_env.packaging").setLevel(logging.WARNING)  # one line per upload
+        log.info("the reward's code travels to the workers in the Ray job's py_modules: %s", modules)
+        if job.get("py_modules"):
+            runtime_env["py_modules"] = list(job["py_modules"]) + modules
+            os.environ["RAY_OVERRIDE_JOB_RUNTIME_ENV"] = "1"  # ours is the job's list plus the reward's
+        else:
+            runtime_env["py_modules"] = modules
+    return runtime_env or None

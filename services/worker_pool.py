@@ -1,0 +1,120 @@
+"""The rollout workers of a run: start them as Ray actors, keep them running, stop them.
+
+A worker that Ray restarts after a crash gets its loop started again; one that fails more often
+than `ray.worker_max_restarts`, or returns an error, stops the run loudly. Stats come from the
+workers that answer; a dead or restarting one is shown down, never stopping the run.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+from buffer.errors import BufferUnavailable
+
+log = logging.getLogger("etarl")
+
+_WORKER_BACK_AFTER_S = 5.0  # a restarted worker whose loop ran this long is back
+
+
+class WorkerPool:
+    def __init__(self, cfg, model_dir, buffer_client, weight_store, stop_requested, exporter=None):
+        self.cfg = cfg
+        self.stop_requested = stop_requested  # the run's: a worker that ends then is not a failure
+        self.model_dir = model_dir
+        self.buffer_client = buffer_client
+        self.weight_store = weight_store
+        self.exporter = exporter
+        self.workers: list = []
+        self.refs: list = []
+        self.failures: list[int] = []
+        self.resubmitted_at: list[float | None] = []  # set while a restarted worker comes back
+
+    def start(self) -> None:
+        import ray
+        from rollout_workers.worker import RolloutWorker
+
+        cfg = self.cfg
+        rollout_cfg = cfg.rollout.model_copy(update={"model_path": str(self.model_dir)})
+        actor = ray.remote(RolloutWorker)
+        for index in range(cfg.rollout.num_workers):
+            handle = actor.options(
+                name=None, num_cpus=cfg.ray.worker_num_cpus, max_restarts=cfg.ray.worker_max_restarts,
+                max_task_retries=0, max_concurrency=4,
+            ).remote(rollout_cfg, f"worker-{index}", self.buffer_client, self.weight_store)
+            self.workers.append(handle)
+        self.refs = [w.run_in_actor.remote() for w in self.workers]
+        self.failures = [0] * len(self.workers)
+        self.resubmitted_at = [None] * len(self.workers)
+
+    def check(self) -> None:
+        """Restart the loop of a worker that Ray restarted after a crash; a worker that fails more
+        often than ray.worker_max_restarts, or returns an error, stops the run loudly. While Ray
+        restarts the actor, calls to it fail at once (ActorUnavailableError): those retries are
+        not new deaths; the worker counts as back once its loop has run for a few seconds."""
+        import ray
+
+        done, pending = ray.wait(self.refs, num_returns=len(self.refs), timeout=0)
+        now = time.monotonic()
+        for ref in pending:
+            index = self.refs.index(ref)
+            since = self.resubmitted_at[index]
+            if since is not None and now - since > _WORKER_BACK_AFTER_S:
+                self.resubmitted_at[index] = None
+        for ref in done:
+            index = self.refs.index(ref)
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError as exc:
+                self._restart_loop(index, exc, now)
+                continue
+            except Exception as exc:
+                cause = getattr(exc, "cause", exc)  # a RayTaskError carries the worker's exception
+                if isinstance(cause, BufferUnavailable):  # the run stops on the buffer's account
+                    raise BufferUnavailable(f"rollout worker-{index}: {cause}") from exc
+                raise
+            if not self.stop_requested.is_set():
+                raise RuntimeError(f"rollout worker-{index} stopped on its own")
+
+    def _restart_loop(self, index: int, exc, now: float) -> None:
+        import ray
+
+        restarting = self.resubmitted_at[index] is not None
+        if not restarting or not isinstance(exc, ray.exceptions.ActorUnavailableError):
+            self.failures[index] += 1
+            if self.failures[index] > self.cfg.ray.worker_max_restarts:
+                raise RuntimeError(f"rollout worker-{index} died {self.failures[index]} times") from exc
+            log.warning("rollout worker-%d died (%s); Ray restarts it, its permits come back", index,
+                        type(exc).__name__)
+            if self.exporter is not None:
+                self.exporter.record_worker_restart(f"worker-{index}")
+        self.resubmitted_at[index] = now
+        self.refs[index] = self.workers[index].run_in_actor.remote()
+
+    def stats(self, timeout: float = 30.0) -> list[dict]:
+        """Stats of the workers that answer. A dead or restarting worker (Ray restarts it; its
+        vLLM engine takes a while) is skipped and shown down, never stopping the run."""
+        import ray
+
+        stats = []
+        for index, ref in enumerate([w.stats.remote() for w in self.workers]):
+            try:
+                stats.append(ray.get(ref, timeout=timeout))
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                if self.exporter is not None:
+                    self.exporter.record_worker_down(f"worker-{index}")
+        return stats
+
+    def stop(self) -> None:
+        import ray
+
+        if not self.workers:
+            return
+        for w in self.workers:
+            try:
+                w.stop.remote()
+            except Exception:
+                pass
+        ray.wait(self.refs, num_returns=len(self.refs), timeout=30)
+        for w in self.workers:
+            ray.kill(w)
+        self.workers = []

@@ -1,0 +1,134 @@
+"""What a run takes from its user is checked when it starts, before Ray or any actor: unusable
+prompt rows are listed (file, row number, why) and refused, or skipped with skip_invalid; a reward
+that cannot be imported or has a wrong signature stops the run with both accepted forms shown;
+a held-out set is needed when evaluation is on. And a reward module that is not installed is put
+in the Ray job's py_modules so the workers of any cluster can import it."""
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from services.cli import EXIT_CONFIG_ERROR, main
+from services.config import ConfigError, load_config
+from services.inputs import check_run_inputs, ray_runtime_env
+
+GOOD_REWARD = "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n"
+
+
+def write_rows(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def file_config(tiny_model_dir, tmp_path, *overrides):
+    rows = [{"prompt": "12+3=", "answer": "15"}, {"prompt": "1+1="}, {"prompt": "", "answer": "0"},
+            {"prompt": "3+4=", "answer": "7"}]
+    train = write_rows(tmp_path / "train.jsonl", rows)
+    return load_config(None, [f"run.model={tiny_model_dir}", "rollout.task.kind=file", f"rollout.task.path={train}",
+                              "eval.enabled=false", "rollout.reward=math", *overrides])
+
+
+def train(tiny_model_dir, tmp_path, *overrides) -> int:
+    return main(["train", f"run.model={tiny_model_dir}", f"run.run_dir={tmp_path / 'run'}", "run.progress=false",
+                 *overrides])
+
+
+def test_a_run_with_unusable_prompt_rows_does_not_start_and_lists_them(tiny_model_dir, tmp_path, capsys):
+    cfg = file_config(tiny_model_dir, tmp_path)
+    with pytest.raises(ConfigError) as refused:
+        check_run_inputs(cfg, tiny_model_dir)
+    message = str(refused.value)
+    path = cfg.rollout.task.path
+    assert message.startswith("rollout.task.path: prompt file has unusable rows, the run does not start")
+    assert f"{path} row 2: no answer ('answer'" in message and f"{path} row 3: empty prompt" in message
+    # Through `etarl train`: exit 2 and the same listing, and nothing was started.
+    code = train(tiny_model_dir, tmp_path, "rollout.task.kind=file", f"rollout.task.path={path}",
+                 "eval.enabled=false")
+    err = capsys.readouterr().err
+    assert code == EXIT_CONFIG_ERROR and f"{path} row 2: no answer" in err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_skip_invalid_starts_with_the_usable_rows_and_logs_the_others(tiny_model_dir, tmp_path, caplog):
+    cfg = file_config(tiny_model_dir, tmp_path, "rollout.task.skip_invalid=true")
+    with caplog.at_level(logging.INFO):
+        check_run_inputs(cfg, tiny_model_dir)
+    text = caplog.text
+    assert "skipping 2 unusable rows" in text and "row 2: no answer" in text
+    assert "4 rows, 2 usable, 2 unusable" in text and "tokens per prompt: p50" in text
+    assert "reward math (etarl form)" in text
+
+
+def test_a_prompt_too_long_for_the_engine_is_refused(tiny_model_dir, tmp_path):
+    fits = file_config(tiny_model_dir, tmp_path, "rollout.task.skip_invalid=true", "rollout.engine.max_model_len=12",
+                       "rollout.sampling.max_new_tokens=7")
+    check_run_inputs(fits, tiny_model_dir)  # "12+3=" (5 tokens) + 7 fits in 12
+    too_long = file_config(tiny_model_dir, tmp_path, "rollout.task.skip_invalid=true",
+                           "rollout.engine.max_model_len=12", "rollout.sampling.max_new_tokens=8")
+    too_long.rollout.task.skip_invalid = False
+    with pytest.raises(ConfigError) as refused:
+        check_run_inputs(too_long, tiny_model_dir)
+    assert "row 1: prompt of 5 tokens + max_new_tokens 8 exceeds the engine's context of 12 tokens" in str(refused.value)
+    assert "row 4:" not in str(refused.value)  # "3+4=": 4 + 8 fits
+
+
+@pytest.mark.parametrize("reward, needle", [
+    ("wrong_sig.py:compute_score", "fits neither accepted form"),
+    ("no_such_reward_module_xyz:compute_score", "cannot import module 'no_such_reward_module_xyz'"),
+    ("missing_file.py:compute_score", "does not exist"),
+    ("good.py:score_fn", "has no callable 'score_fn'"),
+])
+def test_a_bad_reward_stops_the_run_at_start(tiny_model_dir, tmp_path, capsys, reward, needle):
+    (tmp_path / "wrong_sig.py").write_text("def compute_score(solution_str, ground_truth, tokenizer):\n    return 0\n")
+    (tmp_path / "good.py").write_text(GOOD_REWARD)
+    spec = f"{tmp_path}/{reward}" if ".py:" in reward else reward
+    assert train(tiny_model_dir, tmp_path, f"rollout.reward={spec}") == EXIT_CONFIG_ERROR
+    err = capsys.readouterr().err
+    assert "rollout.reward:" in err and needle in err
+    if "fits neither" in needle:
+        assert "fn(response, answer)" in err and "compute_score(data_source, solution_str, ground_truth" in err
+
+
+def test_evaluation_needs_a_heldout_file(tiny_model_dir, tmp_path):
+    cfg = file_config(tiny_model_dir, tmp_path, "rollout.task.skip_invalid=true", "eval.enabled=true")
+    with pytest.raises(ConfigError, match="rollout.task.heldout_path is unset"):
+        check_run_inputs(cfg, tiny_model_dir)
+    held = write_rows(tmp_path / "held.jsonl", [{"prompt": "5+5=", "answer": "10"}, {"prompt": "1+2="}])
+    cfg.rollout.task.heldout_path = str(held)
+    cfg.rollout.task.skip_invalid = False
+    with pytest.raises(ConfigError, match="rollout.task.path: prompt file has unusable rows"):
+        check_run_inputs(cfg, tiny_model_dir)
+    cfg.rollout.task.path = str(held)
+    with pytest.raises(ConfigError, match=f"{held} row 2: no answer"):
+        check_run_inputs(cfg, tiny_model_dir)
+
+
+def test_a_missing_chat_template_file_is_named(tiny_model_dir, tmp_path):
+    cfg = file_config(tiny_model_dir, tmp_path, f"rollout.task.chat_template={tmp_path / 'nope.jinja'}")
+    with pytest.raises(ConfigError, match="rollout.task.chat_template: .*nope.jinja.* neither auto, none nor a Jinja"):
+        check_run_inputs(cfg, tiny_model_dir)
+
+
+def test_a_reward_module_that_is_not_installed_travels_in_the_job(tmp_path, monkeypatch):
+    (tmp_path / "travelling_reward_mod.py").write_text(GOOD_REWARD)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv("RAY_JOB_CONFIG_JSON_ENV_VAR", raising=False)
+    monkeypatch.delenv("RAY_OVERRIDE_JOB_RUNTIME_ENV", raising=False)
+    cfg = load_config(None, ["rollout.reward=travelling_reward_mod:compute_score"])
+    module = str(tmp_path / "travelling_reward_mod.py")
+    assert ray_runtime_env(cfg, {"OMP_NUM_THREADS": "1"}) == {"env_vars": {"OMP_NUM_THREADS": "1"},
+                                                            "py_modules": [module]}
+    assert ray_runtime_env(load_config(None, ["rollout.reward=math"])) is None
+    # Inside `ray job submit` with py_modules of its own: both lists, and Ray told to take ours.
+    job = {"runtime_env": {"py_modules": ["gcs://_ray_pkg_abc.zip"], "env_vars": {"A": "1"}}}
+    monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", json.dumps(job))
+    assert ray_runtime_env(cfg) == {"py_modules": ["gcs://_ray_pkg_abc.zip", module]}
+    import os
+
+    assert os.environ["RAY_OVERRIDE_JOB_RUNTIME_ENV"] == "1"
+    # A job whose working_dir (the driver's cwd) holds the module ships it already.
+    monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", json.dumps({"runtime_env": {"working_dir": "gcs://_ray_pkg_w.zip"}}))
+    monkeypatch.chdir(tmp_path)
+    assert ray_runtime_env(cfg) is None
