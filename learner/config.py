@@ -87,7 +87,7 @@ class LearnerConfig(BaseModel):
     micro_batch_size: Optional[int] = Field(
         None, ge=1, description="at most this many sequences per forward/backward (None: the token budget alone)")
     logprob_chunk_tokens: int = Field(
-        1024, ge=1, description="response tokens per LM-head chunk: log-prob memory is about 3 x this x vocab "
+        1024, ge=1, description="response tokens per LM-head chunk: log-prob memory is about 2 x this x vocab "
         "x 4 bytes, never batch x length x vocab")
     shuffle_minibatches: bool = Field(False, description="reshuffle groups between epochs (seeded)")
 

@@ -7,8 +7,8 @@ from pathlib import Path
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
-# Response tokens per LM-head chunk: the head's transient memory is about 3 x chunk x vocab x 4 bytes
-# (1024 x 151,936: 1.9 GB), whatever the batch.
+# Response tokens per LM-head chunk: the head's transient memory is about 2 x chunk x vocab x 4 bytes
+# (1024 x 151,936: 1.2 GB), whatever the batch.
 DEFAULT_CHUNK_TOKENS = 1024
 
 
@@ -112,8 +112,6 @@ def response_log_probs(
     The LM head runs only on the positions that predict a response token, `chunk_tokens` of them
     at a time, and its [chunk, vocab] logits are recomputed in the backward pass: memory for the
     log-probs is O(chunk_tokens x vocab), never O(rows x length x vocab)."""
-    if chunk_tokens < 1:
-        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     input_ids, attention, response_mask, resp_width = pad_sequences(prompts, responses, pad_id)
     device = next(model.parameters()).device
     rows, cols, positions = _response_positions(prompts, responses)
@@ -172,10 +170,12 @@ def _final_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.T
 def chunked_token_log_probs(hidden, weight, bias, targets, temperature: float = 1.0,
                             chunk_tokens: int = DEFAULT_CHUNK_TOKENS, with_entropy: bool = False,
                             entropy_grad: bool = True):
-    """log softmax(hidden @ weight.T + bias)/T)[target] and, optionally, the entropy, per token
+    """log softmax((hidden @ weight.T + bias) / T)[target] and, optionally, the entropy, per token
     ([N, H] hidden, [V, H] weight, [N] targets -> [N] float32 each; entropy None unless asked).
     The logits are made `chunk_tokens` rows at a time in the weight's dtype (or autocast's) and
     reduced in float32; the backward pass makes them again instead of keeping them."""
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
         raise ValueError(f"hidden must be [tokens, hidden] and targets [tokens], got {tuple(hidden.shape)} and "
                          f"{tuple(targets.shape)}")
