@@ -4,7 +4,7 @@
 
 Builds a Qwen2-architecture policy from config with Qwen's vocabulary (151,936 tokens) and a
 hidden size this machine can train (default 512 wide, 4 layers; --quick: 128 wide, 2 layers), and
-random sequences of 512 to 4,096 tokens (--quick: 32 to 192), the first quarter of the shortest
+random sequences of 512 to 4,096 tokens (--quick: 32 to 160), the first quarter of the shortest
 the prompt. Every measurement runs in a fresh child process, so each peak is its own:
 
   * one learner step (decoupled token-TIS: proximal pass, update, optimizer step) at batch sizes
@@ -357,7 +357,7 @@ def main() -> None:
         return
 
     quick = args.quick
-    max_len = args.max_len or (192 if quick else 4096)
+    max_len = args.max_len or (160 if quick else 4096)
     budget = args.budget or 2 * max_len
     setup = {"quick": quick, "device": args.device, "vocab": args.vocab, "hidden": args.hidden or (128 if quick else 512),
              "layers": args.layers or (2 if quick else 4), "min_len": args.min_len or (32 if quick else 512),
