@@ -1,12 +1,16 @@
-"""Turn pulled groups into the padded tensors the learner trains on.
+"""Turn pulled groups into the padded tensors the learner trains on, and plan its passes.
 
 Rows are samples in the order they arrive (group by group); the response side is right-padded to
 the longest response, and every per-token tensor is zero (or the sample's version) at padding.
 The response mask is 1 on real response tokens whose `loss_mask` is 1: tool or environment
 tokens stay in the context but never in the loss.
+
+`plan_micro_batches` groups rows into forward passes by a token budget (rows of similar length
+together, so little is padding), the same number on every rank.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -56,6 +60,16 @@ class TrainBatch:
             else:
                 picked[f.name] = value[rows]
         return TrainBatch(**picked)
+
+    def to(self, device) -> "TrainBatch":
+        """The same rows with every tensor on `device` (token lists stay Python lists)."""
+        return TrainBatch(**{f.name: getattr(self, f.name).to(device) if isinstance(getattr(self, f.name), torch.Tensor)
+                             else getattr(self, f.name) for f in fields(self)})
+
+    def sequence_lengths(self, rows: list[int] | None = None) -> list[int]:
+        """Prompt+response tokens of the given rows (all by default)."""
+        rows = range(len(self)) if rows is None else rows
+        return [len(self.prompts[r]) + len(self.responses[r]) for r in rows]
 
     def rows_of_groups(self, group_positions: list[int]) -> list[int]:
         wanted = set(group_positions)
@@ -129,3 +143,61 @@ def build_batch(groups, learner_version: int | None = None) -> TrainBatch:
         group_ids=group_ids,
         sample_ids=sample_ids,
     )
+
+
+def plan_micro_batches(lengths, max_tokens: int | None, comm=None, max_rows: int | None = None) -> list[list[int]]:
+    """Split rows (given by their prompt+response lengths) into micro-batches of one forward pass
+    each; returns lists of positions into `lengths`.
+
+    A micro-batch costs its padded size, rows x its longest row, and that stays within
+    `max_tokens` (None: no limit), with at most `max_rows` rows (None: no limit). Rows are taken
+    longest first, so rows of similar length share a micro-batch and little is padding. With a
+    `comm`, every rank gets the count the busiest rank needs (a MAX all-reduce, so call it on every
+    rank): a rank with fewer splits its largest micro-batches, and one with fewer rows than that
+    count gets empty ones. FSDP runs collectives in every pass, so every rank makes the same
+    passes; a split never changes the update, which is normalised by whole-minibatch counts."""
+    lengths = [int(n) for n in lengths]
+    if max_tokens is not None and max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1 or None, got {max_tokens}")
+    if max_rows is not None and max_rows < 1:
+        raise ValueError(f"max_rows must be >= 1 or None, got {max_rows}")
+    for row, n in enumerate(lengths):
+        if n < 1:
+            raise ValueError(f"row {row} has {n} tokens; every row needs at least one")
+        if max_tokens is not None and n > max_tokens:
+            raise ValueError(f"row {row} has {n} prompt+response tokens, more than the micro-batch budget "
+                             f"max_tokens_per_micro_batch={max_tokens}: raise the budget to at least the longest "
+                             f"sequence (prompt + max response tokens)")
+    plan: list[list[int]] = []
+    width = 0
+    for row in sorted(range(len(lengths)), key=lambda r: (-lengths[r], r)):
+        full = plan and (len(plan[-1]) == (max_rows or math.inf)
+                         or max_tokens is not None and (len(plan[-1]) + 1) * width > max_tokens)
+        if not plan or full:
+            plan.append([])
+            width = lengths[row]  # longest first: the first row sets the micro-batch's width
+        plan[-1].append(row)
+    if comm is not None and comm.world_size > 1:
+        target = int(comm.all_reduce(torch.tensor([len(plan)], dtype=torch.int64), "max")[0])
+        plan = _spread(plan, target)
+    return plan
+
+
+def _spread(plan: list[list[int]], target: int) -> list[list[int]]:
+    """`target` micro-batches from `plan`: halve the one with the most rows until there are enough,
+    then add empty ones when every micro-batch is down to one row."""
+    plan = [list(mb) for mb in plan]
+    while len(plan) < target:
+        largest = max(range(len(plan)), key=lambda i: len(plan[i]), default=None)
+        if largest is None or len(plan[largest]) < 2:
+            plan.extend([] for _ in range(target - len(plan)))
+            break
+        rows = plan.pop(largest)
+        half = len(rows) // 2
+        plan[largest:largest] = [rows[:half], rows[half:]]
+    return plan
+
+
+def padding_counts(lengths: list[int]) -> tuple[int, int]:
+    """(real tokens, padded slots) of one right-padded micro-batch."""
+    return sum(lengths), len(lengths) * max(lengths, default=0)

@@ -17,7 +17,8 @@ from learner.losses import PolicyLossConfig
 
 
 class DistributedConfig(BaseModel):
-    """A data-parallel learner group. gloo runs on CPU; nccl (optionally with FSDP) needs GPUs."""
+    """A data-parallel learner group. gloo runs on CPU, nccl needs GPUs; either can shard the
+    parameters with FSDP2 (`strategy: fsdp`)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -31,12 +32,6 @@ class DistributedConfig(BaseModel):
     placement: Literal["pack", "spread"] = Field(
         "pack", description="the ranks' placement group: pack (as few nodes as possible) or spread (one rank "
         "per node where possible)")
-
-    @model_validator(mode="after")
-    def _fsdp_needs_nccl(self):
-        if self.strategy == "fsdp" and self.backend != "nccl":
-            raise ValueError("strategy 'fsdp' needs backend 'nccl' (GPUs); use 'allreduce' with gloo on CPU")
-        return self
 
 
 class WeightSyncConfig(BaseModel):
@@ -63,7 +58,13 @@ class LearnerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model_path: str = Field(..., description="HF model folder of the initial policy")
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal["float32", "bfloat16", "float16", "float64"] = Field(
+        "float32", description="weights, gradients and optimizer state (float64: exactness checks on CPU)")
+    mixed_precision: Optional[Literal["bfloat16"]] = Field(
+        None, description="compute the forward and backward passes in bfloat16 (autocast) while weights, "
+        "gradients and optimizer state stay in `dtype` (float32); log-probs, losses and the correction stay float32")
+    gradient_checkpointing: bool = Field(
+        False, description="keep only each decoder layer's input and recompute the layer in the backward pass")
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="auto: the GPU Ray assigned to the rank if CUDA works there, else the CPU; cuda: "
         "that GPU or an error (lm/device.py)")
@@ -84,8 +85,14 @@ class LearnerConfig(BaseModel):
     ppo_epochs: int = Field(1, ge=1)
     ppo_mini_batch_size: Optional[int] = Field(
         None, ge=1, description="groups per minibatch (None: the whole batch, one step per epoch)")
+    max_tokens_per_micro_batch: Optional[int] = Field(
+        16384, ge=1, description="padded prompt+response tokens per forward/backward on a rank (rows x the "
+        "longest row): peak activation memory follows this, not the batch size (None: no limit)")
     micro_batch_size: Optional[int] = Field(
-        None, ge=1, description="sequences per forward/backward on a rank (None: the whole minibatch)")
+        None, ge=1, description="at most this many sequences per forward/backward (None: the token budget alone)")
+    logprob_chunk_tokens: int = Field(
+        1024, ge=1, description="response tokens per LM-head chunk: log-prob memory is about 2 x this x vocab "
+        "x 4 bytes, never batch x length x vocab")
     shuffle_minibatches: bool = Field(False, description="reshuffle groups between epochs (seeded)")
 
     # Algorithm
@@ -125,7 +132,15 @@ class LearnerConfig(BaseModel):
                              "the rollout-correction preset is in bypass mode, which has none")
         if self.distributed.backend == "nccl" and self.device == "cpu":
             raise ValueError("distributed.backend 'nccl' needs device 'cuda'")
+        if self.mixed_precision is not None and self.dtype != "float32":
+            raise ValueError(f"mixed_precision {self.mixed_precision!r} computes in bfloat16 over float32 master "
+                             f"weights: set dtype float32 (got {self.dtype!r})")
         return self
+
+    @property
+    def prox_mode(self) -> Literal["recompute", "loglinear", "bypass"]:
+        """Where π_old comes from: a no-grad pass, AReaL's interpolation, or μ itself (bypass)."""
+        return "bypass" if self.bypass_mode else self.prox_logp
 
     @property
     def bypass_mode(self) -> bool:

@@ -14,6 +14,9 @@ The math, option names, presets and metric names follow verl's rollout-correctio
   `rollout_is` is None. `modified_response_mask` (same dtype as the input mask) is the response
   mask with rejected tokens / sequences set to 0: it only ever shrinks. `metrics` maps
   `rollout_corr/<name>` to Python floats.
+- `is_batch_norm_sums(old_log_prob, rollout_log_prob, response_mask, config) -> [sum, count]`:
+  add them over micro-batches and ranks and pass them as `compute_rollout_correction(...,
+  batch_norm_sums=...)`, so batch normalisation spans the whole batch however it is split.
 - `check_token_values(name, tensor, mask)`, `check_mask(mask)`: the input checks every learner
   entry point shares.
 
@@ -532,27 +535,27 @@ def compute_rollout_correction(
     rollout_log_prob: torch.Tensor,
     response_mask: torch.Tensor,
     config: RolloutCorrectionConfig,
+    batch_norm_sums: Optional[torch.Tensor] = None,
 ) -> tuple[Optional[torch.Tensor], torch.Tensor, dict[str, float]]:
     """IS weights, the rejection-modified mask and the `rollout_corr/...` metrics.
 
     Tensors are [batch, tokens]; inputs are detached (weights never carry gradient). Metrics use
     valid sequences (>= 1 valid token) as the sequence population; an all-padding batch gives
-    zeros, never NaN.
+    zeros, never NaN. With `rollout_is_batch_normalize`, `batch_norm_sums` (from
+    `is_batch_norm_sums`, summed over every micro-batch and rank of the batch) normalise the
+    weights over the whole batch; None normalises over the rows given here.
     """
     if not isinstance(config, RolloutCorrectionConfig):
         raise TypeError(f"config must be a RolloutCorrectionConfig, got {type(config).__name__}")
     mask = check_mask(response_mask)
-    dtype = compute_dtype(old_log_prob, rollout_log_prob)
-    old = check_token_values("old_log_prob", old_log_prob.detach(), mask).to(dtype)
-    rollout = check_token_values("rollout_log_prob", rollout_log_prob.detach(), mask).to(dtype)
-    log_ratio = old - rollout  # 0 at padding
+    log_ratio, old, rollout = _log_ratio(old_log_prob, rollout_log_prob, mask)
     seq_valid = mask.any(-1)
     turns = Turns(mask) if config.uses_turns else None
     stats: dict[str, torch.Tensor] = {}
 
     weights = None
     if config.rollout_is is not None:
-        weights = _is_weights(log_ratio, mask, seq_valid, turns, config, stats)
+        weights = _is_weights(log_ratio, mask, seq_valid, turns, config, stats, batch_norm_sums)
 
     keep = torch.ones_like(mask)
     if config.rejection_criteria:
@@ -575,9 +578,48 @@ def to_floats(stats: dict[str, torch.Tensor], prefix: str = "") -> dict[str, flo
     return {prefix + k: float(v) for k, v in zip(stats, values)}
 
 
-def _is_weights(log_ratio, mask, seq_valid, turns, config, stats) -> torch.Tensor:
+def is_batch_norm_sums(
+    old_log_prob: torch.Tensor,
+    rollout_log_prob: torch.Tensor,
+    response_mask: torch.Tensor,
+    config: RolloutCorrectionConfig,
+) -> torch.Tensor:
+    """float64 [sum, count] of the truncated IS weights whose ratio is `rollout_is_batch_normalize`'s
+    factor: token level Σ w over valid tokens and their count, sequence (turn) level Σ of
+    per-sequence mean weights and the count of valid sequences. Sums of these over micro-batches
+    and ranks give the whole batch's factor (pass them to `compute_rollout_correction`)."""
+    if config.rollout_is is None:
+        raise ValueError("is_batch_norm_sums needs rollout_is ('token', 'sequence' or 'turn')")
+    mask = check_mask(response_mask)
+    log_ratio, _, _ = _log_ratio(old_log_prob, rollout_log_prob, mask)
+    turns = Turns(mask) if config.uses_turns else None
+    _, weights, _, _ = _truncated_weights(log_ratio, mask, mask.any(-1), turns, config)
+    return _norm_sums(weights, mask, config.rollout_is)
+
+
+def _log_ratio(old_log_prob, rollout_log_prob, mask):
+    """log π_old − log μ (0 at padding), and the two checked inputs, in the compute dtype."""
+    dtype = compute_dtype(old_log_prob, rollout_log_prob)
+    old = check_token_values("old_log_prob", old_log_prob.detach(), mask).to(dtype)
+    rollout = check_token_values("rollout_log_prob", rollout_log_prob.detach(), mask).to(dtype)
+    return old - rollout, old, rollout
+
+
+def _norm_sums(weights, mask, level) -> torch.Tensor:
+    if level == "token":
+        total, count = masked_sum_rows(weights, mask).sum(), mask.sum()
+    else:
+        seq_valid = mask.any(-1)
+        total, count = torch.where(seq_valid, masked_mean_rows(weights, mask), 0.0).sum(), seq_valid.sum()
+    return torch.stack([total.to(torch.float64), count.to(torch.float64)])
+
+
+def _truncated_weights(log_ratio, mask, seq_valid, turns, config):
+    """(raw ratios, truncated weights, per-unit log ratio, its validity), 0 at padding; the unit
+    is the sequence or the turn (None, None at token level)."""
     zero = torch.zeros((), dtype=log_ratio.dtype, device=log_ratio.device)
     upper, lower = config.is_upper, config.is_lower
+    unit_log = unit_valid = None
     if config.rollout_is == "token":
         raw = torch.exp(log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND))
     elif config.rollout_is == "sequence":
@@ -591,6 +633,13 @@ def _is_weights(log_ratio, mask, seq_valid, turns, config, stats) -> torch.Tenso
         weights = raw.clamp(max=upper)
     else:
         weights = torch.where((raw >= lower) & (raw <= upper), raw, zero)
+    return raw, weights, unit_log, unit_valid
+
+
+def _is_weights(log_ratio, mask, seq_valid, turns, config, stats, batch_norm_sums=None) -> torch.Tensor:
+    zero = torch.zeros((), dtype=log_ratio.dtype, device=log_ratio.device)
+    upper, lower = config.is_upper, config.is_lower
+    raw, weights, unit_log, unit_valid = _truncated_weights(log_ratio, mask, seq_valid, turns, config)
     low = lower if lower is not None else 1.0 / upper
 
     # max/min/fractions describe the ratios before truncation: sequence (turn) level in log space,
@@ -625,7 +674,11 @@ def _is_weights(log_ratio, mask, seq_valid, turns, config, stats) -> torch.Tenso
 
     if config.rollout_is_batch_normalize:
         # Token level: mean over valid tokens; sequence and turn level: mean of per-sequence means.
-        factor = mean if config.rollout_is == "token" else stats["rollout_is_seq_mean"]
+        sums = _norm_sums(weights, mask, config.rollout_is) if batch_norm_sums is None else batch_norm_sums
+        sums = torch.as_tensor(sums, dtype=torch.float64, device=weights.device)
+        if sums.shape != (2,) or not bool(torch.isfinite(sums).all()) or float(sums[1]) < 0:
+            raise ValueError(f"batch_norm_sums must be a finite [sum, count] pair, got {batch_norm_sums!r}")
+        factor = (sums[0] / sums[1].clamp_min(1)).to(weights.dtype)
         factor = torch.where(factor > 1e-8, factor, torch.ones_like(factor))
         weights = weights / factor
         stats["rollout_is_batch_norm_factor"] = factor

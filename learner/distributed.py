@@ -6,10 +6,11 @@ within each minibatch, see `Learner.train_step`). Losses are normalised by the t
 counts of the whole minibatch, summed over ranks, and gradients are summed (not averaged), so N
 ranks make exactly the update one rank makes on the same batch.
 
-CPU: gloo, full replicas, one flattened all-reduce of the gradients per optimizer step.
-GPU: nccl with the same all-reduce, or `strategy=fsdp` (torch FSDP2 `fully_shard`, parameters
-sharded across ranks). The nccl and FSDP paths are written for GPU machines and are not exercised
-by the CPU test suite.
+`strategy=allreduce`: full replicas, one flattened all-reduce of the gradients per optimizer step.
+`strategy=fsdp`: torch FSDP2 `fully_shard`, parameters, gradients and optimizer state sharded
+across ranks; every rank makes the same passes (`learner.batch.plan_micro_batches`), a rank without
+rows for one running a zero-weight pass, because each pass is a collective. gloo (CPU) runs both
+in the test suite; nccl (GPU) runs the same code and is not exercised there.
 """
 from __future__ import annotations
 
@@ -54,6 +55,12 @@ class ProcessGroupComm:
         self._sum_grads = sum_grads  # FSDP reduces gradients itself
 
     def all_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
+        """The reduced tensor, on the input's device. nccl reduces CUDA tensors only: counts and
+        metrics made on the CPU go to this rank's GPU and back."""
+        if dist.get_backend() == "nccl" and tensor.device.type != "cuda":
+            on_gpu = tensor.to(torch.device("cuda", torch.cuda.current_device()))
+            dist.all_reduce(on_gpu, op=self._OPS[op])
+            return on_gpu.to(tensor.device)
         dist.all_reduce(tensor, op=self._OPS[op])
         return tensor
 

@@ -9,8 +9,8 @@ Public API:
   entropy_coeff.
 - `compute_policy_loss(log_prob, old_log_prob, rollout_log_prob, advantages, response_mask,
   correction_config, loss_config, *, global_token_count=None, global_seq_count=None,
-  precomputed_correction=None, ref_log_prob=None, entropy=None, token_versions=None,
-  current_version=None) -> (loss, metrics)`: the scalar loss to call `.backward()` on and a
+  precomputed_correction=None, batch_norm_sums=None, ref_log_prob=None, entropy=None,
+  token_versions=None, current_version=None) -> (loss, metrics)`: the scalar loss to call `.backward()` on and a
   dict of floats (`actor/...`, `staleness/...`, and `rollout_corr/...` when the correction is
   computed here).
 - `aggregate_loss(loss_mat, mask, mode, global_token_count=None, global_seq_count=None,
@@ -195,18 +195,21 @@ def compute_policy_loss(
     global_token_count=None,
     global_seq_count=None,
     precomputed_correction: Optional[tuple[Optional[torch.Tensor], torch.Tensor]] = None,
+    batch_norm_sums: Optional[torch.Tensor] = None,
     ref_log_prob: Optional[torch.Tensor] = None,
     entropy: Optional[torch.Tensor] = None,
     token_versions: Optional[torch.Tensor] = None,
     current_version: Optional[int] = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The scalar policy loss (PPO / REINFORCE + KL − entropy) and its metrics. See the module
-    docstring for the modes. `old_log_prob` may be None in bypass mode (π_old := π_rollout)."""
+    docstring for the modes. `old_log_prob` may be None in bypass mode (π_old := π_rollout).
+    `batch_norm_sums`: the whole minibatch's `is_batch_norm_sums` when the correction is computed
+    here and batch-normalised (None: normalise over this call's rows)."""
     mask = check_mask(response_mask)
     log_prob = _upcast(check_token_values("log_prob", log_prob, mask))
     advantages = _upcast(check_token_values("advantages", advantages, mask)).detach()
     anchor, weights, loss_mask, metrics = _anchor_and_correction(
-        log_prob, old_log_prob, rollout_log_prob, mask, correction_config, precomputed_correction)
+        log_prob, old_log_prob, rollout_log_prob, mask, correction_config, precomputed_correction, batch_norm_sums)
 
     stats: dict[str, torch.Tensor] = {}
     reinforce = correction_config.bypass_mode and correction_config.loss_type == "reinforce"
@@ -260,7 +263,7 @@ def _upcast(x: torch.Tensor) -> torch.Tensor:
     return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
 
 
-def _anchor_and_correction(log_prob, old_log_prob, rollout_log_prob, mask, config, precomputed):
+def _anchor_and_correction(log_prob, old_log_prob, rollout_log_prob, mask, config, precomputed, batch_norm_sums):
     """(PPO anchor log-probs, IS weights or None, loss mask, rollout_corr metrics) for the mode."""
     metrics: dict[str, float] = {}
     if config.bypass_mode:
@@ -272,13 +275,16 @@ def _anchor_and_correction(log_prob, old_log_prob, rollout_log_prob, mask, confi
         anchor = check_token_values("rollout_log_prob", rollout_log_prob, mask)
         with torch.no_grad():  # w = π_θ/π_rollout is a coefficient, recomputed for every call
             weights, loss_mask, metrics = compute_rollout_correction(log_prob.detach(), rollout_log_prob, mask,
-                                                                     config)
+                                                                     config, batch_norm_sums)
     else:
         if old_log_prob is None:
             raise ValueError("decoupled mode needs old_log_prob (the proximal policy); set bypass_mode "
                              "to use the rollout log-probs instead")
         anchor = check_token_values("old_log_prob", old_log_prob, mask)
         if precomputed is not None:
+            if batch_norm_sums is not None:
+                raise ValueError("batch_norm_sums is for a correction computed here; precomputed_correction's "
+                                 "weights were normalised when they were computed")
             weights, loss_mask = precomputed
             if (check_mask(loss_mask, mask.shape) & ~mask).any():
                 raise ValueError("precomputed_correction's mask keeps tokens that response_mask excludes")
@@ -286,7 +292,8 @@ def _anchor_and_correction(log_prob, old_log_prob, rollout_log_prob, mask, confi
             raise ValueError("decoupled mode needs rollout_log_prob to compute the correction "
                              "(or pass precomputed_correction)")
         else:
-            weights, loss_mask, metrics = compute_rollout_correction(old_log_prob, rollout_log_prob, mask, config)
+            weights, loss_mask, metrics = compute_rollout_correction(old_log_prob, rollout_log_prob, mask, config,
+                                                                     batch_norm_sums)
     if weights is not None:
         if weights.shape != mask.shape:
             raise ValueError(f"IS weights have shape {tuple(weights.shape)}, expected {tuple(mask.shape)}")

@@ -7,9 +7,15 @@ A step (`Learner.train_step`):
      and current log-probs (`prox_logp: loglinear`, AReaL); bypass mode uses μ itself;
   3. rollout correction (IS weights, rejection, veto) and the policy loss, for `ppo_epochs` over
      minibatches, each loss normalised by the token/sequence counts of the whole minibatch over
-     all ranks, so micro-batching and data parallelism do not change the update;
+     all ranks (and batch-normalised IS weights by the whole batch's factor), so micro-batching
+     and data parallelism do not change the update;
   4. one optimizer step per minibatch (gradients summed over ranks, clipped), one scheduler step
      per learner step, and the version goes up by one.
+
+Memory follows the token budget, not the batch: every pass (proximal, reference, update) runs in
+micro-batches of at most `max_tokens_per_micro_batch` padded tokens (`learner.batch.
+plan_micro_batches`, rows of similar length together), and log-probs come from a chunked LM head
+(`lm.causal_lm.response_log_probs`) that never holds [rows, length, vocab] logits.
 
 The three log-probs keep the names of DESIGN.md: `rollout_log_prob` (μ), `old_log_prob` (π_old),
 `log_prob` (π_θ). This is a plain class; services makes it a Ray actor.
@@ -22,17 +28,19 @@ import math
 import shutil
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 
 from learner.advantages import compute_advantages
-from learner.batch import TrainBatch, build_batch
+from learner.batch import TrainBatch, build_batch, padding_counts, plan_micro_batches
 from learner.config import LearnerConfig
-from learner.correction import compute_rollout_correction, to_floats
+from learner.correction import compute_rollout_correction, is_batch_norm_sums, to_floats
 from learner.distributed import LocalComm
 from learner.losses import compute_policy_loss, count_tokens_and_sequences, staleness_metrics
-from lm.causal_lm import load_causal_lm, response_log_probs, torch_dtype
+from lm.causal_lm import enable_gradient_checkpointing, load_causal_lm, response_log_probs, torch_dtype
 from lm.weight_sync import save_weights_folder
 
 TRAINER_STATE_FILE = "trainer.pt"
@@ -56,6 +64,36 @@ def loglinear_prox_log_prob(rollout_log_prob: torch.Tensor, log_prob: torch.Tens
     staleness = (version - token_versions).clamp(min=0).to(log_prob.dtype)
     alpha = staleness / (staleness + 1.0)
     return rollout_log_prob + alpha * (log_prob.detach() - rollout_log_prob)
+
+
+def proximal_log_prob(mode: str, log_prob: torch.Tensor, rollout_log_prob: torch.Tensor,
+                      token_versions: torch.Tensor, version: int,
+                      recomputed: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """π_old of one micro-batch, by `LearnerConfig.prox_mode`: `recompute` -> the slice of the
+    step's no-grad pass; `loglinear` -> AReaL's interpolation from μ toward π_θ; `bypass` -> None
+    (the loss anchors on μ itself)."""
+    if mode == "recompute":
+        if recomputed is None:
+            raise ValueError("prox mode 'recompute' needs the recomputed proximal log-probs")
+        return recomputed
+    if mode == "loglinear":
+        return loglinear_prox_log_prob(rollout_log_prob, log_prob, token_versions, version)
+    if mode == "bypass":
+        return None
+    raise ValueError(f"prox mode must be 'recompute', 'loglinear' or 'bypass', got {mode!r}")
+
+
+@dataclass
+class StepInputs:
+    """What a step computes once for all its minibatches, on this rank's shard (row i of every
+    tensor is shard row i, padded to the shard's longest response)."""
+
+    shard: TrainBatch
+    advantages: torch.Tensor
+    loss_mask: torch.Tensor  # recompute mode: after rejection; otherwise the response mask
+    old_log_prob: Optional[torch.Tensor] = None  # recompute mode
+    is_weights: Optional[torch.Tensor] = None  # recompute mode, when rollout_is is set
+    ref_log_prob: Optional[torch.Tensor] = None  # kl_coef > 0
 
 
 def lr_factor(step: int, warmup_steps: int, schedule: str, total_steps: int | None, min_ratio: float) -> float:
@@ -93,7 +131,11 @@ class Learner:
         model.config.use_cache = False
         # Dropout off for good: the proximal pass, the update and the sampler must see one policy.
         model.eval()
+        if config.gradient_checkpointing:
+            enable_gradient_checkpointing(model)
         self.model = self._wrap(model)
+        self._log_prob_dtype = torch.promote_types(torch_dtype(config.dtype), torch.float32)
+        self._slots = torch.zeros(2, dtype=torch.float64)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             self.params, lr=config.lr, betas=tuple(config.betas), eps=config.adam_eps,
@@ -126,8 +168,8 @@ class Learner:
     def _wrap(self, model):
         if self.config.distributed.strategy != "fsdp":
             return model
-        # FSDP2 (GPU, nccl): shard every decoder layer, then the root. Written for GPU
-        # machines; the CPU suite does not run it.
+        # FSDP2: shard every decoder layer, then the root (embeddings, final norm, LM head). The
+        # CPU suite runs it with gloo; on GPUs it runs with nccl.
         from torch.distributed.fsdp import fully_shard
 
         for layer in model.model.layers:
@@ -143,27 +185,36 @@ class Learner:
         cfg = self.config
         timing: dict[str, float] = {}
         step_start = time.perf_counter()
+        self._slots = torch.zeros(2, dtype=torch.float64)  # (real tokens, padded slots) of this step's passes
+
+        # 1. Validate and pad the groups; advantages over the whole batch.
         batch = build_batch(groups, learner_version=self.version)
+        self._check_budget(batch)
         advantages = compute_advantages(batch.rewards, batch.group_index, batch.response_mask, cfg.advantage)
         minibatches = self._minibatch_groups(batch.num_groups)
         shard_rows = batch.rows_of_groups(  # every group this rank trains on, in any epoch
             [g for epoch in minibatches for mb in epoch for g in self._my_part(mb)])
-        shard = batch.select(shard_rows)
-        shard_adv = advantages[shard_rows, : shard.response_mask.shape[1]]
+        shard = batch.select(shard_rows).to(self.device)
         row_of = {row: i for i, row in enumerate(shard_rows)}
+        # The rows this rank answers for in batch-wide sums: its part of the first epoch (the
+        # ranks' parts are disjoint and cover the batch; later epochs may reshuffle).
+        owned = [row_of[r] for r in batch.rows_of_groups([g for mb in minibatches[0] for g in self._my_part(mb)])]
+        inputs = StepInputs(shard=shard, advantages=advantages[shard_rows, : shard.response_mask.shape[1]].to(self.device),
+                            loss_mask=shard.response_mask)
 
-        # π_old and the correction that does not depend on θ: once per step, on this rank's shard.
-        old_log_prob, is_weights, mask, shard_stats = None, None, shard.response_mask, {}
+        # 2. π_old and the correction that does not depend on θ: once per step, on this rank's shard.
+        shard_stats: dict[str, float] = {}
         with _timed(timing, "timing_s/old_log_prob"):
-            if self._recompute_prox:
-                old_log_prob, _ = self._log_probs(shard, grad=False)
-                is_weights, mask, shard_stats = compute_rollout_correction(
-                    old_log_prob, shard.rollout_log_probs, shard.response_mask, cfg.rollout_correction)
-        ref_log_prob = None
+            if cfg.prox_mode == "recompute":
+                inputs.old_log_prob = self._no_grad_log_probs(shard)
+                inputs.is_weights, inputs.loss_mask, shard_stats = self._step_correction(
+                    shard, inputs.old_log_prob, owned)
         if self.ref_model is not None:
             with _timed(timing, "timing_s/ref"):
-                ref_log_prob, _ = self._log_probs(shard, grad=False, model=self.ref_model)
+                inputs.ref_log_prob = self._no_grad_log_probs(shard, model=self.ref_model)
 
+        # 3-4. Per minibatch: the loss in token-budget micro-batches, normalised by the whole
+        # minibatch's counts over all ranks, then one optimizer step.
         lr = self.optimizer.param_groups[0]["lr"]
         partial: dict[str, list[float]] = defaultdict(list)
         grad_norms = []
@@ -171,13 +222,14 @@ class Learner:
             for epoch in minibatches:
                 for mb_groups in epoch:
                     local = [row_of[r] for r in batch.rows_of_groups(self._my_part(mb_groups))]
-                    grad_norms.append(self._minibatch_update(shard, local, shard_adv, old_log_prob, is_weights,
-                                                             mask, ref_log_prob, partial))
+                    grad_norms.append(self._minibatch_update(inputs, local, partial))
         self.scheduler.step()
         self.version += 1
 
         metrics = self._combine(partial, len(grad_norms), shard_stats, timing)
         metrics.update(self._batch_metrics(batch))
+        tokens = self._reduce({"real": float(self._slots[0]), "slots": float(self._slots[1])}, "sum")
+        metrics["perf/padding_fraction"] = 1.0 - tokens["real"] / tokens["slots"] if tokens["slots"] else 0.0
         metrics["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
         metrics["actor/optimizer_steps"] = float(len(grad_norms))
         metrics["actor/lr"] = lr
@@ -185,9 +237,16 @@ class Learner:
         metrics["timing_s/step"] = time.perf_counter() - step_start
         return metrics
 
-    @property
-    def _recompute_prox(self) -> bool:
-        return not self.config.bypass_mode and self.config.prox_logp == "recompute"
+    def _check_budget(self, batch: TrainBatch) -> None:
+        """Every rank checks every row before any collective, so a sequence the budget cannot
+        hold is an error on all ranks at once, not a rank leaving the others waiting."""
+        budget = self.config.max_tokens_per_micro_batch
+        lengths = batch.sequence_lengths()
+        longest = max(range(len(lengths)), key=lengths.__getitem__)
+        if budget is not None and lengths[longest] > budget:
+            raise ValueError(f"sample {batch.sample_ids[longest]!r} has {lengths[longest]} prompt+response tokens, "
+                             f"more than the micro-batch budget max_tokens_per_micro_batch={budget}: raise the "
+                             f"budget to at least the longest sequence (prompt + max response tokens)")
 
     def _my_part(self, group_positions: list[int]) -> list[int]:
         """This rank's groups of a minibatch: every world_size-th, starting at its rank."""
@@ -211,55 +270,88 @@ class Learner:
             epochs.append([order[i : i + size] for i in range(0, num_groups, size)])
         return epochs
 
-    def _minibatch_update(self, shard: TrainBatch, local: list[int], advantages, old_log_prob, is_weights,
-                          mask, ref_log_prob, partial) -> float:
-        """Forward/backward over this rank's part of one minibatch in micro-batches, sum the
+    def _step_correction(self, shard: TrainBatch, old_log_prob: torch.Tensor, owned: list[int]):
+        """IS weights, rejection mask and metrics of the shard against the recomputed π_old; batch
+        normalisation divides by the factor of the whole batch, summed over the ranks."""
+        rc = self.config.rollout_correction
+        sums = None
+        if rc.rollout_is_batch_normalize:
+            sums = self.comm.all_reduce_sum(is_batch_norm_sums(
+                old_log_prob[owned], shard.rollout_log_probs[owned], shard.response_mask[owned], rc).cpu())
+        return compute_rollout_correction(old_log_prob, shard.rollout_log_probs, shard.response_mask, rc, sums)
+
+    def _minibatch_update(self, inputs: StepInputs, local: list[int], partial) -> float:
+        """Forward/backward over this rank's rows `local` of one minibatch in micro-batches, sum the
         gradients over ranks, clip and step. Returns the gradient norm."""
         cfg = self.config
         # Loss normaliser: the minibatch's counts over all ranks. Decoupled-recompute rejects up
         # front, so its counts are after rejection; bypass and loglinear reject inside the loss
         # (the weights depend on π_θ), so theirs are the loss mask's counts.
-        tokens, seqs = count_tokens_and_sequences(mask[local])
-        counts = self.comm.all_reduce_sum(torch.tensor([tokens, seqs, len(local)], dtype=torch.float64))
-        global_tokens, global_seqs, global_rows = counts.tolist()
+        tokens, seqs = count_tokens_and_sequences(inputs.loss_mask[local])
+        counts = self.comm.all_reduce_sum(torch.tensor([tokens, seqs], dtype=torch.float64))
+        global_tokens, global_seqs = counts.tolist()
         want_entropy = cfg.policy_loss.entropy_coeff > 0 or cfg.compute_entropy
         entropy_grad = cfg.policy_loss.entropy_coeff > 0  # reported only: no graph needed
+        norm_sums = self._minibatch_norm_sums(inputs, local)
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = defaultdict(float)
-        micro = cfg.micro_batch_size or max(1, len(local))
-        for start in range(0, len(local), micro):
-            rows = local[start : start + micro]
-            mb = shard.select(rows)
+        for rows in self._micro_batches(inputs.shard, local):
+            if not rows:
+                self._idle_pass(grad=True)
+                continue
+            mb = inputs.shard.select(rows)
             width = mb.response_mask.shape[1]
-            log_prob, entropy = self._log_probs(mb, grad=True, with_entropy=want_entropy, entropy_grad=entropy_grad)
+            log_prob, entropy = self._forward(mb, with_entropy=want_entropy, entropy_grad=entropy_grad)
+            recomputed = None if inputs.old_log_prob is None else inputs.old_log_prob[rows, :width]
+            old = proximal_log_prob(cfg.prox_mode, log_prob, mb.rollout_log_probs, mb.token_versions, self.version,
+                                    recomputed)
             extra = {}
-            if ref_log_prob is not None:
-                extra["ref_log_prob"] = ref_log_prob[rows, :width]
-            if self._recompute_prox:
-                old = old_log_prob[rows, :width]
-                weights = None if is_weights is None else is_weights[rows, :width]
-                extra["precomputed_correction"] = (weights, mask[rows, :width])
-            elif cfg.bypass_mode:
-                old = None
+            if inputs.ref_log_prob is not None:
+                extra["ref_log_prob"] = inputs.ref_log_prob[rows, :width]
+            if cfg.prox_mode == "recompute":
+                weights = None if inputs.is_weights is None else inputs.is_weights[rows, :width]
+                extra["precomputed_correction"] = (weights, inputs.loss_mask[rows, :width])
             else:
-                old = loglinear_prox_log_prob(mb.rollout_log_probs, log_prob, mb.token_versions, self.version)
+                extra["batch_norm_sums"] = norm_sums
             loss, loss_metrics = compute_policy_loss(
-                log_prob, old, mb.rollout_log_probs, advantages[rows, :width], mb.response_mask,
+                log_prob, old, mb.rollout_log_probs, inputs.advantages[rows, :width], mb.response_mask,
                 cfg.rollout_correction, cfg.policy_loss,
                 global_token_count=global_tokens, global_seq_count=global_seqs, entropy=entropy, **extra,
             )
             if cfg.distributed.strategy == "fsdp":
                 loss = loss * self.comm.world_size  # FSDP averages gradients over ranks; we sum
             loss.backward()
-            share = len(rows) / max(global_rows, 1.0)
+            share = count_tokens_and_sequences(inputs.loss_mask[rows, :width])[0] / max(global_tokens, 1.0)
             for key, value in loss_metrics.items():
                 # Aggregated losses are already this micro-batch's share of the minibatch's;
-                # fractions and means are weighted by the micro-batch's share of the rows.
+                # fractions and means are weighted by the micro-batch's share of the tokens.
                 sums[key] += value if key in _ADDITIVE_METRICS else value * share
         self.comm.sum_gradients(self.params)
         for key, value in sums.items():
             partial[key].append(value)
         return self._clip_and_step()
+
+    def _minibatch_norm_sums(self, inputs: StepInputs, local: list[int]) -> torch.Tensor | None:
+        """The minibatch's batch-normalisation sums over all ranks, when the IS weights depend on
+        π_θ (bypass, loglinear) and are batch-normalised. Every micro-batch's loss needs the factor
+        of the whole minibatch before its backward pass: one extra no-grad pass over the rows
+        pays for exactness (the recompute mode has its factor from the proximal pass)."""
+        rc = self.config.rollout_correction
+        if not rc.rollout_is_batch_normalize or self.config.prox_mode == "recompute":
+            return None
+        sums = torch.zeros(2, dtype=torch.float64)
+        with torch.no_grad():
+            for rows in self._micro_batches(inputs.shard, local):
+                if not rows:
+                    self._idle_pass(grad=False)
+                    continue
+                mb = inputs.shard.select(rows)
+                log_prob, _ = self._forward(mb)
+                old = proximal_log_prob(self.config.prox_mode, log_prob, mb.rollout_log_probs, mb.token_versions,
+                                        self.version, None)
+                sums += is_batch_norm_sums(log_prob if old is None else old, mb.rollout_log_probs,
+                                           mb.response_mask, rc).cpu()
+        return self.comm.all_reduce_sum(sums)
 
     def _clip_and_step(self) -> float:
         """Clip to the global norm and step; a non-finite gradient skips the step (no update
@@ -272,25 +364,55 @@ class Learner:
         self.optimizer.step()
         return norm
 
-    def _log_probs(self, batch: TrainBatch, grad: bool, with_entropy: bool = False, entropy_grad: bool = True,
-                   model=None):
-        """(log π(response tokens), entropy or None) for a sub-batch under the policy (or the
-        given model); the no-grad pass runs in micro-batches."""
+    # ------------------------------------------------------------------ passes
+
+    def _micro_batches(self, batch: TrainBatch, rows: list[int]) -> list[list[int]]:
+        """`rows` of `batch` in micro-batches within the token budget, as many on every rank."""
         cfg = self.config
-        model = model or self.model
-        chunk = len(batch) if grad else (cfg.micro_batch_size or len(batch))
-        width = batch.response_mask.shape[1]
-        log_probs, entropies = [], []
-        with torch.set_grad_enabled(grad):
-            for start in range(0, len(batch), chunk):
-                out = response_log_probs(model, batch.prompts[start : start + chunk],
-                                         batch.responses[start : start + chunk], cfg.temperature,
-                                         cfg.pad_token_id, with_entropy=with_entropy, entropy_grad=entropy_grad)
-                log_probs.append(torch.nn.functional.pad(out[0], (0, width - out[0].shape[1])))
-                if with_entropy:
-                    entropies.append(torch.nn.functional.pad(out[2], (0, width - out[2].shape[1])))
-        log_prob = torch.cat(log_probs).float()
-        return log_prob, (torch.cat(entropies).float() if with_entropy else None)
+        lengths = batch.sequence_lengths(rows)
+        plan = plan_micro_batches(lengths, cfg.max_tokens_per_micro_batch, self.comm, cfg.micro_batch_size)
+        return [[rows[i] for i in mb] for mb in plan]
+
+    def _forward(self, mb: TrainBatch, with_entropy: bool = False, entropy_grad: bool = True, model=None):
+        """(log π(response tokens), entropy or None) of one micro-batch under the policy (or the
+        given model), with gradients if they are enabled."""
+        cfg = self.config
+        real, slots = padding_counts(mb.sequence_lengths())
+        self._slots += torch.tensor([real, slots], dtype=torch.float64)
+        with self._autocast():
+            out = response_log_probs(model or self.model, mb.prompts, mb.responses, cfg.temperature,
+                                     cfg.pad_token_id, with_entropy=with_entropy, entropy_grad=entropy_grad,
+                                     chunk_tokens=cfg.logprob_chunk_tokens)
+        return out[0], (out[2] if with_entropy else None)
+
+    def _no_grad_log_probs(self, batch: TrainBatch, model=None) -> torch.Tensor:
+        """[rows, T] log-probs of every row of `batch` without gradients, micro-batch by micro-batch."""
+        out = torch.zeros(batch.response_mask.shape, dtype=self._log_prob_dtype, device=self.device)
+        with torch.no_grad():
+            for rows in self._micro_batches(batch, list(range(len(batch)))):
+                if not rows:
+                    if model is None:  # only the policy is sharded
+                        self._idle_pass(grad=False)
+                    continue
+                log_prob, _ = self._forward(batch.select(rows), model=model)
+                out[rows, : log_prob.shape[1]] = log_prob
+        return out
+
+    def _idle_pass(self, grad: bool) -> None:
+        """A zero-weight pass over one pad token for a rank with no rows in a micro-batch slot:
+        under FSDP every pass gathers parameters (and every backward reduces gradients) across
+        all ranks, so a rank that skipped it would leave the others waiting."""
+        if self.config.distributed.strategy != "fsdp":
+            return
+        pad = [self.config.pad_token_id]
+        with torch.set_grad_enabled(grad), self._autocast():
+            log_prob, _ = response_log_probs(self.model, [pad], [pad], chunk_tokens=1)
+        if grad:
+            (log_prob.sum() * 0.0).backward()
+
+    def _autocast(self):
+        """bfloat16 compute over float32 weights when mixed precision is on; a no-op otherwise."""
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.config.mixed_precision is not None)
 
     # ------------------------------------------------------------------ metrics
 

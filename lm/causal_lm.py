@@ -6,7 +6,10 @@ from pathlib import Path
 
 import torch
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+# Response tokens per LM-head chunk: the head's transient memory is about 2 x chunk x vocab x 4 bytes
+# (1024 x 151,936: 1.2 GB), whatever the batch.
+DEFAULT_CHUNK_TOKENS = 1024
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -34,6 +37,22 @@ def load_causal_lm(path: str | os.PathLike, dtype: str = "float32", device: str 
     return model.to(device)
 
 
+def enable_gradient_checkpointing(model) -> None:
+    """Keep only each decoder layer's input in the forward pass and recompute the layer in the
+    backward pass (activation memory: one layer's worth instead of all of them). transformers
+    checkpoints a layer only while that layer is in training mode; the learner keeps its model in
+    eval mode (no dropout), so only the layer modules themselves are flagged as training: their
+    children, dropout included, stay in eval mode."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    if not layers:
+        raise ValueError(f"{type(model).__name__} has no checkpointable decoder layers")
+    for layer in layers:
+        layer.training = True  # this module only: Module.train() would reach the dropouts too
+
+
 # Files any one of which holds a tokenizer transformers can load (fast, sentencepiece, BPE, WordPiece).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
 
@@ -56,6 +75,10 @@ def pad_sequences(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """Right-pad prompt+response rows. Returns input_ids [B, L], attention_mask [B, L],
     response_mask [B, T] (1 on real response tokens) and T, the longest response."""
+    if len(prompts) != len(responses):
+        raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses: one response per prompt")
+    if not prompts:
+        raise ValueError("no sequences to pad (zero prompts)")
     lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
     width = max(lengths)
     resp_width = max(len(r) for r in responses)
@@ -77,35 +100,191 @@ def response_log_probs(
     pad_id: int = 0,
     with_entropy: bool = False,
     entropy_grad: bool = True,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
 ):
     """Log-probs of each response token under `model` (logits divided by temperature), as
-    [B, T] right-padded with zeros, and the [B, T] response mask; with `with_entropy`, also the
-    [B, T] entropy of the tempered next-token distribution at each response position (the
-    learner's entropy bonus and metric; `entropy_grad=False` computes it without a graph, which
-    saves a [T, vocab] activation per row when it is only reported). Gradients flow unless the
-    caller wraps this in torch.no_grad()."""
+    [B, T] float32 right-padded with zeros, and the [B, T] response mask; with `with_entropy`,
+    also the [B, T] entropy of the tempered next-token distribution at each response position
+    (the learner's entropy bonus and metric; `entropy_grad=False` makes it a constant, for when
+    it is only reported). Gradients flow unless the caller wraps this in torch.no_grad().
+
+    One forward pass over the rows (the caller sizes them: see learner.batch.plan_micro_batches).
+    The LM head runs only on the positions that predict a response token, `chunk_tokens` of them
+    at a time, and its [chunk, vocab] logits are recomputed in the backward pass: memory for the
+    log-probs is O(chunk_tokens x vocab), never O(rows x length x vocab)."""
     input_ids, attention, response_mask, resp_width = pad_sequences(prompts, responses, pad_id)
     device = next(model.parameters()).device
-    logits = model(input_ids=input_ids.to(device), attention_mask=attention.to(device)).logits
-    logits = logits.float() / temperature
-    # Token t is predicted by position t-1; gather the response slice row by row (prompts differ).
-    out = torch.zeros((len(prompts), resp_width), dtype=torch.float32, device=device)
-    rows, entropies = [], []
-    for row, (p, r) in enumerate(zip(prompts, responses)):
-        if not r:
-            rows.append(out[row])
-            entropies.append(out[row])
-            continue
-        start = len(p) - 1
-        row_logits = logits[row, start : start + len(r)]
-        targets = input_ids[row, len(p) : len(p) + len(r)].to(device)
-        log_dist = torch.log_softmax(row_logits, dim=-1)
-        lp = log_dist.gather(-1, targets[:, None]).squeeze(-1)
-        rows.append(torch.nn.functional.pad(lp, (0, resp_width - len(r))))
-        if with_entropy:
-            with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
-                ent = -(log_dist.exp() * log_dist).sum(-1)
-            entropies.append(torch.nn.functional.pad(ent, (0, resp_width - len(r))))
+    rows, cols, positions = _response_positions(prompts, responses)
+    hidden = _final_hidden_states(model, input_ids.to(device), attention.to(device))
+    # Token t is predicted by position t-1: the hidden state just before each response token.
+    picked = hidden[rows.to(device), positions.to(device)]
+    head = model.get_output_embeddings()
+    targets = input_ids[rows, positions + 1].to(device)
+    log_probs, entropy = chunked_token_log_probs(picked, head.weight, getattr(head, "bias", None), targets,
+                                                 temperature, chunk_tokens, with_entropy, entropy_grad)
+    out = _scatter_rows(log_probs, rows, cols, (len(prompts), resp_width), device)
+    mask = response_mask.to(device)
     if with_entropy:
-        return torch.stack(rows), response_mask.to(device), torch.stack(entropies)
-    return torch.stack(rows), response_mask.to(device)
+        return out, mask, _scatter_rows(entropy, rows, cols, (len(prompts), resp_width), device)
+    return out, mask
+
+
+def _response_positions(prompts, responses) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(row, response column, input position of the predicting token) of every response token."""
+    rows, cols, positions = [], [], []
+    for row, (p, r) in enumerate(zip(prompts, responses)):
+        if r and not p:
+            raise ValueError(f"row {row} has a response but an empty prompt: its first token has no context")
+        rows.extend([row] * len(r))
+        cols.extend(range(len(r)))
+        positions.extend(range(len(p) - 1, len(p) + len(r) - 1))
+    as_long = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
+    return as_long(rows), as_long(cols), as_long(positions)
+
+
+def _scatter_rows(values: torch.Tensor, rows, cols, shape, device) -> torch.Tensor:
+    out = torch.zeros(shape, dtype=values.dtype, device=device)
+    return out.index_put((rows.to(device), cols.to(device)), values)
+
+
+_NO_POSITIONS = torch.empty(0, dtype=torch.long)
+
+
+def _final_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """The decoder's last hidden states [B, L, H] (after the final norm). The whole model's
+    forward runs, so wrappers that act in its hooks (FSDP gathers the root's parameters there)
+    still see a normal call, but its LM head gets no position: the caller applies the head."""
+    captured = {}
+
+    def keep(_module, _args, output):
+        captured["hidden"] = output[0] if isinstance(output, tuple) else output.last_hidden_state
+
+    handle = model.base_model.register_forward_hook(keep)
+    try:
+        model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=_NO_POSITIONS.to(input_ids.device))
+    finally:
+        handle.remove()
+    return captured["hidden"]
+
+
+def chunked_token_log_probs(hidden, weight, bias, targets, temperature: float = 1.0,
+                            chunk_tokens: int = DEFAULT_CHUNK_TOKENS, with_entropy: bool = False,
+                            entropy_grad: bool = True):
+    """log softmax((hidden @ weight.T + bias) / T)[target] and, optionally, the entropy, per token
+    ([N, H] hidden, [V, H] weight, [N] targets -> [N] float32 each; entropy None unless asked).
+    The logits are made `chunk_tokens` rows at a time in the weight's dtype (or autocast's) and
+    reduced in float32; the backward pass makes them again instead of keeping them."""
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
+        raise ValueError(f"hidden must be [tokens, hidden] and targets [tokens], got {tuple(hidden.shape)} and "
+                         f"{tuple(targets.shape)}")
+    log_probs, entropy = _ChunkedLogProbs.apply(hidden, weight, bias, targets, float(temperature),
+                                                int(chunk_tokens), with_entropy, entropy_grad)
+    return log_probs, (entropy if with_entropy else None)
+
+
+def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype the head's matmuls run in: autocast's when it is on, else the weight's."""
+    device_type = hidden.device.type
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
+
+
+class _ChunkedLogProbs(torch.autograd.Function):
+    """The LM head, log-softmax and entropy of a token set, chunk by chunk (prime-rl's
+    FusedOutputLinear, without the vocabulary split). With z = logits / T, p = softmax(z),
+    H = -Σ p log p:  d log p_target / dz = onehot(target) - p;  dH / dz = -p (log p + H).
+    At most two [chunk, vocab] buffers (float32, or float64 for a float64 model) serve every
+    chunk of a call, and each chunk makes few passes over them: at this size the elementwise
+    work, not the matmul, sets the speed on CPU, and fresh buffers would page-fault every time."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature, chunk, with_entropy, entropy_grad):
+        compute = _compute_dtype(hidden, weight)
+        w, b = weight.to(compute), None if bias is None else _scaled(bias, temperature, compute)
+        n = hidden.shape[0]
+        dtype = torch.promote_types(compute, torch.float32)  # float64 stays float64 (exactness tests)
+        log_probs = torch.empty(n, dtype=dtype, device=hidden.device)
+        lse = torch.empty_like(log_probs)
+        entropy = torch.zeros_like(log_probs)
+        z_buf, p_buf = (_vocab_buffer(min(chunk, n), weight.shape[0], dtype, hidden.device) for _ in range(2))
+        for start in range(0, n, chunk):
+            end = min(n, start + chunk)
+            z = _tempered_logits(z_buf[: end - start], _scaled(hidden[start:end], temperature, compute), w, b)
+            z_max = z.amax(-1, keepdim=True)
+            z.sub_(z_max)  # shifted: exp cannot overflow
+            p = torch.exp(z, out=p_buf[: end - start])  # unnormalised
+            total = p.sum(-1)
+            log_total = total.log()
+            lse[start:end] = z_max.squeeze(-1) + log_total
+            log_probs[start:end] = z.gather(-1, targets[start:end, None]).squeeze(-1) - log_total
+            if with_entropy:  # H = log S - Σ p z / S (p is not needed after this)
+                entropy[start:end] = log_total - p.mul_(z).sum(-1) / total
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
+        ctx.temperature, ctx.chunk, ctx.compute = temperature, chunk, compute
+        ctx.entropy_grad = with_entropy and entropy_grad
+        if not ctx.entropy_grad:
+            ctx.mark_non_differentiable(entropy)
+        return log_probs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_log_probs, grad_entropy):
+        hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
+        want_hidden, want_weight, want_bias = ctx.needs_input_grad[:3]
+        compute, temperature = ctx.compute, ctx.temperature
+        w, b = weight.to(compute), None if bias is None else _scaled(bias, temperature, compute)
+        grad_hidden = torch.zeros_like(hidden) if want_hidden else None
+        grad_weight = torch.zeros_like(weight, dtype=lse.dtype) if want_weight else None
+        grad_bias = torch.zeros_like(bias, dtype=lse.dtype) if want_bias else None
+        if grad_log_probs is None:
+            grad_log_probs = torch.zeros_like(lse)
+        with_entropy = ctx.entropy_grad and grad_entropy is not None
+        n, vocab = hidden.shape[0], weight.shape[0]
+        z_buf = _vocab_buffer(min(ctx.chunk, n), vocab, lse.dtype, hidden.device)
+        p_buf = _vocab_buffer(min(ctx.chunk, n), vocab, lse.dtype, hidden.device) if with_entropy else None
+        for start in range(0, n, ctx.chunk):
+            end = min(n, start + ctx.chunk)
+            h = _scaled(hidden[start:end], temperature, compute)
+            log_p = _tempered_logits(z_buf[: end - start], h, w, b).sub_(lse[start:end, None])
+            g = grad_log_probs[start:end, None]
+            # d loss / dz = -p (g + g_H (log p + H)) + g onehot(target), built in place.
+            if with_entropy:
+                p = torch.exp(log_p, out=p_buf[: end - start])
+                coef = log_p.add_(entropy[start:end, None]).mul_(grad_entropy[start:end, None]).add_(g)
+                grad_z = coef.mul_(p).neg_()
+            else:
+                grad_z = log_p.exp_().mul_(-g)
+            grad_z = grad_z.scatter_add_(-1, targets[start:end, None], g).to(compute)
+            # z = (h/T) W^T + b/T: the temperature scales the [chunk, hidden] side, never [chunk, vocab].
+            if want_hidden:
+                grad_hidden[start:end] = (grad_z @ w).div_(temperature).to(hidden.dtype)
+            if want_weight:
+                if grad_z.dtype == grad_weight.dtype:
+                    grad_weight.addmm_(grad_z.T, h)  # in place: no [vocab, hidden] temporary
+                else:
+                    grad_weight += grad_z.T @ h
+            if want_bias:
+                grad_bias += grad_z.sum(0) / temperature
+        grad_weight = grad_weight.to(weight.dtype) if want_weight else None
+        grad_bias = grad_bias.to(bias.dtype) if want_bias else None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
+
+
+def _vocab_buffer(rows: int, vocab: int, dtype: torch.dtype, device) -> torch.Tensor:
+    return torch.empty(rows, vocab, dtype=dtype, device=device)
+
+
+def _scaled(x: torch.Tensor, temperature: float, dtype: torch.dtype) -> torch.Tensor:
+    """x / T in the compute dtype (no copy when T = 1 and the dtype already matches)."""
+    return (x if temperature == 1.0 else x / temperature).to(dtype)
+
+
+def _tempered_logits(out: torch.Tensor, scaled_hidden, weight, scaled_bias) -> torch.Tensor:
+    """A chunk's logits / T, from hidden / T and bias / T, written into `out` (float32 or float64)."""
+    if weight.dtype == out.dtype:
+        torch.mm(scaled_hidden, weight.T, out=out)
+        if scaled_bias is not None:
+            out.add_(scaled_bias)
+    else:  # bfloat16 / float16 compute: the logits are made in that dtype, reduced in float32
+        out.copy_(torch.nn.functional.linear(scaled_hidden, weight, scaled_bias))
+    return out

@@ -237,6 +237,12 @@ class EtarlConfig(BaseModel):
             raise ValueError(
                 f"learner.temperature ({self.learner.temperature}) must equal rollout.sampling.temperature "
                 f"({self.rollout.sampling.temperature}): the learner's log-probs must describe the sampler")
+        sampling = self.rollout.sampling
+        if sampling.top_p < 1.0 or sampling.top_k > 0:
+            raise ValueError(
+                f"rollout.sampling.top_p={sampling.top_p} / top_k={sampling.top_k} truncate the sampler's distribution: "
+                "vLLM reports log-probs of the truncated distribution while the learner scores the full vocabulary, "
+                "so every IS weight and PPO ratio would be biased; use top_p=1.0 and top_k=0 (temperature alone)")
         return self
 
     @property

@@ -1,6 +1,8 @@
-"""Data parallelism: two learner ranks (Ray actors, gloo on CPU) make exactly the update one rank
-makes on the same batch, because every loss is normalised by the whole minibatch's counts and the
-gradients are summed over ranks. (The nccl and FSDP paths need GPUs and are not run here.)"""
+"""Data parallelism: two learner ranks (Ray actors, gloo on CPU) make the update one rank makes on
+the same batch, because every loss is normalised by the whole minibatch's counts, batch-normalised
+IS weights by the whole batch's factor, and the gradients are summed over ranks. The learners run
+in float64 so the comparison checks the algorithm, not the order of float32 sums (which differs
+between CPUs). FSDP2 shards the parameters and runs on gloo too; the nccl path needs GPUs."""
 from __future__ import annotations
 
 import pytest
@@ -12,43 +14,78 @@ from learner.trainer import Learner
 from learner_helpers import build_tiny_policy, max_param_diff, params_of, sample_groups
 from lm.weight_sync import resolve_weights
 
+# Micro-batches of one or two rows (the longest sequence here has 12 tokens): ranks plan different
+# numbers of passes and the short ones make up the difference.
+SMALL_BUDGET = 16
+
 
 @pytest.fixture(scope="module")
 def policy_dir(tmp_path_factory):
     return build_tiny_policy(tmp_path_factory.mktemp("policy"), seed=2)
 
 
+def assert_same_training(single: Learner, group: LearnerGroup, groups, steps: int = 2) -> None:
+    for _ in range(steps):
+        want = single.train_step(groups)
+        got = group.train_step(groups)
+        for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/pg_clipfrac"):
+            assert got[key] == pytest.approx(want[key], rel=1e-9, abs=1e-12), key
+        assert got["learner/num_sequences"] == want["learner/num_sequences"]
+        assert got["learner/version"] == want["learner/version"]
+        if "rollout_corr/rollout_is_batch_norm_factor" in want:
+            assert got["rollout_corr/rollout_is_batch_norm_factor"] == pytest.approx(
+                want["rollout_corr/rollout_is_batch_norm_factor"], rel=1e-12)
+    state = group.state_dict()
+    assert state["version"] == single.version == steps
+    # The update moved the weights by ~1e-3 (lr 1e-3, two steps); the two runs agree to float64 rounding.
+    assert max_param_diff(params_of(single.model), state["model"]) < 1e-10
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("overrides", [
-    # decoupled token-TIS, token-mean; minibatches of 3 and 1 groups (rank 1 sits out the second),
-    # micro-batches of 2 sequences
-    {"ppo_mini_batch_size": 3, "micro_batch_size": 2},
-    # bypass REINFORCE with sequence IS and a sequence-mean aggregation, two epochs
-    {"rollout_correction": "bypass_pg_is", "ppo_epochs": 2,
-     "policy_loss": {"loss_agg_mode": "seq-mean-token-mean"}},
+    # decoupled token-TIS, batch-normalised (one factor over both ranks' shards), token-mean;
+    # shuffled minibatches of 3 and 1 groups over two epochs (rank 1 sits out the 1-group one),
+    # micro-batches of at most 2 sequences within the token budget, uneven counts per rank
+    {"rollout_correction": {"rollout_is": "token", "rollout_is_threshold": 1.5, "rollout_is_batch_normalize": True},
+     "ppo_mini_batch_size": 3, "micro_batch_size": 2, "max_tokens_per_micro_batch": SMALL_BUDGET,
+     "ppo_epochs": 2, "shuffle_minibatches": True},
+    # bypass REINFORCE with sequence IS on π_θ, batch-normalised per minibatch over both ranks,
+    # a sequence-mean aggregation, two epochs, token-budget micro-batches
+    {"rollout_correction": {"rollout_is": "sequence", "rollout_is_threshold": 1.5, "rollout_is_batch_normalize": True,
+                            "bypass_mode": True, "loss_type": "reinforce"},
+     "ppo_epochs": 2, "policy_loss": {"loss_agg_mode": "seq-mean-token-mean"},
+     "max_tokens_per_micro_batch": SMALL_BUDGET},
 ], ids=["decoupled-uneven-minibatches", "bypass-seq-mean"])
 def test_two_gloo_ranks_make_the_update_of_one_rank(policy_dir, ray_cluster, overrides):
     groups = sample_groups(policy_dir, n_groups=4, n=3, seed=4, logprob_noise=0.2)
-    config = dict(model_path=str(policy_dir), lr=1e-3, **overrides)
+    config = dict(model_path=str(policy_dir), lr=1e-3, dtype="float64", **overrides)
 
     single = Learner(LearnerConfig(**config))
     group = LearnerGroup(LearnerConfig(**config, distributed={"world_size": 2}), ray_options={"num_cpus": 0})
     try:
-        for _ in range(2):
-            want = single.train_step(groups)
-            got = group.train_step(groups)
-            for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/pg_clipfrac"):
-                assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
-            assert got["learner/num_sequences"] == 12 and got["learner/version"] == want["learner/version"]
+        assert_same_training(single, group, groups)
         state = group.state_dict()
-        assert state["version"] == single.version == 2
-        diff = max_param_diff(params_of(single.model), state["model"])
-        assert diff < 1e-6, diff
-
         payload = group.publish_weights()
         assert payload["version"] == 2
         published = resolve_weights(payload)
         assert all(torch.equal(published[k], state["model"][k]) for k in state["model"])
+    finally:
+        group.shutdown()
+
+
+@pytest.mark.slow
+def test_fsdp_on_two_gloo_ranks_with_unequal_shares(policy_dir, ray_cluster):
+    """B = 3 groups on 2 ranks: rank 0 trains on 2 groups, rank 1 on 1, in token-budget
+    micro-batches, so rank 1 runs zero-weight passes to join every FSDP collective. No hang, and
+    the sharded update is the one of a single unsharded rank."""
+    groups = sample_groups(policy_dir, n_groups=3, n=3, seed=7, logprob_noise=0.2)
+    config = dict(model_path=str(policy_dir), lr=1e-3, dtype="float64", max_tokens_per_micro_batch=SMALL_BUDGET,
+                  rollout_correction="bypass_pg_is", policy_loss={"entropy_coeff": 0.01})
+    single = Learner(LearnerConfig(**config))
+    group = LearnerGroup(LearnerConfig(**config, distributed={"world_size": 2, "strategy": "fsdp",
+                                                             "timeout_s": 60}), ray_options={"num_cpus": 0})
+    try:
+        assert_same_training(single, group, groups)
     finally:
         group.shutdown()
 

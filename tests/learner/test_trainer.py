@@ -155,6 +155,84 @@ def test_micro_batches_and_minibatches(policy_dir, groups):
     assert uneven.train_step(groups)["actor/optimizer_steps"] == 2.0
 
 
+def longest_sequence(groups) -> int:
+    return max(len(s.prompt_ids) + len(s.response_ids) for g in groups for s in g.samples)
+
+
+NORMALISED_TOKEN_IS = {"rollout_is": "token", "rollout_is_threshold": 1.5, "rollout_is_batch_normalize": True}
+
+
+@pytest.mark.parametrize("overrides", [
+    # decoupled recompute: the proximal pass, the reference pass (KL) and the update in micro-batches
+    {"rollout_correction": NORMALISED_TOKEN_IS, "ppo_mini_batch_size": 3, "policy_loss": {"kl_coef": 0.1}},
+    # bypass REINFORCE: sequence weights from π_θ, normalised over the minibatch, not the micro-batch
+    {"rollout_correction": {"rollout_is": "sequence", "rollout_is_threshold": 1.5, "rollout_is_batch_normalize": True,
+                            "bypass_mode": True, "loss_type": "reinforce"},
+     "policy_loss": {"loss_agg_mode": "seq-mean-token-mean"}, "ppo_epochs": 2},
+    # loglinear: π_old from π_θ per micro-batch, token weights normalised over the minibatch; entropy bonus
+    {"prox_logp": "loglinear", "rollout_correction": NORMALISED_TOKEN_IS, "policy_loss": {"entropy_coeff": 0.01}},
+], ids=["recompute-kl", "bypass-seq-is", "loglinear-entropy"])
+def test_a_token_budget_gives_the_update_of_one_big_batch(policy_dir, overrides):
+    """Float64, two steps on stale data with a noisy sampler: micro-batches of one or two rows make
+    the update (and the batch-normalised IS weights) of one pass over the whole minibatch."""
+    stale = sample_groups(policy_dir, n_groups=4, n=3, seed=6, logprob_noise=0.3)
+    results = {}
+    for budget in (None, longest_sequence(stale)):
+        learner = make_learner(policy_dir, dtype="float64", max_tokens_per_micro_batch=budget, **overrides)
+        learner.version = 1  # the samples are one version old: loglinear moves π_old off μ
+        metrics = [learner.train_step(stale) for _ in range(2)]
+        results[budget] = (metrics, params_of(learner.model))
+    (whole, whole_params), (split, split_params) = results.values()
+    assert max_param_diff(whole_params, split_params) < 1e-10
+    assert max_param_diff(whole_params, params_of(load_causal_lm(policy_dir, dtype="float64"))) > 1e-4
+    for want, got in zip(whole, split):
+        for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "rollout_corr/rollout_is_batch_norm_factor"):
+            assert got[key] == pytest.approx(want[key], rel=1e-9, abs=1e-12), key
+        assert want["rollout_corr/rollout_is_batch_norm_factor"] != 1.0  # the normalisation does something
+        # Sorted by length into small passes: less padding than one pass over every row.
+        assert 0.0 <= got["perf/padding_fraction"] < want["perf/padding_fraction"]
+
+
+def test_padding_fraction_counts_every_pass(policy_dir, groups):
+    batch = build_batch(groups)
+    lengths = [len(p) + len(r) for p, r in zip(batch.prompts, batch.responses)]
+    metrics = make_learner(policy_dir, max_tokens_per_micro_batch=None).train_step(groups)
+    # One pass for π_old and one for the update, each over every row padded to the longest.
+    assert metrics["perf/padding_fraction"] == pytest.approx(1 - sum(lengths) / (len(lengths) * max(lengths)))
+
+
+def test_gradient_checkpointing_and_mixed_precision(policy_dir, groups):
+    plain = make_learner(policy_dir, dtype="float64")
+    plain.train_step(groups)
+    checkpointed = make_learner(policy_dir, dtype="float64", gradient_checkpointing=True,
+                                max_tokens_per_micro_batch=longest_sequence(groups))
+    checkpointed.train_step(groups)
+    assert max_param_diff(params_of(plain.model), params_of(checkpointed.model)) < 1e-10
+
+    reference, mixed = make_learner(policy_dir), make_learner(policy_dir, mixed_precision="bfloat16")
+    want, got = reference.train_step(groups), mixed.train_step(groups)
+    # bf16 compute, float32 master weights and optimizer state, float32 loss.
+    assert all(p.dtype == torch.float32 for p in mixed.model.parameters())
+    assert all(v.dtype == torch.float32 for state in mixed.optimizer.state.values() for v in state.values()
+               if isinstance(v, torch.Tensor) and v.dim() > 0)
+    assert got["actor/entropy"] == pytest.approx(want["actor/entropy"], rel=0.05)
+    assert got["rollout_corr/kl"] != want["rollout_corr/kl"]  # it really computed in bf16
+    before = params_of(load_causal_lm(policy_dir))
+    want_update = {k: v - before[k] for k, v in params_of(reference.model).items()}
+    got_update = {k: v - before[k] for k, v in params_of(mixed.model).items()}
+    cosine = torch.nn.functional.cosine_similarity(torch.cat([v.flatten() for v in want_update.values()]),
+                                                   torch.cat([v.flatten() for v in got_update.values()]), dim=0)
+    assert cosine > 0.9
+
+
+def test_a_sequence_longer_than_the_budget_is_refused(policy_dir, groups):
+    learner = make_learner(policy_dir, max_tokens_per_micro_batch=longest_sequence(groups) - 1)
+    with pytest.raises(ValueError, match=r"sample .* has \d+ prompt\+response tokens, more than the micro-batch "
+                                         r"budget max_tokens_per_micro_batch"):
+        learner.train_step(groups)
+    assert learner.version == 0
+
+
 def test_bad_batches_are_refused_with_the_field_named(policy_dir, groups):
     learner = make_learner(policy_dir)
     good = groups[0].samples[0]
@@ -272,6 +350,10 @@ def test_config_errors_name_the_field(policy_dir):
         LearnerConfig(model_path=str(policy_dir), rollout_correction="decoupled_magic")
     with pytest.raises(ValidationError, match="needs weight_sync.folder"):
         LearnerConfig(model_path=str(policy_dir), weight_sync={"mode": "folder"})
+    with pytest.raises(ValidationError, match="set dtype float32"):
+        LearnerConfig(model_path=str(policy_dir), dtype="bfloat16", mixed_precision="bfloat16")
+    with pytest.raises(ValidationError, match="max_tokens_per_micro_batch"):
+        LearnerConfig(model_path=str(policy_dir), max_tokens_per_micro_batch=0)
     cfg = LearnerConfig(model_path=str(policy_dir), rollout_correction="decoupled_seq_is")
     assert cfg.rollout_correction.rollout_is == "sequence" and not cfg.bypass_mode
     assert LearnerConfig.model_validate_json(cfg.model_dump_json()) == cfg  # survives YAML/JSON and pickling

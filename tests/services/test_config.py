@@ -66,6 +66,13 @@ def test_bad_values_name_the_key_and_the_value():
         load_config(None, ["run.steps.x=1"])
 
 
+def test_sampler_truncation_is_refused_because_the_learner_scores_the_full_vocabulary():
+    for override in ("rollout.sampling.top_p=0.9", "rollout.sampling.top_k=50"):
+        with pytest.raises(ConfigError, match="learner scores the full vocabulary"):
+            load_config(None, [override])
+    assert load_config(None, ["rollout.sampling.top_p=1.0", "rollout.sampling.top_k=0"]).rollout.sampling.top_k == 0
+
+
 def test_config_files_errors(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "missing.yaml")

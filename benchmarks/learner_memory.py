@@ -1,0 +1,389 @@
+"""Learner memory at the real vocabulary size: the token budget bounds it, not the batch.
+
+    .venv/bin/python benchmarks/learner_memory.py [--quick] [--device cpu|cuda]
+
+Builds a Qwen2-architecture policy from config with Qwen's vocabulary (151,936 tokens) and a
+hidden size this machine can train (default 512 wide, 4 layers; --quick: 128 wide, 2 layers), and
+random sequences of 512 to 4,096 tokens (--quick: 32 to 160), the first quarter of the shortest
+the prompt. Every measurement runs in a fresh child process, so each peak is its own:
+
+  * one learner step (decoupled token-TIS: proximal pass, update, optimizer step) at batch sizes
+    8, 32 and 128 sequences and one token budget: peak memory (resident set on CPU, allocated on
+    CUDA), tokens/s and the padding fraction; the old path (one pass per minibatch, float32
+    [B, L, vocab] log-softmax) at the smallest batch where it fits, for the others its logits' size;
+  * log-prob memory: the chunked head's forward+backward over the response tokens of a full
+    micro-batch, against the float32 [B, L, vocab] logits of the old path (and, measured, the old
+    head on that micro-batch);
+  * tokens/s of the learner's forward+backward over the planned micro-batches against a plain
+    transformers forward+backward (`labels` loss over the response tokens) over the same ones.
+
+Goals (issue 17): peak at B=128 within 1.15x of B=8; log-prob memory at most 1/8 of the naive
+float32 [B, L, V]; tokens/s at least 0.9x the plain pass. Prints the numbers and, as its last
+line, a JSON summary. Asserts nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from buffer.sample import Group, Sample  # noqa: E402
+from learner.batch import build_batch, plan_micro_batches  # noqa: E402
+from lm.causal_lm import chunked_token_log_probs, load_causal_lm, pad_sequences, response_log_probs  # noqa: E402
+
+QWEN_VOCAB = 151_936
+BATCH_SIZES = (8, 32, 128)
+GROUP_SIZE = 8
+GiB = 2**30
+
+
+# ---------------------------------------------------------------- the model and the data
+
+def build_policy(folder: Path, vocab: int, hidden: int, layers: int, max_len: int) -> Path:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
+                         num_hidden_layers=layers, num_attention_heads=max(1, hidden // 64), num_key_value_heads=1,
+                         max_position_embeddings=max_len, tie_word_embeddings=True)
+    Qwen2ForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+def random_groups(batch_size: int, min_len: int, max_len: int, vocab: int, seed: int = 0) -> list[Group]:
+    """Groups of GROUP_SIZE sequences; prompts of min_len / 4 tokens, one per group; totals spread
+    evenly over [min_len, max_len] and shuffled, so every batch size holds the longest sequences
+    and its largest micro-batch is the budget's (random tokens: the cost does not depend on them)."""
+    rng = np.random.default_rng(seed)
+    totals = rng.permutation(np.linspace(min_len, max_len, batch_size).round().astype(int))
+    prompt_len = max(1, min_len // 4)
+    groups = []
+    for g in range(max(1, batch_size // GROUP_SIZE)):
+        prompt = rng.integers(1, vocab, prompt_len)
+        samples = []
+        for i in range(min(GROUP_SIZE, batch_size)):
+            n = max(1, int(totals[g * GROUP_SIZE + i]) - prompt_len)
+            samples.append(Sample(sample_id=f"{g}-{i}", group_id=f"g{g}", prompt_ids=prompt,
+                                  response_ids=rng.integers(1, vocab, n),
+                                  rollout_log_probs=-rng.exponential(3.0, n).astype(np.float32),
+                                  loss_mask=np.ones(n, np.uint8), reward=float(rng.random()), weight_version=0))
+        groups.append(Group(group_id=f"g{g}", samples=samples, prompt_index=g))
+    return groups
+
+
+def former_response_log_probs(model, prompts, responses, temperature=1.0, pad_id=0, with_entropy=False,
+                              entropy_grad=True, chunk_tokens=None):
+    """The log-probs as etarl computed them before the chunked head: float32 [B, L, V] logits of
+    every position, a log-softmax per row (the old path, for comparison; chunk_tokens is ignored)."""
+    input_ids, attention, response_mask, width = pad_sequences(prompts, responses, pad_id)
+    device = next(model.parameters()).device
+    logits = model(input_ids=input_ids.to(device), attention_mask=attention.to(device)).logits.float() / temperature
+    rows, entropies = [], []
+    for row, (p, r) in enumerate(zip(prompts, responses)):
+        log_dist = torch.log_softmax(logits[row, len(p) - 1 : len(p) + len(r) - 1], dim=-1)
+        targets = input_ids[row, len(p) : len(p) + len(r)].to(device)
+        rows.append(torch.nn.functional.pad(log_dist.gather(-1, targets[:, None]).squeeze(-1), (0, width - len(r))))
+        if with_entropy:
+            with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
+                ent = -(log_dist.exp() * log_dist).sum(-1)
+            entropies.append(torch.nn.functional.pad(ent, (0, width - len(r))))
+    if with_entropy:
+        return torch.stack(rows), response_mask.to(device), torch.stack(entropies)
+    return torch.stack(rows), response_mask.to(device)
+
+
+# ---------------------------------------------------------------- peak memory, per process
+
+class PeakMemory:
+    """Peak resident memory on CPU (Linux VmHWM, reset through /proc/self/clear_refs) or peak
+    allocated CUDA memory, in bytes, from `start()` on."""
+
+    def __init__(self, device: str):
+        self.cuda = device.startswith("cuda")
+
+    @staticmethod
+    def _status(field: str) -> int:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+        raise RuntimeError(f"/proc/self/status has no {field}")
+
+    def now(self) -> int:
+        return torch.cuda.memory_allocated() if self.cuda else self._status("VmRSS")
+
+    def start(self) -> int:
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            Path("/proc/self/clear_refs").write_text("5")  # the high-water mark restarts from here
+        return self.now()
+
+    def peak(self) -> int:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return torch.cuda.max_memory_allocated()
+        return self._status("VmHWM")
+
+
+# ---------------------------------------------------------------- the child measurements
+
+def child_step(spec: dict) -> dict:
+    """One learner step at batch size B; `old` swaps in the former log-probs and one pass per minibatch."""
+    import learner.trainer as trainer
+    from learner.config import LearnerConfig
+
+    groups = random_groups(spec["batch"], spec["min_len"], spec["max_len"], spec["vocab"], seed=spec["batch"])
+    config = LearnerConfig(model_path=spec["model"], device=spec["device"], lr=1e-5,
+                           max_tokens_per_micro_batch=None if spec["old"] else spec["budget"],
+                           logprob_chunk_tokens=spec["chunk"])
+    if spec["old"]:
+        trainer.response_log_probs = former_response_log_probs
+    learner = trainer.Learner(config)
+    # A warm-up step on one short group: the optimizer's state exists and one-time set-up is done
+    # before the measured step, whose peak then is the step's own on top of a trained model.
+    learner.train_step(random_groups(GROUP_SIZE, spec["min_len"], spec["min_len"], spec["vocab"], seed=1))
+    memory = PeakMemory(spec["device"])
+    base = memory.start()
+    start = time.perf_counter()
+    metrics = learner.train_step(groups)
+    seconds = time.perf_counter() - start
+    batch = build_batch(groups)
+    tokens = sum(len(p) + len(r) for p, r in zip(batch.prompts, batch.responses))
+    return {"peak_bytes": memory.peak(), "base_bytes": base, "step_s": seconds, "tokens": tokens,
+            "tokens_per_s": tokens / seconds, "padding_fraction": metrics["perf/padding_fraction"],
+            "longest": max(len(p) + len(r) for p, r in zip(batch.prompts, batch.responses))}
+
+
+def child_head(spec: dict) -> dict:
+    """Forward+backward of the head alone (a random [vocab, hidden] weight) over `rows` x `length`
+    tokens, `resp` of each a response: the chunked head on the response positions, or the former
+    full-vocabulary one on every position."""
+    rows, length, resp = spec["rows"], spec["length"], spec["resp"]
+    gen = torch.Generator().manual_seed(0)
+    # The weight's own gradient is the parameters' memory, the same on both paths: left out.
+    weight = (torch.randn(spec["vocab"], spec["hidden"], generator=gen) * 0.02).to(spec["device"])
+    memory = PeakMemory(spec["device"])
+    if spec["kind"] == "chunked":
+        hidden = torch.randn(rows * resp, weight.shape[1], generator=gen).to(spec["device"]).requires_grad_()
+        targets = torch.randint(0, spec["vocab"], (rows * resp,), generator=gen).to(spec["device"])
+        base = memory.start()
+        log_probs, entropy = chunked_token_log_probs(hidden, weight, None, targets, chunk_tokens=spec["chunk"],
+                                                     with_entropy=True, entropy_grad=False)
+        log_probs.sum().backward()
+    else:
+        hidden = torch.randn(rows, length, weight.shape[1], generator=gen).to(spec["device"]).requires_grad_()
+        targets = torch.randint(0, spec["vocab"], (rows, resp), generator=gen).to(spec["device"])
+        base = memory.start()
+        logits = (hidden @ weight.T).float()
+        log_dist = torch.log_softmax(logits[:, length - resp - 1 : length - 1], -1)
+        log_dist.gather(-1, targets[..., None]).sum().backward()
+    return {"head_bytes": memory.peak() - base}
+
+
+def child_throughput(spec: dict) -> dict:
+    """Seconds of forward+backward over the same micro-batches: the learner's log-probs (chunked
+    head on response positions) and a plain transformers pass with a `labels` loss."""
+    groups = random_groups(spec["batch"], spec["min_len"], spec["max_len"], spec["vocab"], seed=spec["batch"])
+    batch = build_batch(groups)
+    model = load_causal_lm(spec["model"], device=spec["device"])
+    lengths = [len(p) + len(r) for p, r in zip(batch.prompts, batch.responses)]
+    plan = plan_micro_batches(lengths, spec["budget"])
+
+    def ours(rows):
+        lp, mask = response_log_probs(model, [batch.prompts[r] for r in rows], [batch.responses[r] for r in rows],
+                                      chunk_tokens=spec["chunk"])
+        (-(lp * mask).sum() / mask.sum()).backward()
+
+    def plain(rows):
+        ids, attention, _, _ = pad_sequences([batch.prompts[r] for r in rows], [batch.responses[r] for r in rows])
+        labels = ids.clone()
+        labels[attention == 0] = -100
+        for i, r in enumerate(rows):
+            labels[i, : len(batch.prompts[r])] = -100  # the loss on response tokens, as the learner's
+        model(input_ids=ids.to(spec["device"]), attention_mask=attention.to(spec["device"]),
+              labels=labels.to(spec["device"])).loss.backward()
+
+    seconds = {"ours": [], "plain": []}
+    for _ in range(spec["repeats"]):
+        for name, fn in (("ours", ours), ("plain", plain)):  # taking turns: load changes hit both
+            model.zero_grad(set_to_none=True)
+            start = time.perf_counter()
+            for rows in plan:
+                fn(rows)
+            if spec["device"].startswith("cuda"):
+                torch.cuda.synchronize()
+            seconds[name].append(time.perf_counter() - start)
+    tokens = sum(lengths)
+    best = {name: min(values) for name, values in seconds.items()}
+    return {"tokens": tokens, "micro_batches": len(plan), "ours_tokens_per_s": tokens / best["ours"],
+            "plain_tokens_per_s": tokens / best["plain"]}
+
+
+CHILDREN = {"step": child_step, "head": child_head, "throughput": child_throughput}
+
+
+def run_child(spec: dict) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    done = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True,
+                          env=env)
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+        return {"error": f"exit {done.returncode}: {' | '.join(tail)}"}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+# ---------------------------------------------------------------- the run
+
+def mem_available() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def fits(nbytes: int, device: str) -> bool:
+    """Whether a float32 [B, L, V] path (about three such tensors) fits in half this machine's free memory."""
+    free = torch.cuda.mem_get_info()[0] if device.startswith("cuda") else mem_available()
+    return 3 * nbytes < 0.5 * free
+
+
+def measure_steps(common: dict, batch_sizes, old: bool) -> dict[int, dict]:
+    results = {}
+    for batch in batch_sizes:
+        logits = batch * common["max_len"] * common["vocab"] * 4
+        label = "old step" if old else "step"
+        if old and not fits(logits, common["device"]):
+            print(f"  {label} B={batch:4d}: not run, its float32 [B, L, V] logits alone are {logits / GiB:.1f} GiB")
+            continue
+        r = results[batch] = run_child({"child": "step", **common, "batch": batch, "old": old})
+        print(f"  {label} B={batch:4d}: " + (r.get("error") or
+              f"peak {r['peak_bytes'] / GiB:6.3f} GiB (before the step {r['base_bytes'] / GiB:.3f}), "
+              f"{r['tokens_per_s']:8.0f} tokens/s, {r['tokens']} tokens, padding {r['padding_fraction']:.3f}"))
+    return results
+
+
+def measure_head(common: dict) -> dict:
+    """The head on the largest micro-batch the budget allows: rows x the longest sequence."""
+    rows, length = max(1, common["budget"] // common["max_len"]), common["max_len"]
+    resp = length - length // 8
+    spec = {"child": "head", **common, "rows": rows, "length": length, "resp": resp}
+    chunked = run_child({**spec, "kind": "chunked"})
+    former_logits = rows * length * common["vocab"] * 4
+    former = run_child({**spec, "kind": "naive"}) if fits(former_logits, common["device"]) else {"error": "not run"}
+    show = lambda r: r.get("error") or f"{r['head_bytes'] / GiB:.3f} GiB"  # noqa: E731
+    print(f"  log-prob head, {rows} x {length} tokens ({resp} of them response): chunked {show(chunked)}, "
+          f"former {show(former)}; float32 [b, L, V] of this micro-batch {former_logits / GiB:.2f} GiB")
+    return {"chunked": chunked, "former": former, "rows": rows}
+
+
+def measure_throughput(common: dict, batch: int) -> dict:
+    r = run_child({"child": "throughput", **common, "batch": batch, "repeats": 2})
+    print("  " + (r.get("error") or f"forward+backward over {r['micro_batches']} micro-batches, {r['tokens']} tokens: "
+          f"learner {r['ours_tokens_per_s']:.0f} tokens/s, plain transformers {r['plain_tokens_per_s']:.0f} tokens/s"))
+    return r
+
+
+def summarize(setup: dict, steps: dict, old: dict, head: dict, throughput: dict) -> dict:
+    sizes = setup["batch_sizes"]
+    small, large = steps.get(sizes[0], {}), steps.get(sizes[-1], {})
+    measured = "peak_bytes" in small and "peak_bytes" in large
+    peak_ratio = large["peak_bytes"] / small["peak_bytes"] if measured else None
+    step_ratio = ((large["peak_bytes"] - large["base_bytes"]) / (small["peak_bytes"] - small["base_bytes"])
+                  if measured else None)
+    # The old path's [B, L, V] for the smallest batch (its actual longest sequence).
+    naive = sizes[0] * small.get("longest", setup["max_len"]) * setup["vocab"] * 4
+    head_bytes = head["chunked"].get("head_bytes")
+    head_fraction = head_bytes / naive if head_bytes else None
+    speed = (throughput["ours_tokens_per_s"] / throughput["plain_tokens_per_s"]) if "error" not in throughput else None
+    gib = lambda x: round(x / GiB, 3)  # noqa: E731
+    return {
+        "benchmark": "learner_memory", **{k: v for k, v in setup.items() if k != "batch_sizes"},
+        "batch_sizes": list(sizes),
+        "peak_gib": {str(b): gib(r["peak_bytes"]) for b, r in steps.items() if "peak_bytes" in r},
+        "step_increase_gib": {str(b): gib(r["peak_bytes"] - r["base_bytes"]) for b, r in steps.items()
+                              if "peak_bytes" in r},
+        "old_peak_gib": {str(b): gib(r["peak_bytes"]) for b, r in old.items() if "peak_bytes" in r},
+        "old_logits_gib": {str(b): gib(b * setup["max_len"] * setup["vocab"] * 4) for b in sizes},
+        "tokens_per_s": {str(b): round(r["tokens_per_s"], 1) for b, r in steps.items() if "tokens_per_s" in r},
+        "old_tokens_per_s": {str(b): round(r["tokens_per_s"], 1) for b, r in old.items() if "tokens_per_s" in r},
+        "padding_fraction": {str(b): round(r["padding_fraction"], 4) for b, r in steps.items()
+                             if "padding_fraction" in r},
+        "peak_ratio_largest_vs_smallest": peak_ratio and round(peak_ratio, 3),
+        "step_increase_ratio_largest_vs_smallest": step_ratio and round(step_ratio, 3),
+        "logprob_head_gib": head_bytes and gib(head_bytes),
+        "former_head_gib_one_micro_batch": head["former"].get("head_bytes") and gib(head["former"]["head_bytes"]),
+        "naive_logits_gib_smallest_batch": gib(naive),
+        "logprob_fraction_of_naive": head_fraction and round(head_fraction, 4),
+        "tokens_per_s_learner_fwd_bwd": throughput.get("ours_tokens_per_s") and round(throughput["ours_tokens_per_s"], 1),
+        "tokens_per_s_plain_fwd_bwd": throughput.get("plain_tokens_per_s") and round(throughput["plain_tokens_per_s"], 1),
+        "tokens_per_s_vs_plain": speed and round(speed, 3),
+        "goals": {"peak_within_1.15x": peak_ratio is not None and peak_ratio <= 1.15,
+                  "logprob_at_most_1/8_naive": head_fraction is not None and head_fraction <= 1 / 8,
+                  "tokens_per_s_at_least_0.9x_plain": speed is not None and speed >= 0.9},
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a smaller model, shorter sequences (< 3 min on 2 cores)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--vocab", type=int, default=QWEN_VOCAB)
+    parser.add_argument("--hidden", type=int)
+    parser.add_argument("--layers", type=int)
+    parser.add_argument("--min-len", type=int)
+    parser.add_argument("--max-len", type=int)
+    parser.add_argument("--budget", type=int, help="max_tokens_per_micro_batch (default: 2 x the longest sequence)")
+    parser.add_argument("--chunk", type=int, help="logprob_chunk_tokens (default: budget / 16)")
+    parser.add_argument("--batch-sizes", default=",".join(map(str, BATCH_SIZES)), help="sequences per step")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    if args.child:
+        spec = json.loads(args.child)
+        print(json.dumps(CHILDREN[spec.pop("child")](spec)))
+        return
+
+    quick = args.quick
+    max_len = args.max_len or (160 if quick else 4096)
+    budget = args.budget or 2 * max_len
+    setup = {"quick": quick, "device": args.device, "vocab": args.vocab, "hidden": args.hidden or (128 if quick else 512),
+             "layers": args.layers or (2 if quick else 4), "min_len": args.min_len or (32 if quick else 512),
+             "max_len": max_len, "budget": budget,
+             "chunk": args.chunk or max(1, budget // 16),  # the config defaults' proportion (16,384 / 1,024)
+             "batch_sizes": sorted(int(b) for b in args.batch_sizes.split(","))}
+    started = time.perf_counter()
+    print(f"Qwen2 vocab {setup['vocab']}, hidden {setup['hidden']}, {setup['layers']} layers; sequences "
+          f"{setup['min_len']}-{max_len} tokens; budget {budget} tokens per micro-batch, LM-head chunks of "
+          f"{setup['chunk']}; device {args.device}, {torch.get_num_threads()} torch thread(s)")
+    with tempfile.TemporaryDirectory() as tmp:
+        model = str(build_policy(Path(tmp) / "policy", setup["vocab"], setup["hidden"], setup["layers"], max_len + 8))
+        common = {"model": model, **{k: setup[k] for k in ("device", "vocab", "hidden", "min_len", "max_len", "budget",
+                                                           "chunk")}}
+        steps = measure_steps(common, setup["batch_sizes"], old=False)
+        # The old path at the smallest batch only: its cost and memory grow with B x L x V.
+        old = measure_steps(common, setup["batch_sizes"][:1], old=True)
+        for batch in setup["batch_sizes"][1:]:
+            print(f"  old step B={batch:4d}: not run, its float32 [B, L, V] logits alone are "
+                  f"{batch * max_len * setup['vocab'] * 4 / GiB:.1f} GiB")
+        head = measure_head(common)
+        throughput = measure_throughput(common, setup["batch_sizes"][0])
+    summary = summarize(setup, steps, old, head, throughput)
+    summary["wall_s"] = round(time.perf_counter() - started, 1)
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
