@@ -1,0 +1,171 @@
+"""Publication off the learner's critical path.
+
+`Learner.publish_weights` hands the new version to a `Publication` and returns at once; the
+publication thread sends it through the channel while the learner starts its next step. The
+parameters must not change under the send: the send holds a read lease on the `ParameterGuard`,
+which the optimizer step takes for writing, so only an optimizer step that comes before the send
+has finished waits (its wait is the learner's blocked time, reported per step). With `snapshot`
+the send first copies the weights (in the publish dtype) and frees the parameters at once, at the
+cost of one model copy in memory.
+
+A restarted or late engine that asks for the live version while nothing new is being published
+gets a catch-up send of it: from the snapshot, or from the parameters if no optimizer step has
+touched them since (else it gets the next version).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+from lm.weight_sync.group import call
+
+log = logging.getLogger(__name__)
+
+
+class ParameterGuard:
+    """Readers (sends) and one writer (the optimizer step) of the learner's parameters."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._readers = 0
+        self._writing = False
+        self.writes = 0  # optimizer steps so far: a version's parameters are unchanged while it holds
+        self._blocked_s = 0.0
+
+    @contextlib.contextmanager
+    def writing(self):
+        """Around the optimizer step: waits for the sends that read the parameters."""
+        start = time.perf_counter()
+        with self._cond:
+            self._cond.wait_for(lambda: self._readers == 0)
+            self._blocked_s += time.perf_counter() - start
+            self._writing = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._writing, self.writes = False, self.writes + 1
+                self._cond.notify_all()
+
+    def read(self, writes: int | None = None) -> Callable[[], None] | None:
+        """A read lease (call the returned function to release it, once or more); None if
+        `writes` is given and an optimizer step has happened since."""
+        with self._cond:
+            self._cond.wait_for(lambda: not self._writing)
+            if writes is not None and writes != self.writes:
+                return None
+            self._readers += 1
+        released = []
+
+        def release() -> None:
+            with self._cond:
+                if not released:
+                    released.append(True)
+                    self._readers -= 1
+                    self._cond.notify_all()
+
+        return release
+
+    def take_blocked_s(self) -> float:
+        """Seconds optimizer steps waited for sends since the last call."""
+        with self._cond:
+            blocked, self._blocked_s = self._blocked_s, 0.0
+            return blocked
+
+
+class _Job:
+    def __init__(self, version: int, tensors: dict, release, writes: int, owned: bool):
+        self.version, self.tensors, self.release, self.writes, self.owned = version, tensors, release, writes, owned
+        self.published_at = time.perf_counter()
+
+
+class Publication:
+    """The publication thread of the learner's rank 0 around one channel's sender."""
+
+    def __init__(self, sender, guard: ParameterGuard, named_tensors: Callable[[], dict],
+                 snapshot: bool = False, dtype: torch.dtype | None = None):
+        self.sender, self.guard, self.named_tensors = sender, guard, named_tensors
+        self.snapshot, self.dtype = snapshot, dtype
+        self._cond = threading.Condition()
+        self._job: _Job | None = None  # the next version to send
+        self._live: _Job | None = None  # the last version sent (its tensors only if owned)
+        self._closed = False
+        self.last: dict = {}  # timings of the last finished send
+        self.failures = 0
+        self._thread = threading.Thread(target=self._run, name="weight-publication", daemon=True)
+        self._thread.start()
+
+    def publish(self, version: int, tensors: dict | None = None) -> None:
+        """Queue `version` (the current parameters, or `tensors` the caller owns, e.g. gathered
+        from FSDP shards) and return. A version still queued is superseded by a newer one."""
+        owned = tensors is not None
+        release = (lambda: None) if owned else self.guard.read()
+        job = _Job(version, tensors if owned else self.named_tensors(), release, self.guard.writes, owned)
+        with self._cond:
+            if self._job is not None:
+                self._job.release()
+            self._job = job
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._job is not None or self._closed,
+                                    timeout=self.sender.catch_up_poll_s)
+                if self._closed:
+                    return
+                job, self._job = self._job, None
+            try:
+                if job is not None:
+                    self._send(job, catch_up=False)
+                elif self.sender.catch_up_poll_s is not None:
+                    self._catch_up()
+            except Exception:
+                self.failures += 1
+                log.exception("weight publication failed (the run goes on; engines that missed a version get "
+                              "the next one)")
+
+    def _send(self, job: _Job, catch_up: bool) -> None:
+        if self.snapshot and not job.owned:
+            job.tensors = {k: v.to(self.dtype or v.dtype, copy=True) for k, v in job.tensors.items()}
+            job.owned = True
+            job.release()
+        try:
+            if catch_up:
+                stats = self.sender.send(job.version, job.tensors, job.release, catch_up=True)
+            else:
+                stats = self.sender.send(job.version, job.tensors, job.release)
+                self.last = {**stats, "sync_s": time.perf_counter() - job.published_at, "version": job.version}
+        finally:
+            job.release()
+            if not job.owned:
+                job.tensors = None  # views of the parameters: a catch-up reads them afresh
+            if not catch_up:
+                self._live = job  # even after a failure: the engines that missed it catch up to it
+
+    def _catch_up(self) -> None:
+        live = self._live
+        if live is None or not call(self.sender.board, "behind", live.version):
+            return
+        if live.owned:
+            self._send(_Job(live.version, live.tensors, lambda: None, live.writes, True), catch_up=True)
+            return
+        release = self.guard.read(writes=live.writes)
+        if release is None:
+            return  # the parameters have moved on: the engine gets the next version
+        self._send(_Job(live.version, self.named_tensors(), release, live.writes, False), catch_up=True)
+
+    def close(self, timeout: float = 30.0) -> None:
+        with self._cond:
+            self._closed = True
+            if self._job is not None:
+                self._job.release()
+                self._job = None
+            self._cond.notify_all()
+        self._thread.join(timeout)
+        self.sender.close()
