@@ -105,14 +105,18 @@ class WeightStore:
         with self._cond:
             self._member(worker, session).have = have
 
-    def ready(self, worker: str, session: str, have: int) -> dict | None:
-        """A worker at its interrupt point asks for a version newer than `have`. Returns the
-        newest layout (the worker checks it fits before it waits; None: nothing announced yet)."""
+    def layout(self) -> dict | None:
+        """The newest announced layout (None: nothing announced yet): a worker checks that its
+        model takes it before it says it is ready."""
+        with self._cond:
+            return self._layout
+
+    def ready(self, worker: str, session: str, have: int) -> None:
+        """A worker at its interrupt point asks for a version newer than `have`."""
         with self._cond:
             member = self._member(worker, session)
             member.have, member.waiting, member.go, member.refused = have, True, None, ""
             self._cond.notify_all()
-            return self._layout
 
     def _member(self, worker: str, session: str) -> _Member:
         member = self._members.get(worker)
@@ -172,9 +176,11 @@ class WeightStore:
             self._cond.wait_for(lambda: not self._not_ready(version), timeout=min(timeout, _MAX_POLL_S))
             return self._not_ready(version)
 
-    def _not_ready(self, version: int) -> list[str]:
-        """Members that need `version` and are not waiting for it."""
-        return sorted(w for w, m in self._members.items() if m.have < version and not m.waiting)
+    def _not_ready(self, version: int, refused_too: bool = False) -> list[str]:
+        """Members that need `version` and are not waiting for it (those that refused it: only
+        with `refused_too`; nobody waits for them)."""
+        return sorted(w for w, m in self._members.items()
+                      if m.have < version and not m.waiting and (refused_too or not m.refused))
 
     def behind(self, version: int) -> list[str]:
         """Members waiting for weights older than `version` (a restarted or late one): a catch-up."""
@@ -190,9 +196,10 @@ class WeightStore:
             chosen = sorted((w, m.session) for w, m in self._members.items() if m.waiting and m.have < version)
             left_out = {}
             if leave_out_missing:
-                for worker in self._not_ready(version):
+                for worker in self._not_ready(version, refused_too=True):
                     member = self._members.pop(worker)
-                    left_out[worker] = member.refused or f"not ready (its engine holds v{member.have})"
+                    left_out[worker] = member.refused or f"not at an interrupt point in time (its engine holds " \
+                                                         f"v{member.have})"
             generation = self._generation_for(chosen)
             for key in chosen:
                 go = {**common, "version": version, "generation": generation.id, "rank": generation.ranks[key],
@@ -230,6 +237,11 @@ class WeightStore:
         """A send failed: the next send forms a new generation (the old group is unusable)."""
         with self._cond:
             self._generation = _Generation(self._generation.id, {})
+
+    def generation(self) -> int:
+        """The current weight group's generation (a new one whenever the members change)."""
+        with self._cond:
+            return self._generation.id
 
     def members(self) -> dict:
         with self._cond:

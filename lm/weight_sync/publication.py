@@ -40,10 +40,11 @@ class ParameterGuard:
     @contextlib.contextmanager
     def writing(self):
         """Around the optimizer step: waits for the sends that read the parameters."""
-        start = time.perf_counter()
         with self._cond:
-            self._cond.wait_for(lambda: self._readers == 0)
-            self._blocked_s += time.perf_counter() - start
+            if self._readers:
+                start = time.perf_counter()
+                self._cond.wait_for(lambda: self._readers == 0)
+                self._blocked_s += time.perf_counter() - start
             self._writing = True
         try:
             yield

@@ -115,8 +115,8 @@ class BroadcastSender:
                 self._wait_ready(version)
             send = call(self.board, "start_send", version, {**self.common, "layout": layout.to_wire()}, not catch_up)
             for worker, why in send["left_out"].items():
-                log.warning("weights v%d: %s left out of this send (%s within weight_sync.ready_timeout_s=%.0fs); "
-                            "it rejoins when it next asks", version, worker, why, self.ready_timeout_s)
+                log.warning("weights v%d: %s left out of this send (weight_sync.ready_timeout_s=%.0fs): %s; it "
+                            "rejoins when it next asks", version, worker, self.ready_timeout_s, why)
             own_start = time.perf_counter()
             if send["world"] > 1:
                 self._send(send, layout, tensors, version)

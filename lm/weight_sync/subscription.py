@@ -55,15 +55,14 @@ class WeightSubscription:
     # ---------------------------------------------------------------- broadcast
 
     def _receive_broadcast(self, engine, wait_s: float, stop) -> int | None:
-        layout = call(self.board, "ready", self.worker_id, self.session, int(engine.version))
-        if layout is not None:
+        layout = call(self.board, "layout")
+        if layout is not None:  # a model that cannot take it stays out of the send, saying why
             try:
                 check_fits(engine, Layout.from_wire(layout))
             except ValueError as err:
-                go = call(self.board, "withdraw", self.worker_id, self.session, str(err))
-                if go is not None:
-                    self._take_part(engine, go)  # let in meanwhile: forwards the stream, then raises
+                call(self.board, "withdraw", self.worker_id, self.session, str(err))
                 raise
+        call(self.board, "ready", self.worker_id, self.session, int(engine.version))
         go = self._wait_go(wait_s, stop)
         return None if go is None else self._take_part(engine, go)
 
