@@ -34,7 +34,12 @@ def save_weights_folder(state_dict: dict[str, torch.Tensor], folder: str | os.Pa
     folder = Path(folder)
     tmp = folder.with_name(folder.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
+    tensors, seen = {}, set()
+    for name, tensor in state_dict.items():
+        tensor = tensor.detach().contiguous().cpu()
+        # safetensors refuses tensors that share storage (a tied lm_head): those get their own copy
+        tensors[name] = tensor.clone() if tensor.data_ptr() in seen else tensor
+        seen.add(tensor.data_ptr())
     save_file(tensors, str(tmp / WEIGHTS_FILE))
     (tmp / "version.json").write_text(json.dumps({"version": version}))
     if folder.exists():

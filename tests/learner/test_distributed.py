@@ -45,10 +45,12 @@ def test_two_gloo_ranks_make_the_update_of_one_rank(policy_dir, ray_cluster, ove
         diff = max_param_diff(params_of(single.model), state["model"])
         assert diff < 1e-6, diff
 
-        payload = group.publish_weights()
+        assert group.publish_weights()["version"] == 2
+        payload = group.published(timeout=120)
         assert payload["version"] == 2
         published = resolve_weights(payload)
-        assert all(torch.equal(published[k], state["model"][k]) for k in state["model"])
+        assert set(state["model"]) - set(published) <= {"lm_head.weight"}  # a tied lm_head goes once
+        assert all(torch.equal(published[k], state["model"][k]) for k in published)
     finally:
         group.shutdown()
 
