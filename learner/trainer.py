@@ -41,6 +41,7 @@ from lm.weight_sync import (
     Publication,
     WeightStore,
 )
+from lm.weight_sync.layout import cast
 from lm.weight_sync.payloads import to_shared_arrays
 
 TRAINER_STATE_FILE = "trainer.pt"
@@ -353,15 +354,10 @@ class Learner:
         return {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
 
     def _publishable(self) -> dict[str, torch.Tensor]:
-        """The weights to send, each storage once (a tied lm_head shares the embedding's: engines
-        take it from there). Views of the live parameters, or gathered copies under FSDP."""
-        state, seen = {}, set()
-        for name, tensor in self.full_state_dict().items():
-            key = (tensor.data_ptr(), tensor.dtype, tuple(tensor.shape))
-            if key not in seen:
-                state[name] = tensor
-            seen.add(key)
-        return state
+        """The weights to send, every name (a tied lm_head too: vLLM's in-place reload keeps its
+        old lm_head if the stream lacks it; the channels send a shared storage's bytes once).
+        Views of the live parameters, or gathered copies under FSDP."""
+        return self.full_state_dict()
 
     def _publish_dtype(self) -> torch.dtype | None:
         return torch_dtype(self.config.weight_sync.dtype) if self.config.weight_sync.dtype else None
@@ -422,7 +418,7 @@ class Learner:
             return None
         dtype, release = self._publish_dtype(), self.weight_guard.read()
         try:
-            ref = ray.put(to_shared_arrays({k: v.to(dtype) if dtype else v for k, v in state.items()}))
+            ref = ray.put(to_shared_arrays(cast(state, dtype)))
         finally:
             release()
         return {"version": self.version, "kind": "object_ref", "ref": [ref]}

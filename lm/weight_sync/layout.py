@@ -32,6 +32,7 @@ class TensorMeta:
     shape: tuple[int, ...]
     offset: int  # bytes into the stream
     nbytes: int
+    alias_of: str | None = None  # another name of the same storage (a tied lm_head): sent once
 
     @property
     def end(self) -> int:
@@ -49,23 +50,34 @@ class Layout:
 
     @classmethod
     def of(cls, named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None) -> "Layout":
-        """The layout of these tensors, cast to `dtype` (None: each keeps its own)."""
-        metas, offset = [], 0
+        """The layout of these tensors, cast to `dtype` (None: each keeps its own). Names that
+        share one storage (tied weights) are aliases of the first: their bytes go once."""
+        metas, offset, first = [], 0, {}
         for name, tensor in named:
             out = dtype or tensor.dtype
+            key = (tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
+            if key in first and tensor.numel():
+                metas.append(TensorMeta(**{**vars(first[key]), "name": name, "alias_of": first[key].name}))
+                continue
             nbytes = tensor.numel() * torch.empty((), dtype=out).element_size()
-            metas.append(TensorMeta(name, dtype_name(out), tuple(tensor.shape), offset, nbytes))
+            first[key] = TensorMeta(name, dtype_name(out), tuple(tensor.shape), offset, nbytes)
+            metas.append(first[key])
             offset = _align(offset + nbytes)
         return cls(tuple(metas), offset)
 
     def to_wire(self) -> dict:
-        return {"tensors": [[m.name, m.dtype, list(m.shape), m.offset, m.nbytes] for m in self.tensors],
+        return {"tensors": [[m.name, m.dtype, list(m.shape), m.offset, m.nbytes, m.alias_of] for m in self.tensors],
                 "total_bytes": self.total_bytes}
 
     @classmethod
     def from_wire(cls, wire: dict) -> "Layout":
-        return cls(tuple(TensorMeta(n, d, tuple(s), o, b) for n, d, s, o, b in wire["tensors"]),
+        return cls(tuple(TensorMeta(n, d, tuple(s), o, b, a) for n, d, s, o, b, a in wire["tensors"]),
                    int(wire["total_bytes"]))
+
+    @property
+    def stored(self) -> tuple[TensorMeta, ...]:
+        """The tensors whose bytes are in the stream (aliases excluded), in stream order."""
+        return tuple(m for m in self.tensors if m.alias_of is None)
 
     def chunks(self, chunk_bytes: int) -> list[tuple[int, int]]:
         """The [start, end) byte ranges of the stream's chunks."""
@@ -90,11 +102,25 @@ class Layout:
                              f"({len(missing)} missing in all)")
 
 
+def cast(tensors: Mapping[str, torch.Tensor], dtype: torch.dtype | None, copy: bool = False) -> dict[str, torch.Tensor]:
+    """The tensors in `dtype` (None: their own), copied if `copy`; names that share a storage
+    (a tied lm_head) still share one tensor, so the channels send and store its bytes once."""
+    if dtype is None and not copy:
+        return dict(tensors)
+    out, done = {}, {}
+    for name, tensor in tensors.items():
+        key = (tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
+        if key not in done:
+            done[key] = tensor.to(dtype or tensor.dtype, copy=copy)
+        out[name] = done[key]
+    return out
+
+
 def fill_chunk(buf: torch.Tensor, layout: Layout, span: tuple[int, int], tensors: Mapping[str, torch.Tensor]) -> None:
     """Copy (and cast) the parts of `tensors` that fall in the byte range `span` into the uint8
     buffer `buf` (its first span-length bytes)."""
     start, end = span
-    for meta in layout.tensors:
+    for meta in layout.stored:
         if meta.end <= start or meta.offset >= end or meta.nbytes == 0:
             continue
         lo, hi = max(start, meta.offset), min(end, meta.end)
@@ -106,17 +132,23 @@ def fill_chunk(buf: torch.Tensor, layout: Layout, span: tuple[int, int], tensors
 class ChunkAssembler:
     """Turns the stream's chunks, fed in order, into (name, tensor) pairs. A tensor that lies in
     one chunk is a view of that chunk's buffer (the buffer must not be reused while the consumer
-    may hold it); one that spans chunks is assembled in its own tensor."""
+    may hold it); one that spans chunks is assembled in its own tensor. An alias comes right after
+    the tensor it names again, as the same tensor."""
 
     def __init__(self, layout: Layout, device: torch.device | str = "cpu"):
         self.layout = layout
         self.device = device
-        self._next = 0  # index of the first tensor not yet handed out
+        self._stored = layout.stored
+        self._aliases: dict[str, list[str]] = {}
+        for meta in layout.tensors:
+            if meta.alias_of is not None:
+                self._aliases.setdefault(meta.alias_of, []).append(meta.name)
+        self._next = 0  # index into _stored of the first tensor not yet handed out
         self._partial: torch.Tensor | None = None  # bytes of a tensor that spans chunks
 
     def feed(self, span: tuple[int, int], chunk: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
         start, end = span
-        tensors = self.layout.tensors
+        tensors = self._stored
         while self._next < len(tensors) and tensors[self._next].offset < end:
             meta = tensors[self._next]
             if meta.offset >= start and meta.end <= end:
@@ -130,8 +162,11 @@ class ChunkAssembler:
                     return  # the rest of this tensor comes with the next chunk
                 data, self._partial = self._partial, None
             self._next += 1
-            yield meta.name, data.view(meta.torch_dtype).view(meta.shape)
+            tensor = data.view(meta.torch_dtype).view(meta.shape)
+            yield meta.name, tensor
+            for alias in self._aliases.get(meta.name, ()):
+                yield alias, tensor
 
     @property
     def complete(self) -> bool:
-        return self._next == len(self.layout.tensors)
+        return self._next == len(self._stored)

@@ -76,14 +76,18 @@ def checkpoint_shapes(model_dir: str | os.PathLike) -> tuple[dict[str, tuple[int
 
 
 def to_shared_arrays(state: dict[str, torch.Tensor]) -> dict:
-    """The object put into the object store: numpy arrays (zero-copy for readers) plus dtypes."""
-    arrays, dtypes = {}, {}
+    """The object put into the object store: numpy arrays (zero-copy for readers) plus dtypes.
+    Names of one storage (a tied lm_head) share one array object, which pickling stores once."""
+    arrays, dtypes, by_storage = {}, {}, {}
     for name, tensor in state.items():
         tensor = tensor.detach().cpu().contiguous()
         dtypes[name] = dtype_name(tensor.dtype)
-        if tensor.dtype in _NUMPY_LACKS:
-            tensor = tensor.view(getattr(torch, np.dtype(_NUMPY_LACKS[tensor.dtype]).name))
-        arrays[name] = tensor.numpy()
+        key = (tensor.data_ptr(), tuple(tensor.shape), tensor.dtype)
+        if key not in by_storage:
+            if tensor.dtype in _NUMPY_LACKS:
+                tensor = tensor.view(getattr(torch, np.dtype(_NUMPY_LACKS[tensor.dtype]).name))
+            by_storage[key] = tensor.numpy()
+        arrays[name] = by_storage[key]
     return {"arrays": arrays, "dtypes": dtypes}
 
 

@@ -23,6 +23,7 @@ from collections.abc import Callable
 import torch
 
 from lm.weight_sync.group import call
+from lm.weight_sync.layout import cast
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +134,7 @@ class Publication:
 
     def _send(self, job: _Job, catch_up: bool) -> None:
         if self.snapshot and not job.owned:
-            job.tensors = {k: v.to(self.dtype or v.dtype, copy=True) for k, v in job.tensors.items()}
+            job.tensors = cast(job.tensors, self.dtype, copy=True)
             job.owned = True
             job.release()
         try:

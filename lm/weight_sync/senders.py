@@ -15,15 +15,11 @@ from pathlib import Path
 import torch
 
 from lm.weight_sync.group import WeightGroup, call, node_address
-from lm.weight_sync.layout import Layout
+from lm.weight_sync.layout import Layout, cast
 from lm.weight_sync.payloads import save_weights_folder, to_shared_arrays
 from lm.weight_sync.stream import send_stream
 
 log = logging.getLogger(__name__)
-
-
-def cast(tensors: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
-    return tensors if dtype is None else {k: v.to(dtype) for k, v in tensors.items()}
 
 
 class ObjectStoreSender:

@@ -232,8 +232,7 @@ def test_checkpoint_round_trip_gives_the_identical_next_step(policy_dir, groups,
 
 def test_weights_published_through_the_object_store_and_a_folder(policy_dir, groups, tmp_path, ray_cluster):
     """Publication goes out in the learner's own thread; the live payload of the last version holds
-    exactly the policy's weights (the tied lm_head once, as the embedding). A folder no reader
-    claims is deleted once a newer version is live."""
+    exactly the policy's weights. A folder no reader claims is deleted once a newer version is live."""
     batch = build_batch(groups)
     for sync in ({"channel": "object_store"}, {"channel": "folder", "folder": str(tmp_path / "weights")}):
         learner = make_learner(policy_dir, weight_sync=sync)
@@ -245,8 +244,8 @@ def test_weights_published_through_the_object_store_and_a_folder(policy_dir, gro
                 payload = learner.published(timeout=120)
             assert payload["version"] == 3
             fresh = load_causal_lm(policy_dir)
-            result = fresh.load_state_dict(resolve_weights(payload), strict=False)
-            assert result.missing_keys == ["lm_head.weight"] and not result.unexpected_keys  # tied
+            result = fresh.load_state_dict(resolve_weights(payload), strict=True)
+            assert not result.missing_keys and not result.unexpected_keys
             with torch.no_grad():
                 want, _ = response_log_probs(learner.model, batch.prompts, batch.responses)
                 got, _ = response_log_probs(fresh, batch.prompts, batch.responses)

@@ -252,6 +252,67 @@ def test_a_prompt_the_engine_refuses_is_quarantined_and_the_run_goes_on(tiny_mod
     worker.close()
 
 
+def test_a_broadcast_reaches_vllm_mid_generation_and_tokens_keep_their_versions(tiny_model_dir, vllm_engine, buffer,
+                                                                              restore_vllm_weights):
+    """The broadcast channel into the in-process vLLM engine: the learner publishes version 1 while
+    the worker is two engine steps into a generation; the worker stops at its next interrupt point,
+    takes part in the send (a gloo group of the learner and this engine) and continues. The first
+    tokens keep version 0, the rest carry version 1, each with the log-prob of the weights that
+    sampled it."""
+    from lm.weight_sync import BroadcastSender, ParameterGuard, Publication
+
+    board = WeightStore()
+    learner = load_causal_lm(tiny_model_dir).eval()
+    new_weights = perturbed(restore_vllm_weights, scale=0.05, seed=3)
+    guard = ParameterGuard()
+    sender = BroadcastSender(board, "gloo", "chain", chunk_bytes=64 * 1024, ready_timeout_s=60, timeout_s=60,
+                             address="127.0.0.1")
+    publication = Publication(sender, guard, learner.state_dict)
+    cfg = config(tiny_model_dir, interrupt_on_update=True, groups_per_batch=1, reward="rollout_helpers:length_reward",
+                 sampling=SamplingConfig(n=2, max_new_tokens=8, stop_token_ids=[], seed=0))
+    worker = RolloutWorker(cfg, "worker-bc", buffer, board, engine=vllm_engine)
+    real_interrupt, checks = worker._interrupt, []
+
+    def interrupt():  # the learner's step ends after the engine's second step
+        checks.append(1)
+        if len(checks) == 3:
+            with guard.writing(), torch.no_grad():
+                learner.load_state_dict(new_weights)
+            buffer.set_version(1)
+            publication.publish(1)
+            wait_until(lambda: board.latest_version() == 1)
+        return real_interrupt()
+
+    worker._interrupt = interrupt
+    try:
+        stats = worker.run(max_groups=1)
+        (group,) = pull_all(buffer, 1)
+        assert stats["interrupted_generations_total"] == 1 and stats["loaded_version"] == 1
+        assert publication.last["engines"] == 1 and publication.last["version"] == 1
+        for s in group.samples:
+            assert s.token_versions.tolist() == [0, 0] + [1] * (len(s.response_ids) - 2)
+        old_model, new_model = load_causal_lm(tiny_model_dir).eval(), load_causal_lm(tiny_model_dir).eval()
+        new_model.load_state_dict(new_weights)
+        prompts = [s.prompt_ids.tolist() for s in group.samples]
+        responses = [s.response_ids.tolist() for s in group.samples]
+        with torch.no_grad():
+            old_lp, _ = response_log_probs(old_model, prompts, responses)
+            new_lp, _ = response_log_probs(new_model, prompts, responses)
+        for row, s in enumerate(group.samples):
+            expected = torch.where(torch.tensor(s.token_versions) == 0, old_lp[row, : len(s.response_ids)],
+                                   new_lp[row, : len(s.response_ids)])
+            np.testing.assert_allclose(s.rollout_log_probs, expected.numpy(), atol=1e-4)
+    finally:
+        publication.close()
+
+
+def wait_until(condition, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.01)
+
+
 class FailingEngine:
     """Fault injection around the real engine: every generation raises (a broken engine)."""
 
