@@ -144,6 +144,13 @@ class RolloutWorker:
         self.counters["weight_loads_total"] += 1
         return True
 
+    def _acquire_wait_s(self) -> float:
+        """How long one wait for permits may park this worker. A broadcast waits for every member to
+        reach an interrupt point: parked, it reaches the next one within `weight_poll_s`."""
+        if self._subscription is not None and self._subscription.pushed():
+            return min(self.config.acquire_timeout_s, max(self.config.weight_poll_s, 0.05))
+        return self.config.acquire_timeout_s
+
     def load_weights_or_restart(self) -> bool:
         """`load_latest_weights`, retried `weight_load_retries` times after a failure; then
         WorkerNeedsRestart. True if new weights were loaded."""
@@ -294,7 +301,7 @@ class RolloutWorker:
         now. Only when the last push brought no permits (the gate was closed, or at start)."""
         waited = time.perf_counter()
         permits = self.client.acquire_permits(self.worker_id, self.config.groups_per_batch,
-                                              timeout=self.config.acquire_timeout_s)
+                                              timeout=self._acquire_wait_s())
         self.counters["gate_blocked_s"] += time.perf_counter() - waited
         return permits
 

@@ -26,10 +26,18 @@ class WeightSubscription:
         self.session = uuid.uuid4().hex  # this process: a restarted worker is a new member
         self.address = address
         self._group: WeightGroup | None = None  # of the last send this worker took part in
+        self._pushed: bool | None = None  # unknown until a version is live
         call(board, "join", worker_id, self.session, int(have))  # `have`: the engine's version now
 
     def newest_version(self) -> int:
         return int(call(self.board, "latest_version"))
+
+    def pushed(self) -> bool:
+        """Whether versions come by broadcast (then every member's readiness counts)."""
+        if self._pushed is None:
+            live = call(self.board, "latest")
+            self._pushed = None if live is None else live.get("kind") == "broadcast"
+        return bool(self._pushed)
 
     def receive(self, engine, wait_s: float, stop: threading.Event | None = None) -> int | None:
         """Bring the engine to the newest version. The version loaded, or None if nothing newer
