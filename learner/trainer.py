@@ -385,7 +385,8 @@ class Learner:
         """Hand the current version to the publication thread and return: the learner's next step
         starts while it is sent. Every rank must call it (FSDP gathers); non-zero ranks get None.
         Rank 0 gets timings: publish_s (this call), blocked_s (optimizer steps that waited for a
-        send since the last call), and the last finished send's own_s, served_s, sync_s."""
+        send since the last call), and the last finished send's own_s, served_s, sync_s (and, for
+        a broadcast, the engines it reached)."""
         start = time.perf_counter()
         gathered = self._publishable() if self.config.distributed.strategy == "fsdp" else None  # a collective
         if self.comm.rank != 0:
@@ -393,7 +394,7 @@ class Learner:
         if self.publication is None:
             self.attach_weight_board(WeightStore())  # a board of its own (tests, benchmarks)
         self.publication.publish(self.version, gathered)
-        last = {k: v for k, v in self.publication.last.items() if k.endswith("_s")}
+        last = {k: v for k, v in self.publication.last.items() if k.endswith("_s") or k == "engines"}
         return {"version": self.version, "publish_s": time.perf_counter() - start,
                 "blocked_s": self.weight_guard.take_blocked_s(), "failures": self.publication.failures, **last}
 

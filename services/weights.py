@@ -9,6 +9,10 @@ interrupt points (`lm.weight_sync.WeightSubscription`); a restarted worker gets 
 from __future__ import annotations
 
 _BOARD_THREADS_PER_WORKER = 3  # a worker's wait for its go, its rendezvous key, a stats call
+# The last finished send's timings (it may end after the step that published it):
+_LAST_SEND = {"own_s": "timing_s/weight_sync_send",  # the learner's own time sending (or putting, writing)
+              "served_s": "timing_s/weight_sync_served",  # from the announcement until every engine has it
+              "sync_s": "timing_s/weight_sync_total"}  # from the hand-over until every engine has it
 
 
 class WeightPublisher:
@@ -28,8 +32,12 @@ class WeightPublisher:
             learner.attach_weight_board(self.store)
             self._learner = learner
         t = learner.publish_weights()
-        return {"timing_s/weight_sync": t["publish_s"], "timing_s/weight_sync_blocked": t["blocked_s"],
-                **{f"timing_s/weight_sync_{k[:-2]}": t[k] for k in ("own_s", "served_s", "sync_s") if k in t}}
+        out = {"timing_s/weight_sync": t["publish_s"], "timing_s/weight_sync_blocked": t["blocked_s"],
+               "weight_sync/failures": float(t["failures"]),
+               **{name: t[k] for k, name in _LAST_SEND.items() if k in t}}
+        if "engines" in t:
+            out["weight_sync/engines"] = float(t["engines"])
+        return out
 
     def latest(self, timeout: float = 300.0) -> dict | None:
         """A payload of the current version the evaluator can resolve: the live one once it is out,
