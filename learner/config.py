@@ -78,15 +78,17 @@ class BroadcastSync(_WeightChannel):
         30.0, gt=0, description="how long the learner waits for every engine to reach an interrupt point; "
         "one that does not is left out of that send, named, and catches up later")
     timeout_s: float = Field(120.0, gt=0, description="the group's collective timeout (a member dying mid-send)")
-    snapshot: bool = Field(
-        False, description="copy the weights before sending so the next optimizer step never waits "
-        "(one more model copy in memory)")
+    snapshot: Optional[bool] = Field(
+        None, description="copy the weights (in the publish dtype) before sending, so the next optimizer "
+        "step waits only for the copy, not the send: one more model copy in memory. None: on with gloo "
+        "(a CPU send is slow next to a CPU step), off with nccl (the send is fast next to a GPU step)")
 
-    def resolved(self, device: str) -> tuple[str, str]:
-        """(backend, topology) with `auto` decided for a learner on `device`."""
+    def resolved(self, device: str) -> tuple[str, str, bool]:
+        """(backend, topology, snapshot) with `auto`/None decided for a learner on `device`."""
         backend = self.backend if self.backend != "auto" else ("nccl" if device.startswith("cuda") else "gloo")
         topology = self.topology if self.topology != "auto" else ("star" if backend == "nccl" else "chain")
-        return backend, topology
+        snapshot = self.snapshot if self.snapshot is not None else backend == "gloo"
+        return backend, topology, snapshot
 
 
 def _channel_of(value) -> str:

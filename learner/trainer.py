@@ -369,16 +369,15 @@ class Learner:
             return
         if self.publication is not None:
             self.publication.close()
-        sync, dtype = self.config.weight_sync, self._publish_dtype()
+        sync, dtype, snapshot = self.config.weight_sync, self._publish_dtype(), False
         if sync.channel == "object_store":
             sender = ObjectStoreSender(board, dtype)
         elif sync.channel == "folder":
             sender = FolderSender(board, sync.folder, dtype, sync.claim_timeout_s)
         else:
-            backend, topology = sync.resolved(self.config.device)
+            backend, topology, snapshot = sync.resolved(self.config.device)
             sender = BroadcastSender(board, backend, topology, int(sync.bucket_mb * 2**20), sync.ready_timeout_s,
                                      sync.timeout_s, sync.address, dtype, self.device)
-        snapshot = getattr(sync, "snapshot", False)
         self.publication = Publication(sender, self.weight_guard, self._publishable, snapshot, dtype)
 
     def publish_weights(self) -> dict | None:

@@ -18,6 +18,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 
 import torch
@@ -84,44 +85,81 @@ class _Job:
     def __init__(self, version: int, tensors: dict, release, writes: int, owned: bool):
         self.version, self.tensors, self.release, self.writes, self.owned = version, tensors, release, writes, owned
         self.published_at = time.perf_counter()
+        self.copy_s = 0.0
 
 
 class Publication:
-    """The publication thread of the learner's rank 0 around one channel's sender."""
+    """The publication threads of the learner's rank 0 around one channel's sender: a sender
+    thread, and with `snapshot` a copier thread ahead of it, so a version handed over while the
+    last one is still being sent is copied (and the parameters freed) at once. A version not yet
+    sent when a newer one is ready is skipped: engines get the newest."""
 
     def __init__(self, sender, guard: ParameterGuard, named_tensors: Callable[[], dict],
                  snapshot: bool = False, dtype: torch.dtype | None = None):
         self.sender, self.guard, self.named_tensors = sender, guard, named_tensors
         self.snapshot, self.dtype = snapshot, dtype
         self._cond = threading.Condition()
-        self._job: _Job | None = None  # the next version to send
+        self._to_copy: _Job | None = None  # handed over, to be copied (snapshot)
+        self._to_send: _Job | None = None  # the next version to send
         self._live: _Job | None = None  # the last version sent (its tensors only if owned)
         self._closed = False
         self.last: dict = {}  # timings of the last finished send
+        self.recent: deque[dict] = deque(maxlen=64)  # and of the ones before
         self.failures = 0
-        self._thread = threading.Thread(target=self._run, name="weight-publication", daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._send_loop, name="weight-send", daemon=True)]
+        if snapshot:
+            self._threads.append(threading.Thread(target=self._copy_loop, name="weight-copy", daemon=True))
+        for thread in self._threads:
+            thread.start()
 
     def publish(self, version: int, tensors: dict | None = None) -> None:
-        """Queue `version` (the current parameters, or `tensors` the caller owns, e.g. gathered
-        from FSDP shards) and return. A version still queued is superseded by a newer one."""
+        """Hand over `version` (the current parameters, or `tensors` the caller owns, e.g.
+        gathered from FSDP shards) and return."""
         owned = tensors is not None
         release = (lambda: None) if owned else self.guard.read()
         job = _Job(version, tensors if owned else self.named_tensors(), release, self.guard.writes, owned)
         with self._cond:
-            if self._job is not None:
-                self._job.release()
-            self._job = job
+            if self.snapshot and not owned:
+                self._to_copy = self._replace(self._to_copy, job)
+            else:
+                self._to_send = self._replace(self._to_send, job)
             self._cond.notify_all()
 
-    def _run(self) -> None:
+    @staticmethod
+    def _replace(old: _Job | None, new: _Job) -> _Job:
+        if old is not None:
+            old.release()  # superseded before it went out
+        return new
+
+    def _copy_loop(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._job is not None or self._closed,
+                self._cond.wait_for(lambda: self._to_copy is not None or self._closed)
+                if self._closed:
+                    return
+                job, self._to_copy = self._to_copy, None
+            start = time.perf_counter()
+            try:
+                job.tensors = cast(job.tensors, self.dtype, copy=True)
+                job.owned, job.copy_s = True, time.perf_counter() - start
+            except Exception:
+                self.failures += 1
+                log.exception("copying weights v%d for publication failed; the next version goes out", job.version)
+                continue
+            finally:
+                job.release()
+            with self._cond:
+                self._to_send = self._replace(self._to_send, job)
+                self._cond.notify_all()
+
+    def _send_loop(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._to_send is not None or self._closed,
                                     timeout=self.sender.catch_up_poll_s)
                 if self._closed:
                     return
-                job, self._job = self._job, None
+                job, self._to_send = self._to_send, None
             try:
                 if job is not None:
                     self._send(job, catch_up=False)
@@ -133,16 +171,14 @@ class Publication:
                               "the next one)")
 
     def _send(self, job: _Job, catch_up: bool) -> None:
-        if self.snapshot and not job.owned:
-            job.tensors = cast(job.tensors, self.dtype, copy=True)
-            job.owned = True
-            job.release()
         try:
             if catch_up:
-                stats = self.sender.send(job.version, job.tensors, job.release, catch_up=True)
+                self.sender.send(job.version, job.tensors, job.release, catch_up=True)
             else:
                 stats = self.sender.send(job.version, job.tensors, job.release)
-                self.last = {**stats, "sync_s": time.perf_counter() - job.published_at, "version": job.version}
+                self.last = {**stats, "copy_s": job.copy_s, "sync_s": time.perf_counter() - job.published_at,
+                             "version": job.version}
+                self.recent.append(self.last)
         finally:
             job.release()
             if not job.owned:
@@ -165,9 +201,11 @@ class Publication:
     def close(self, timeout: float = 30.0) -> None:
         with self._cond:
             self._closed = True
-            if self._job is not None:
-                self._job.release()
-                self._job = None
+            for job in (self._to_copy, self._to_send):
+                if job is not None:
+                    job.release()
+            self._to_copy = self._to_send = None
             self._cond.notify_all()
-        self._thread.join(timeout)
+        for thread in self._threads:
+            thread.join(timeout)
         self.sender.close()
