@@ -116,6 +116,21 @@ def cast(tensors: Mapping[str, torch.Tensor], dtype: torch.dtype | None, copy: b
     return out
 
 
+def copy_into(buffer: dict[str, torch.Tensor] | None, tensors: Mapping[str, torch.Tensor],
+              dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """`cast(tensors, dtype, copy=True)`, written into `buffer` (an earlier copy of the same
+    tensors) when there is one: a snapshot reuses its memory instead of allocating anew."""
+    if buffer is None or buffer.keys() != tensors.keys():
+        return cast(tensors, dtype, copy=True)
+    done = set()
+    for name, tensor in tensors.items():
+        key = (tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
+        if key not in done:  # tied names share one tensor in the buffer too
+            buffer[name].copy_(tensor)
+            done.add(key)
+    return buffer
+
+
 def fill_chunk(buf: torch.Tensor, layout: Layout, span: tuple[int, int], tensors: Mapping[str, torch.Tensor]) -> None:
     """Copy (and cast) the parts of `tensors` that fall in the byte range `span` into the uint8
     buffer `buf` (its first span-length bytes)."""

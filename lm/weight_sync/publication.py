@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch
 
 from lm.weight_sync.group import call
-from lm.weight_sync.layout import cast
+from lm.weight_sync.layout import copy_into
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +74,12 @@ class ParameterGuard:
 
         return release
 
+    @property
+    def readers(self) -> int:
+        """Read leases held now (sends or copies reading the parameters)."""
+        with self._cond:
+            return self._readers
+
     def take_blocked_s(self) -> float:
         """Seconds optimizer steps waited for sends since the last call."""
         with self._cond:
@@ -86,13 +92,16 @@ class _Job:
         self.version, self.tensors, self.release, self.writes, self.owned = version, tensors, release, writes, owned
         self.published_at = time.perf_counter()
         self.copy_s = 0.0
+        self.snapshot = False  # its tensors are one of the two snapshot buffers
 
 
 class Publication:
     """The publication threads of the learner's rank 0 around one channel's sender: a sender
     thread, and with `snapshot` a copier thread ahead of it, so a version handed over while the
     last one is still being sent is copied (and the parameters freed) at once. A version not yet
-    sent when a newer one is ready is skipped: engines get the newest."""
+    sent when a newer one is ready is skipped: engines get the newest. Snapshots live in two
+    buffers, reused: the live one (being sent, or the last sent: catch-ups read it) and the other
+    (being copied, or waiting for the sender)."""
 
     def __init__(self, sender, guard: ParameterGuard, named_tensors: Callable[[], dict],
                  snapshot: bool = False, dtype: torch.dtype | None = None):
@@ -101,7 +110,8 @@ class Publication:
         self._cond = threading.Condition()
         self._to_copy: _Job | None = None  # handed over, to be copied (snapshot)
         self._to_send: _Job | None = None  # the next version to send
-        self._live: _Job | None = None  # the last version sent (its tensors only if owned)
+        self._live: _Job | None = None  # the version being sent or last sent (its tensors only if owned)
+        self._spare: dict | None = None  # the snapshot buffer that is neither live nor waiting
         self._closed = False
         self.last: dict = {}  # timings of the last finished send
         self.recent: deque[dict] = deque(maxlen=64)  # and of the ones before
@@ -120,16 +130,22 @@ class Publication:
         job = _Job(version, tensors if owned else self.named_tensors(), release, self.guard.writes, owned)
         with self._cond:
             if self.snapshot and not owned:
-                self._to_copy = self._replace(self._to_copy, job)
+                if self._to_copy is not None:
+                    self._to_copy.release()  # superseded before it was copied
+                self._to_copy = job
             else:
-                self._to_send = self._replace(self._to_send, job)
+                self._supersede_waiting()
+                self._to_send = job
             self._cond.notify_all()
 
-    @staticmethod
-    def _replace(old: _Job | None, new: _Job) -> _Job:
-        if old is not None:
-            old.release()  # superseded before it went out
-        return new
+    def _supersede_waiting(self) -> None:
+        """(Under the lock.) Drop the version waiting for the sender: a newer one replaces it. Its
+        snapshot buffer becomes the spare."""
+        waiting, self._to_send = self._to_send, None
+        if waiting is not None and waiting.snapshot:
+            self._spare = waiting.tensors
+        elif waiting is not None:
+            waiting.release()
 
     def _copy_loop(self) -> None:
         while True:
@@ -138,18 +154,23 @@ class Publication:
                 if self._closed:
                     return
                 job, self._to_copy = self._to_copy, None
+                self._supersede_waiting()
+                buffer, self._spare = self._spare, None
             start = time.perf_counter()
             try:
-                job.tensors = cast(job.tensors, self.dtype, copy=True)
-                job.owned, job.copy_s = True, time.perf_counter() - start
+                job.tensors = copy_into(buffer, job.tensors, self.dtype)
+                job.owned, job.snapshot, job.copy_s = True, True, time.perf_counter() - start
             except Exception:
                 self.failures += 1
                 log.exception("copying weights v%d for publication failed; the next version goes out", job.version)
+                with self._cond:
+                    self._spare = buffer
                 continue
             finally:
                 job.release()
             with self._cond:
-                self._to_send = self._replace(self._to_send, job)
+                self._supersede_waiting()
+                self._to_send = job
                 self._cond.notify_all()
 
     def _send_loop(self) -> None:
@@ -160,6 +181,8 @@ class Publication:
                 if self._closed:
                     return
                 job, self._to_send = self._to_send, None
+                if job is not None:
+                    self._make_live(job)
             try:
                 if job is not None:
                     self._send(job, catch_up=False)
@@ -169,6 +192,13 @@ class Publication:
                 self.failures += 1
                 log.exception("weight publication failed (the run goes on; engines that missed a version get "
                               "the next one)")
+
+    def _make_live(self, job: _Job) -> None:
+        """(Under the lock.) `job` is the live version from now on, even if its send fails (the
+        engines that miss it catch up to it); the old live snapshot buffer becomes the spare."""
+        old, self._live = self._live, job
+        if old is not None and old.snapshot:
+            self._spare = old.tensors
 
     def _send(self, job: _Job, catch_up: bool) -> None:
         try:
@@ -183,8 +213,6 @@ class Publication:
             job.release()
             if not job.owned:
                 job.tensors = None  # views of the parameters: a catch-up reads them afresh
-            if not catch_up:
-                self._live = job  # even after a failure: the engines that missed it catch up to it
 
     def _catch_up(self) -> None:
         live = self._live

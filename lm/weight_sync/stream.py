@@ -8,11 +8,13 @@ Two topologies:
   star:  the group's own broadcast of each chunk from rank 0. NCCL's broadcast pipelines over a
          ring or tree itself; gloo's sends every byte once per receiver from the root.
 The sender keeps two chunk buffers in flight; a receiver gets a fresh buffer per chunk (its
-engine may hold views of a chunk while it loads, e.g. vLLM's layer-wise reload) and keeps at most
-three forwards in flight.
+engine may hold views of a chunk while it loads, e.g. vLLM's layer-wise reload), receives and
+forwards in a thread of its own, and runs at most `ahead` chunks ahead of its engine.
 """
 from __future__ import annotations
 
+import queue
+import threading
 from collections import deque
 from collections.abc import Iterator, Mapping
 
@@ -50,23 +52,25 @@ def send_stream(group, layout: Layout, tensors: Mapping[str, torch.Tensor], chun
 
 
 class ReceiveStream:
-    """Ranks 1..n: iterate to get (name, tensor) pairs as their bytes arrive, forwarding each
-    chunk down the chain. `drain()` receives and forwards the rest without handing anything out:
-    a receiver whose engine failed part-way must not stall the ranks after it."""
-
-    _FORWARDS_IN_FLIGHT = 3
+    """Ranks 1..n: iterate to get (name, tensor) pairs as their bytes arrive. A thread of its own
+    receives the chunks (the next one posted as soon as one arrives) and forwards each down the
+    chain at once, up to `ahead` chunks ahead of the engine that loads them: a slow engine slows
+    the chain only once it is that far behind. `drain()` takes the rest without handing anything
+    out: a receiver whose engine failed part-way must not stall the ranks after it."""
 
     def __init__(self, group, rank: int, world: int, layout: Layout, chunk_bytes: int, topology: str,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", ahead: int = 4):
         if topology not in TOPOLOGIES:
             raise ValueError(f"unknown topology {topology!r}; expected one of {TOPOLOGIES}")
         self.group, self.rank, self.layout, self.topology, self.device = group, rank, layout, topology, device
         self.forward = topology == "chain" and rank < world - 1
         self.spans = layout.chunks(chunk_bytes)
         self.assembler = ChunkAssembler(layout, device)
-        self._next = 0  # the next chunk to take in
-        self._posted = None  # (buffer, work) of chunk _next, already posted
-        self._forwards = deque()
+        self._chunks: queue.Queue = queue.Queue(maxsize=max(1, ahead))  # buffers, or the receiver's error
+        self._taken = 0
+        self._error: Exception | None = None
+        self._thread = threading.Thread(target=self._receive_all, name=f"weights-rank{rank}", daemon=True)
+        self._thread.start()
 
     def _post(self, k: int):
         span = self.spans[k]
@@ -74,34 +78,43 @@ class ReceiveStream:
         work = self.group.recv([buf], self.rank - 1, k) if self.topology == "chain" else _broadcast(self.group, buf)
         return buf, work
 
+    def _receive_all(self) -> None:
+        forwards = deque()
+        try:
+            posted = self._post(0) if self.spans else None
+            for k in range(len(self.spans)):
+                buf, work = posted
+                work.wait()
+                posted = self._post(k + 1) if k + 1 < len(self.spans) else None
+                if self.forward:
+                    forwards.append(self.group.send([buf], self.rank + 1, k))
+                    while len(forwards) > 2:
+                        forwards.popleft().wait()
+                self._chunks.put(buf)
+            while forwards:
+                forwards.popleft().wait()
+        except Exception as err:  # handed to the consumer, which raises it
+            self._chunks.put(err)
+
     def _take_chunk(self) -> torch.Tensor:
-        """Wait for the next chunk, forward it, and post the receive of the one after."""
-        k = self._next
-        buf, work = self._posted or self._post(k)
-        work.wait()
-        if self.forward:
-            self._forwards.append(self.group.send([buf], self.rank + 1, k))
-            while len(self._forwards) > self._FORWARDS_IN_FLIGHT:
-                self._forwards.popleft().wait()
-        self._next += 1
-        self._posted = self._post(self._next) if self._next < len(self.spans) else None
-        return buf
+        item = self._error or self._chunks.get()
+        if isinstance(item, Exception):
+            self._error = item  # the receiving thread has ended: nothing more will come
+            raise item
+        self._taken += 1
+        return item
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        while self._next < len(self.spans):
-            span = self.spans[self._next]
+        while self._taken < len(self.spans):
+            span = self.spans[self._taken]
             yield from self.assembler.feed(span, self._take_chunk())
-        self._finish()
+        self._thread.join()
 
     def drain(self) -> None:
-        while self._next < len(self.spans):
+        while self._taken < len(self.spans):
             self._take_chunk()
-        self._finish()
-
-    def _finish(self) -> None:
-        while self._forwards:
-            self._forwards.popleft().wait()
+        self._thread.join()
 
     @property
     def complete(self) -> bool:
-        return self._next == len(self.spans) and not self._forwards and self.assembler.complete
+        return self._taken == len(self.spans) and not self._thread.is_alive() and self.assembler.complete

@@ -14,8 +14,6 @@ import os
 import tempfile
 from pathlib import Path
 
-import torch
-
 from lm.causal_lm import check_model_dir
 from lm.weight_sync import save_weights_folder
 from lm.weight_sync.payloads import checkpoint_shapes

@@ -5,6 +5,7 @@ guard that keeps the parameters still under a send, and the pull channels (one s
 version, folder retention by version)."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 
@@ -280,13 +281,15 @@ class GatedEngine(HFEngine):
 def test_the_parameters_stay_still_under_a_send(model_dir, snapshot):
     """An optimizer step taken while a slow engine is still receiving version 1: without a
     snapshot it waits for the send (blocked time counted), with one it goes ahead; either way the
-    engine ends with version 1's weights, not the stepped ones."""
+    engine ends with version 1's weights, not the stepped ones. With a snapshot the learner goes
+    on stepping and publishing while the send is stuck: the versions in between are skipped and
+    the engine then gets the newest."""
     board = WeightStore()
     learner = Learner(broadcast_sender(board, chunk_bytes=1024), snapshot=snapshot)
     gate = threading.Event()
     engine = GatedEngine(model_dir, gate)
     try:
-        with EngineThreads(board, {"slow": engine}):
+        with EngineThreads(board, {"slow": engine}), opened_at_exit(gate):
             learner.step()
             want = {k: v.clone() for k, v in learner.named().items()}
             learner.publication.publish(learner.version)
@@ -303,11 +306,33 @@ def test_the_parameters_stay_still_under_a_send(model_dir, snapshot):
             assert engine.version == 1 and learner.publication.last["engines"] == 1
             assert all(torch.equal(got[k], want[k]) for k in want), "the engine got the weights of version 1"
             assert not torch.equal(learner.model.model.norm.weight, want["model.norm.weight"])
-            blocked = learner.guard.take_blocked_s()
-            assert (blocked > 0) != snapshot
+            assert (learner.guard.take_blocked_s() > 0) != snapshot
+            if snapshot:
+                gate.clear()
+                engine.reading.clear()
+                learner.publication.publish(learner.version)  # v2: the engine holds it up again
+                assert engine.reading.wait(60)
+                for _ in range(3):  # v3, v4, v5 while v2 is stuck
+                    wait_for(lambda: learner.guard.readers == 0)  # the last version's copy is made
+                    learner.step()
+                    learner.publication.publish(learner.version)
+                assert learner.guard.take_blocked_s() == 0, "the stuck send never held the learner up"
+                gate.set()
+                wait_for(lambda: engine.version == 5)
+                assert_engine_has(engine, learner)
+                sent = [s["version"] for s in learner.publication.recent]
+                assert sent[0] == 1 and sent[1] == 2 and sent[-1] == 5 and len(sent) < 5, sent
     finally:
         gate.set()
         learner.close()
+
+
+@contextlib.contextmanager
+def opened_at_exit(gate: threading.Event):
+    try:
+        yield
+    finally:
+        gate.set()  # before the engine threads are joined
 
 
 def wait_for(condition, timeout: float = 60.0):

@@ -184,8 +184,14 @@ def test_interrupt_on_update_continues_with_new_weights_and_tags_tokens(tiny_mod
         versions = s.token_versions.tolist()
         assert s.weight_version == 0 and versions[0] == 0 and set(versions[1:]) == {1}, versions
         assert len(versions) >= 2
-    # Each token's log-prob is that of the weights that produced it.
-    old_model, new_model = load_causal_lm(tiny_model_dir).eval(), load_causal_lm(tiny_model_dir).eval()
+    assert_log_probs_follow_versions(tiny_model_dir, new_weights, group)
+    worker.close()
+
+
+def assert_log_probs_follow_versions(model_dir, new_weights, group, tol=1e-4):
+    """Each token's log-prob is that of the weights that produced it: the model folder's for
+    version 0, `new_weights` for version 1."""
+    old_model, new_model = load_causal_lm(model_dir).eval(), load_causal_lm(model_dir).eval()
     new_model.load_state_dict(new_weights)
     prompts = [s.prompt_ids.tolist() for s in group.samples]
     responses = [s.response_ids.tolist() for s in group.samples]
@@ -195,8 +201,7 @@ def test_interrupt_on_update_continues_with_new_weights_and_tags_tokens(tiny_mod
     for row, s in enumerate(group.samples):
         expected = torch.where(torch.tensor(s.token_versions) == 0, old_lp[row, : len(s.response_ids)],
                                new_lp[row, : len(s.response_ids)])
-        np.testing.assert_allclose(s.rollout_log_probs, expected.numpy(), atol=1e-4)
-    worker.close()
+        np.testing.assert_allclose(s.rollout_log_probs, expected.numpy(), atol=tol)
 
 
 def test_hanging_and_crashing_rewards_are_scored_as_failed(tiny_model_dir, vllm_engine, buffer):
@@ -291,17 +296,7 @@ def test_a_broadcast_reaches_vllm_mid_generation_and_tokens_keep_their_versions(
         assert publication.last["engines"] == 1 and publication.last["version"] == 1
         for s in group.samples:
             assert s.token_versions.tolist() == [0, 0] + [1] * (len(s.response_ids) - 2)
-        old_model, new_model = load_causal_lm(tiny_model_dir).eval(), load_causal_lm(tiny_model_dir).eval()
-        new_model.load_state_dict(new_weights)
-        prompts = [s.prompt_ids.tolist() for s in group.samples]
-        responses = [s.response_ids.tolist() for s in group.samples]
-        with torch.no_grad():
-            old_lp, _ = response_log_probs(old_model, prompts, responses)
-            new_lp, _ = response_log_probs(new_model, prompts, responses)
-        for row, s in enumerate(group.samples):
-            expected = torch.where(torch.tensor(s.token_versions) == 0, old_lp[row, : len(s.response_ids)],
-                                   new_lp[row, : len(s.response_ids)])
-            np.testing.assert_allclose(s.rollout_log_probs, expected.numpy(), atol=1e-4)
+        assert_log_probs_follow_versions(tiny_model_dir, new_weights, group)
     finally:
         publication.close()
 
