@@ -1,12 +1,10 @@
-"""Learner step cost by proximal log-prob path, and weight publication cost by channel.
+"""Learner step cost by proximal log-prob path (weight publication: benchmarks/weight_sync.py).
 
     .venv/bin/python benchmarks/learner_step.py [--groups 8] [--n 4] [--response 64] [--steps 3]
 
 Builds a small random Qwen2 policy as an HF folder, then in one run measures:
   * seconds per learner step with prox_logp=recompute (one extra no-grad pass), loglinear
-    (AReaL's approximation, no extra pass) and bypass mode, and the ratio recompute / loglinear;
-  * seconds per weight publication through the Ray object store (one ray.put) and as a versioned
-    safetensors folder, with the payload size, and the seconds a consumer needs to resolve it.
+    (AReaL's approximation, no extra pass) and bypass mode, and the ratio recompute / loglinear.
 Prints the numbers; asserts nothing about time.
 """
 from __future__ import annotations
@@ -15,7 +13,6 @@ import argparse
 import os
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +21,6 @@ import torch
 from buffer.sample import Group, Sample
 from learner.config import LearnerConfig
 from learner.trainer import Learner
-from lm.weight_sync import resolve_weights
 
 
 def build_policy(folder: Path, vocab: int, hidden: int, layers: int) -> Path:
@@ -96,29 +92,6 @@ def main() -> None:
         for name, (step_s, prox_s) in results.items():
             print(f"  step {name:9s}: {step_s:7.3f} s/step  (proximal pass {prox_s:.3f} s)")
         print(f"  recompute / loglinear step time: {results['recompute'][0] / results['loglinear'][0]:.2f}x")
-
-        import ray
-
-        from services.local_ray import init_local_ray
-
-        init_local_ray(num_cpus=1, log_to_driver=False)
-        try:
-            for mode in ("object_store", "folder"):
-                sync = {"mode": mode, "folder": str(Path(tmp) / "weights")} if mode == "folder" else {"mode": mode}
-                learner = Learner(LearnerConfig(**base, weight_sync=sync))
-                publish, resolve = [], []
-                for _ in range(args.steps):
-                    payload = learner.publish_weights()
-                    publish.append(payload["publish_s"])
-                    start = time.perf_counter()
-                    state = resolve_weights(payload)
-                    resolve.append(time.perf_counter() - start)
-                    learner.version += 1
-                mb = sum(t.numel() * t.element_size() for t in state.values()) / 2**20
-                print(f"  weight sync {mode:12s}: publish {statistics.median(publish) * 1e3:8.1f} ms, "
-                      f"resolve {statistics.median(resolve) * 1e3:8.1f} ms, {mb:.1f} MiB")
-        finally:
-            ray.shutdown()
 
 
 if __name__ == "__main__":

@@ -7,9 +7,9 @@ rollout-correction config is expected: `learner.rollout_correction=decoupled_seq
 """
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Annotated, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
 from learner.advantages import AdvantageConfig
 from learner.correction import RolloutCorrectionConfig
@@ -34,24 +34,72 @@ class DistributedConfig(BaseModel):
         "per node where possible)")
 
 
-class WeightSyncConfig(BaseModel):
-    """How new weights reach the rollout engines (see lm/weight_sync.py)."""
+_PublishDtype = Optional[Literal["float32", "bfloat16", "float16"]]
 
+
+class _WeightChannel(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    mode: Literal["object_store", "folder"] = Field(
-        "object_store", description="object_store: one ray.put per version; folder: a versioned "
-        "safetensors folder, for engines in separate processes")
-    folder: Optional[str] = Field(None, description="root of the versioned folders (mode=folder)")
-    keep_last: int = Field(2, ge=1, description="versioned folders kept on disk")
-    dtype: Optional[Literal["float32", "bfloat16", "float16"]] = Field(
-        None, description="cast published weights (None: the learner's dtype)")
+    dtype: _PublishDtype = Field(None, description="cast published weights (None: the learner's dtype)")
 
-    @model_validator(mode="after")
-    def _folder_needs_path(self):
-        if self.mode == "folder" and not self.folder:
-            raise ValueError("weight_sync.mode 'folder' needs weight_sync.folder (where to write versions)")
-        return self
+
+class ObjectStoreSync(_WeightChannel):
+    """One shared object per version in the Ray object store, which every engine on a node maps
+    without a private copy. For small models: the whole version passes through the object store."""
+
+    channel: Literal["object_store"] = "object_store"
+
+
+class FolderSync(_WeightChannel):
+    """A safetensors folder per version (engines in their own processes read it themselves). A
+    version's folder is kept while it is live or a reader has claimed it (retention by version)."""
+
+    channel: Literal["folder"] = "folder"
+    folder: str = Field(..., description="root of the versioned folders")
+    claim_timeout_s: float = Field(
+        600.0, gt=0, description="a reader's claim on a version keeps its folder at most this long")
+
+
+class BroadcastSync(_WeightChannel):
+    """A weight group of the learner (rank 0) and every engine: each version is sent once, in
+    chunks, while the learner trains on (see lm/weight_sync). For models past a few hundred MB."""
+
+    channel: Literal["broadcast"] = "broadcast"
+    backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="auto: nccl on GPU, gloo on CPU")
+    topology: Literal["auto", "chain", "star"] = Field(
+        "auto", description="chain: each engine forwards chunks to the next (gloo's broadcast is a star); "
+        "star: the backend's broadcast (NCCL pipelines it itself); auto: chain on gloo, star on nccl")
+    bucket_mb: float = Field(32.0, gt=0, description="chunk size of the send")
+    address: Optional[str] = Field(
+        None, description="the learner node's address the group binds to (None: its Ray node address)")
+    ready_timeout_s: float = Field(
+        30.0, gt=0, description="how long the learner waits for every engine to reach an interrupt point; "
+        "one that does not is left out of that send, named, and catches up later")
+    timeout_s: float = Field(120.0, gt=0, description="the group's collective timeout (a member dying mid-send)")
+    snapshot: Optional[bool] = Field(
+        None, description="copy the weights (in the publish dtype) before sending, so the next optimizer "
+        "step waits only for the copy, not the send: one more model copy in memory. None: on with gloo "
+        "(a CPU send is slow next to a CPU step), off with nccl (the send is fast next to a GPU step)")
+
+    def resolved(self, device: str) -> tuple[str, str, bool]:
+        """(backend, topology, snapshot) with `auto`/None decided for a learner on `device`."""
+        backend = self.backend if self.backend != "auto" else ("nccl" if device.startswith("cuda") else "gloo")
+        topology = self.topology if self.topology != "auto" else ("star" if backend == "nccl" else "chain")
+        snapshot = self.snapshot if self.snapshot is not None else backend == "gloo"
+        return backend, topology, snapshot
+
+
+def _channel_of(value) -> str:
+    return value.get("channel", "object_store") if isinstance(value, dict) else value.channel
+
+
+# A union on `channel` (object_store when not given), each variant with only its own keys.
+WeightSyncConfig = Annotated[
+    Union[Annotated[ObjectStoreSync, Tag("object_store")], Annotated[FolderSync, Tag("folder")],
+          Annotated[BroadcastSync, Tag("broadcast")]],
+    Discriminator(_channel_of, custom_error_type="weight_channel",
+                  custom_error_message="weight_sync.channel must be object_store, folder or broadcast"),
+]
 
 
 class LearnerConfig(BaseModel):
@@ -107,7 +155,7 @@ class LearnerConfig(BaseModel):
     pad_token_id: int = Field(0, ge=0)
 
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
-    weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
+    weight_sync: WeightSyncConfig = Field(default_factory=ObjectStoreSync)
 
     @field_validator("rollout_correction", mode="before")
     @classmethod
@@ -135,6 +183,8 @@ class LearnerConfig(BaseModel):
         if self.mixed_precision is not None and self.dtype != "float32":
             raise ValueError(f"mixed_precision {self.mixed_precision!r} computes in bfloat16 over float32 master "
                              f"weights: set dtype float32 (got {self.dtype!r})")
+        if getattr(self.weight_sync, "backend", None) == "nccl" and self.device == "cpu":
+            raise ValueError("weight_sync.backend 'nccl' needs device 'cuda'")
         return self
 
     @property

@@ -169,6 +169,7 @@ class LearnerRank:
         return attr(*args, **kwargs) if callable(attr) else attr
 
     def shutdown(self) -> None:
+        self.learner.close_weight_sync()
         if dist.is_initialized():
             dist.destroy_process_group()
         if self._listener is not None:
@@ -226,9 +227,24 @@ class LearnerGroup:
         groups_ref = ray.put(list(groups))  # one copy in the object store, read by every rank
         return self._call_all("train_step", groups_ref)[0]
 
+    def attach_weight_board(self, board) -> None:
+        """Rank 0 publishes through `board` (the run's `WeightStore` actor) from now on."""
+        self._call_all("attach_weight_board", board)
+
     def publish_weights(self) -> dict:
-        # Every rank calls in: with FSDP, gathering the full weights is a collective.
+        """Start publishing the current version (it goes out while the next step runs); rank 0's
+        timings. Every rank calls in: with FSDP, gathering the full weights is a collective."""
         return self._call_all("publish_weights")[0]
+
+    def published(self, timeout: float = 120.0) -> dict | None:
+        """The live payload once the current version is out (rank 0's board)."""
+        import ray
+
+        return ray.get(self.ranks[0].call.remote("published", timeout))
+
+    def weights_payload(self) -> dict:
+        """The current weights as one object-store payload (the evaluator's engine)."""
+        return self._call_all("weights_payload")[0]
 
     def state_dict(self) -> dict:
         return self._call_all("state_dict")[0]

@@ -41,7 +41,16 @@ from learner.correction import compute_rollout_correction, is_batch_norm_sums, t
 from learner.distributed import LocalComm
 from learner.losses import compute_policy_loss, count_tokens_and_sequences, staleness_metrics
 from lm.causal_lm import enable_gradient_checkpointing, load_causal_lm, response_log_probs, torch_dtype
-from lm.weight_sync import save_weights_folder
+from lm.weight_sync import (
+    BroadcastSender,
+    FolderSender,
+    ObjectStoreSender,
+    ParameterGuard,
+    Publication,
+    WeightStore,
+)
+from lm.weight_sync.layout import cast
+from lm.weight_sync.payloads import to_shared_arrays
 
 TRAINER_STATE_FILE = "trainer.pt"
 POLICY_DIR = "policy"
@@ -147,7 +156,8 @@ class Learner:
                                    config.min_lr_ratio),
         )
         self.version = int(version)
-        self._published: list[Path] = []
+        self.weight_guard = ParameterGuard()
+        self.publication: Publication | None = None  # rank 0, once a board is attached
         # The KL penalty's reference: the initial policy, frozen.
         self.ref_model = None
         if config.policy_loss.kl_coef > 0:
@@ -361,7 +371,8 @@ class Learner:
         if not math.isfinite(norm):
             self.optimizer.zero_grad(set_to_none=True)
             return float("inf")
-        self.optimizer.step()
+        with self.weight_guard.writing():  # waits while a weight send still reads the parameters
+            self.optimizer.step()
         return norm
 
     # ------------------------------------------------------------------ passes
@@ -467,38 +478,79 @@ class Learner:
         return {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
 
     def _publishable(self) -> dict[str, torch.Tensor]:
-        dtype = torch_dtype(self.config.weight_sync.dtype or self.config.dtype)
-        state, seen = {}, set()
-        for name, tensor in self.full_state_dict().items():
-            tensor = tensor.to(dtype)
-            key = (tensor.data_ptr(), tensor.dtype)
-            # Tied weights share storage; safetensors refuses shared tensors, consumers accept copies.
-            state[name] = tensor.clone() if key in seen else tensor
-            seen.add(key)
-        return state
+        """The weights to send, every name (a tied lm_head too: vLLM's in-place reload keeps its
+        old lm_head if the stream lacks it; the channels send a shared storage's bytes once).
+        Views of the live parameters, or gathered copies under FSDP."""
+        return self.full_state_dict()
 
-    def publish_weights(self) -> dict:
-        """A weight payload of lm/weight_sync.py for the current version: one ray.put of the
-        state dict (default), or a versioned safetensors folder. `publish_s` is the seconds this
-        took. Every rank must call it (FSDP gathers); non-zero ranks get None."""
+    def _publish_dtype(self) -> torch.dtype | None:
+        return torch_dtype(self.config.weight_sync.dtype) if self.config.weight_sync.dtype else None
+
+    def attach_weight_board(self, board) -> None:
+        """Rank 0 publishes through the channel of `weight_sync` around `board` (a `WeightStore`
+        or its Ray actor handle), in a thread of its own."""
+        if self.comm.rank != 0:
+            return
+        if self.publication is not None:
+            self.publication.close()
+        sync, dtype, snapshot = self.config.weight_sync, self._publish_dtype(), False
+        if sync.channel == "object_store":
+            sender = ObjectStoreSender(board, dtype)
+        elif sync.channel == "folder":
+            sender = FolderSender(board, sync.folder, dtype, sync.claim_timeout_s)
+        else:
+            backend, topology, snapshot = sync.resolved(self.config.device)
+            sender = BroadcastSender(board, backend, topology, int(sync.bucket_mb * 2**20), sync.ready_timeout_s,
+                                     sync.timeout_s, sync.address, dtype, self.device)
+        self.publication = Publication(sender, self.weight_guard, self._publishable, snapshot, dtype)
+
+    def publish_weights(self) -> dict | None:
+        """Hand the current version to the publication thread and return: the learner's next step
+        starts while it is sent. Every rank must call it (FSDP gathers); non-zero ranks get None.
+        Rank 0 gets timings: publish_s (this call), blocked_s (optimizer steps that waited for a
+        send since the last call), and the last finished send's own_s, served_s, sync_s (and, for
+        a broadcast, the engines it reached)."""
         start = time.perf_counter()
+        gathered = self._publishable() if self.config.distributed.strategy == "fsdp" else None  # a collective
+        if self.comm.rank != 0:
+            return None
+        if self.publication is None:
+            self.attach_weight_board(WeightStore())  # a board of its own (tests, benchmarks)
+        self.publication.publish(self.version, gathered)
+        last = {k: v for k, v in self.publication.last.items() if k.endswith("_s") or k == "engines"}
+        return {"version": self.version, "publish_s": time.perf_counter() - start,
+                "blocked_s": self.weight_guard.take_blocked_s(), "failures": self.publication.failures, **last}
+
+    def published(self, timeout: float = 120.0) -> dict | None:
+        """The board's live payload once the current version is out (None: not within `timeout`)."""
+        from lm.weight_sync.group import call
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            payload = call(self.publication.sender.board, "wait_live", self.version, deadline - time.monotonic())
+            if payload is not None:
+                return payload
+        return None
+
+    def weights_payload(self) -> dict | None:
+        """The current weights as one object-store payload, whatever the channel (the evaluator's
+        engine; a broadcast sends nothing it could read). Rank 0; every rank must call it."""
+        import ray
+
         state = self._publishable()
         if self.comm.rank != 0:
             return None
-        sync = self.config.weight_sync
-        if sync.mode == "object_store":
-            import ray
+        dtype, release = self._publish_dtype(), self.weight_guard.read()
+        try:
+            ref = ray.put(to_shared_arrays(cast(state, dtype)))
+        finally:
+            release()
+        return {"version": self.version, "kind": "object_ref", "ref": [ref]}
 
-            payload = {"version": self.version, "kind": "object_ref", "ref": [ray.put(state)]}
-        else:
-            folder = save_weights_folder(state, Path(sync.folder) / f"v{self.version:06d}", self.version)
-            self._published.append(folder)
-            for old in self._published[: -sync.keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
-            self._published = self._published[-sync.keep_last :]
-            payload = {"version": self.version, "kind": "folder", "path": str(folder)}
-        payload["publish_s"] = time.perf_counter() - start
-        return payload
+    def close_weight_sync(self) -> None:
+        if self.publication is not None:
+            self.publication.close()
+            self.publication = None
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -33,7 +33,8 @@ import numpy as np
 
 from buffer.sample import Group, Sample, new_id
 from lm.causal_lm import load_tokenizer
-from lm.weight_sync import resolve_weights
+from lm.weight_sync import WeightSubscription
+from lm.weight_sync.group import call
 from rollout_workers.agent_loop import AgentLoop, agent_group
 from rollout_workers.config import RolloutConfig
 from rollout_workers.data import Problem, PromptFormat, train_prompts
@@ -51,16 +52,6 @@ class StopRequested(Exception):
 class WorkerNeedsRestart(RuntimeError):
     """The worker cannot go on in this process (its weights do not load, its engine serves
     nothing); the worker pool restarts the actor. The message says why."""
-
-
-def call(handle, method: str, *args):
-    """Call `method` on a plain object or on a Ray actor handle (then wait for the result)."""
-    fn = getattr(handle, method)
-    if hasattr(fn, "remote"):
-        import ray
-
-        return ray.get(fn.remote(*args))
-    return fn(*args)
 
 
 class RolloutWorker:
@@ -83,6 +74,7 @@ class RolloutWorker:
         self._stop = threading.Event()
         self._running = threading.Lock()
         self._known_version = -1
+        self._subscription: WeightSubscription | None = None  # this process's end of the weight channel
         self._version_checked_at = 0.0
         self._started_at = time.time()
         self._recent_rewards: deque[float] = deque(maxlen=512)
@@ -145,21 +137,25 @@ class RolloutWorker:
         return self._store_version(self.config.weight_poll_s) > self.engine.version
 
     def load_latest_weights(self) -> bool:
-        """Load the store's latest weights if they are newer than the engine's. True if loaded."""
+        """Bring the engine to the store's newest version if it is behind: load the live payload, or
+        take part in the broadcast of it (waiting for it at most `weight_wait_s`). True if loaded."""
+        if self._subscription is None:  # joins the weight channel: the next version waits for this worker
+            self._subscription = WeightSubscription(self.store, self.worker_id, self.engine.version)
         if self._store_version(0.0) <= self.engine.version:
             return False
-        payload = call(self.store, "latest")
-        if payload is None or int(payload["version"]) <= self.engine.version:
-            return False
         started = time.perf_counter()
-        version = int(payload["version"])
-        if payload.get("kind") == "folder" and hasattr(self.engine, "load_weights_folder"):
-            self.engine.load_weights_folder(version, payload["path"])  # no tensors through this process
-        else:
-            self.engine.load_weights(version, resolve_weights(payload))
+        if self._subscription.receive(self.engine, self.config.weight_wait_s, self._stop) is None:
+            return False
         self.counters["weight_load_s"] += time.perf_counter() - started
         self.counters["weight_loads_total"] += 1
         return True
+
+    def _acquire_wait_s(self) -> float:
+        """How long one wait for permits may park this worker. A broadcast waits for every member to
+        reach an interrupt point: parked, it reaches the next one within `weight_poll_s`."""
+        if self._subscription is not None and self._subscription.pushed():
+            return min(self.config.acquire_timeout_s, max(self.config.weight_poll_s, 0.05))
+        return self.config.acquire_timeout_s
 
     def load_weights_or_restart(self) -> bool:
         """`load_latest_weights`, retried `weight_load_retries` times after a failure; then
@@ -339,7 +335,7 @@ class RolloutWorker:
         now. Only when the last push brought no permits (the gate was closed, or at start)."""
         waited = time.perf_counter()
         permits = self.client.acquire_permits(self.worker_id, self.config.groups_per_batch,
-                                              timeout=self.config.acquire_timeout_s)
+                                              timeout=self._acquire_wait_s())
         self.counters["gate_blocked_s"] += time.perf_counter() - waited
         return permits
 

@@ -131,7 +131,7 @@ class Controller:
 
         learner_cfg = cfg.learner.model_copy(update={"model_path": str(self.model_dir)})
         self.buffer = BufferHandle(cfg, self.run_dir)
-        self.weights = WeightPublisher()
+        self.weights = WeightPublisher(cfg.rollout.num_workers)
         self.learner = LearnerGroup(learner_cfg, rank_options=self.placement.all_options("learner"))
         state = None
         if self.resume_from is not None:
@@ -270,7 +270,7 @@ class Controller:
         self.version = int(metrics.get("learner/version", self.version + 1))
         eta_gauges = self._adapt_eta(metrics)  # before the next pull: it drops what the new η rules out
         self.next_batch = self._end_step(batch)
-        sync_s = self.weights.publish(self.learner)
+        sync = self.weights.publish(self.learner)  # goes out while the next step runs
         self.step += 1
         t_end = time.perf_counter()
         tickets = [int(g.prompt_index) for g in batch.groups]
@@ -284,7 +284,7 @@ class Controller:
             "buffer/dropped_stale_groups": batch.dropped_stale, "buffer/restarts": self.buffer.restarts(),
             "rollout/quarantined": batch.prompts_quarantined,
             "timing_s/wait_data": t_data - t0, "timing_s/train": t_train - t_data,
-            "timing_s/weight_sync": sync_s, "timing_s/step_total": t_end - t0,
+            **sync, "timing_s/step_total": t_end - t0,
             "throughput/samples_per_s": samples / (t_end - t0), "throughput/tokens_per_s": tokens / (t_end - t0),
             "audit/tickets": tickets, "audit/groups": [g.group_id for g in batch.groups],
             "audit/sample_versions": [s.weight_version for g in batch.groups for s in g.samples],

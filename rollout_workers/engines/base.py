@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -18,6 +18,12 @@ import torch
 FINISH_REASONS = ("stop", "length", "interrupted")
 
 Interrupt = Callable[[], bool]
+# Weights to load: a state dict, or (name, tensor) pairs as they arrive (a broadcast's stream).
+WeightsIn = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+
+
+def named_weights(weights: WeightsIn) -> Iterable[tuple[str, torch.Tensor]]:
+    return weights.items() if isinstance(weights, Mapping) else weights
 
 
 @dataclass(frozen=True)
@@ -77,7 +83,8 @@ def check_prompt(prompt_ids: Iterable[int], vocab_size: int | None = None) -> li
 
 class GenerationEngine(ABC):
     """generate() samples params.n responses per prompt; load_weights() swaps the weights in
-    place and sets `version`. generate_batch() takes several (prompt, params) requests at once and
+    place (from a state dict, or (name, tensor) pairs as a stream delivers them) and sets
+    `version` (-1 while a load that failed part-way has left the weights a mix). generate_batch() takes several (prompt, params) requests at once and
     may stop early when `interrupt()` turns true, returning what each response has so far with
     finish_reason "interrupted" (the caller continues it after loading new weights)."""
 
@@ -92,7 +99,7 @@ class GenerationEngine(ABC):
     ) -> list[list[Completion]]: ...
 
     @abstractmethod
-    def load_weights(self, version: int, state_dict: dict[str, torch.Tensor]) -> None: ...
+    def load_weights(self, version: int, weights: WeightsIn) -> None: ...
 
     def close(self) -> None:
         """Free the engine's resources (processes, memory); the engine is unusable afterwards."""

@@ -18,7 +18,9 @@ from rollout_workers.engines.base import (
     GenerationEngine,
     Interrupt,
     SamplingParams,
+    WeightsIn,
     check_prompt,
+    named_weights,
 )
 
 
@@ -100,10 +102,29 @@ class HFEngine(GenerationEngine):
             completions.append(Completion(tokens[:end], logps[row, :end].tolist(), reason))
         return completions
 
-    def load_weights(self, version: int, state_dict: dict[str, torch.Tensor]) -> None:
-        missing, unexpected = self.model.load_state_dict(state_dict, strict=False)
-        # Tied embeddings: lm_head.weight may legitimately be absent from a published state dict.
-        missing = [k for k in missing if not (k == "lm_head.weight" and self.model.config.tie_word_embeddings)]
-        if missing or unexpected:
-            raise ValueError(f"weights do not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    def expected_weights(self) -> tuple[dict[str, tuple[int, ...]], set[str]]:
+        """Shapes by name of the weights this model takes, and those it may lack (a tied lm_head)."""
+        shapes = {k: tuple(v.shape) for k, v in self.model.state_dict().items()}
+        return shapes, {"lm_head.weight"} if self.model.config.tie_word_embeddings else set()
+
+    @torch.no_grad()
+    def load_weights(self, version: int, weights: WeightsIn) -> None:
+        """Copy the weights into the model as they come (a mapping, or (name, tensor) pairs from a
+        stream). A tensor that does not fit is named; a load that fails part-way leaves the
+        engine's version at -1 (its weights are a mix) until a whole version is loaded."""
+        params = self.model.state_dict()
+        shapes, may_lack = self.expected_weights()
+        seen = set()
+        self.version = -1
+        for name, tensor in named_weights(weights):
+            if name not in params:
+                raise ValueError(f"weights do not fit the model: it has no tensor {name!r}")
+            if tuple(tensor.shape) != shapes[name]:
+                raise ValueError(f"weights do not fit the model: tensor {name!r} has shape {list(tensor.shape)}, "
+                                 f"the model's is {list(shapes[name])}")
+            params[name].copy_(tensor)
+            seen.add(name)
+        missing = sorted(set(params) - seen - may_lack)
+        if missing:
+            raise ValueError(f"weights do not fit the model: missing {missing[:5]} ({len(missing)} in all)")
         self.version = version

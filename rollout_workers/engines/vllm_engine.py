@@ -21,17 +21,18 @@ import os
 import tempfile
 from pathlib import Path
 
-import torch
-
 from lm.causal_lm import check_model_dir
 from lm.device import resolve_device
 from lm.weight_sync import save_weights_folder
+from lm.weight_sync.payloads import checkpoint_shapes
 from rollout_workers.engines.base import (
     Completion,
     GenerationEngine,
     Interrupt,
     SamplingParams,
+    WeightsIn,
     check_prompt,
+    named_weights,
 )
 
 
@@ -77,6 +78,7 @@ class VLLMEngine(GenerationEngine):
         _check_device(device)
 
         self.multiprocess = multiprocess
+        self.model_dir = model_dir
         self.dtype = dtype
         self.version = version
         self._ids = itertools.count()
@@ -178,16 +180,25 @@ class VLLMEngine(GenerationEngine):
             for row in range(len(requests))
         ]
 
-    def load_weights(self, version: int, state_dict: dict[str, torch.Tensor]) -> None:
+    def expected_weights(self) -> tuple[dict[str, tuple[int, ...]], set[str]]:
+        """Shapes by name of the checkpoint this engine was built from, and the names it may lack."""
+        return checkpoint_shapes(self.model_dir)
+
+    def load_weights(self, version: int, weights: WeightsIn) -> None:
+        """Reload in place: (name, tensor) pairs go straight into vLLM's loader as they come (it
+        may keep a layer's tensors until the layer is complete); the multiprocess engine core
+        reads them from a folder (so does a tensor-parallel one). A failure part-way leaves version -1 (the weights are a mix)."""
+        self.version = -1
         if self._weights_dir is not None:
-            folder = save_weights_folder(state_dict, Path(self._weights_dir.name) / "current", version)
+            folder = save_weights_folder(dict(named_weights(weights)), Path(self._weights_dir.name) / "current", version)
             self.load_weights_folder(version, folder)
             return
-        self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(state_dict.items())})
+        self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_weights(weights))})
         self._after_reload(version)
 
     def load_weights_folder(self, version: int, folder: str | os.PathLike) -> None:
         """Reload from a safetensors folder (what the multiprocess engine core can read itself)."""
+        self.version = -1
         self._llm.collective_rpc("reload_weights", kwargs={"weights_path": str(folder)})
         self._after_reload(version)
 

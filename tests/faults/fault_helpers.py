@@ -11,6 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "buffer"))  # reuse
 
 from buffer_helpers import make_group, wait_until  # noqa: E402
 
+from lm.weight_sync import WeightStore  # noqa: E402
 from services.audit import Consumption  # noqa: E402
 
 __all__ = ["make_group", "wait_until", "consume_batch", "FlakyWeightStore"]
@@ -26,19 +27,18 @@ def consume_batch(client, batch_size: int, timeout: float = 1.0) -> Consumption 
 
 
 
-class FlakyWeightStore:
-    """A weight store (the `WeightStore` methods a worker calls) whose first `bad` reads of the
-    latest payload name a folder that is not there: a weight load that fails. Made a Ray actor by
-    the tests, so every process of a restarted worker sees the same count."""
+class FlakyWeightStore(WeightStore):
+    """A weight store whose first `bad` reads of the latest payload name a folder that is not
+    there: a weight load that fails. Made a Ray actor by the tests, so every process of a
+    restarted worker sees the same count."""
 
     def __init__(self, good: dict, bad: int):
-        self.good, self.bad = good, bad
+        super().__init__()
+        self.publish(good)
+        self.bad = bad
 
-    def latest_version(self) -> int:
-        return int(self.good["version"])
-
-    def latest(self) -> dict:
+    def latest(self, reader: str | None = None) -> dict:
         if self.bad > 0:
             self.bad -= 1
-            return {"version": self.good["version"], "kind": "folder", "path": "/nonexistent/weights"}
-        return self.good
+            return {"version": self.latest_version(), "kind": "folder", "path": "/nonexistent/weights"}
+        return super().latest(reader)

@@ -22,7 +22,12 @@ HERE = Path(__file__).resolve().parent
 def test_a_worker_whose_weight_load_fails_is_back_within_its_restart_budget(ray_cluster, tiny_model_dir, tmp_path):
     import ray
 
+    import fault_helpers
     from fault_helpers import FlakyWeightStore
+    from ray import cloudpickle
+
+    # By value: the worker processes, which cannot import this test module, call its methods.
+    cloudpickle.register_pickle_by_value(fault_helpers)
     from services.buffer_actor import RayBufferClient, create_buffer_actor
 
     buffer_cfg = BufferConfig(transport="ray", gate=GateConfig(batch_size=2, eta=None, permit_lease_s=30))

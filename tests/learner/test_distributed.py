@@ -65,7 +65,8 @@ def test_two_gloo_ranks_make_the_update_of_one_rank(policy_dir, ray_cluster, ove
     try:
         assert_same_training(single, group, groups)
         state = group.state_dict()
-        payload = group.publish_weights()
+        assert group.publish_weights()["version"] == 2
+        payload = group.published(timeout=120)
         assert payload["version"] == 2
         published = resolve_weights(payload)
         assert all(torch.equal(published[k], state["model"][k]) for k in state["model"])

@@ -309,25 +309,29 @@ def test_checkpoint_round_trip_gives_the_identical_next_step(policy_dir, groups,
 
 
 def test_weights_published_through_the_object_store_and_a_folder(policy_dir, groups, tmp_path, ray_cluster):
+    """Publication goes out in the learner's own thread; the live payload of the last version holds
+    exactly the policy's weights. A folder no reader claims is deleted once a newer version is live."""
     batch = build_batch(groups)
-    for sync in ({"mode": "object_store"}, {"mode": "folder", "folder": str(tmp_path / "weights"), "keep_last": 2}):
+    for sync in ({"channel": "object_store"}, {"channel": "folder", "folder": str(tmp_path / "weights")}):
         learner = make_learner(policy_dir, weight_sync=sync)
-        payloads = []
-        for _ in range(3):
-            learner.train_step(groups)
-            payloads.append(learner.publish_weights())
-        payload = payloads[-1]
-        assert payload["version"] == 3 and payload["publish_s"] >= 0
-        fresh = load_causal_lm(policy_dir)
-        result = fresh.load_state_dict(resolve_weights(payload), strict=True)
-        assert not result.missing_keys
-        with torch.no_grad():
-            want, _ = response_log_probs(learner.model, batch.prompts, batch.responses)
-            got, _ = response_log_probs(fresh, batch.prompts, batch.responses)
-        assert torch.equal(want, got)
-        if sync["mode"] == "folder":
-            kept = sorted(p.name for p in (tmp_path / "weights").iterdir())
-            assert kept == ["v000002", "v000003"]  # keep_last=2 prunes older versions
+        try:
+            for _ in range(3):
+                learner.train_step(groups)
+                timings = learner.publish_weights()
+                assert timings["version"] == learner.version and timings["publish_s"] >= 0
+                payload = learner.published(timeout=120)
+            assert payload["version"] == 3
+            fresh = load_causal_lm(policy_dir)
+            result = fresh.load_state_dict(resolve_weights(payload), strict=True)
+            assert not result.missing_keys and not result.unexpected_keys
+            with torch.no_grad():
+                want, _ = response_log_probs(learner.model, batch.prompts, batch.responses)
+                got, _ = response_log_probs(fresh, batch.prompts, batch.responses)
+            assert torch.equal(want, got)
+            if sync["channel"] == "folder":
+                assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["v000003"]
+        finally:
+            learner.close_weight_sync()
 
 
 def test_lr_schedule_warms_up_then_decays():
@@ -348,8 +352,12 @@ def test_config_errors_name_the_field(policy_dir):
         LearnerConfig(model_path=str(policy_dir), prox_logp="loglinear", rollout_correction="bypass_pg_is")
     with pytest.raises(ValidationError, match="unknown rollout-correction preset"):
         LearnerConfig(model_path=str(policy_dir), rollout_correction="decoupled_magic")
-    with pytest.raises(ValidationError, match="needs weight_sync.folder"):
-        LearnerConfig(model_path=str(policy_dir), weight_sync={"mode": "folder"})
+    with pytest.raises(ValidationError, match=r"weight_sync.folder.folder\n  Field required"):
+        LearnerConfig(model_path=str(policy_dir), weight_sync={"channel": "folder"})
+    with pytest.raises(ValidationError, match="weight_sync.channel must be object_store, folder or broadcast"):
+        LearnerConfig(model_path=str(policy_dir), weight_sync={"channel": "carrier-pigeon"})
+    with pytest.raises(ValidationError, match=r"weight_sync.object_store.keep_last\n  Extra inputs"):
+        LearnerConfig(model_path=str(policy_dir), weight_sync={"keep_last": 2})
     with pytest.raises(ValidationError, match="set dtype float32"):
         LearnerConfig(model_path=str(policy_dir), dtype="bfloat16", mixed_precision="bfloat16")
     with pytest.raises(ValidationError, match="max_tokens_per_micro_batch"):

@@ -36,12 +36,16 @@ def length_reward(response: str, answer: str) -> float:
 
 
 def perturbed(state_dict: dict[str, torch.Tensor], scale: float = 0.05, seed: int = 0) -> dict[str, torch.Tensor]:
-    """A copy of the weights with every matrix nudged: a stand-in for one learner update."""
+    """A copy of the weights with every matrix nudged: a stand-in for one learner update. Tied
+    tensors (one storage under two names, e.g. a tied lm_head) stay tied: one nudge, one tensor."""
     gen = torch.Generator().manual_seed(seed)
-    out = {}
+    out, by_storage = {}, {}
     for name, value in state_dict.items():
-        noise = torch.randn(value.shape, generator=gen) * scale if value.dim() == 2 else 0.0
-        out[name] = value.clone() + noise
+        key = (value.data_ptr(), tuple(value.shape))
+        if key not in by_storage:
+            noise = torch.randn(value.shape, generator=gen) * scale if value.dim() == 2 else 0.0
+            by_storage[key] = value.clone() + noise
+        out[name] = by_storage[key]
     return out
 
 

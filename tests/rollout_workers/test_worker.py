@@ -149,8 +149,14 @@ def test_interrupt_on_update_continues_with_new_weights_and_tags_tokens(tiny_mod
         versions = s.token_versions.tolist()
         assert s.weight_version == 0 and versions[0] == 0 and set(versions[1:]) == {1}, versions
         assert len(versions) >= 2
-    # Each token's log-prob is that of the weights that produced it.
-    old_model, new_model = load_causal_lm(tiny_model_dir).eval(), load_causal_lm(tiny_model_dir).eval()
+    assert_log_probs_follow_versions(tiny_model_dir, new_weights, group)
+    worker.close()
+
+
+def assert_log_probs_follow_versions(model_dir, new_weights, group, tol=1e-4):
+    """Each token's log-prob is that of the weights that produced it: the model folder's for
+    version 0, `new_weights` for version 1."""
+    old_model, new_model = load_causal_lm(model_dir).eval(), load_causal_lm(model_dir).eval()
     new_model.load_state_dict(new_weights)
     prompts = [s.prompt_ids.tolist() for s in group.samples]
     responses = [s.response_ids.tolist() for s in group.samples]
@@ -160,8 +166,7 @@ def test_interrupt_on_update_continues_with_new_weights_and_tags_tokens(tiny_mod
     for row, s in enumerate(group.samples):
         expected = torch.where(torch.tensor(s.token_versions) == 0, old_lp[row, : len(s.response_ids)],
                                new_lp[row, : len(s.response_ids)])
-        np.testing.assert_allclose(s.rollout_log_probs, expected.numpy(), atol=1e-4)
-    worker.close()
+        np.testing.assert_allclose(s.rollout_log_probs, expected.numpy(), atol=tol)
 
 
 def test_hanging_and_crashing_rewards_are_scored_as_failed(tiny_model_dir, vllm_engine, buffer):
@@ -217,6 +222,57 @@ def test_a_prompt_the_engine_refuses_is_quarantined_and_the_run_goes_on(tiny_mod
     worker.close()
 
 
+def test_a_broadcast_reaches_vllm_mid_generation_and_tokens_keep_their_versions(tiny_model_dir, vllm_engine, buffer,
+                                                                              restore_vllm_weights):
+    """The broadcast channel into the in-process vLLM engine: the learner publishes version 1 while
+    the worker is two engine steps into a generation; the worker stops at its next interrupt point,
+    takes part in the send (a gloo group of the learner and this engine) and continues. The first
+    tokens keep version 0, the rest carry version 1, each with the log-prob of the weights that
+    sampled it."""
+    from lm.weight_sync import BroadcastSender, ParameterGuard, Publication
+
+    board = WeightStore()
+    learner = load_causal_lm(tiny_model_dir).eval()
+    new_weights = perturbed(restore_vllm_weights, scale=0.05, seed=3)
+    guard = ParameterGuard()
+    sender = BroadcastSender(board, "gloo", "chain", chunk_bytes=64 * 1024, ready_timeout_s=60, timeout_s=60,
+                             address="127.0.0.1")
+    publication = Publication(sender, guard, learner.state_dict)
+    cfg = config(tiny_model_dir, interrupt_on_update=True, groups_per_batch=1, reward="rollout_helpers:length_reward",
+                 sampling=SamplingConfig(n=2, max_new_tokens=8, stop_token_ids=[], seed=0))
+    worker = RolloutWorker(cfg, "worker-bc", buffer, board, engine=vllm_engine)
+    real_interrupt, checks = worker._interrupt, []
+
+    def interrupt():  # the learner's step ends after the engine's second step
+        checks.append(1)
+        if len(checks) == 3:
+            with guard.writing(), torch.no_grad():
+                learner.load_state_dict(new_weights)
+            buffer.set_version(1)
+            publication.publish(1)
+            wait_until(lambda: board.latest_version() == 1)
+        return real_interrupt()
+
+    worker._interrupt = interrupt
+    try:
+        stats = worker.run(max_groups=1)
+        (group,) = pull_all(buffer, 1)
+        assert stats["interrupted_generations_total"] == 1 and stats["loaded_version"] == 1
+        assert publication.last["engines"] == 1 and publication.last["version"] == 1
+        for s in group.samples:
+            assert s.token_versions.tolist() == [0, 0] + [1] * (len(s.response_ids) - 2)
+        assert_log_probs_follow_versions(tiny_model_dir, new_weights, group)
+    finally:
+        publication.close()
+
+
+def wait_until(condition, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.01)
+
+
 class FailingEngine:
     """Fault injection around the real engine: every generation raises (a broken engine)."""
 
@@ -250,11 +306,11 @@ class FlakyStore(WeightStore):
         self.publish(good)
         self.good, self.bad = good, bad
 
-    def latest(self):
+    def latest(self, reader=None):
         if self.bad > 0:
             self.bad -= 1
             return {"version": self.good["version"], "kind": "folder", "path": "/nonexistent/v000001"}
-        return self.good
+        return super().latest(reader)
 
 
 def test_a_failed_weight_load_is_retried_then_the_worker_asks_for_a_restart(tiny_model_dir, buffer, tmp_path):

@@ -1,0 +1,23 @@
+"""Weight channels: how each version of the learner's weights reaches the rollout engines.
+
+Three channels (`learner.weight_sync.channel`), one protocol around the board (`WeightStore`):
+  object_store  one shared object per version in the Ray object store (small models);
+  folder        a safetensors folder per version, kept while a reader may still read it;
+  broadcast     a weight group (gloo or NCCL) of the learner and every engine; the learner sends
+                each version once, in chunks, down a chain (or NCCL's own broadcast).
+The learner side: `Publication` (a thread on rank 0; the next step starts while it sends) around
+a sender of `senders`. The worker side: `WeightSubscription.receive(engine, ...)` at the worker's
+interrupt point. The wire: `layout.Layout` (the metadata header) and `stream` (chunks).
+"""
+from lm.weight_sync.board import WeightStore
+from lm.weight_sync.layout import Layout
+from lm.weight_sync.payloads import load_weights_folder, resolve_weights, save_weights_folder
+from lm.weight_sync.publication import ParameterGuard, Publication
+from lm.weight_sync.senders import BroadcastSender, FolderSender, ObjectStoreSender
+from lm.weight_sync.subscription import WeightSubscription, check_fits
+
+__all__ = [
+    "BroadcastSender", "FolderSender", "Layout", "ObjectStoreSender", "ParameterGuard", "Publication",
+    "WeightStore", "WeightSubscription", "check_fits", "load_weights_folder", "resolve_weights",
+    "save_weights_folder",
+]

@@ -1,0 +1,293 @@
+"""`WeightStore`: the run's notice board of weight versions, a threaded Ray actor (or a plain
+object in tests). It carries no tensors.
+
+Pull channels (object store, folder): the learner posts the live payload; a worker reads it at
+its interrupt point and says when it has loaded it. A reader's claim on a version keeps that
+version's folder on disk until the reader is done (or its claim is older than the caller allows).
+
+Broadcast: the learner announces version v with its layout (the metadata header); a worker that
+sees it at its interrupt point checks the layout against its model, says it is ready and waits
+for its go; the learner waits (bounded) until every member is ready, then starts the send to the
+ready ones: they form the weight group of this send (rank 0 the learner, 1..n the workers). The
+same members as last time keep their group; any change (a restart, a late joiner, one left out)
+forms a new generation. A member that is not ready in time is left out and named; it rejoins when
+it next asks. The board also holds the groups' rendezvous keys (`BoardStore`), so forming a group
+opens no listening socket besides gloo's own, bound to each node's address.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+_MAX_POLL_S = 5.0  # one long poll's longest wait: a caller asks again (and checks its stop flag)
+
+
+@dataclass
+class _Member:
+    session: str  # one per worker process: a restarted worker is a new member
+    have: int  # the version its engine holds (-1: unknown, after a failed load)
+    waiting: bool = False  # at its interrupt point, asking for a version newer than `have`
+    go: dict | None = None  # its part in the send it was let into
+    done: dict | None = None  # how its last receive ended: {"version", "error", "at"}
+    refused: str = ""  # why it withdrew (its model does not fit the layout), for the sender's log
+
+
+@dataclass
+class _Generation:
+    id: int = 0
+    ranks: dict[tuple[str, str], int] = field(default_factory=dict)  # (worker, session) -> rank
+
+
+class WeightStore:
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._live: dict | None = None
+        self._pending: dict | None = None  # broadcast: {"version", "layout"} announced, not yet sent
+        self._layout: dict | None = None  # the layout of the newest announced version
+        self._claims: dict[str, tuple[int, float]] = {}  # reader -> (version, since)
+        self._members: dict[str, _Member] = {}
+        self._generation = _Generation()
+        self._kv: dict[str, bytes] = {}
+
+    # ------------------------------------------------------------ live version (every channel)
+
+    def publish(self, payload: dict) -> None:
+        with self._cond:
+            if self._live is not None and payload["version"] < self._live["version"]:
+                raise ValueError(f"weight version went backwards: {payload['version']} < {self._live['version']}")
+            self._live = payload
+            if self._pending is not None and self._pending["version"] <= payload["version"]:
+                self._pending = None
+            self._cond.notify_all()
+
+    def latest_version(self) -> int:
+        """The newest version announced or live (-1: none yet): a worker behind it should fetch."""
+        with self._cond:
+            versions = [p["version"] for p in (self._live, self._pending) if p is not None]
+            return max(versions, default=-1)
+
+    def latest(self, reader: str | None = None) -> dict | None:
+        """The live payload; a named reader claims its version until `loaded` (or a newer claim)."""
+        with self._cond:
+            if reader is not None and self._live is not None:
+                self._claims[reader] = (int(self._live["version"]), time.monotonic())
+            return self._live
+
+    def loaded(self, reader: str, version: int) -> None:
+        with self._cond:
+            self._claims.pop(reader, None)
+
+    def wait_live(self, version: int, timeout: float) -> dict | None:
+        """The live payload once it is at least `version` (None if not within `timeout`)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._live_version() >= version, timeout=min(timeout, _MAX_POLL_S))
+            return self._live if self._live_version() >= version else None
+
+    def retained_versions(self, max_claim_age_s: float) -> dict:
+        """Versions a reader may still be reading (claims younger than `max_claim_age_s`) and the
+        live one; expired claims are dropped and their readers returned."""
+        now = time.monotonic()
+        with self._cond:
+            expired = sorted(r for r, (_, since) in self._claims.items() if now - since > max_claim_age_s)
+            for reader in expired:
+                del self._claims[reader]
+            kept = {v for v, _ in self._claims.values()} | ({self._live_version()} if self._live else set())
+            return {"versions": sorted(kept), "expired_readers": expired}
+
+    def _live_version(self) -> int:
+        return -1 if self._live is None else int(self._live["version"])
+
+    # ------------------------------------------------------------ broadcast: workers
+
+    def join(self, worker: str, session: str, have: int) -> None:
+        """A worker process starts with version `have`: each newer version waits (bounded) for it."""
+        with self._cond:
+            self._member(worker, session).have = have
+
+    def layout(self) -> dict | None:
+        """The newest announced layout (None: nothing announced yet): a worker checks that its
+        model takes it before it says it is ready."""
+        with self._cond:
+            return self._layout
+
+    def ready(self, worker: str, session: str, have: int) -> None:
+        """A worker at its interrupt point asks for a version newer than `have`."""
+        with self._cond:
+            member = self._member(worker, session)
+            member.have, member.waiting, member.go, member.refused = have, True, None, ""
+            self._cond.notify_all()
+
+    def _member(self, worker: str, session: str) -> _Member:
+        member = self._members.get(worker)
+        if member is None or member.session != session:  # new, or restarted: its old rank is gone
+            member = self._members[worker] = _Member(session, -1)
+            self._cond.notify_all()
+        return member
+
+    def withdraw(self, worker: str, session: str, reason: str = "") -> dict | None:
+        """The worker stops waiting (stopped, gave up, or its model does not fit: `reason`). If it
+        was let into a send meanwhile, its go is returned: the others count on it, so it takes part."""
+        with self._cond:
+            member = self._members.get(worker)
+            if member is None or member.session != session:
+                return None
+            go, member.go = member.go, None
+            member.waiting, member.refused = False, reason
+            self._cond.notify_all()
+            return go
+
+    def wait_go(self, worker: str, session: str, timeout: float) -> dict | None:
+        """The worker's part in a send (None: not yet; ask again)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._go_of(worker, session) is not None, timeout=min(timeout, _MAX_POLL_S))
+            go = self._go_of(worker, session)
+            if go is not None:
+                self._members[worker].go = None
+            return go
+
+    def _go_of(self, worker: str, session: str) -> dict | None:
+        member = self._members.get(worker)
+        return member.go if member is not None and member.session == session else None
+
+    def done(self, worker: str, session: str, version: int, error: str = "") -> None:
+        """The worker's receive of `version` ended (its engine serves it, or `error`)."""
+        with self._cond:
+            member = self._members.get(worker)
+            if member is None or member.session != session:
+                return
+            member.done = {"version": version, "error": error, "at": time.time()}
+            member.have = -1 if error else version
+            self._cond.notify_all()
+
+    # ------------------------------------------------------------ broadcast: the sender
+
+    def announce(self, version: int, layout: dict) -> None:
+        with self._cond:
+            if version < self._live_version():
+                raise ValueError(f"weight version went backwards: {version} < {self._live_version()}")
+            self._pending, self._layout = {"version": version, "layout": layout}, layout
+            self._cond.notify_all()
+
+    def wait_ready(self, version: int, timeout: float) -> list[str]:
+        """Wait (at most `timeout`, capped per call) until every member is ready for `version`;
+        the members not ready yet (empty: all are)."""
+        with self._cond:
+            self._cond.wait_for(lambda: not self._not_ready(version), timeout=min(timeout, _MAX_POLL_S))
+            return self._not_ready(version)
+
+    def _not_ready(self, version: int, refused_too: bool = False) -> list[str]:
+        """Members that need `version` and are not waiting for it (those that refused it: only
+        with `refused_too`; nobody waits for them)."""
+        return sorted(w for w, m in self._members.items()
+                      if m.have < version and not m.waiting and (refused_too or not m.refused))
+
+    def behind(self, version: int) -> list[str]:
+        """Members waiting for weights older than `version` (a restarted or late one): a catch-up."""
+        with self._cond:
+            return sorted(w for w, m in self._members.items() if m.waiting and m.have < version)
+
+    def start_send(self, version: int, common: dict, leave_out_missing: bool) -> dict:
+        """Let the members waiting for `version` into its send. Ranks follow the current
+        generation when the members are the same, else a new generation is formed. Members not
+        waiting are left out (`leave_out_missing`: removed, named in the reply, until they ask
+        again). Returns {"generation", "world", "members": {worker: rank}, "left_out": {worker: why}}."""
+        with self._cond:
+            chosen = sorted((w, m.session) for w, m in self._members.items() if m.waiting and m.have < version)
+            left_out = {}
+            if leave_out_missing:
+                for worker in self._not_ready(version, refused_too=True):
+                    member = self._members.pop(worker)
+                    left_out[worker] = member.refused or f"not at an interrupt point in time (its engine holds " \
+                                                         f"v{member.have})"
+            generation = self._generation_for(chosen)
+            for key in chosen:
+                go = {**common, "version": version, "generation": generation.id, "rank": generation.ranks[key],
+                      "world": len(chosen) + 1}
+                member = self._members[key[0]]
+                member.waiting, member.go, member.done = False, go, None
+            self._cond.notify_all()
+            return {"generation": generation.id, "world": len(chosen) + 1,
+                    "members": {w: generation.ranks[(w, s)] for w, s in chosen}, "left_out": left_out}
+
+    def _generation_for(self, chosen: list[tuple[str, str]]) -> _Generation:
+        if set(chosen) != set(self._generation.ranks):
+            old = self._generation.id
+            self._generation = _Generation(old + 1, {key: rank for rank, key in enumerate(chosen, start=1)})
+            self._kv = {k: v for k, v in self._kv.items() if not k.startswith(group_prefix(old))}
+        return self._generation
+
+    def wait_done(self, version: int, workers: list[str], timeout: float) -> dict:
+        """How each worker's receive of `version` ended: {worker: {"error", "at"}}; a worker
+        missing from the reply has not reported yet (ask again, or name it after the deadline)."""
+        with self._cond:
+            self._cond.wait_for(lambda: len(self._done_of(version, workers)) == len(workers),
+                                timeout=min(timeout, _MAX_POLL_S))
+            return self._done_of(version, workers)
+
+    def _done_of(self, version: int, workers: list[str]) -> dict:
+        out = {}
+        for worker in workers:
+            member = self._members.get(worker)
+            if member is not None and member.done is not None and member.done["version"] == version:
+                out[worker] = {"error": member.done["error"], "at": member.done["at"]}
+        return out
+
+    def forget_generation(self) -> None:
+        """A send failed: the next send forms a new generation (the old group is unusable)."""
+        with self._cond:
+            self._generation = _Generation(self._generation.id, {})
+
+    def generation(self) -> int:
+        """The current weight group's generation (a new one whenever the members change)."""
+        with self._cond:
+            return self._generation.id
+
+    def members(self) -> dict:
+        with self._cond:
+            return {w: {"have": m.have, "waiting": m.waiting, "session": m.session}
+                    for w, m in self._members.items()}
+
+    # ------------------------------------------------------------ rendezvous keys (BoardStore)
+
+    def kv_set(self, key: str, value: bytes) -> None:
+        with self._cond:
+            self._kv[key] = bytes(value)
+            self._cond.notify_all()
+
+    def kv_get(self, key: str, timeout: float) -> bytes | None:
+        with self._cond:
+            self._cond.wait_for(lambda: key in self._kv, timeout=min(timeout, _MAX_POLL_S))
+            return self._kv.get(key)
+
+    def kv_wait(self, keys: list[str], timeout: float) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: all(k in self._kv for k in keys), timeout=min(timeout, _MAX_POLL_S))
+
+    def kv_add(self, key: str, amount: int) -> int:
+        with self._cond:
+            value = int(self._kv.get(key, b"0")) + amount
+            self._kv[key] = str(value).encode()
+            self._cond.notify_all()
+            return value
+
+    def kv_compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
+        with self._cond:
+            current = self._kv.get(key)
+            if (current is None and not expected) or current == expected:
+                self._kv[key] = bytes(desired)
+                self._cond.notify_all()
+                return bytes(desired)
+            return expected if current is None else current
+
+    def kv_delete(self, key: str) -> bool:
+        with self._cond:
+            return self._kv.pop(key, None) is not None
+
+    def kv_num_keys(self) -> int:
+        with self._cond:
+            return len(self._kv)
+
+
+def group_prefix(generation: int) -> str:
+    return f"weights/g{generation}/"

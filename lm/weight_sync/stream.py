@@ -1,0 +1,120 @@
+"""Moving one version's byte stream (`layout.Layout`) through a weight group, chunk by chunk.
+
+Two topologies:
+  chain: rank 0 sends each chunk to rank 1, rank r forwards it to r + 1 while it receives the next
+         one and its engine copies the one before: the sender puts every byte on the wire once
+         whatever the number of engines, and the last engine has the version about (n − 1) chunks
+         after the first. For gloo, whose broadcast is a star.
+  star:  the group's own broadcast of each chunk from rank 0. NCCL's broadcast pipelines over a
+         ring or tree itself; gloo's sends every byte once per receiver from the root.
+The sender keeps two chunk buffers in flight; a receiver gets a fresh buffer per chunk (its
+engine may hold views of a chunk while it loads, e.g. vLLM's layer-wise reload), receives and
+forwards in a thread of its own, and runs at most `ahead` chunks ahead of its engine.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from collections import deque
+from collections.abc import Iterator, Mapping
+
+import torch
+import torch.distributed as dist
+
+from lm.weight_sync.layout import ChunkAssembler, Layout, fill_chunk
+
+TOPOLOGIES = ("chain", "star")
+
+
+def _broadcast(group, buf: torch.Tensor):
+    options = dist.BroadcastOptions()
+    options.rootRank = 0
+    return group.broadcast([buf], options)
+
+
+def send_stream(group, layout: Layout, tensors: Mapping[str, torch.Tensor], chunk_bytes: int, topology: str,
+                device: torch.device | str = "cpu") -> None:
+    """Rank 0: send every chunk of the stream (the tensors cast as the layout says)."""
+    spans = layout.chunks(chunk_bytes)
+    if not spans:
+        return
+    size = spans[0][1] - spans[0][0]
+    buffers = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(min(2, len(spans)))]
+    works = deque()
+    for k, span in enumerate(spans):
+        if len(works) == len(buffers):
+            works.popleft().wait()  # the buffer about to be refilled has left
+        buf = buffers[k % len(buffers)][: span[1] - span[0]]
+        fill_chunk(buf, layout, span, tensors)
+        works.append(group.send([buf], 1, k) if topology == "chain" else _broadcast(group, buf))
+    for work in works:
+        work.wait()
+
+
+class ReceiveStream:
+    """Ranks 1..n: iterate to get (name, tensor) pairs as their bytes arrive. A thread of its own
+    receives the chunks (the next one posted as soon as one arrives) and forwards each down the
+    chain at once, up to `ahead` chunks ahead of the engine that loads them: a slow engine slows
+    the chain only once it is that far behind. `drain()` takes the rest without handing anything
+    out: a receiver whose engine failed part-way must not stall the ranks after it."""
+
+    def __init__(self, group, rank: int, world: int, layout: Layout, chunk_bytes: int, topology: str,
+                 device: torch.device | str = "cpu", ahead: int = 4):
+        if topology not in TOPOLOGIES:
+            raise ValueError(f"unknown topology {topology!r}; expected one of {TOPOLOGIES}")
+        self.group, self.rank, self.layout, self.topology, self.device = group, rank, layout, topology, device
+        self.forward = topology == "chain" and rank < world - 1
+        self.spans = layout.chunks(chunk_bytes)
+        self.assembler = ChunkAssembler(layout, device)
+        self._chunks: queue.Queue = queue.Queue(maxsize=max(1, ahead))  # buffers, or the receiver's error
+        self._taken = 0
+        self._error: Exception | None = None
+        self._thread = threading.Thread(target=self._receive_all, name=f"weights-rank{rank}", daemon=True)
+        self._thread.start()
+
+    def _post(self, k: int):
+        span = self.spans[k]
+        buf = torch.empty(span[1] - span[0], dtype=torch.uint8, device=self.device)
+        work = self.group.recv([buf], self.rank - 1, k) if self.topology == "chain" else _broadcast(self.group, buf)
+        return buf, work
+
+    def _receive_all(self) -> None:
+        forwards = deque()
+        try:
+            posted = self._post(0) if self.spans else None
+            for k in range(len(self.spans)):
+                buf, work = posted
+                work.wait()
+                posted = self._post(k + 1) if k + 1 < len(self.spans) else None
+                if self.forward:
+                    forwards.append(self.group.send([buf], self.rank + 1, k))
+                    while len(forwards) > 2:
+                        forwards.popleft().wait()
+                self._chunks.put(buf)
+            while forwards:
+                forwards.popleft().wait()
+        except Exception as err:  # handed to the consumer, which raises it
+            self._chunks.put(err)
+
+    def _take_chunk(self) -> torch.Tensor:
+        item = self._error or self._chunks.get()
+        if isinstance(item, Exception):
+            self._error = item  # the receiving thread has ended: nothing more will come
+            raise item
+        self._taken += 1
+        return item
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        while self._taken < len(self.spans):
+            span = self.spans[self._taken]
+            yield from self.assembler.feed(span, self._take_chunk())
+        self._thread.join()
+
+    def drain(self) -> None:
+        while self._taken < len(self.spans):
+            self._take_chunk()
+        self._thread.join()
+
+    @property
+    def complete(self) -> bool:
+        return self._taken == len(self.spans) and not self._thread.is_alive() and self.assembler.complete

@@ -1,0 +1,124 @@
+"""A rollout worker's end of the weight channel (`WeightSubscription`), used at its interrupt
+points (between engine steps or generations), so the tokens after a load carry the new version.
+
+An engine here is anything with `version`, `load_weights(version, weights)` (a mapping or an
+iterable of (name, tensor) pairs), and optionally `load_weights_folder(version, path)` (read a
+folder itself), `expected_weights()` ((shapes by name, names it may lack) to check a layout
+against before joining a send) and `weights_device` (where received chunks go).
+"""
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+from lm.weight_sync.group import WeightGroup, call, node_address
+from lm.weight_sync.layout import Layout
+from lm.weight_sync.payloads import resolve_weights
+from lm.weight_sync.stream import ReceiveStream
+
+_POLL_S = 1.0  # the longest a wait for a go goes without checking the stop flag
+
+
+class WeightSubscription:
+    def __init__(self, board, worker_id: str, have: int, address: str | None = None):
+        self.board, self.worker_id = board, worker_id
+        self.session = uuid.uuid4().hex  # this process: a restarted worker is a new member
+        self.address = address
+        self._group: WeightGroup | None = None  # of the last send this worker took part in
+        self._pushed: bool | None = None  # unknown until a version is live
+        call(board, "join", worker_id, self.session, int(have))  # `have`: the engine's version now
+
+    def newest_version(self) -> int:
+        return int(call(self.board, "latest_version"))
+
+    def pushed(self) -> bool:
+        """Whether versions come by broadcast (then every member's readiness counts)."""
+        if self._pushed is None:
+            live = call(self.board, "latest")
+            self._pushed = None if live is None else live.get("kind") == "broadcast"
+        return bool(self._pushed)
+
+    def receive(self, engine, wait_s: float, stop: threading.Event | None = None) -> int | None:
+        """Bring the engine to the newest version. The version loaded, or None if nothing newer
+        came within `wait_s` (a broadcast is waited for; a pull payload is there or not)."""
+        payload = call(self.board, "latest", self.worker_id)
+        if payload is not None and payload.get("kind") != "broadcast":
+            return self._load_payload(engine, payload)
+        return self._receive_broadcast(engine, wait_s, stop)
+
+    def _load_payload(self, engine, payload: dict) -> int | None:
+        version = int(payload["version"])
+        if version <= engine.version:
+            return None
+        try:
+            if payload["kind"] == "folder" and hasattr(engine, "load_weights_folder"):
+                engine.load_weights_folder(version, payload["path"])  # no tensors through this process
+            else:
+                engine.load_weights(version, resolve_weights(payload))
+        finally:
+            call(self.board, "loaded", self.worker_id, version)
+        return version
+
+    # ---------------------------------------------------------------- broadcast
+
+    def _receive_broadcast(self, engine, wait_s: float, stop) -> int | None:
+        layout = call(self.board, "layout")
+        if layout is not None:  # a model that cannot take it stays out of the send, saying why
+            try:
+                check_fits(engine, Layout.from_wire(layout))
+            except ValueError as err:
+                call(self.board, "withdraw", self.worker_id, self.session, str(err))
+                raise
+        call(self.board, "ready", self.worker_id, self.session, int(engine.version))
+        go = self._wait_go(wait_s, stop)
+        return None if go is None else self._take_part(engine, go)
+
+    def _wait_go(self, wait_s: float, stop) -> dict | None:
+        deadline = time.monotonic() + wait_s
+        while True:
+            left = deadline - time.monotonic()
+            go = call(self.board, "wait_go", self.worker_id, self.session, max(0.0, min(_POLL_S, left)))
+            if go is not None:
+                return go
+            if (stop is not None and stop.is_set()) or left <= 0:
+                return call(self.board, "withdraw", self.worker_id, self.session)
+
+    def _take_part(self, engine, go: dict) -> int:
+        """Receive the send `go` describes into the engine. A failure part-way still forwards the
+        rest of the stream (the ranks after this one get their version) and is reported."""
+        version, layout, stream = int(go["version"]), Layout.from_wire(go["layout"]), None
+        try:
+            stream = ReceiveStream(self._group_of(go), go["rank"], go["world"], layout, go["chunk_bytes"],
+                                   go["topology"], getattr(engine, "weights_device", "cpu"))
+            check_fits(engine, layout)
+            engine.load_weights(version, iter(stream))
+            if not stream.complete:
+                raise RuntimeError(f"the engine stopped reading weights v{version} part-way")
+        except Exception as err:
+            self._drain(stream)
+            call(self.board, "done", self.worker_id, self.session, version, f"{type(err).__name__}: {err}")
+            raise
+        call(self.board, "done", self.worker_id, self.session, version)
+        return version
+
+    def _group_of(self, go: dict):
+        if self._group is None or self._group.generation != go["generation"]:
+            self._group = None  # leave the old generation before joining the new one
+            self._group = WeightGroup(self.board, go, go["rank"], self.address or node_address())
+        return self._group.group
+
+    def _drain(self, stream: ReceiveStream | None) -> None:
+        try:
+            if stream is not None:
+                stream.drain()
+        except Exception:
+            self._group = None  # the group itself failed: the next send forms a new one
+
+
+def check_fits(engine, layout: Layout) -> None:
+    """ValueError naming the first tensor of `layout` the engine's model cannot take."""
+    expected = getattr(engine, "expected_weights", None)
+    if expected is not None:
+        shapes, may_lack = expected()
+        layout.check_fits(shapes, may_lack)
