@@ -102,6 +102,21 @@ WeightSyncConfig = Annotated[
 ]
 
 
+class DiagnosticsConfig(BaseModel):
+    """Measurements that cost extra compute or memory, off by default. Set at the top level of a
+    run's config (`diagnostics.exact_drift_every=K`); the learner is where they run."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    exact_drift_every: Optional[int] = Field(
+        None, ge=1, description="every K learner steps, score a sample of the batch with the weights of the "
+        "version that generated it: the drift split into backend and staleness exactly (None: off)")
+    exact_drift_rows: int = Field(8, ge=1, description="rows of the batch the exact drift probe scores")
+    keep_versions: int = Field(
+        3, ge=1, description="policy versions the probe keeps on the CPU (a run sets η + 1, or eta_max + 1): "
+        "host memory of this many copies of the model")
+
+
 class LearnerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -156,6 +171,7 @@ class LearnerConfig(BaseModel):
 
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     weight_sync: WeightSyncConfig = Field(default_factory=ObjectStoreSync)
+    diagnostics: DiagnosticsConfig = Field(default_factory=DiagnosticsConfig)
 
     @field_validator("rollout_correction", mode="before")
     @classmethod

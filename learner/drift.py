@@ -142,3 +142,45 @@ class VersionWeights:
             self._model = load_causal_lm(self.model_path, dtype=self.dtype).eval().requires_grad_(False)
         self._model.load_state_dict(self.weights[version], strict=False)
         return self._model
+
+
+class ExactDriftProbe:
+    """`diagnostics.exact_drift_every: K`: every K learner steps, score up to `rows` rows of the
+    batch with the weights of the version(s) that sampled them (CPU copies of the versions inside
+    the window, `VersionWeights`) and report `exact_split`. Runs on one rank, on the CPU, after
+    π_old: it costs one no-grad pass per distinct version of the probed rows."""
+
+    def __init__(self, model_path: str, dtype: str, keep: int, every: int, rows: int, temperature: float,
+                 pad_token_id: int):
+        self.weights = VersionWeights(model_path, dtype, keep)
+        self.every, self.rows = every, rows
+        self.temperature, self.pad_token_id = temperature, pad_token_id
+
+    def due(self, version: int) -> bool:
+        return version % self.every == 0
+
+    def remember(self, version: int, state: dict[str, torch.Tensor]) -> None:
+        self.weights.remember(version, state)
+
+    def measure(self, shard, old_log_prob: torch.Tensor, candidates: list[int], version: int) -> dict[str, float]:
+        """`exact_split` of up to `rows` of the candidate rows of `shard` (a TrainBatch) whose every
+        token's version is still remembered; {} when none is."""
+        from lm.causal_lm import response_log_probs
+
+        known = set(self.weights.weights)
+        rows = [r for r in candidates
+                if set(shard.token_versions[r][shard.response_mask[r] > 0].tolist()) <= known][: self.rows]
+        if not rows:
+            return {}
+        probe = shard.select(rows).to("cpu")
+        width = probe.response_mask.shape[1]
+        generating = torch.zeros(probe.response_mask.shape, dtype=torch.float64)
+        with torch.no_grad():
+            for v in sorted(set(probe.token_versions[probe.response_mask > 0].tolist())):
+                scored, _ = response_log_probs(self.weights.model_for(v), probe.prompts, probe.responses,
+                                               self.temperature, self.pad_token_id)
+                mine = probe.token_versions == v
+                generating[mine] = scored.double()[:, :width][mine]
+        return exact_split(old_log_prob[rows, :width].detach().cpu(), probe.rollout_log_probs, generating,
+                           probe.token_versions, version, probe.response_mask)
+

@@ -156,6 +156,7 @@ class Learner:
                                    config.min_lr_ratio),
         )
         self.version = int(version)
+        self.drift_probe = self._drift_probe()
         self.weight_guard = ParameterGuard()
         self.publication: Publication | None = None  # rank 0, once a board is attached
         # The KL penalty's reference: the initial policy, frozen.
@@ -174,6 +175,16 @@ class Learner:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         return device
+
+    def _drift_probe(self):
+        """The exact drift probe (`diagnostics.exact_drift_every`), on rank 0 in recompute mode."""
+        diag = self.config.diagnostics
+        if diag.exact_drift_every is None or self.config.prox_mode != "recompute" or self.comm.rank != 0:
+            return None
+        from learner.drift import ExactDriftProbe
+
+        return ExactDriftProbe(self.config.model_path, self.config.dtype, diag.keep_versions, diag.exact_drift_every,
+                               diag.exact_drift_rows, self.config.temperature, self.config.pad_token_id)
 
     def _wrap(self, model):
         if self.config.distributed.strategy != "fsdp":
@@ -195,6 +206,7 @@ class Learner:
         cfg = self.config
         timing: dict[str, float] = {}
         step_start = time.perf_counter()
+        self._remember_version()
         self._slots = torch.zeros(2, dtype=torch.float64)  # (real tokens, padded slots) of this step's passes
 
         # 1. Validate and pad the groups; advantages over the whole batch.
@@ -212,13 +224,19 @@ class Learner:
         inputs = StepInputs(shard=shard, advantages=advantages[shard_rows, : shard.response_mask.shape[1]].to(self.device),
                             loss_mask=shard.response_mask)
 
-        # 2. π_old and the correction that does not depend on θ: once per step, on this rank's shard.
+        # 2. π_old and the correction that does not depend on θ: once per step, on this rank's shard;
+        # the gap between μ and π_old by staleness (learner/drift.py) from the same numbers.
         shard_stats: dict[str, float] = {}
+        drift: dict[str, float] = {}
         with _timed(timing, "timing_s/old_log_prob"):
             if cfg.prox_mode == "recompute":
                 inputs.old_log_prob = self._no_grad_log_probs(shard)
                 inputs.is_weights, inputs.loss_mask, shard_stats = self._step_correction(
                     shard, inputs.old_log_prob, owned)
+                drift = self._drift(shard, inputs.old_log_prob, owned)
+        if self.drift_probe is not None and self.drift_probe.due(self.version):
+            with _timed(timing, "timing_s/exact_drift_probe"):
+                drift.update(self.drift_probe.measure(shard, inputs.old_log_prob, owned, self.version))
         if self.ref_model is not None:
             with _timed(timing, "timing_s/ref"):
                 inputs.ref_log_prob = self._no_grad_log_probs(shard, model=self.ref_model)
@@ -238,6 +256,7 @@ class Learner:
 
         metrics = self._combine(partial, len(grad_norms), shard_stats, timing)
         metrics.update(self._batch_metrics(batch))
+        metrics.update(drift)
         tokens = self._reduce({"real": float(self._slots[0]), "slots": float(self._slots[1])}, "sum")
         metrics["perf/padding_fraction"] = 1.0 - tokens["real"] / tokens["slots"] if tokens["slots"] else 0.0
         metrics["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
@@ -279,6 +298,24 @@ class Learner:
                 order = torch.randperm(num_groups, generator=gen).tolist()
             epochs.append([order[i : i + size] for i in range(0, num_groups, size)])
         return epochs
+
+    def _remember_version(self) -> None:
+        """The exact probe keeps a CPU copy of the weights each version starts from (every rank
+        takes part: under FSDP the full weights are a gather)."""
+        if self.config.diagnostics.exact_drift_every is None or self.config.prox_mode != "recompute":
+            return
+        state = self.full_state_dict()
+        if self.drift_probe is not None and self.version not in self.drift_probe.weights.weights:
+            self.drift_probe.remember(self.version, state)
+
+    def _drift(self, shard: TrainBatch, old_log_prob: torch.Tensor, owned: list[int]) -> dict[str, float]:
+        """The batch's drift split: per-staleness sums of the rows this rank answers for, summed
+        over the ranks (`learner.drift`)."""
+        from learner.drift import bucket_sums, drift_metrics
+
+        sums = bucket_sums(old_log_prob[owned], shard.rollout_log_probs[owned], shard.token_versions[owned],
+                           self.version, shard.response_mask[owned])
+        return drift_metrics(self.comm.all_reduce_sum(sums))
 
     def _step_correction(self, shard: TrainBatch, old_log_prob: torch.Tensor, owned: list[int]):
         """IS weights, rejection mask and metrics of the shard against the recomputed π_old; batch

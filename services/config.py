@@ -153,7 +153,7 @@ class MetricsConfig(BaseModel):
 
 # ---------------------------------------------------------------- the tree
 
-from buffer.config import BufferConfig  # noqa: E402  (after the generic part on purpose: it needs none of it)
+from buffer.config import BufferConfig, GateConfig  # noqa: E402  (after the generic part on purpose: it needs none of it)
 from learner.config import LearnerConfig  # noqa: E402
 from rollout_workers.config import RolloutConfig  # noqa: E402
 
@@ -225,6 +225,7 @@ class EtarlConfig(BaseModel):
                                      f"{gate['eta']!r}; drop one of them")
                 gate["eta"] = MODES[mode]
                 buffer["gate"] = gate
+        _move_diagnostics(data, learner)
         return data
 
     @model_validator(mode="after")
@@ -272,6 +273,26 @@ class EtarlConfig(BaseModel):
     def fully_async(cls, eta: Optional[int] = 4, **overrides: Any) -> "EtarlConfig":
         """Workers never wait for the learner beyond the η bound (None: unbounded)."""
         return build_config({"mode": "async", "buffer": {"transport": "ray", "gate": {"eta": eta}}}, overrides)
+
+
+def _move_diagnostics(data: dict, learner) -> None:
+    """`diagnostics` is written at the top level and runs in the learner: move it there, with the
+    versions the exact drift probe keeps sized to the staleness window (η + 1, or eta_max + 1)."""
+    if "diagnostics" not in data or not isinstance(learner, dict):
+        return
+    if "diagnostics" in learner:
+        raise ValueError("set diagnostics once, at the top level (not learner.diagnostics)")
+    diagnostics = data.pop("diagnostics")
+    if isinstance(diagnostics, dict) and "keep_versions" not in diagnostics:
+        buffer = data.get("buffer") if isinstance(data.get("buffer"), dict) else {}
+        gate = buffer.get("gate") if isinstance(buffer.get("gate"), dict) else {}
+        fields = GateConfig.model_fields
+        eta = gate.get("eta", fields["eta"].default)
+        window = gate.get("eta_max", fields["eta_max"].default) if eta == "auto" else eta
+        window = window if isinstance(window, int) else None  # unbounded: the default count
+        if window is not None:
+            diagnostics = {**diagnostics, "keep_versions": int(window) + 1}
+    learner["diagnostics"] = diagnostics
 
 
 def build_config(tree: dict, overrides: dict[str, Any] | list[str] | None = None, source: str = "config") -> EtarlConfig:

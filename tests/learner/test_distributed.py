@@ -32,6 +32,8 @@ def assert_same_training(single: Learner, group: LearnerGroup, groups, steps: in
             assert got[key] == pytest.approx(want[key], rel=1e-9, abs=1e-12), key
         assert got["learner/num_sequences"] == want["learner/num_sequences"]
         assert got["learner/version"] == want["learner/version"]
+        for key in [k for k in want if k.startswith("drift/")]:  # recompute mode: sums over both ranks' rows
+            assert got[key] == pytest.approx(want[key], rel=1e-9, abs=1e-12, nan_ok=True), key
         if "rollout_corr/rollout_is_batch_norm_factor" in want:
             assert got["rollout_corr/rollout_is_batch_norm_factor"] == pytest.approx(
                 want["rollout_corr/rollout_is_batch_norm_factor"], rel=1e-12)
