@@ -74,6 +74,9 @@ class RolloutWorker:
         self._stop = threading.Event()
         self._running = threading.Lock()
         self._known_version = -1
+        # The last version the engine finished loading: what the worker's gauge shows, also while a
+        # load is in flight (the engine says -1 then: its weights are a mix) and after it closed.
+        self.served_version = -1
         self._subscription: WeightSubscription | None = None  # this process's end of the weight channel
         self._version_checked_at = 0.0
         self._started_at = time.time()
@@ -101,6 +104,7 @@ class RolloutWorker:
         cfg = self.config
         if self.engine is None:
             self.engine = make_engine(cfg.engine, cfg.model_path, seed=cfg.sampling.seed or 0)
+        self.served_version = max(self.served_version, int(self.engine.version))
         if self.tokenizer is None:
             self.tokenizer = load_tokenizer(cfg.model_path)
             self.prompt_format = PromptFormat.for_model(cfg.model_path, cfg.task, self.tokenizer,
@@ -148,6 +152,7 @@ class RolloutWorker:
             return False
         self.counters["weight_load_s"] += time.perf_counter() - started
         self.counters["weight_loads_total"] += 1
+        self.served_version = max(self.served_version, int(self.engine.version))
         return True
 
     def _acquire_wait_s(self) -> float:
@@ -483,7 +488,7 @@ class RolloutWorker:
         elapsed = max(time.time() - self._started_at, 1e-9)
         c.update(
             worker_id=self.worker_id,
-            loaded_version=-1 if self.engine is None else int(self.engine.version),
+            loaded_version=self.served_version,
             tokens_per_s=c["tokens_total"] / c["generation_s"] if c["generation_s"] > 0 else 0.0,
             groups_per_s=c["groups_total"] / elapsed,
             reward_mean=float(np.mean(self._recent_rewards)) if self._recent_rewards else 0.0,

@@ -118,6 +118,11 @@ def test_worker_loads_published_weights_before_generating(tiny_model_dir, vllm_e
     worker = RolloutWorker(config(tiny_model_dir), "worker-b", buffer, store, engine=vllm_engine)
     stats = worker.run(max_groups=2)
     assert stats["loaded_version"] == 3 and stats["weight_loads_total"] == 1 and stats["weight_load_s"] > 0
+    vllm_engine.version = -1  # what the engine says while a load is in flight (its weights a mix)
+    try:
+        assert worker.stats()["loaded_version"] == 3, "the gauge shows the last version fully loaded"
+    finally:
+        vllm_engine.version = 3
     model = load_causal_lm(tiny_model_dir).eval()
     model.load_state_dict(new_weights)
     for group in pull_all(buffer, 2):
