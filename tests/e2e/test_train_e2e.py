@@ -148,3 +148,30 @@ def test_ctrl_c_then_resume_loses_and_repeats_no_sample(ray_cluster, tmp_path):
     free = head["gate"]["free_tickets"]
     accounted = sorted(consumed + in_buffer + free)
     assert accounted == list(range(head["gate"]["next_ticket"])), "a ticket was lost or double-booked"
+
+
+def test_a_run_with_bad_prompts_in_its_file_finishes_its_steps(ray_cluster, tmp_path, caplog):
+    """A prompt file with an empty prompt, a row without an answer and a prompt longer than the
+    engine's context among good rows: with `rollout.task.skip_invalid` the run starts with the
+    usable rows (the others named in the log), trains every step, and never issues a bad row."""
+    import json
+    import logging
+
+    good = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in [(1, 2), (3, 4), (5, 1), (2, 2), (6, 3), (4, 4)]]
+    bad = [{"prompt": "", "answer": "0"}, {"prompt": "7+1="}, {"prompt": "1+" * 60 + "1=", "answer": "61"}]
+    rows = good[:2] + bad[:1] + good[2:4] + bad[1:] + good[4:]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = e2e_config(tmp_path / "run", "run.steps=3", "eval.enabled=false", "run.checkpoint_every=0",
+                     "rollout.task.kind=file", f"rollout.task.path={path}", "rollout.task.skip_invalid=true",
+                     "rollout.reward=math", "buffer.gate.batch_size=4", "rollout.sampling.n=4")
+    with caplog.at_level(logging.INFO):
+        result = run_training(cfg)
+    assert result.completed and result.version == 3
+    assert "skipping 3 unusable rows" in caplog.text
+    named = {line.split(" row ")[-1] for line in caplog.text.splitlines() if "prompts.jsonl row " in line}
+    for row, why in ((3, "empty prompt"), (6, "no answer"), (7, "exceeds the engine's context")):
+        assert any(line.startswith(f"{row}: ") and why in line for line in named), (why, named)
+    records = step_records(tmp_path / "run")
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert all(r["rollout/quarantined"] == 0 for r in records)
