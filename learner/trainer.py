@@ -300,12 +300,14 @@ class Learner:
         return epochs
 
     def _remember_version(self) -> None:
-        """The exact probe keeps a CPU copy of the weights each version starts from (every rank
-        takes part: under FSDP the full weights are a gather)."""
+        """The exact probe (rank 0) keeps a CPU copy of the weights each version starts from.
+        Under FSDP every rank takes part (the full weights are a gather); else only rank 0 copies."""
         if self.config.diagnostics.exact_drift_every is None or self.config.prox_mode != "recompute":
             return
+        if self.drift_probe is None and self.config.distributed.strategy != "fsdp":
+            return
         state = self.full_state_dict()
-        if self.drift_probe is not None and self.version not in self.drift_probe.weights.weights:
+        if self.drift_probe is not None:
             self.drift_probe.remember(self.version, state)
 
     def _drift(self, shard: TrainBatch, old_log_prob: torch.Tensor, owned: list[int]) -> dict[str, float]:
