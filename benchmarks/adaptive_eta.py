@@ -22,6 +22,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -43,6 +44,10 @@ COMMON = ["rollout.num_workers=2", "run.checkpoint_every=0", "run.progress=false
 def run_once(out: Path, name: str, steps: int, eval_every: int, seed: int, overrides: list[str]) -> dict:
     """One `etarl train` in its own process; its metrics.jsonl as {"steps": [...], "evals": [...]}."""
     run_dir = out / "runs" / name
+    done_before = read_run(run_dir, steps)
+    if done_before is not None:  # a finished run of an interrupted experiment: not run again
+        return {"name": name, "seed": seed, "overrides": overrides, "wall_s": math.nan, **done_before}
+    shutil.rmtree(run_dir, ignore_errors=True)  # a run cut short starts again
     args = [sys.executable, "-m", "services.cli", "train", f"run.run_dir={run_dir}", f"run.steps={steps}",
             f"run.eval_every={eval_every}", f"run.seed={seed}", *COMMON, *overrides]
     started = time.perf_counter()
@@ -50,9 +55,22 @@ def run_once(out: Path, name: str, steps: int, eval_every: int, seed: int, overr
     done = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"{name} failed ({done.returncode}):\n{done.stderr[-3000:]}")
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return {"name": name, "seed": seed, "overrides": overrides, "wall_s": round(time.perf_counter() - started, 1),
-            "steps": [r for r in rows if "audit/groups" in r], "evals": [r for r in rows if "eval/accuracy" in r]}
+            **read_run(run_dir, steps)}
+
+
+def read_run(run_dir: Path, steps: int) -> dict | None:
+    """{"steps": [...], "evals": [...]} of a run that logged all its steps, else None. A NaN
+    metric is logged as null: read back as NaN."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return None
+    rows = [{k: (math.nan if v is None else v) for k, v in json.loads(line).items()}
+            for line in path.read_text().splitlines() if line.strip()]
+    step_rows = [r for r in rows if "audit/groups" in r]
+    if len(step_rows) < steps:
+        return None
+    return {"steps": step_rows, "evals": [r for r in rows if "eval/accuracy" in r]}
 
 
 def summarise(run: dict) -> dict:
