@@ -61,6 +61,15 @@ class EtaController:
             self._wanting_more = 0
         return self.eta
 
+    def observe_step(self, metrics: dict) -> int:
+        """`observe` with a learner step's metrics: its `drift/per_version_k3`, or where the batch
+        held one staleness only (no slope, NaN) its `drift/per_version_from_gap_k3`; so a full
+        window at η = 1, where every token is one version stale, still measures the drift."""
+        drift = metrics.get("drift/per_version_k3", math.nan)
+        if not math.isfinite(drift):
+            drift = metrics.get("drift/per_version_from_gap_k3", math.nan)
+        return self.observe(drift)
+
     def target(self) -> int:
         """The largest η whose staleness drift η · d̂ stays within the budget, clamped."""
         if math.isnan(self.drift):

@@ -16,7 +16,8 @@ with r = π_old / μ (verl's `rollout_corr/kl` and `rollout_corr/k3_kl`, here pe
 
 Per batch: `bucket_sums` on each rank's rows (they add up over ranks), then `drift_metrics`:
 `drift/total_k1|k3`, `drift/backend_k1|k3`, `drift/per_version_k1|k3`
-(NaN when the batch holds one staleness only: no slope), `drift/by_staleness/<s>` (k3) and
+(NaN when the batch holds one staleness only: no slope), `drift/per_version_from_gap_k3` (the
+stale tokens' gap over their mean staleness: a stand-in that needs no slope), `drift/by_staleness/<s>` (k3) and
 `drift/tokens_by_staleness/<s>`. Only tokens in the loss mask count (environment tokens never).
 """
 from __future__ import annotations
@@ -89,6 +90,15 @@ def drift_metrics(sums: torch.Tensor) -> dict[str, float]:
         out[f"drift/total_{name}"] = sum(b[0] * b[column] for b in buckets.values()) / tokens
         out[f"drift/backend_{name}"] = backend
         out[f"drift/per_version_{name}"] = per_version
+    # Without a slope (one staleness only, e.g. a full window at η = 1) the stale tokens' gap over
+    # their staleness stands in: the drift per version if the backend part were 0 and the gap grew
+    # linearly. Once η opens, several staleness buckets give the slope again.
+    stale = {s: b for s, b in buckets.items() if s > 0}
+    stale_tokens = sum(b[0] for b in stale.values())
+    if stale_tokens:
+        gap = sum(b[0] * b[2] for b in stale.values()) / stale_tokens
+        mean_staleness = sum(b[0] * s for s, b in stale.items()) / stale_tokens
+        out["drift/per_version_from_gap_k3"] = max(gap, 0.0) / mean_staleness
     for s, (count, _, k3) in sorted(buckets.items()):
         out[f"drift/by_staleness/{s}"] = k3
         out[f"drift/tokens_by_staleness/{s}"] = float(count)

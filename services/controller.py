@@ -298,7 +298,7 @@ class Controller:
         if self.eta_control is None:
             return {"gate/eta": self.cfg.eta if isinstance(self.cfg.eta, int) else math.nan}
         before = self.eta_control.eta
-        eta = self.eta_control.observe(metrics.get("drift/per_version_k3", math.nan))
+        eta = self.eta_control.observe_step(metrics)
         if eta != before:
             self.buffer.client.set_eta(eta)
             log.info("eta %d -> %d (drift per version %.4g nats/token k3, budget %.4g)", before, eta,

@@ -138,6 +138,8 @@ STEP_METRICS: tuple[MetricSpec, ...] = (
     _step("drift/total_k3", "gap between the sampler and the learner's proximal policy, KL k3, nats per token"),
     _step("drift/backend_k3", "the gap's backend part: at equal weights (inference vs training backend)"),
     _step("drift/per_version_k3", "the gap's growth per version of staleness (how far one learner step moves)"),
+    _step("drift/per_version_from_gap_k3", "the stale tokens' gap over their mean staleness: the drift per version "
+          "eta auto uses when the batch holds one staleness only (no slope)"),
     _step("drift/smoothed_per_version_k3", "the adaptive eta controller's smoothed drift per version"),
     _step("drift/budget_k3", "buffer.gate.drift_budget: the staleness drift eta auto keeps within"),
     _step("drift/over_budget_at_eta_min", "1 when the drift exceeds the budget even at eta_min"),

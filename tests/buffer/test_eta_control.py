@@ -44,6 +44,18 @@ def test_a_batch_without_a_slope_leaves_eta_alone():
     assert control.drift == 0.0 and control.target() == 4, "a negative slope counts as no drift"
 
 
+def test_a_full_window_at_eta_one_still_lets_eta_open():
+    """Every token one version stale: no slope, so the step's gap per version of staleness is
+    what the controller reads; with a small one η opens toward eta_max, as a slope would let it."""
+    control = EtaController(drift_budget=0.02, eta_min=1, eta_max=8)
+    step = {"drift/per_version_k3": math.nan, "drift/per_version_from_gap_k3": 0.004}
+    seen = [control.observe_step(step) for _ in range(2 * RAISE_PATIENCE)]
+    assert control.drift == pytest.approx(0.004) and seen[-1] == 3, seen
+    assert control.observe_step({"drift/per_version_k3": 0.05, "drift/per_version_from_gap_k3": 0.001}) == 1, \
+        "a slope, where there is one, comes first"
+    assert control.observe_step({}) == 1, "a step that measured nothing leaves eta alone"
+
+
 def test_bad_settings_are_refused():
     with pytest.raises(ValueError, match="eta_min <= eta_max"):
         EtaController(drift_budget=0.02, eta_min=4, eta_max=2)

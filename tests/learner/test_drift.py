@@ -46,6 +46,18 @@ def test_without_fresh_tokens_the_backend_is_the_intercept():
 def test_one_staleness_only_has_no_slope():
     metrics = split_of(*batch(backend=0.01, per_version=0.02, staleness=[0, 0]))
     assert metrics["drift/backend_k3"] > 0 and math.isnan(metrics["drift/per_version_k3"])
+    assert "drift/per_version_from_gap_k3" not in metrics  # nothing stale: nothing to bound
+
+
+def test_without_a_slope_the_gap_per_version_of_staleness_stands_in():
+    # A full window at eta = 1 (here 2): every token equally stale, so no slope; the stand-in is
+    # the stale tokens' gap over their staleness, the fresh tokens left out.
+    metrics = split_of(*batch(backend=0.004, per_version=0.02, staleness=[2, 2, 2]))
+    assert math.isnan(metrics["drift/per_version_k3"])
+    assert metrics["drift/per_version_from_gap_k3"] == pytest.approx(metrics["drift/by_staleness/2"] / 2)
+    mixed = split_of(*batch(backend=0.004, per_version=0.02, staleness=[0, 1, 3]))
+    gap = (mixed["drift/by_staleness/1"] + mixed["drift/by_staleness/3"]) / 2  # equal token counts
+    assert mixed["drift/per_version_from_gap_k3"] == pytest.approx(gap / 2)  # mean staleness (1 + 3) / 2
 
 
 def test_masked_tokens_do_not_count():
