@@ -154,6 +154,13 @@ class VersionWeights:
         return self._model
 
 
+def keeps_version(version: int, every: int, keep: int) -> bool:
+    """Whether a probe due every `every` versions, keeping `keep`, will score with `version`: the
+    next due version is fewer than `keep` after it. Copying only those spares a model-sized copy
+    on most steps; from the settings alone, so every rank (FSDP gathers) agrees."""
+    return (-version) % every < keep
+
+
 class ExactDriftProbe:
     """`diagnostics.exact_drift_every: K`: every K learner steps, score up to `rows` rows of the
     batch with the weights of the version(s) that sampled them (CPU copies of the versions inside
@@ -168,6 +175,7 @@ class ExactDriftProbe:
 
     def due(self, version: int) -> bool:
         return version % self.every == 0
+
 
     def remember(self, version: int, state: dict[str, torch.Tensor]) -> None:
         self.weights.remember(version, state)

@@ -300,11 +300,17 @@ class Learner:
         return epochs
 
     def _remember_version(self) -> None:
-        """The exact probe (rank 0) keeps a CPU copy of the weights each version starts from.
-        Under FSDP every rank takes part (the full weights are a gather); else only rank 0 copies."""
-        if self.config.diagnostics.exact_drift_every is None or self.config.prox_mode != "recompute":
+        """The exact probe (rank 0) keeps a CPU copy of the weights a version starts from when a
+        later probe will score with it. Under FSDP every rank takes part (the full weights are a
+        gather); else only rank 0 copies."""
+        from learner.drift import keeps_version
+
+        diag = self.config.diagnostics
+        if diag.exact_drift_every is None or self.config.prox_mode != "recompute":
             return
         if self.drift_probe is None and self.config.distributed.strategy != "fsdp":
+            return
+        if not keeps_version(self.version, diag.exact_drift_every, diag.keep_versions):
             return
         state = self.full_state_dict()
         if self.drift_probe is not None:

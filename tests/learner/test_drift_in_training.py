@@ -113,6 +113,18 @@ def test_the_probe_remembers_the_versions_inside_the_window(versions):
     assert sorted(learner.drift_probe.weights.weights) == [3, 4]
 
 
+def test_the_probe_copies_only_the_versions_a_probe_will_use(versions):
+    learner = Learner(LearnerConfig(model_path=str(versions[0]), lr=1e-3,
+                                    diagnostics={"exact_drift_every": 5, "keep_versions": 2}))
+    copied = []
+    remember = learner.drift_probe.remember
+    learner.drift_probe.remember = lambda version, state: (copied.append(version), remember(version, state))
+    groups = sample_groups(versions[0], n_groups=2, n=3, seed=1)
+    for _ in range(11):
+        learner.train_step(groups)
+    assert copied == [0, 4, 5, 9, 10], "due at 0, 5, 10: each with the version before it"
+
+
 def test_diagnostics_are_set_at_the_top_level_and_sized_to_the_window():
     from services.config import ConfigError, build_config
 
