@@ -38,6 +38,7 @@ the gate's, which are restored from the log):
   leases_expired, nacks        counters
   log_bytes, log_fsyncs, log_compactions        durable log (0 without a log)
   log_compaction_longest_lock_s  the longest a background compaction held the lock (its swap)
+  log_compaction_running       a background compaction is under way (its count comes at its swap)
   log_compaction_windows       (start, end) wall-clock times of the recent compactions
 """
 from __future__ import annotations
@@ -468,6 +469,7 @@ class BufferCore:
                 "log_bytes": self.log.size if self.log else 0,
                 "log_fsyncs": self.log.fsyncs if self.log else 0,
                 "log_compactions": self.log.compactions if self.log else 0,
+                "log_compaction_running": self._compaction is not None,
                 "log_compaction_longest_lock_s": self.log.longest_compaction_lock_s if self.log else 0.0,
                 "log_compaction_windows": list(self.log.compaction_windows) if self.log else [],
             }
