@@ -130,12 +130,17 @@ def backend_runs(out: Path, args) -> dict:
         rows = [r for r in run["steps"] if "drift/exact_backend_k3" in r]
         found[dtype] = {
             "estimated_backend_k3": float(np.nanmean([r.get("drift/backend_k3", math.nan) for r in run["steps"]])),
+            "steps_with_fresh_tokens": int(sum(math.isfinite(r.get("drift/backend_k3", math.nan)) for r in run["steps"])),
+            "intercept_backend_k3": float(np.nanmean([r.get("drift/backend_intercept_k3", math.nan)
+                                                      for r in run["steps"]])),
             "exact_backend_k3": float(np.nanmean([r["drift/exact_backend_k3"] for r in rows])) if rows else math.nan,
             "exact_staleness_per_version_k3": float(np.nanmean([r.get("drift/exact_per_version_k3", math.nan)
                                                                 for r in rows])) if rows else math.nan,
             "probes": len(rows)}
-        print(f"sampler {dtype}: backend k3 estimated {found[dtype]['estimated_backend_k3']:.2e}, exact "
-              f"{found[dtype]['exact_backend_k3']:.2e} ({len(rows)} probes)", flush=True)
+        print(f"sampler {dtype}: backend k3 from fresh tokens {found[dtype]['estimated_backend_k3']:.2e} "
+              f"({found[dtype]['steps_with_fresh_tokens']} steps had them), intercept "
+              f"{found[dtype]['intercept_backend_k3']:.2e}, exact {found[dtype]['exact_backend_k3']:.2e} "
+              f"({len(rows)} probes)", flush=True)
     return found
 
 

@@ -8,15 +8,19 @@ token's version (its staleness), the gap between μ and π_old is
     gap(s) ≈ backend + s · drift_per_version
 
 `backend` is the mismatch between the inference and the training backends at equal weights (the
-gap of tokens sampled by the current version, s = 0; else the intercept of a fit), which η cannot
-shrink and the rollout correction handles; `drift_per_version` is how far the policy moves per
+gap of tokens sampled by the current version, s = 0; NaN in a step without enough of them), which
+η cannot shrink and the rollout correction handles; `drift_per_version` is how far the policy moves per
 learner step (the slope), which is what a staleness bound η multiplies. The gap is measured with
 KL(μ ‖ π_old) estimators on tokens sampled from μ: k1 = log μ − log π_old and k3 = r − log r − 1
 with r = π_old / μ (verl's `rollout_corr/kl` and `rollout_corr/k3_kl`, here per staleness bucket).
 
 Per batch: `bucket_sums` on each rank's rows (they add up over ranks), then `drift_metrics`:
 `drift/total_k1|k3`, `drift/backend_k1|k3`, `drift/per_version_k1|k3`
-(NaN when the batch holds one staleness only: no slope), `drift/per_version_from_gap_k3` (the
+(NaN when the batch holds one staleness only: no slope), `drift/backend_intercept_k1|k3` (the
+line's value at s = 0: with a full window, where no token is fresh, the only cheap guess at the
+backend part, and a biased one: the gap grows faster than linearly in staleness when successive
+updates point the same way, KL growing with the square of the distance moved, so the intercept
+falls below the truth; measured in docs/results.md §3, where it was off by 80x the bf16 gap), `drift/per_version_from_gap_k3` (the
 stale tokens' gap over their mean staleness: a stand-in that needs no slope), `drift/by_staleness/<s>` (k3) and
 `drift/tokens_by_staleness/<s>`. Only tokens in the loss mask count (environment tokens never).
 """
@@ -58,24 +62,24 @@ def gap_by_staleness(sums: torch.Tensor) -> dict[int, tuple]:
             for s, row in enumerate(sums) if row[0] > 0}
 
 
-def split(buckets: dict[int, tuple], column: int) -> tuple[float, float]:
-    """(backend, per-version drift) of one estimator (column 1: k1, 2: k3) from the buckets: a
-    least-squares line through the bucket means weighted by their token counts. The backend is the
-    s = 0 bucket's mean when it has enough tokens (exactly the gap at equal weights), else the
-    intercept; NaN where the data cannot say (no bucket, or one staleness only)."""
+def split(buckets: dict[int, tuple], column: int) -> tuple[float, float, float]:
+    """(backend, intercept, per-version drift) of one estimator (column 1: k1, 2: k3) from the
+    buckets. The backend is the s = 0 bucket's mean when it has enough tokens (exactly the gap at
+    equal weights), else NaN; the intercept and the slope are those of a least-squares line
+    through the bucket means weighted by their token counts (NaN with one staleness only)."""
     usable = {s: b for s, b in buckets.items() if b[0] >= MIN_BUCKET_TOKENS} or buckets
     if not usable:
-        return math.nan, math.nan
+        return math.nan, math.nan, math.nan
+    backend = usable[0][column] if 0 in usable else math.nan
+    if len(usable) < 2:
+        return backend, math.nan, math.nan
     weights = torch.tensor([b[0] for b in usable.values()], dtype=torch.float64)
     xs = torch.tensor(list(usable), dtype=torch.float64)
     ys = torch.tensor([b[column] for b in usable.values()], dtype=torch.float64)
-    if len(usable) < 2:
-        return (float(ys[0]) if 0 in usable else math.nan), math.nan
     x_mean = float((weights * xs).sum() / weights.sum())
     y_mean = float((weights * ys).sum() / weights.sum())
     slope = float((weights * (xs - x_mean) * (ys - y_mean)).sum() / (weights * (xs - x_mean) ** 2).sum())
-    backend = float(ys[list(usable).index(0)]) if 0 in usable else y_mean - slope * x_mean
-    return backend, slope
+    return backend, y_mean - slope * x_mean, slope
 
 
 def drift_metrics(sums: torch.Tensor) -> dict[str, float]:
@@ -86,9 +90,10 @@ def drift_metrics(sums: torch.Tensor) -> dict[str, float]:
         return {}
     out = {}
     for name, column in (("k1", 1), ("k3", 2)):
-        backend, per_version = split(buckets, column)
+        backend, intercept, per_version = split(buckets, column)
         out[f"drift/total_{name}"] = sum(b[0] * b[column] for b in buckets.values()) / tokens
         out[f"drift/backend_{name}"] = backend
+        out[f"drift/backend_intercept_{name}"] = intercept
         out[f"drift/per_version_{name}"] = per_version
     # Without a slope (one staleness only, e.g. a full window at η = 1) the stale tokens' gap over
     # their staleness stands in: the drift per version if the backend part were 0 and the gap grew
@@ -124,7 +129,10 @@ def exact_split(old_log_prob, rollout_log_prob, generating_log_prob, token_versi
     exact = {"drift/exact_backend_k3": float(backend[mask].mean()),
              "drift/exact_staleness_k3": float(staleness_gap[mask].mean()),
              "drift/exact_per_version_k3": per_version, "drift/exact_probe_tokens": float(tokens)}
-    exact["drift/estimate_error_backend_k3"] = estimate["drift/backend_k3"] - exact["drift/exact_backend_k3"]
+    # The cheap estimate's backend: the fresh tokens' gap, or the intercept where none are fresh.
+    cheap = estimate["drift/backend_k3"]
+    cheap = estimate["drift/backend_intercept_k3"] if math.isnan(cheap) else cheap
+    exact["drift/estimate_error_backend_k3"] = cheap - exact["drift/exact_backend_k3"]
     exact["drift/estimate_error_per_version_k3"] = estimate["drift/per_version_k3"] - per_version
     return exact
 

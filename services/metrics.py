@@ -136,7 +136,10 @@ STEP_METRICS: tuple[MetricSpec, ...] = (
           "fraction of multi-turn trajectories whose environment hung, crashed or returned garbage"),
     _step("gate/eta", "the staleness bound eta in force (buffer.gate.eta, or the adaptive controller's choice)"),
     _step("drift/total_k3", "gap between the sampler and the learner's proximal policy, KL k3, nats per token"),
-    _step("drift/backend_k3", "the gap's backend part: at equal weights (inference vs training backend)"),
+    _step("drift/backend_k3", "the gap's backend part: the gap of tokens the current version sampled (inference vs "
+          "training backend at equal weights); NaN in a step without such tokens"),
+    _step("drift/backend_intercept_k3", "the gap against staleness extrapolated to 0: a guess at the backend part "
+          "where no token is fresh, biased low when the gap grows faster than linearly"),
     _step("drift/per_version_k3", "the gap's growth per version of staleness (how far one learner step moves)"),
     _step("drift/per_version_from_gap_k3", "the stale tokens' gap over their mean staleness: the drift per version "
           "eta auto uses when the batch holds one staleness only (no slope)"),

@@ -37,10 +37,21 @@ def test_backend_and_drift_per_version_are_recovered():
     assert metrics["drift/total_k1"] == pytest.approx(total, abs=1e-6)
 
 
-def test_without_fresh_tokens_the_backend_is_the_intercept():
+def test_without_fresh_tokens_the_backend_is_not_measured_and_the_intercept_stands_beside_it():
     metrics = split_of(*batch(backend=0.004, per_version=0.01, staleness=[1, 2, 2, 3]))
-    assert metrics["drift/backend_k1"] == pytest.approx(0.004, abs=1e-6)
+    assert math.isnan(metrics["drift/backend_k1"]) and math.isnan(metrics["drift/backend_k3"])
+    assert metrics["drift/backend_intercept_k1"] == pytest.approx(0.004, abs=1e-6)  # a linear gap: exact
     assert metrics["drift/per_version_k1"] == pytest.approx(0.01, abs=1e-6)
+
+
+def test_a_gap_growing_faster_than_linearly_puts_the_intercept_below_the_backend():
+    # KL grows about with the square of the distance moved: gap(s) = backend + c s^2. The fresh
+    # tokens measure the backend; the line through the stale buckets extrapolates below it.
+    old, rollout, versions, version, mask = batch(backend=0.0, per_version=0.0, staleness=[0, 1, 2, 3])
+    curve = torch.tensor([0.002 + 0.004 * s * s for s in (0, 1, 2, 3)])[:, None]
+    metrics = split_of(old, old + curve, versions, version, mask)
+    assert metrics["drift/backend_k1"] == pytest.approx(0.002, abs=1e-6)
+    assert metrics["drift/backend_intercept_k1"] < 0.0 < metrics["drift/backend_k1"]
 
 
 def test_one_staleness_only_has_no_slope():
