@@ -12,14 +12,18 @@ worker does at its interrupt points. Channels:
               for the copy)
   guard       the same without the snapshot: the optimizer step waits until the send has read
               the parameters (the default with NCCL, where a send is short next to a step)
-  star        the chain's group with gloo's own broadcast (the root sends every byte to every engine)
+  star        the chain's group with gloo's own broadcast (a binomial tree: the root sends each byte
+              to ranks 1, 2, 4, ...: about log2(engines + 1) times)
   object      one shared object per version in the Ray object store
   folder      one safetensors folder per version
 Per channel and engine count, medians over --rounds steps (after one warm-up step):
   own    the learner's own time per sync (the send / put / write, in its publication thread)
   served from the hand-over until every engine serves the version
   blocked the learner's blocked time per step (its optimizer step waiting for a send)
-and the ratios 4 engines / 1 engine. Goals (broadcast): own(4)/own(1) <= 2 (a star is ~4),
+  wrote  the bytes the learner's process wrote per sync (sockets and files, /proc's wchar): what
+         its own share of the work grows with, whatever the cores (a chain 1x the version, gloo's
+         broadcast about log2(engines + 1) x)
+and the ratios 4 engines / 1 engine. Goals (broadcast): own(4)/own(1) <= 2 (a star would be ~4),
 served(4)/served(1) <= 2, blocked <= 10 % of served. On this machine every engine's copy into
 its model and every hop's forwarding share the same few cores with the learner; see the README
 for what a GPU cluster would see. The last line printed is a JSON summary.
@@ -38,6 +42,7 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -163,7 +168,8 @@ def measure(channel: str, engines: list, learner: TrainingLearner, rounds: int, 
     board = ray.remote(WeightStore).options(num_cpus=0, max_concurrency=64).remote()
     ray.get([e.start.remote(board, f"engine-{i}") for i, e in enumerate(engines)])
     learner.use(make_sender(channel, board, folder, bucket_bytes), SNAPSHOT.get(channel, False))
-    published_at, served_at, own, copy, compute, blocked = {}, {}, [], [], [], []
+    published_at, served_at, own, copy, compute, blocked, written = {}, {}, [], [], [], [], []
+    me = psutil.Process()
 
     def publish(version: int) -> None:
         published_at[version] = time.time()
@@ -172,9 +178,11 @@ def measure(channel: str, engines: list, learner: TrainingLearner, rounds: int, 
     try:
         for version in range(rounds + 1):  # syncs, version 0 the warm-up
             learner.step()
+            chars = me.io_counters().write_chars
             publish(version)
             served_at[version] = _served(engines, version)
             _wait(lambda: learner.publication.last.get("version") == version)
+            written.append(me.io_counters().write_chars - chars)
             own.append(learner.publication.last["own_s"])
             copy.append(learner.publication.last.get("copy_s", 0.0))
         learner.guard.take_blocked_s()
@@ -197,6 +205,7 @@ def measure(channel: str, engines: list, learner: TrainingLearner, rounds: int, 
     return {"channel": channel, "engines": len(engines), "own_s": statistics.median(own[1:]),
             "copy_s": statistics.median(copy[1:]), "served_s": statistics.median(served),
             "blocked_s": statistics.median(blocked[1:]), "step_s": statistics.median(compute[1:]),
+            "learner_written_mb": statistics.median(written[1:]) / 1e6,
             "skipped_versions": skipped}
 
 
@@ -261,7 +270,7 @@ def main() -> None:
                     print(f"  {channel:9s} x{n}: own {row['own_s']:6.2f} s (+ copy {row['copy_s']:.2f} s)  served "
                           f"{row['served_s']:6.2f} s  | training: blocked {row['blocked_s']:5.2f} s per "
                           f"{row['step_s']:.2f} s step, {row['skipped_versions']} of {args.rounds} versions "
-                          f"skipped", flush=True)
+                          f"skipped | the learner wrote {row['learner_written_mb']:.0f} MB", flush=True)
         finally:
             ray.shutdown()
     print(json.dumps(summarize(results, args, params, mb)))
@@ -273,9 +282,11 @@ def summarize(results: list[dict], args, params: int, mb: float) -> dict:
     ratios = {}
     for channel in args.channels:
         if (channel, lo) in by and (channel, hi) in by:
-            for key in ("own_s", "served_s"):
-                ratios[f"{channel}_{key[:-2]}_{hi}_over_{lo}"] = round(by[(channel, hi)][key] / by[(channel, lo)][key], 2)
-    print(f"ratios {hi} engines / {lo}: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items()))
+            for key in ("own_s", "served_s", "learner_written_mb"):
+                low = by[(channel, lo)][key]
+                ratios[f"{channel}_{key.rsplit('_', 1)[0]}_{hi}_over_{lo}"] = (
+                    round(by[(channel, hi)][key] / low, 2) if low > 0 else None)  # none written: no ratio
+    print(f"ratios {hi} engines / {lo}: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items() if v is not None))
     goals = {}
     if "broadcast" in args.channels:
         cast = [r for r in results if r["channel"] == "broadcast"]

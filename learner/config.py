@@ -67,7 +67,8 @@ class BroadcastSync(_WeightChannel):
     channel: Literal["broadcast"] = "broadcast"
     backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="auto: nccl on GPU, gloo on CPU")
     topology: Literal["auto", "chain", "star"] = Field(
-        "auto", description="chain: each engine forwards chunks to the next (gloo's broadcast is a star); "
+        "auto", description="chain: each engine forwards chunks to the next, the learner sends each byte once "
+        "(gloo's broadcast is a binomial tree: the root sends each byte about log2(engines + 1) times); "
         "star: the backend's broadcast (NCCL pipelines it itself); auto: chain on gloo, star on nccl")
     bucket_mb: float = Field(32.0, gt=0, description="chunk size of the send")
     address: Optional[str] = Field(

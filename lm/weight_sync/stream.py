@@ -4,9 +4,10 @@ Two topologies:
   chain: rank 0 sends each chunk to rank 1, rank r forwards it to r + 1 while it receives the next
          one and its engine copies the one before: the sender puts every byte on the wire once
          whatever the number of engines, and the last engine has the version about (n − 1) chunks
-         after the first. For gloo, whose broadcast is a star.
+         after the first. For gloo, whose broadcast is a binomial tree (rank 0 sends each byte to ranks
+         1, 2, 4, ...: 3 times for 4 engines, measured by benchmarks/weight_sync.py).
   star:  the group's own broadcast of each chunk from rank 0. NCCL's broadcast pipelines over a
-         ring or tree itself; gloo's sends every byte once per receiver from the root.
+         ring or tree itself; gloo's is the binomial tree above.
 The sender keeps two chunk buffers in flight; a receiver gets a fresh buffer per chunk (its
 engine may hold views of a chunk while it loads, e.g. vLLM's layer-wise reload), receives and
 forwards in a thread of its own, and runs at most `ahead` chunks ahead of its engine.
