@@ -318,6 +318,8 @@ def main() -> None:
     parser.add_argument("--large-groups", type=int, default=240, help="--large: groups of 16 pushed per run")
     parser.add_argument("--large-hold", type=int, default=96, help="--large: groups held for the memory measurement")
     parser.add_argument("--compact-mb", type=int, default=64, help="--large: the log's compact_min_bytes, in MB")
+    parser.add_argument("--no-log", action="store_true",
+                        help="--large without the durable log: what the log costs (compare the ratios)")
     args = parser.parse_args()
     summary = run_large(args) if args.large else run_patterns(args)
     print(json.dumps(summary))
@@ -393,16 +395,16 @@ def run_large(args) -> dict:
     log_config = {"fsync": "interval", "fsync_interval_ms": 100, "compact_min_bytes": args.compact_mb << 20}
     print(f"groups of {group_size} samples x ({LARGE[0]} + {LARGE[1]}) tokens = {size / 1e6:.2f} MB, "
           f"{args.large_groups} groups per run, {producers} producers pushing {per_request} groups per request "
-          f"(the worker's engine batch), B = {pull}, durable log {log_config}, "
+          f"(the worker's engine batch), B = {pull}, durable log {'off' if args.no_log else log_config}, "
           f"{os.cpu_count()} CPUs, loadavg {os.getloadavg()[0]:.1f}", flush=True)
     raws, rates, times, stats, cpus = [], [], [], [], []
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         for round_ in range(args.rounds):
             raws.append(run_raw(args.large_groups, group_size, producers, LARGE)[0])
-            log = {"path": str(workdir / f"large-{round_}.log"), **log_config}
+            log = {} if args.no_log else {"log": {"path": str(workdir / f"large-{round_}.log"), **log_config}}
             rate, pushed, cpu, final = run_service(workdir, args.large_groups, group_size, producers, pull,
-                                                   per_request, True, LARGE, log=log)
+                                                   per_request, True, LARGE, **log)
             rates.append(rate)
             cpus.append(cpu)
             times.append(pushed)
@@ -411,7 +413,7 @@ def run_large(args) -> dict:
                   f"{rate * sample_bytes(LARGE) / 1e6:.0f} MB/s, {final['log_compactions']} compactions", flush=True)
         hold = args.large_hold * group_size
         grown, raw_bytes = run_memory(workdir, hold, group_size, LARGE,
-                                      log={"path": str(workdir / "hold.log"), **log_config})
+                                      **({} if args.no_log else {"log": {"path": str(workdir / "hold.log"), **log_config}}))
     raw_mb = float(np.median(raws)) * sample_bytes(LARGE) / 1e6
     service_mb = float(np.median(rates)) * sample_bytes(LARGE) / 1e6
     all_times = [t for run in times for t in run]
@@ -424,7 +426,7 @@ def run_large(args) -> dict:
     lock = max(s["log_compaction_longest_lock_s"] for s in stats)
     compactions = sum(s["log_compactions"] for s in stats)
     print(f"raw PUSH/PULL + codec   : {raw_mb:8.0f} MB/s (median of {args.rounds})")
-    print(f"service, durable log    : {service_mb:8.0f} MB/s   ratio {service_mb / raw_mb:.2f}   (goal >= 0.5)")
+    print(f"service, {'no log     ' if args.no_log else 'durable log'}    : {service_mb:8.0f} MB/s   ratio {service_mb / raw_mb:.2f}   (goal >= 0.5)")
     print(f"push round trip         : p50 {p50 * 1e3:.1f} ms, p99 {p99 * 1e3:.1f} ms over {len(all_times)} pushes")
     per_mb = {part: float(np.median([c[part] for c in cpus])) * 1e6 / sample_bytes(LARGE) * 1e3 for part in cpus[0]}
     print("CPU per MB moved        : " + ", ".join(f"{part} {ms:.1f} ms" for part, ms in per_mb.items()))
@@ -433,7 +435,7 @@ def run_large(args) -> dict:
           f"{compactions} compactions, the longest lock hold {lock * 1e3:.1f} ms")
     print(f"memory holding {args.large_hold} groups : {grown / 1e6:.0f} MB resident vs {raw_bytes / 1e6:.0f} MB of "
           f"arrays = {grown / raw_bytes:.2f}x   (goal <= 1.5x)")
-    return {"mode": "large", "group_mb": round(size / 1e6, 2), "raw_mb_per_s": round(raw_mb), "service_mb_per_s":
+    return {"mode": "large", "durable_log": not args.no_log, "group_mb": round(size / 1e6, 2), "raw_mb_per_s": round(raw_mb), "service_mb_per_s":
             round(service_mb), "ratio": round(service_mb / raw_mb, 3), "push_p50_ms": round(p50 * 1e3, 1),
             "push_p99_ms": round(p99 * 1e3, 1), "compactions": compactions, "pushes_during_compaction": len(inside),
             "p99_during_compaction_ms": round(p99_in * 1e3, 1), "p99_without_ms": round(p99_out * 1e3, 1),
