@@ -20,9 +20,9 @@ Per batch: `bucket_sums` on each rank's rows (they add up over ranks), then `dri
 line's value at s = 0: with a full window, where no token is fresh, the only cheap guess at the
 backend part, and a biased one: the gap grows faster than linearly in staleness when successive
 updates point the same way, KL growing with the square of the distance moved, so the intercept
-falls below the truth; measured in docs/results.md §3, where it was off by 80x the bf16 gap), `drift/per_version_from_gap_k3` (the
-stale tokens' gap over their mean staleness: a stand-in that needs no slope), `drift/by_staleness/<s>` (k3) and
-`drift/tokens_by_staleness/<s>`. Only tokens in the loss mask count (environment tokens never).
+falls below the truth; measured in docs/results.md §3, where it was off by 80x the bf16 gap),
+`drift/per_version_from_gap_k3` (the stale tokens' gap over their mean staleness: a stand-in that
+needs no slope), `drift/by_staleness/<s>` (k3) and `drift/tokens_by_staleness/<s>`. Only tokens in the loss mask count (environment tokens never).
 """
 from __future__ import annotations
 
@@ -183,7 +183,6 @@ class ExactDriftProbe:
 
     def due(self, version: int) -> bool:
         return version % self.every == 0
-
 
     def remember(self, version: int, state: dict[str, torch.Tensor]) -> None:
         self.weights.remember(version, state)
