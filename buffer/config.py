@@ -69,6 +69,8 @@ class LogConfig(_Strict):
     fsync: Literal["always", "interval"] = "always"
     fsync_interval_ms: int = Field(100, ge=1)
     compact_min_bytes: int = Field(64 << 20, ge=0, description="compact once the log is this big and twice its size after the last compaction")
+    segment_bytes: int = Field(64 << 20, ge=1, description="large group payloads go to segment files of about this "
+                               "size beside the log; a segment is deleted once none of its groups is live")
 
 
 class SampleLimits(_Strict):

@@ -308,9 +308,9 @@ class BufferCore:
 
     def _accept(self, view, permit_id: str, packed: bytes) -> None:
         seq = self.store.next_seq
-        self._append({"op": "push", "permit": permit_id, "seq": seq, "group": packed})
+        blob = self._append({"op": "push", "permit": permit_id, "seq": seq, "group": packed})
         self.gate.consume(permit_id)
-        self.store.add(view.index(), packed, seq)
+        self.store.add(view.index(), packed, seq).blob = blob
         self.counters.pushed_groups += 1
         self.counters.pushed_samples += len(view.sample_ids)
 
@@ -466,7 +466,7 @@ class BufferCore:
                 "consumed_groups_by_length": dict(c.settled_by_length["consumed"]),
                 "dropped_groups_by_length": dict(c.settled_by_length["dropped"]),
                 "leases_expired": c.leases_expired, "nacks": c.nacks,
-                "log_bytes": self.log.size if self.log else 0,
+                "log_bytes": self.log.disk_bytes if self.log else 0,
                 "log_fsyncs": self.log.fsyncs if self.log else 0,
                 "log_compactions": self.log.compactions if self.log else 0,
                 "log_compaction_running": self._compaction is not None,
@@ -503,9 +503,9 @@ class BufferCore:
                 if depth == 0 and self.log is not None:
                     self.log.commit()
 
-    def _append(self, record: dict, durable: bool = True) -> None:
-        if self.log is not None:
-            self.log.append(record, durable)
+    def _append(self, record: dict, durable: bool = True) -> list | None:
+        """Log a record; a group payload written to a segment returns its `blob` reference."""
+        return self.log.append(record, durable) if self.log is not None else None
 
     def _append_settled(self, record: dict) -> None:
         """Log an ack or drop under the next settle number; compaction archives it."""
@@ -529,6 +529,7 @@ class BufferCore:
                 self.gate.consume(record["permit"])
             stored = self.store.add(group_index(unpack_frames(record["group"])[0]), record["group"], record["seq"])
             stored.handed_out = record.get("handed_out", 0)
+            stored.blob = record.get("blob")
         elif op == "lease":
             groups = [g for gid in record["groups"] if (g := self.store.remove_ready(gid)) is not None]
             self.store.hand_out(record["lease"], groups, now + self.store.lease_s, record["version"])
@@ -571,15 +572,15 @@ class BufferCore:
         self._settled.append(record)
 
     def _maybe_compact(self) -> None:
-        """Compact the log in the background once it is big and twice its size after the last
-        compaction (the doubling keeps it amortised O(1) per write). Only the snapshot (references)
-        and the final swap hold the lock."""
+        """Compact the log in the background once it (with its payload segments) is big and twice
+        its size after the last compaction (the doubling keeps it amortised O(1) per write). Only
+        the snapshot (references) and the final swap hold the lock."""
         log = self.log
         if log is None or self._compaction is not None:
             return
-        if log.size < max(log.config.compact_min_bytes, 2 * log.base_size):
+        if log.disk_bytes < max(log.config.compact_min_bytes, 2 * log.base_bytes):
             return
-        job = Compaction(log, self.snapshot_records(), self._settled)
+        job = Compaction(log, self.snapshot_records(payload_refs=True), self._settled)
         self._settled = []
         self._compaction = threading.Thread(target=self._compact, args=(job,), name="buffer-compaction", daemon=True)
         self._compaction.start()
@@ -602,11 +603,14 @@ class BufferCore:
             thread.join(timeout)
         return self._compaction is None
 
-    def snapshot_records(self, keep_in_flight: bool = True, keep_settled_ids: bool = True) -> list[dict]:
+    def snapshot_records(self, keep_in_flight: bool = True, keep_settled_ids: bool = True,
+                         payload_refs: bool = False) -> list[dict]:
         """The state as log records: one `snapshot` (gate, cursor, digests of settled groups), one
         `push` per live group, one `lease` per leased batch. `keep_in_flight=False` is a
         checkpoint's view: work in flight does not survive a resume, so the tickets of held permits
-        go back to the reissue pool and leased groups are ready again (no `lease` records)."""
+        go back to the reissue pool and leased groups are ready again (no `lease` records).
+        `payload_refs` (compaction's view): a group whose payload is in a log segment is named by
+        its `blob`, not copied."""
         with self._lock:
             gate = self.gate.state()
             if not keep_in_flight:
@@ -618,7 +622,8 @@ class BufferCore:
                     "leases": self.store.lease_memory(), "settle_n": self._settle_n}
             leased = {g.group_id for lease in self.store.leases.values() for g in lease.groups}
             # handed_out without the current lease: replaying its `lease` record counts it again
-            pushes = [{"op": "push", "permit": None, "seq": g.seq, "group": g.packed,
+            pushes = [{"op": "push", "permit": None, "seq": g.seq,
+                       **({"blob": g.blob} if payload_refs and g.blob else {"group": g.packed}),
                        "handed_out": g.handed_out - (g.group_id in leased)} for g in live]
             leases = [{"op": "lease", **_lease_record(lease)} for lease in self.store.leases.values()]
             return [head, *pushes, *(leases if keep_in_flight else [])]
@@ -632,7 +637,11 @@ class BufferCore:
             for record in records:
                 self._replay(record)
             if self.log is not None:
-                self.log.rewrite(self.snapshot_records())
+                records = self.snapshot_records()
+                by_seq = {g.seq: g for g in self.store.live_groups()}
+                for record, blob in zip(records, self.log.rewrite(records)):
+                    if blob is not None:
+                        by_seq[record["seq"]].blob = blob
             self._changed.notify_all()
 
 

@@ -8,10 +8,22 @@ machine crash (a permit grant need not: see `append`); `fsync="interval"` syncs 
 `fsync_interval_ms` (a machine crash may lose that window). Replay streams the file record by
 record; a torn or corrupt tail (a crash mid-write) is cut off at the last good record.
 
+A group's payload of at least _INLINE_BYTES (any group at real sizes: 1.8 MB for 16 x 9k tokens)
+is not written into the log: it is appended to a payload segment (`<log>.payloads/<n>.seg`, a new
+one every `segment_bytes`) and the log's `push` record names it (`blob`: segment, offset, length,
+crc32). The segment is written first and synced first, so a record never names bytes that a crash
+could lose while keeping the record; a `blob` that cannot be read back intact counts as a torn
+tail. Small payloads stay inline.
+
 Compaction rewrites the log as one snapshot plus the live groups, off the request path
 (`Compaction`): the snapshot is taken under the buffer's lock (references, no copies), written to
 a temporary file by a background thread, the log's tail written since the snapshot is copied after
 it, and only the last bit of tail, the sync of that bit and the rename happen under the lock again.
+A live group in a segment is written as its `blob` reference, not its bytes, so compaction moves
+metadata only; once the new log is durable, every segment older than the snapshot that no live
+group names is deleted (a segment is dropped once all its groups are consumed). Disk held: the
+log, plus each segment that still holds a live group (the η bound drops a group that waits too
+long, so that is the last few segments), plus the current one.
 
 The settled archive (`<log>.settled`, beside the log) keeps what compaction removes from the log:
 the `ack` and `drop` records, each naming its groups and their tickets. It is appended (and synced)
@@ -24,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import struct
 import time
 import zlib
@@ -80,11 +93,60 @@ def settled_path(path: str | os.PathLike) -> Path:
     return path.with_name(path.name + ".settled")
 
 
+def payloads_dir(path: str | os.PathLike) -> Path:
+    """The folder of the payload segments of the log at `path`."""
+    path = Path(path)
+    return path.with_name(path.name + ".payloads")
+
+
+def log_paths(path: str | os.PathLike) -> list[Path]:
+    """Everything a log at `path` is made of (log, settled archive, payload segments): what moves
+    or goes together."""
+    return [Path(path), settled_path(path), payloads_dir(path)]
+
+
+def keep_as_previous(path: str | os.PathLike) -> Path:
+    """Move the log at `path` (with its archive and segments) aside to `<path>.prev`, replacing
+    an older one; returns the new path. A fresh log can then start at `path`."""
+    previous = Path(path).with_name(Path(path).name + ".prev")
+    for kept, moved in zip(log_paths(path), log_paths(previous)):
+        if moved.is_dir():
+            shutil.rmtree(moved)
+        if kept.exists():
+            kept.replace(moved)
+    return previous
+
+
+def _segment_path(folder: Path, number: int) -> Path:
+    return folder / f"{number:08d}.seg"
+
+
+def _segment_numbers(folder: Path) -> dict[int, int]:
+    """Segment number -> size of each segment in `folder`."""
+    if not folder.is_dir():
+        return {}
+    return {int(f.stem): f.stat().st_size for f in folder.glob("*.seg") if f.stem.isdigit()}
+
+
+def read_payload(folder: Path, blob: list) -> bytes | None:
+    """The bytes a `blob` reference names, or None if they are missing, short or corrupt."""
+    number, offset, length, crc = blob
+    try:
+        with open(_segment_path(folder, number), "rb") as f:
+            f.seek(offset)
+            data = f.read(length)
+    except FileNotFoundError:
+        return None
+    return data if len(data) == length and zlib.crc32(data) == crc else None
+
+
 def iter_records(path: Path) -> Iterator[tuple[dict, int]]:
     """Each intact record of the file and the offset just after it, read as a stream; stops at
-    the first torn or corrupt record."""
+    the first torn or corrupt record. A `push` whose payload is in a segment comes with its bytes
+    (`group`) read back; one whose payload is not intact counts as torn."""
     if not path.exists():
         return
+    folder = payloads_dir(path)
     with open(path, "rb", buffering=1 << 20) as f:
         offset = 0
         while len(head := f.read(_HEAD.size)) == _HEAD.size:
@@ -92,8 +154,15 @@ def iter_records(path: Path) -> Iterator[tuple[dict, int]]:
             body = f.read(length)
             if len(body) != length or zlib.crc32(body) != crc:
                 return
+            record = msgpack.unpackb(body, raw=False)
+            if "blob" in record and (payload := read_payload(folder, record["blob"])) is None:
+                log.warning("buffer log %s: the payload of the record at byte %d is missing or corrupt (%s)",
+                            path, offset, record["blob"])
+                return
+            if "blob" in record:
+                record["group"] = payload
             offset += _HEAD.size + length
-            yield msgpack.unpackb(body, raw=False), offset
+            yield record, offset
 
 
 def _intact_length(path: Path) -> int:
@@ -146,7 +215,12 @@ class DurableLog:
         self._must_sync = False  # written a record that must be synced before the request is answered
         self._last_sync = time.monotonic()
         self._fd = -1
-        self.base_size = 0
+        self.base_bytes = 0  # disk_bytes at open or right after a compaction
+        self.payloads = payloads_dir(self.path)
+        self._segments: dict[int, int] = {}  # segment number -> bytes written
+        self._segment = -1  # the segment payloads go to now (-1: none open yet)
+        self._segment_fd = -1
+        self._segment_dirty = False
 
     def replay(self) -> Iterator[dict]:
         """Yield the stored records (streamed), cutting off a torn tail, then open the log for
@@ -167,23 +241,80 @@ class DurableLog:
 
     def _open(self) -> None:
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        self.base_size = self.size  # the size at open or right after compaction
+        if self._segment_fd < 0:  # payloads never go after bytes an earlier process wrote
+            self._segments = _segment_numbers(self.payloads)
+            self._segment = max(self._segments, default=-1) + 1
+        self.base_bytes = self.disk_bytes
 
     def _compact_path(self) -> Path:
         return self.path.with_name(self.path.name + ".compact")
 
     @property
     def size(self) -> int:
+        """Bytes of the log file itself (records; payloads in segments not counted)."""
         return os.fstat(self._fd).st_size
 
-    def append(self, record: dict, durable: bool = True) -> None:
+    @property
+    def disk_bytes(self) -> int:
+        """The log and its payload segments."""
+        return self.size + sum(self._segments.values())
+
+    @property
+    def current_segment(self) -> int:
+        """The number of the segment payloads go to now (or next, if none is open)."""
+        return self._segment
+
+    def append(self, record: dict, durable: bool = True) -> list | None:
         """Write one record; `commit` syncs it. `durable=False`: a record whose loss in a machine
         crash the buffer survives (a permit grant: a forgotten permit's push is refused as
         unknown and its ticket issued again, so nothing is lost or trained twice); it is synced
-        with the next record that must be, or by the interval."""
+        with the next record that must be, or by the interval. A `group` payload of at least
+        _INLINE_BYTES goes to the current segment; the return value is then its `blob` reference."""
+        blob = None
+        if memoryview(record.get("group", b"")).nbytes >= _INLINE_BYTES:
+            blob = self._write_payload(record["group"])
+            record = {**{k: v for k, v in record.items() if k != "group"}, "blob": blob}
         _write_record(self._fd, record, f"buffer log {self.path}")
         self._dirty = True
         self._must_sync = self._must_sync or durable
+        return blob
+
+    def _write_payload(self, payload) -> list:
+        if self._segment_fd < 0 or self._segments[self._segment] >= self.config.segment_bytes:
+            self._next_segment()
+        offset, size = self._segments[self._segment], memoryview(payload).nbytes
+        if os.write(self._segment_fd, payload) != size:
+            raise OSError(f"buffer log {self.path}: short write to payload segment {self._segment}")
+        self._segments[self._segment] = offset + size
+        self._segment_dirty = True
+        return [self._segment, offset, size, zlib.crc32(payload)]
+
+    def _next_segment(self) -> None:
+        """Close the full segment (synced: records naming it may be synced without it later) and
+        start the next, its name made durable before any record can name it."""
+        if self._segment_fd >= 0:
+            self._sync_segment()
+            os.close(self._segment_fd)
+            self._segment += 1
+        self.payloads.mkdir(exist_ok=True)
+        self._segment_fd = os.open(_segment_path(self.payloads, self._segment),
+                                   os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        self._segments[self._segment] = os.fstat(self._segment_fd).st_size
+        _fsync_dir(self.payloads)
+
+    def _sync_segment(self) -> None:
+        if self._segment_dirty:
+            os.fsync(self._segment_fd)
+            self._segment_dirty = False
+
+    def drop_segments(self, below: int, keep: set[int]) -> list[Path]:
+        """Forget the segments numbered below `below` that are not in `keep` (no record of the log
+        names them any more); the caller deletes the returned files."""
+        doomed = [n for n in self._segments if n < below and n not in keep]
+        for n in doomed:
+            del self._segments[n]
+        self.base_bytes = self.disk_bytes
+        return [_segment_path(self.payloads, n) for n in doomed]
 
     def commit(self) -> None:
         """The end of a request: its records are made durable as the fsync policy says."""
@@ -199,6 +330,7 @@ class DurableLog:
 
     def sync(self) -> None:
         if self._dirty:
+            self._sync_segment()  # first: a synced record must not name bytes a crash can lose
             os.fsync(self._fd)
             self.fsyncs += 1
             self._dirty = False
@@ -216,18 +348,27 @@ class DurableLog:
         finally:
             os.close(fd)
 
-    def rewrite(self, records: Iterable[dict]) -> None:
+    def rewrite(self, records: Iterable[dict]) -> list[list | None]:
         """Replace the log with `records` at once (a restore into a fresh buffer; compaction goes
-        through `Compaction`)."""
+        through `Compaction`); large payloads go to segments. Returns each record's `blob` (None
+        where its payload is inline or it has none)."""
         tmp = self._compact_path()
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        blobs = []
         try:
             for record in records:
+                if memoryview(record.get("group", b"")).nbytes >= _INLINE_BYTES:
+                    blobs.append(self._write_payload(record["group"]))
+                    record = {**{k: v for k, v in record.items() if k != "group"}, "blob": blobs[-1]}
+                else:
+                    blobs.append(None)
                 _write_record(fd, record, f"buffer log {tmp}")
+            self._sync_segment()
             os.fsync(fd)
         finally:
             os.close(fd)
         self._swap_in(tmp)
+        return blobs
 
     def _swap_in(self, tmp: Path, sync_dir: bool = True) -> None:
         os.replace(tmp, self.path)
@@ -243,6 +384,10 @@ class DurableLog:
             self.sync()
             os.close(self._fd)
             self._fd = -1
+        if self._segment_fd >= 0:
+            self._sync_segment()
+            os.close(self._segment_fd)
+            self._segment_fd = -1
 
 
 class Compaction:
@@ -257,6 +402,9 @@ class Compaction:
         self.settled = settled
         self.offset = log.size  # the log's end at the snapshot: the tail starts here
         self.tmp = log._compact_path()
+        # Segments the new log can name: the snapshot's groups' and those from now on (the tail's).
+        self.keep_segments = {r["blob"][0] for r in snapshot if "blob" in r}
+        self.first_new_segment = log.current_segment
 
     def run(self, lock) -> None:
         began = time.time()
@@ -290,6 +438,10 @@ class Compaction:
                     log_.longest_compaction_lock_s = max(log_.longest_compaction_lock_s, time.monotonic() - started)
                 if not always:
                     _fsync_dir(log_.path.parent)
+                with lock:  # the new log is durable: no record that can be replayed names these
+                    doomed = log_.drop_segments(self.first_new_segment, self.keep_segments)
+                for segment in doomed:
+                    segment.unlink(missing_ok=True)
         finally:
             if fd >= 0:
                 os.close(fd)

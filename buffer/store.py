@@ -33,6 +33,7 @@ class StoredGroup:
     ticket: int  # the prompt number it answers (its permit's ticket)
     response_tokens: int  # its longest response
     handed_out: int = 0  # leases it was pulled under (an expired lease's late ack checks it)
+    blob: list | None = None  # where the durable log keeps its payload (segment, offset, length, crc)
 
     @property
     def order(self) -> tuple[int, int]:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import yaml
 
-from buffer.durable_log import settled_path
+from buffer.durable_log import keep_as_previous
 from services.config import ConfigError, EtarlConfig
 
 log = logging.getLogger("etarl")
@@ -83,13 +83,11 @@ class BufferHandle:
             starts_file = None
             if self.max_restarts:
                 # The log serves this run's restarts only: a new `etarl train` (or a resume, which
-                # rebuilds the buffer from its checkpoint) starts it empty; the last one (and its
-                # settled archive) is kept as .prev.
+                # rebuilds the buffer from its checkpoint) starts it empty; the last one (with its
+                # settled archive and payload segments) is kept as .prev.
                 log_path = run_dir / RAY_BUFFER_LOG
                 log_path.with_name(log_path.name + ".compact").unlink(missing_ok=True)
-                for kept in (log_path, settled_path(log_path)):
-                    if kept.exists():
-                        kept.replace(kept.with_name(kept.name + ".prev"))
+                keep_as_previous(log_path)
                 service_cfg = service_cfg.model_copy(
                     update={"log": service_cfg.log.model_copy(update={"path": log_path})})
                 starts_file = run_dir / RAY_BUFFER_STARTS

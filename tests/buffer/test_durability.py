@@ -11,6 +11,7 @@ from buffer.client import BufferClient
 from buffer.codec import encode_group, pack_frames
 from buffer.config import BufferConfig, ClientConfig, GateConfig, LogConfig
 from buffer.core import BufferCore
+from buffer.durable_log import keep_as_previous, payloads_dir, read_records, settled_path
 
 
 @pytest.mark.parametrize("fsync", ["always", "interval"])
@@ -248,3 +249,105 @@ def test_a_large_pushed_group_is_logged_and_replayed(tmp_path):
     again = core_with_log(path, batch_size=1)
     (stored,) = again.store.ready.values()
     assert bytes(stored.packed) == packed
+
+
+def large_group(ticket: int, version: int = 0):
+    """A group of 4 x 3,000 tokens (about 160 KB): its payload goes to a log segment."""
+    return encode_group(make_group(ticket, version=version, n=4, tokens=3000))
+
+
+def segment_files(path):
+    return sorted(f.name for f in payloads_dir(path).glob("*.seg"))
+
+
+def test_large_payloads_live_in_segments_that_compaction_drops_once_consumed(tmp_path):
+    """The log holds references only; compaction keeps a segment while one of its groups is live
+    (here: leased and not acked) and deletes the rest; a restart at each point replays the live
+    groups byte for byte."""
+    path = tmp_path / "b.log"
+    settings = {"compact_min_bytes": 0, "segment_bytes": 400_000}  # 3 groups a segment
+    core = core_with_log(path, batch_size=1, eta=None, **settings)
+    pinned = None
+    for i in range(18):
+        permit = core.acquire_permit("w")
+        core.push_group(large_group(permit.ticket), permit.permit_id)
+        batch = core.pull_batch(1)
+        if pinned is None:
+            pinned = batch  # the first group stays leased: its segment must stay
+        else:
+            core.ack(batch.lease_id)
+        assert core.wait_for_compaction(timeout=60)
+    assert core.stats()["log_compactions"] > 0
+    assert path.stat().st_size < 100_000, "the log holds no payloads"
+    kept = segment_files(path)
+    assert kept[0] == "00000000.seg" and len(kept) <= 3, kept  # the pinned one, the current one or two
+    assert core.stats()["log_bytes"] == path.stat().st_size + sum(
+        f.stat().st_size for f in payloads_dir(path).glob("*.seg"))
+    core.close()
+
+    again = core_with_log(path, batch_size=1, eta=None, **settings)
+    (lease,) = again.store.leases.values()
+    assert [bytes(g.packed) for g in lease.groups] == [bytes(pinned.groups[0])]
+    again.ack(pinned.lease_id)
+    compactions = again.stats()["log_compactions"]
+    while again.stats()["log_compactions"] < compactions + 2:  # writes start compactions (the first may
+        permit = again.acquire_permit("w")                     # have snapshotted before the ack)
+        again.push_group(large_group(permit.ticket), permit.permit_id)
+        again.ack(again.pull_batch(1).lease_id)
+        assert again.wait_for_compaction(timeout=60)
+    assert "00000000.seg" not in segment_files(path), "a fully consumed segment is deleted"
+    permit = again.acquire_permit("w")
+    again.push_group(large_group(permit.ticket), permit.permit_id)
+    pushes = [r for r in read_records(path)[0] if r["op"] == "push"]
+    assert pushes and all("blob" in r and len(r["group"]) > 100_000 for r in pushes), "read back with payloads"
+    again.close()
+
+
+def test_a_payload_lost_or_corrupt_in_its_segment_cuts_the_log_there(tmp_path):
+    path = tmp_path / "b.log"
+    core = core_with_log(path)
+    for _ in range(2):
+        permit = core.acquire_permit("w")
+        core.push_group(large_group(permit.ticket), permit.permit_id)
+    core.close()
+    (segment,) = payloads_dir(path).glob("*.seg")
+    data = bytearray(segment.read_bytes())
+    data[-10] ^= 0xFF  # the second group's payload, as a crash mid-write may leave it
+    segment.write_bytes(bytes(data))
+    again = core_with_log(path)
+    assert again.log.truncated_bytes > 0, "the record naming the bad payload is cut as a torn tail"
+    assert again.stats()["groups_ready"] == 1 and again.gate.accepted == 1
+    again.close()
+
+
+def test_a_restore_writes_large_payloads_to_segments(tmp_path):
+    source = BufferCore(BufferConfig(gate=GateConfig(batch_size=1, eta=None, max_concurrent=8)))
+    for _ in range(3):
+        permit = source.acquire_permit("w")
+        source.push_group(large_group(permit.ticket), permit.permit_id)
+    records = source.snapshot_records(keep_in_flight=False)
+    target = core_with_log(tmp_path / "b.log", batch_size=1, eta=None)
+    target.restore(records)
+    assert all(g.blob is not None for g in target.store.live_groups())
+    assert (tmp_path / "b.log").stat().st_size < 100_000 and len(segment_files(tmp_path / "b.log")) == 1
+    target.close()
+    again = core_with_log(tmp_path / "b.log", batch_size=1, eta=None)
+    assert sorted(bytes(g.packed) for g in again.store.live_groups()) == sorted(
+        bytes(g.packed) for g in source.store.live_groups())
+
+
+def test_a_log_kept_as_previous_moves_with_its_archive_and_segments(tmp_path):
+    path = tmp_path / "b.log"
+    core = core_with_log(path, batch_size=1, eta=None, compact_min_bytes=0)
+    permit = core.acquire_permit("w")
+    core.push_group(large_group(permit.ticket), permit.permit_id)
+    core.ack(core.pull_batch(1).lease_id)
+    permit = core.acquire_permit("w")
+    core.push_group(large_group(permit.ticket), permit.permit_id)
+    assert core.wait_for_compaction(timeout=60)
+    core.close()
+    previous = keep_as_previous(path)
+    assert not path.exists() and not payloads_dir(path).exists()
+    records = read_records(previous)[0] + read_records(settled_path(previous))[0]
+    assert {r["op"] for r in records} >= {"push", "ack"}
+    assert all(len(r["group"]) > 100_000 for r in records if r["op"] == "push")
