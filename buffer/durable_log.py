@@ -270,14 +270,19 @@ class DurableLog:
         unknown and its ticket issued again, so nothing is lost or trained twice); it is synced
         with the next record that must be, or by the interval. A `group` payload of at least
         _INLINE_BYTES goes to the current segment; the return value is then its `blob` reference."""
-        blob = None
-        if memoryview(record.get("group", b"")).nbytes >= _INLINE_BYTES:
-            blob = self._write_payload(record["group"])
-            record = {**{k: v for k, v in record.items() if k != "group"}, "blob": blob}
+        record, blob = self._payload_to_segment(record)
         _write_record(self._fd, record, f"buffer log {self.path}")
         self._dirty = True
         self._must_sync = self._must_sync or durable
         return blob
+
+    def _payload_to_segment(self, record: dict) -> tuple[dict, list | None]:
+        """(the record as the log keeps it, its `blob`): a large `group` payload is written to the
+        current segment and the record names it instead."""
+        if memoryview(record.get("group", b"")).nbytes < _INLINE_BYTES:
+            return record, None
+        blob = self._write_payload(record["group"])
+        return {**{k: v for k, v in record.items() if k != "group"}, "blob": blob}, blob
 
     def _write_payload(self, payload) -> list:
         if self._segment_fd < 0 or self._segments[self._segment] >= self.config.segment_bytes:
@@ -357,11 +362,8 @@ class DurableLog:
         blobs = []
         try:
             for record in records:
-                if memoryview(record.get("group", b"")).nbytes >= _INLINE_BYTES:
-                    blobs.append(self._write_payload(record["group"]))
-                    record = {**{k: v for k, v in record.items() if k != "group"}, "blob": blobs[-1]}
-                else:
-                    blobs.append(None)
+                record, blob = self._payload_to_segment(record)
+                blobs.append(blob)
                 _write_record(fd, record, f"buffer log {tmp}")
             self._sync_segment()
             os.fsync(fd)
