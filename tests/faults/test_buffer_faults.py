@@ -13,6 +13,7 @@ from buffer.client import BufferClient
 from buffer.codec import encode_group
 from buffer.config import BufferConfig, ClientConfig, GateConfig, LogConfig
 from buffer.core import BufferCore
+from buffer.durable_log import payloads_dir
 from services.audit import audit, read_buffer_log
 
 PATIENT = ClientConfig(request_timeout_s=1.0, retries=120, retry_backoff_s=0.02)  # minutes, for a loaded machine
@@ -62,13 +63,19 @@ def test_a_retried_ack_after_a_restart_is_not_an_error(buffer_service, tmp_path)
     assert stats["groups_ready"] == stats["groups_leased"] == 0
 
 
-def test_repeated_kills_under_load_lose_and_repeat_nothing(buffer_service, tmp_path):
+@pytest.mark.parametrize("payloads", ["inline", "segments"])
+def test_repeated_kills_under_load_lose_and_repeat_nothing(buffer_service, tmp_path, payloads):
     """Two pushers and a learner (B = 2, versions advancing) run while the buffer is SIGKILLed
     four times at random moments; the audit over the learner's record and the buffer's log (with
     its settled archive: the log compacts often) finds nothing lost, nothing consumed twice,
     nothing staler than η (kills slow the pushers, so some groups go stale and are dropped: their
-    tickets are reissued). Any thread's error stops the others, and every thread ends with the test."""
+    tickets are reissued). Any thread's error stops the others, and every thread ends with the test.
+    `segments`: groups of 2 x 3,000 tokens (78 KB), whose payloads live in 300 KB log segments
+    that compactions delete as their groups are consumed."""
     config = durable(tmp_path)
+    tokens = 3000 if payloads == "segments" else 4
+    if payloads == "segments":
+        config["log"]["segment_bytes"] = 300_000
     server = buffer_service(**config)
     per_pusher, batch_size, eta = 30, config["gate"]["batch_size"], config["gate"]["eta"]
     acknowledged, consumptions, errors = set(), [], []
@@ -90,7 +97,7 @@ def test_repeated_kills_under_load_lose_and_repeat_nothing(buffer_service, tmp_p
                 permit = client.acquire_permit("w", timeout=1)
                 if permit is None:  # the gate stayed closed (the buffer was down): ask again
                     continue
-                group = make_group(permit.ticket, version=permit.version)
+                group = make_group(permit.ticket, version=permit.version, tokens=tokens)
                 client.push_group(group, permit.permit_id)
                 acknowledged.add(group.group_id)
                 pushed += 1
@@ -133,6 +140,9 @@ def test_repeated_kills_under_load_lose_and_repeat_nothing(buffer_service, tmp_p
     report = audit(consumptions, read_buffer_log(tmp_path / "buffer.log"), eta, acknowledged)
     assert report.ok, str(report)
     assert report.consumed_groups + report.in_buffer_groups + report.dropped_groups == len(acknowledged)
+    if payloads == "segments":  # 60 groups of 78 KB filled about 16 segments; consumed ones are gone
+        kept = sorted(int(f.stem) for f in payloads_dir(tmp_path / "buffer.log").glob("*.seg"))
+        assert kept and len(kept) < max(kept) + 1, kept
 
 
 def test_stale_drops_give_their_gate_capacity_back(tmp_path):
