@@ -407,6 +407,9 @@ class Compaction:
         # Segments the new log can name: the snapshot's groups' and those from now on (the tail's).
         self.keep_segments = {r["blob"][0] for r in snapshot if "blob" in r}
         self.first_new_segment = log.current_segment
+        # The snapshot may name payloads in the current segment not yet synced (`interval`): they
+        # are synced before the new log is, through this handle (full segments were synced).
+        self.segment_fd = os.dup(log._segment_fd) if log._segment_fd >= 0 else -1
 
     def run(self, lock) -> None:
         began = time.time()
@@ -414,6 +417,8 @@ class Compaction:
             self._run(lock)
         finally:
             self.log.compaction_windows.append((began, time.time()))
+            if self.segment_fd >= 0:
+                os.close(self.segment_fd)
 
     def _run(self, lock) -> None:
         log_ = self.log
@@ -425,6 +430,8 @@ class Compaction:
             self.snapshot = []
             with open(log_.path, "rb") as src:
                 self._copy_tail(src, fd, until=None)  # most of the tail, without the lock
+                if self.segment_fd >= 0:
+                    os.fsync(self.segment_fd)
                 os.fsync(fd)
                 started = time.monotonic()
                 # With fsync "always" an answered request must survive a machine crash, so the

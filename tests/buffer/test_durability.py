@@ -351,3 +351,26 @@ def test_a_log_kept_as_previous_moves_with_its_archive_and_segments(tmp_path):
     records = read_records(previous)[0] + read_records(settled_path(previous))[0]
     assert {r["op"] for r in records} >= {"push", "ack"}
     assert all(len(r["group"]) > 100_000 for r in records if r["op"] == "push")
+
+
+def test_compaction_syncs_the_payloads_it_names_before_the_new_log(tmp_path, monkeypatch):
+    """With `fsync: interval` a snapshot can name payloads no sync has reached yet; the compacted
+    log must not be made durable before them (a power loss would leave it naming lost bytes, and
+    replay would cut it there, losing older records after that point)."""
+    import os
+
+    path = tmp_path / "b.log"
+    core = core_with_log(path, batch_size=1, eta=None, fsync="interval", fsync_interval_ms=10**9,
+                         compact_min_bytes=0)
+    synced, real_fsync = [], os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.fstat(fd).st_ino), real_fsync(fd))[1])
+    for _ in range(3):
+        permit = core.acquire_permit("w")
+        core.push_group(large_group(permit.ticket), permit.permit_id)
+    (segment,) = payloads_dir(path).glob("*.seg")
+    assert segment.stat().st_ino not in synced, "the interval has not synced the payloads"
+    core.ack(core.pull_batch(1).lease_id)  # starts a compaction whose snapshot names the other two
+    assert core.wait_for_compaction(timeout=60) and core.stats()["log_compactions"] == 1
+    new_log = path.stat().st_ino
+    assert segment.stat().st_ino in synced and synced.index(segment.stat().st_ino) < synced.index(new_log)
+    core.close()
