@@ -397,7 +397,7 @@ def run_large(args) -> dict:
           f"{args.large_groups} groups per run, {producers} producers pushing {per_request} groups per request "
           f"(the worker's engine batch), B = {pull}, durable log {'off' if args.no_log else log_config}, "
           f"{os.cpu_count()} CPUs, loadavg {os.getloadavg()[0]:.1f}", flush=True)
-    raws, rates, times, stats, cpus = [], [], [], [], []
+    raws, raw_cpus, rates, times, stats, cpus = [], [], [], [], [], []
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
 
@@ -405,7 +405,9 @@ def run_large(args) -> dict:
             return {} if args.no_log else {"log": {"path": str(workdir / name), **log_config}}
 
         for round_ in range(args.rounds):
-            raws.append(run_raw(args.large_groups, group_size, producers, LARGE)[0])
+            rate, cpu = run_raw(args.large_groups, group_size, producers, LARGE)
+            raws.append(rate)
+            raw_cpus.append(cpu)
             rate, pushed, cpu, final = run_service(workdir, args.large_groups, group_size, producers, pull,
                                                    per_request, True, LARGE, **durable(f"large-{round_}.log"))
             rates.append(rate)
@@ -432,7 +434,9 @@ def run_large(args) -> dict:
     print(f"{label:24s}: {service_mb:8.0f} MB/s   ratio {service_mb / raw_mb:.2f}   (goal >= 0.5)")
     print(f"push round trip         : p50 {p50 * 1e3:.1f} ms, p99 {p99 * 1e3:.1f} ms over {len(all_times)} pushes")
     per_mb = {part: float(np.median([c[part] for c in cpus])) * 1e6 / sample_bytes(LARGE) * 1e3 for part in cpus[0]}
-    print("CPU per MB moved        : " + ", ".join(f"{part} {ms:.1f} ms" for part, ms in per_mb.items()))
+    raw_per_mb = float(np.median(raw_cpus)) * 1e6 / sample_bytes(LARGE) * 1e3
+    print("CPU per MB moved        : " + ", ".join(f"{part} {ms:.1f} ms" for part, ms in per_mb.items())
+          + f" (total {sum(per_mb.values()):.1f} ms; the raw pair, producers and receiver: {raw_per_mb:.1f} ms)")
     print(f"during a compaction     : {len(inside)} pushes, p99 {p99_in * 1e3:.1f} ms vs {p99_out * 1e3:.1f} ms "
           f"without = {p99_in / p99_out:.2f}x (goal <= 2x); longest push {longest_in * 1e3:.1f} ms; "
           f"{compactions} compactions, the longest lock hold {lock * 1e3:.1f} ms")
@@ -444,7 +448,8 @@ def run_large(args) -> dict:
             "p99_during_compaction_ms": round(p99_in * 1e3, 1), "p99_without_ms": round(p99_out * 1e3, 1),
             "p99_ratio": round(p99_in / p99_out, 2), "longest_push_during_compaction_ms": round(longest_in * 1e3, 1),
             "longest_compaction_lock_ms": round(lock * 1e3, 1), "memory_ratio": round(grown / raw_bytes, 3),
-            "cpu_ms_per_mb": {part: round(ms, 2) for part, ms in per_mb.items()}}
+            "cpu_ms_per_mb": {part: round(ms, 2) for part, ms in per_mb.items()},
+            "raw_cpu_ms_per_mb": round(raw_per_mb, 2)}
 
 
 if __name__ == "__main__":
