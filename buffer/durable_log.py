@@ -109,9 +109,13 @@ def keep_as_previous(path: str | os.PathLike) -> Path:
     """Move the log at `path` (with its archive and segments) aside to `<path>.prev`, replacing
     an older one; returns the new path. A fresh log can then start at `path`."""
     previous = Path(path).with_name(Path(path).name + ".prev")
+    if not Path(path).exists():  # nothing to keep: an older .prev stays whole
+        return previous
     for kept, moved in zip(log_paths(path), log_paths(previous)):
         if moved.is_dir():
             shutil.rmtree(moved)
+        else:
+            moved.unlink(missing_ok=True)  # nothing of the older .prev may stay beside the new one
         if kept.exists():
             kept.replace(moved)
     return previous
@@ -155,12 +159,12 @@ def iter_records(path: Path) -> Iterator[tuple[dict, int]]:
             if len(body) != length or zlib.crc32(body) != crc:
                 return
             record = msgpack.unpackb(body, raw=False)
-            if "blob" in record and (payload := read_payload(folder, record["blob"])) is None:
-                log.warning("buffer log %s: the payload of the record at byte %d is missing or corrupt (%s)",
-                            path, offset, record["blob"])
-                return
             if "blob" in record:
-                record["group"] = payload
+                record["group"] = read_payload(folder, record["blob"])
+                if record["group"] is None:
+                    log.warning("buffer log %s: the payload of the record at byte %d is missing or corrupt (%s)",
+                                path, offset, record["blob"])
+                    return
             offset += _HEAD.size + length
             yield record, offset
 
@@ -263,6 +267,11 @@ class DurableLog:
     def current_segment(self) -> int:
         """The number of the segment payloads go to now (or next, if none is open)."""
         return self._segment
+
+    def current_segment_handle(self) -> int:
+        """A new descriptor of the open segment (-1 if none) for syncing it from another thread;
+        the caller closes it."""
+        return os.dup(self._segment_fd) if self._segment_fd >= 0 else -1
 
     def append(self, record: dict, durable: bool = True) -> list | None:
         """Write one record; `commit` syncs it. `durable=False`: a record whose loss in a machine
@@ -409,7 +418,7 @@ class Compaction:
         self.first_new_segment = log.current_segment
         # The snapshot may name payloads in the current segment not yet synced (`interval`): they
         # are synced before the new log is, through this handle (full segments were synced).
-        self.segment_fd = os.dup(log._segment_fd) if log._segment_fd >= 0 else -1
+        self.segment_fd = log.current_segment_handle()
 
     def run(self, lock) -> None:
         began = time.time()

@@ -348,6 +348,8 @@ def test_a_log_kept_as_previous_moves_with_its_archive_and_segments(tmp_path):
     core.close()
     previous = keep_as_previous(path)
     assert not path.exists() and not payloads_dir(path).exists()
+    assert keep_as_previous(path) == previous and payloads_dir(previous).is_dir(), \
+        "with no log to keep, the older one stays whole"
     records = read_records(previous)[0] + read_records(settled_path(previous))[0]
     assert {r["op"] for r in records} >= {"push", "ack"}
     assert all(len(r["group"]) > 100_000 for r in records if r["op"] == "push")
