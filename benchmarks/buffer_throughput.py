@@ -443,7 +443,8 @@ def run_large(args) -> dict:
     print(f"memory holding {args.large_hold} groups : {grown / 1e6:.0f} MB resident vs {raw_bytes / 1e6:.0f} MB of "
           f"arrays = {grown / raw_bytes:.2f}x   (goal <= 1.5x)")
     return {"mode": "large", "durable_log": not args.no_log, "group_mb": round(size / 1e6, 2),
-            "raw_mb_per_s": round(raw_mb), "service_mb_per_s": round(service_mb), "ratio": round(service_mb / raw_mb, 3), "push_p50_ms": round(p50 * 1e3, 1),
+            "raw_mb_per_s": round(raw_mb), "service_mb_per_s": round(service_mb), "ratio": round(service_mb / raw_mb, 3),
+            "push_p50_ms": round(p50 * 1e3, 1),
             "push_p99_ms": round(p99 * 1e3, 1), "compactions": compactions, "pushes_during_compaction": len(inside),
             "p99_during_compaction_ms": round(p99_in * 1e3, 1), "p99_without_ms": round(p99_out * 1e3, 1),
             "p99_ratio": round(p99_in / p99_out, 2), "longest_push_during_compaction_ms": round(longest_in * 1e3, 1),
