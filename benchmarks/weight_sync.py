@@ -9,7 +9,9 @@ holding a bfloat16 transformers engine whose weight loop receives every version 
 worker does at its interrupt points. Channels:
   broadcast   gloo weight group, chunks of --bucket-mb down a chain (engine r forwards to r + 1),
               sent from a bfloat16 snapshot (the default with gloo: the optimizer step waits only
-              for the copy)
+              for the copy); an engine may hold --ahead-mb received but not yet forwarded and
+              loaded (default a whole version, as with gloo: the learner's send is not held up by
+              the engines further down)
   guard       the same without the snapshot: the optimizer step waits until the send has read
               the parameters (the default with NCCL, where a send is short next to a step)
   star        the chain's group with gloo's own broadcast (a binomial tree: the root sends each byte
@@ -145,18 +147,18 @@ class TrainingLearner:
         return time.perf_counter() - start
 
 
-def make_sender(channel: str, board, folder: Path, bucket_bytes: int):
+def make_sender(channel: str, board, folder: Path, bucket_bytes: int, ahead_bytes: int | None):
     dtype = torch.bfloat16
     if channel in ("broadcast", "guard", "star"):
         return BroadcastSender(board, "gloo", "star" if channel == "star" else "chain", bucket_bytes,
-                               ready_timeout_s=120, timeout_s=300, dtype=dtype)
+                               ready_timeout_s=120, timeout_s=300, dtype=dtype, ahead_bytes=ahead_bytes)
     if channel == "object":
         return ObjectStoreSender(board, dtype)
     return FolderSender(board, str(folder), dtype)
 
 
 def measure(channel: str, engines: list, learner: TrainingLearner, rounds: int, folder: Path,
-            bucket_bytes: int) -> dict:
+            bucket_bytes: int, ahead_bytes: int | None) -> dict:
     """Two phases on one board, a warm-up version first (the group forms, caches fill):
     syncs    `rounds` times: a training step, then its version is published and waited for until
              every engine serves it: the channel's own time and the time until served;
@@ -167,7 +169,7 @@ def measure(channel: str, engines: list, learner: TrainingLearner, rounds: int, 
 
     board = ray.remote(WeightStore).options(num_cpus=0, max_concurrency=64).remote()
     ray.get([e.start.remote(board, f"engine-{i}") for i, e in enumerate(engines)])
-    learner.use(make_sender(channel, board, folder, bucket_bytes), SNAPSHOT.get(channel, False))
+    learner.use(make_sender(channel, board, folder, bucket_bytes, ahead_bytes), SNAPSHOT.get(channel, False))
     published_at, served_at, own, copy, compute, blocked, written = {}, {}, [], [], [], [], []
     me = psutil.Process()
 
@@ -236,6 +238,9 @@ def main() -> None:
     parser.add_argument("--channels", nargs="+", default=list(CHANNELS), choices=CHANNELS)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--bucket-mb", type=float, default=32.0)
+    parser.add_argument("--ahead-mb", type=float, default=None,
+                        help="what an engine may hold received but not yet forwarded and loaded "
+                             "(learner.weight_sync.receive_ahead_mb; default: a whole version, as with gloo)")
     args = parser.parse_args()
     if args.quick:
         args.layers, args.hidden, args.rounds, args.tokens, args.bucket_mb = 6, 512, 3, 32, 4.0
@@ -265,7 +270,8 @@ def main() -> None:
             for channel in args.channels:
                 for n in args.engines:
                     row = measure(channel, pool[:n], learner, args.rounds, Path(tmp) / f"folders-{channel}-{n}",
-                                  int(args.bucket_mb * 2**20))
+                                  int(args.bucket_mb * 2**20),
+                                  None if args.ahead_mb is None else int(args.ahead_mb * 2**20))
                     results.append(row)
                     print(f"  {channel:9s} x{n}: own {row['own_s']:6.2f} s (+ copy {row['copy_s']:.2f} s)  served "
                           f"{row['served_s']:6.2f} s  | training: blocked {row['blocked_s']:5.2f} s per "
@@ -297,7 +303,8 @@ def summarize(results: list[dict], args, params: int, mb: float) -> dict:
         }
         print("goals: " + ", ".join(f"{k} {'met' if v else 'NOT met'}" for k, v in goals.items()))
     return {"benchmark": "weight_sync", "quick": bool(args.quick), "params_m": round(params / 1e6, 1),
-            "mb_per_version": round(mb, 1), "bucket_mb": args.bucket_mb, "rounds": args.rounds,
+            "mb_per_version": round(mb, 1), "bucket_mb": args.bucket_mb, "receive_ahead_mb": args.ahead_mb,
+            "rounds": args.rounds,
             "results": [{k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()} for r in results],
             "ratios": ratios, "goals": goals}
 

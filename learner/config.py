@@ -71,6 +71,11 @@ class BroadcastSync(_WeightChannel):
         "(gloo's broadcast is a binomial tree: the root sends each byte about log2(engines + 1) times); "
         "star: the backend's broadcast (NCCL pipelines it itself); auto: chain on gloo, star on nccl")
     bucket_mb: float = Field(32.0, gt=0, description="chunk size of the send")
+    receive_ahead_mb: Optional[float] = Field(
+        None, gt=0, description="how much of a version an engine may hold received but not yet forwarded "
+        "and loaded (at least one chunk): the learner's send waits for a slower rank further down the chain "
+        "only once this much waits there. None: a whole version with gloo (host memory: at most one more "
+        "model copy per engine), 4 chunks with nccl (device memory)")
     address: Optional[str] = Field(
         None, description="the learner node's address the group binds to (None: its Ray node address)")
     ready_timeout_s: float = Field(
@@ -82,12 +87,15 @@ class BroadcastSync(_WeightChannel):
         "step waits only for the copy, not the send: one more model copy in memory. None: on with gloo "
         "(a CPU send is slow next to a CPU step), off with nccl (the send is fast next to a GPU step)")
 
-    def resolved(self, device: str) -> tuple[str, str, bool]:
-        """(backend, topology, snapshot) with `auto`/None decided for a learner on `device`."""
+    def resolved(self, device: str) -> tuple[str, str, bool, int | None]:
+        """(backend, topology, snapshot, receive-ahead bytes) with `auto`/None decided for a learner
+        on `device`; None bytes: a whole version."""
         backend = self.backend if self.backend != "auto" else ("nccl" if device.startswith("cuda") else "gloo")
         topology = self.topology if self.topology != "auto" else ("star" if backend == "nccl" else "chain")
         snapshot = self.snapshot if self.snapshot is not None else backend == "gloo"
-        return backend, topology, snapshot
+        ahead_mb = self.receive_ahead_mb if self.receive_ahead_mb is not None else (
+            None if backend == "gloo" else 4 * self.bucket_mb)
+        return backend, topology, snapshot, None if ahead_mb is None else int(ahead_mb * 2**20)
 
 
 def _channel_of(value) -> str:

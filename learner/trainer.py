@@ -544,9 +544,9 @@ class Learner:
         elif sync.channel == "folder":
             sender = FolderSender(board, sync.folder, dtype, sync.claim_timeout_s)
         else:
-            backend, topology, snapshot = sync.resolved(self.config.device)
+            backend, topology, snapshot, ahead_bytes = sync.resolved(self.config.device)
             sender = BroadcastSender(board, backend, topology, int(sync.bucket_mb * 2**20), sync.ready_timeout_s,
-                                     sync.timeout_s, sync.address, dtype, self.device)
+                                     sync.timeout_s, sync.address, dtype, self.device, ahead_bytes)
         self.publication = Publication(sender, self.weight_guard, self._publishable, snapshot, dtype)
 
     def publish_weights(self) -> dict | None:

@@ -86,17 +86,20 @@ class BroadcastSender:
 
     Settings: backend (gloo|nccl), topology (chain|star), chunk_bytes, ready_timeout_s (how long a
     member may take to reach its interrupt point), timeout_s (the group's collective timeout: a
-    member that dies mid-send fails the send after this), address (this node's, for gloo)."""
+    member that dies mid-send fails the send after this), address (this node's, for gloo),
+    ahead_bytes (what a member may hold received but not yet forwarded and loaded; None: a whole
+    version, so a slow member holds up neither the learner nor the members before it)."""
 
     catch_up_poll_s = 0.5
 
     def __init__(self, board, backend: str, topology: str, chunk_bytes: int, ready_timeout_s: float,
                  timeout_s: float, address: str | None = None, dtype: torch.dtype | None = None,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", ahead_bytes: int | None = None):
         self.board, self.dtype, self.device = board, dtype, device
         self.ready_timeout_s = ready_timeout_s
         self.common = {"backend": backend, "topology": topology, "chunk_bytes": int(chunk_bytes),
                        "timeout_s": float(timeout_s)}
+        self.ahead_bytes = ahead_bytes
         self.address = address or node_address()
         self._group: WeightGroup | None = None
 
@@ -109,7 +112,9 @@ class BroadcastSender:
             if not catch_up:
                 call(self.board, "announce", version, layout.to_wire())
                 self._wait_ready(version)
-            send = call(self.board, "start_send", version, {**self.common, "layout": layout.to_wire()}, not catch_up)
+            ahead = self.ahead_bytes if self.ahead_bytes is not None else layout.total_bytes
+            send = call(self.board, "start_send", version,
+                        {**self.common, "layout": layout.to_wire(), "ahead_bytes": ahead}, not catch_up)
             for worker, why in send["left_out"].items():
                 log.warning("weights v%d: %s left out of this send (weight_sync.ready_timeout_s=%.0fs): %s; it "
                             "rejoins when it next asks", version, worker, self.ready_timeout_s, why)

@@ -9,8 +9,9 @@ Two topologies:
   star:  the group's own broadcast of each chunk from rank 0. NCCL's broadcast pipelines over a
          ring or tree itself; gloo's is the binomial tree above.
 The sender keeps two chunk buffers in flight; a receiver gets a fresh buffer per chunk (its
-engine may hold views of a chunk while it loads, e.g. vLLM's layer-wise reload), receives and
-forwards in a thread of its own, and runs at most `ahead` chunks ahead of its engine.
+engine may hold views of a chunk while it loads, e.g. vLLM's layer-wise reload), receives in one
+thread and forwards in another, and holds at most `ahead` chunks not yet both forwarded and
+loaded: until then neither its engine nor the ranks after it hold up the ranks before it.
 """
 from __future__ import annotations
 
@@ -53,11 +54,14 @@ def send_stream(group, layout: Layout, tensors: Mapping[str, torch.Tensor], chun
 
 
 class ReceiveStream:
-    """Ranks 1..n: iterate to get (name, tensor) pairs as their bytes arrive. A thread of its own
-    receives the chunks (the next one posted as soon as one arrives) and forwards each down the
-    chain at once, up to `ahead` chunks ahead of the engine that loads them: a slow engine slows
-    the chain only once it is that far behind. `drain()` takes the rest without handing anything
-    out: a receiver whose engine failed part-way must not stall the ranks after it."""
+    """Ranks 1..n: iterate to get (name, tensor) pairs as their bytes arrive. One thread receives
+    the chunks (the next one posted as soon as one arrives), another forwards each down the chain,
+    and the engine loads them; a chunk is held until it has been both forwarded and handed to the
+    engine, and at most `ahead` chunks are held. So neither a slow engine nor a slow rank further
+    down holds up the ranks before this one until this one holds `ahead` chunks: with enough of
+    them the learner's send ends about when the first engine has the bytes, whatever the number of
+    engines. `drain()` takes the rest without handing anything out: a receiver whose engine failed
+    part-way must not stall the ranks after it."""
 
     def __init__(self, group, rank: int, world: int, layout: Layout, chunk_bytes: int, topology: str,
                  device: torch.device | str = "cpu", ahead: int = 4):
@@ -67,55 +71,98 @@ class ReceiveStream:
         self.forward = topology == "chain" and rank < world - 1
         self.spans = layout.chunks(chunk_bytes)
         self.assembler = ChunkAssembler(layout, device)
-        self._chunks: queue.Queue = queue.Queue(maxsize=max(1, ahead))  # buffers, or the receiver's error
+        self._slots = threading.BoundedSemaphore(max(1, ahead))  # chunks held: received, not yet let go
+        self._chunks: queue.Queue = queue.Queue()  # for the engine: buffers, or a thread's error
+        self._to_forward: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        self._let_go: dict[int, int] = {}  # chunk -> how many of its holders (forward, engine) are done
         self._taken = 0
         self._error: Exception | None = None
-        self._thread = threading.Thread(target=self._receive_all, name=f"weights-rank{rank}", daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._receive_all, name=f"weights-rank{rank}", daemon=True)]
+        if self.forward:
+            self._threads.append(threading.Thread(target=self._forward_all, name=f"weights-rank{rank}-forward",
+                                                  daemon=True))
+        for thread in self._threads:
+            thread.start()
 
     def _post(self, k: int):
+        self._slots.acquire()
         span = self.spans[k]
         buf = torch.empty(span[1] - span[0], dtype=torch.uint8, device=self.device)
         work = self.group.recv([buf], self.rank - 1, k) if self.topology == "chain" else _broadcast(self.group, buf)
         return buf, work
 
+    def _release(self, k: int) -> None:
+        """One holder of chunk k is done with it; its slot is free once both are (or the only one)."""
+        with self._lock:
+            done = self._let_go.pop(k, 0) + 1
+            if done < (2 if self.forward else 1):
+                self._let_go[k] = done
+                return
+        self._slots.release()
+
     def _receive_all(self) -> None:
-        forwards = deque()
         try:
             posted = self._post(0) if self.spans else None
             for k in range(len(self.spans)):
                 buf, work = posted
                 work.wait()
-                posted = self._post(k + 1) if k + 1 < len(self.spans) else None
                 if self.forward:
-                    forwards.append(self.group.send([buf], self.rank + 1, k))
-                    while len(forwards) > 2:
-                        forwards.popleft().wait()
-                self._chunks.put(buf)
-            while forwards:
-                forwards.popleft().wait()
+                    self._to_forward.put((k, buf))
+                self._chunks.put((k, buf))
+                posted = self._post(k + 1) if k + 1 < len(self.spans) else None
         except Exception as err:  # handed to the consumer, which raises it
+            self._to_forward.put(err)
             self._chunks.put(err)
+
+    def _forward_all(self) -> None:
+        sending = deque()
+        try:
+            for _ in range(len(self.spans)):
+                item = self._to_forward.get()
+                if isinstance(item, Exception):
+                    return  # the receiver's error reaches the consumer on its own
+                k, buf = item
+                sending.append((k, self.group.send([buf], self.rank + 1, k)))
+                # Two sends in flight at most, and none left unwaited while nothing new has come:
+                # a waited send frees its chunk's slot, which the receiver may be waiting for.
+                while len(sending) > 2 or (sending and self._to_forward.empty()):
+                    self._forwarded(*sending.popleft())
+            while sending:
+                self._forwarded(*sending.popleft())
+        except Exception as err:
+            self._chunks.put(err)
+
+    def _forwarded(self, k: int, work) -> None:
+        work.wait()
+        self._release(k)
 
     def _take_chunk(self) -> torch.Tensor:
         item = self._error or self._chunks.get()
         if isinstance(item, Exception):
-            self._error = item  # the receiving thread has ended: nothing more will come
+            self._error = item  # a thread has ended: nothing more will come
             raise item
+        k, buf = item
         self._taken += 1
-        return item
+        self._release(k)
+        return buf
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         while self._taken < len(self.spans):
             span = self.spans[self._taken]
             yield from self.assembler.feed(span, self._take_chunk())
-        self._thread.join()
+        self._join()
 
     def drain(self) -> None:
         while self._taken < len(self.spans):
             self._take_chunk()
-        self._thread.join()
+        self._join()
 
     @property
     def complete(self) -> bool:
-        return self._taken == len(self.spans) and not self._thread.is_alive() and self.assembler.complete
+        return (self._taken == len(self.spans) and not any(t.is_alive() for t in self._threads)
+                and self.assembler.complete)
+
+    def _join(self) -> None:
+        for thread in self._threads:
+            thread.join()

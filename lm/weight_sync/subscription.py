@@ -90,7 +90,8 @@ class WeightSubscription:
         version, layout, stream = int(go["version"]), Layout.from_wire(go["layout"]), None
         try:
             stream = ReceiveStream(self._group_of(go), go["rank"], go["world"], layout, go["chunk_bytes"],
-                                   go["topology"], getattr(engine, "weights_device", "cpu"))
+                                   go["topology"], getattr(engine, "weights_device", "cpu"),
+                                   ahead=max(1, go.get("ahead_bytes", 4 * go["chunk_bytes"]) // go["chunk_bytes"]))
             check_fits(engine, layout)
             engine.load_weights(version, iter(stream))
             if not stream.complete:

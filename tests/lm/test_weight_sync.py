@@ -178,9 +178,9 @@ def test_a_layout_that_does_not_fit_names_the_tensor():
 # ---------------------------------------------------------------- broadcast
 
 
-def broadcast_sender(board, topology="chain", chunk_bytes=4096, ready_timeout_s=30.0, dtype=None):
+def broadcast_sender(board, topology="chain", chunk_bytes=4096, ready_timeout_s=30.0, dtype=None, ahead_chunks=4):
     return BroadcastSender(board, "gloo", topology, chunk_bytes, ready_timeout_s, timeout_s=60.0, address="127.0.0.1",
-                           dtype=dtype)
+                           dtype=dtype, ahead_bytes=ahead_chunks * chunk_bytes)
 
 
 @pytest.mark.parametrize("topology", ["chain", "star"])
@@ -283,9 +283,10 @@ def test_the_parameters_stay_still_under_a_send(model_dir, snapshot):
     snapshot it waits for the send (blocked time counted), with one it goes ahead; either way the
     engine ends with version 1's weights, not the stepped ones. With a snapshot the learner goes
     on stepping and publishing while the send is stuck: the versions in between are skipped and
-    the engine then gets the newest."""
+    the engine then gets the newest. The engine may hold one chunk it has not loaded
+    (`receive_ahead_mb`), so the send waits for it."""
     board = WeightStore()
-    learner = Learner(broadcast_sender(board, chunk_bytes=1024), snapshot=snapshot)
+    learner = Learner(broadcast_sender(board, chunk_bytes=1024, ahead_chunks=1), snapshot=snapshot)
     gate = threading.Event()
     engine = GatedEngine(model_dir, gate)
     try:
@@ -322,6 +323,35 @@ def test_the_parameters_stay_still_under_a_send(model_dir, snapshot):
                 assert_engine_has(engine, learner)
                 sent = [s["version"] for s in learner.publication.recent]
                 assert sent[0] == 1 and sent[1] == 2 and sent[-1] == 5 and len(sent) < 5, sent
+    finally:
+        gate.set()
+        learner.close()
+
+
+def test_a_slow_engine_down_the_chain_holds_up_neither_the_learner_nor_the_engines_before_it(model_dir):
+    """A chain of two engines whose last one is stuck in its load: while the version fits in what
+    an engine may hold ahead (`receive_ahead_mb`), the learner's send ends (the parameters are
+    free again: no snapshot here) and the first engine serves the version; the stuck one then gets
+    exactly the same weights."""
+    board = WeightStore()
+    learner = Learner(broadcast_sender(board, chunk_bytes=1024, ahead_chunks=10_000))
+    gate = threading.Event()
+    engines = {"a-fast": HFEngine(model_dir), "b-slow": GatedEngine(model_dir, gate)}
+    try:
+        with EngineThreads(board, engines) as threads, opened_at_exit(gate):
+            learner.step()
+            want = {k: v.clone() for k, v in learner.named().items()}
+            learner.publication.publish(learner.version)
+            assert engines["b-slow"].reading.wait(60)
+            wait_for(lambda: engines["a-fast"].version == 1 and learner.guard.readers == 0)
+            assert not gate.is_set() and engines["b-slow"].version < 1, "the slow engine is still stuck"
+            gate.set()
+            wait_live(board, 1)
+            wait_for(lambda: engines["b-slow"].version == 1)
+            for engine in engines.values():
+                got = engine.model.state_dict()
+                assert all(torch.equal(got[k], want[k]) for k in want)
+        assert not any(threads.errors.values()), threads.errors
     finally:
         gate.set()
         learner.close()
@@ -400,3 +430,16 @@ def test_folder_channel_keeps_every_version_a_reader_may_still_read(tmp_path, ca
     sender.send(5, state, lambda: None)
     assert on_disk() == [5] and "vanished held a version" in caplog.text
     assert board.latest()["version"] == 5 and torch.equal(resolve_weights(board.latest())["w"], state["w"])
+
+
+def test_the_broadcast_settings_resolve_by_backend():
+    """`auto`/None settings: gloo on CPU sends down a chain from a snapshot and lets an engine hold a
+    whole version ahead (host memory); nccl on GPU uses its own broadcast, no snapshot, and four
+    chunks ahead (device memory). Explicit settings win."""
+    from learner.config import BroadcastSync
+
+    assert BroadcastSync().resolved("cpu") == ("gloo", "chain", True, None)
+    assert BroadcastSync(bucket_mb=16).resolved("cuda:0") == ("nccl", "star", False, 64 * 2**20)
+    assert BroadcastSync(receive_ahead_mb=8, snapshot=False).resolved("cpu") == ("gloo", "chain", False, 8 * 2**20)
+    with pytest.raises(ValueError, match="receive_ahead_mb"):
+        BroadcastSync(receive_ahead_mb=0)
