@@ -38,6 +38,7 @@ import logging
 import os
 import shutil
 import struct
+import threading
 import time
 import zlib
 from collections import deque
@@ -210,7 +211,10 @@ class DurableLog:
         self.config = config
         self.path = Path(config.path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.fsyncs = 0
+        self._fsyncs = 0
+        self._background_fsyncs = 0  # counted by the background sync thread only
+        self._background: threading.Thread | None = None  # the `interval` sync in flight
+        self._background_error: OSError | None = None
         self.compactions = 0
         self.truncated_bytes = 0
         self.longest_compaction_lock_s = 0.0  # the longest the buffer's lock was held by a compaction
@@ -307,7 +311,8 @@ class DurableLog:
         """Close the full segment (synced: records naming it may be synced without it later) and
         start the next, its name made durable before any record can name it."""
         if self._segment_fd >= 0:
-            self._sync_segment()
+            os.fsync(self._segment_fd)  # even if not dirty: a background sync of it may not be done
+            self._segment_dirty = False
             os.close(self._segment_fd)
             self._segment += 1
         self.payloads.mkdir(exist_ok=True)
@@ -338,15 +343,53 @@ class DurableLog:
         else:
             self.sync_if_due()
 
+    @property
+    def fsyncs(self) -> int:
+        return self._fsyncs + self._background_fsyncs
+
     def sync_if_due(self) -> None:
-        if self._dirty and (time.monotonic() - self._last_sync) * 1000 >= self.config.fsync_interval_ms:
-            self.sync()
+        """`interval`: once due, the fsyncs run in a thread of their own, so the caller (the
+        request loop, under the buffer's lock) never waits for the disk. Safe with appends going
+        on meanwhile: the segment is synced before the log, so a record the log's sync may catch
+        that names a payload the segment's sync missed was written after the sync began: a crash
+        cuts the log there, losing only records of the interval `interval` may lose."""
+        self._raise_background_error()
+        if not self._dirty or (time.monotonic() - self._last_sync) * 1000 < self.config.fsync_interval_ms:
+            return
+        if self._background is not None and self._background.is_alive():
+            return  # one at a time: the next is due once this one is done
+        segment_fd = self.current_segment_handle() if self._segment_dirty else -1
+        log_fd = os.dup(self._fd)
+        self._dirty = self._segment_dirty = self._must_sync = False
+        self._last_sync = time.monotonic()
+        self._background = threading.Thread(target=self._sync_handles, args=(segment_fd, log_fd),
+                                            name="buffer-log-sync", daemon=True)
+        self._background.start()
+
+    def _sync_handles(self, segment_fd: int, log_fd: int) -> None:
+        try:
+            if segment_fd >= 0:
+                os.fsync(segment_fd)  # first: a synced record must not name bytes a crash can lose
+            os.fsync(log_fd)
+            self._background_fsyncs += 1
+        except OSError as err:  # raised on the request path by the next sync: the buffer stops
+            self._background_error = err
+        finally:
+            for fd in (segment_fd, log_fd):
+                if fd >= 0:
+                    os.close(fd)
+
+    def _raise_background_error(self) -> None:
+        if self._background_error is not None:
+            err, self._background_error = self._background_error, None
+            raise OSError(err.errno, f"buffer log {self.path}: a background fsync failed: {err.strerror}")
 
     def sync(self) -> None:
+        self._raise_background_error()
         if self._dirty:
             self._sync_segment()  # first: a synced record must not name bytes a crash can lose
             os.fsync(self._fd)
-            self.fsyncs += 1
+            self._fsyncs += 1
             self._dirty = False
         self._must_sync = False
         self._last_sync = time.monotonic()
@@ -391,6 +434,8 @@ class DurableLog:
         self.compactions += 1
 
     def close(self) -> None:
+        if self._background is not None:
+            self._background.join()
         if self._fd >= 0:
             self.sync()
             os.close(self._fd)

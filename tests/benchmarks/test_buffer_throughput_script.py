@@ -48,5 +48,8 @@ def test_large_mode_reports_throughput_compaction_stalls_and_memory():
     assert summary["mode"] == "large" and summary["group_mb"] == 1.77
     assert summary["compactions"] >= 1 and summary["raw_mb_per_s"] > 0 and summary["service_mb_per_s"] > 0
     assert abs(summary["ratio"] - summary["service_mb_per_s"] / summary["raw_mb_per_s"]) < 0.01
+    assert summary["relay_mb_per_s"] > 0
+    assert abs(summary["relay_ratio"] - summary["relay_mb_per_s"] / summary["raw_mb_per_s"]) < 0.01
+    assert abs(summary["service_over_relay"] - summary["service_mb_per_s"] / summary["relay_mb_per_s"]) < 0.01
     assert summary["memory_ratio"] > 0 and summary["push_p99_ms"] >= summary["push_p50_ms"]
     assert summary["raw_cpu_ms_per_mb"] > 0 and all(ms > 0 for ms in summary["cpu_ms_per_mb"].values())

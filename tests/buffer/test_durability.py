@@ -376,3 +376,63 @@ def test_compaction_syncs_the_payloads_it_names_before_the_new_log(tmp_path, mon
     new_log = path.stat().st_ino
     assert segment.stat().st_ino in synced and synced.index(segment.stat().st_ino) < synced.index(new_log)
     core.close()
+
+
+def test_interval_fsyncs_run_off_the_request_path(tmp_path, monkeypatch):
+    """`fsync: interval` with a disk that takes its time: while a due sync waits on the disk,
+    requests are answered (and no second sync starts); each sync does the payload segment before
+    the log; a background fsync that fails is raised on the request path at the next sync."""
+    import os
+    import time
+
+    path = tmp_path / "b.log"
+    core = core_with_log(path, batch_size=1, eta=None, fsync="interval", fsync_interval_ms=1)
+    disk, synced, real_fsync = threading.Semaphore(0), [], os.fsync
+
+    def slow_fsync(fd):
+        inode = os.fstat(fd).st_ino
+        assert disk.acquire(timeout=60), "the test never let the disk go on"
+        synced.append(inode)
+        real_fsync(fd)
+
+    permit = core.acquire_permit("w")
+    core.push_group(large_group(permit.ticket), permit.permit_id)  # opens the segment (its folder synced)
+    permits = [core.acquire_permit("w") for _ in range(3)]
+    settle_background_sync(core)
+    core.log.sync()  # nothing unsynced: the next sync is due to the pushes alone
+    before = core.stats()["log_fsyncs"]
+    monkeypatch.setattr(os, "fsync", slow_fsync)
+    time.sleep(0.01)  # only makes the 1 ms interval due; nothing waits on this
+    for permit in permits:  # the first starts the sync, which now waits on the disk; all are answered
+        core.push_group(large_group(permit.ticket), permit.permit_id)
+    assert core.stats()["log_fsyncs"] == before and synced == [], "the sync is still waiting on the disk"
+    disk.release(2)  # the segment's fsync, then the log's
+    deadline = time.monotonic() + 60
+    while core.stats()["log_fsyncs"] < before + 1:
+        assert time.monotonic() < deadline, "the background sync never finished"
+        time.sleep(0.005)
+    (segment,) = payloads_dir(path).glob("*.seg")
+    assert synced[:2] == [segment.stat().st_ino, path.stat().st_ino], "the payloads before the log"
+    disk.release(100)  # any later sync goes through
+    settle_background_sync(core)
+
+    def failing_fsync(fd):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(os, "fsync", failing_fsync)
+    time.sleep(0.01)
+    core.acquire_permit("w")  # due: starts a sync that fails in the background
+    settle_background_sync(core)
+    with pytest.raises(OSError, match="a background fsync failed"):
+        core.acquire_permit("w")
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    core.close()
+    again = core_with_log(path, batch_size=1, eta=None)
+    assert again.gate.accepted == 4
+
+
+def settle_background_sync(core) -> None:
+    """Wait (bounded) until no background fsync of the log is in flight."""
+    if core.log._background is not None:
+        core.log._background.join(60)
+        assert not core.log._background.is_alive(), "a background fsync never ended"
