@@ -74,8 +74,9 @@ class BroadcastSync(_WeightChannel):
     receive_ahead_mb: Optional[float] = Field(
         None, gt=0, description="how much of a version an engine may hold received but not yet forwarded "
         "and loaded (at least one chunk): the learner's send waits for a slower rank further down the chain "
-        "only once this much waits there. None: a whole version with gloo (host memory: at most one more "
-        "model copy per engine), 4 chunks with nccl (device memory)")
+        "only once this much waits there. None: a whole version with gloo (host memory: one more model copy "
+        "per engine, kept between versions, since new pages cost the kernel zeroing them), 4 chunks with "
+        "nccl (device memory)")
     address: Optional[str] = Field(
         None, description="the learner node's address the group binds to (None: its Ray node address)")
     ready_timeout_s: float = Field(

@@ -148,11 +148,14 @@ class ChunkAssembler:
     """Turns the stream's chunks, fed in order, into (name, tensor) pairs. A tensor that lies in
     one chunk is a view of that chunk's buffer (the buffer must not be reused while the consumer
     may hold it); one that spans chunks is assembled in its own tensor. An alias comes right after
-    the tensor it names again, as the same tensor."""
+    the tensor it names again, as the same tensor. `spare` (size -> buffers): assembly buffers a
+    finished version left, reused (`recycle`) instead of new memory."""
 
-    def __init__(self, layout: Layout, device: torch.device | str = "cpu"):
+    def __init__(self, layout: Layout, device: torch.device | str = "cpu", spare: dict | None = None):
         self.layout = layout
         self.device = device
+        self._spare = spare if spare is not None else {}
+        self._used: list[torch.Tensor] = []
         self._stored = layout.stored
         self._aliases: dict[str, list[str]] = {}
         for meta in layout.tensors:
@@ -170,7 +173,7 @@ class ChunkAssembler:
                 data = chunk[meta.offset - start : meta.end - start]
             else:
                 if self._partial is None:
-                    self._partial = torch.empty(meta.nbytes, dtype=torch.uint8, device=self.device)
+                    self._partial = self._buffer(meta.nbytes)
                 lo, hi = max(start, meta.offset), min(end, meta.end)
                 self._partial[lo - meta.offset : hi - meta.offset].copy_(chunk[lo - start : hi - start])
                 if meta.end > end:
@@ -181,6 +184,18 @@ class ChunkAssembler:
             yield meta.name, tensor
             for alias in self._aliases.get(meta.name, ()):
                 yield alias, tensor
+
+    def _buffer(self, nbytes: int) -> torch.Tensor:
+        spare = self._spare.get(nbytes)
+        buf = spare.pop() if spare else torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        self._used.append(buf)
+        return buf
+
+    def recycle(self) -> None:
+        """The consumer holds no tensor of this version any more: its assembly buffers are spare."""
+        for buf in self._used:
+            self._spare.setdefault(buf.numel(), []).append(buf)
+        self._used = []
 
     @property
     def complete(self) -> bool:

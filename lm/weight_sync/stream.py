@@ -8,8 +8,9 @@ Two topologies:
          1, 2, 4, ...: 3 times for 4 engines, measured by benchmarks/weight_sync.py).
   star:  the group's own broadcast of each chunk from rank 0. NCCL's broadcast pipelines over a
          ring or tree itself; gloo's is the binomial tree above.
-The sender keeps two chunk buffers in flight; a receiver gets a fresh buffer per chunk (its
-engine may hold views of a chunk while it loads, e.g. vLLM's layer-wise reload), receives in one
+The sender keeps two chunk buffers in flight; a receiver gets a buffer of its own per chunk (its
+engine may hold views of a chunk while it loads, e.g. vLLM's layer-wise reload; in host memory they
+are kept for the next version once the engine has loaded this one), receives in one
 thread and forwards in another, and holds at most `ahead` chunks not yet both forwarded and
 loaded: until then neither its engine nor the ranks after it hold up the ranks before it.
 """
@@ -64,13 +65,16 @@ class ReceiveStream:
     part-way must not stall the ranks after it."""
 
     def __init__(self, group, rank: int, world: int, layout: Layout, chunk_bytes: int, topology: str,
-                 device: torch.device | str = "cpu", ahead: int = 4):
+                 device: torch.device | str = "cpu", ahead: int = 4, spare: dict | None = None):
         if topology not in TOPOLOGIES:
             raise ValueError(f"unknown topology {topology!r}; expected one of {TOPOLOGIES}")
         self.group, self.rank, self.layout, self.topology, self.device = group, rank, layout, topology, device
         self.forward = topology == "chain" and rank < world - 1
         self.spans = layout.chunks(chunk_bytes)
-        self.assembler = ChunkAssembler(layout, device)
+        spare = spare if spare is not None else {"chunks": [], "assembly": {}}  # what a finished version left
+        self.assembler = ChunkAssembler(layout, device, spare["assembly"])
+        self._spare = spare["chunks"]
+        self._bases: list[torch.Tensor] = []  # the buffers this version's chunks went into
         self._slots = threading.BoundedSemaphore(max(1, ahead))  # chunks held: received, not yet let go
         self._chunks: queue.Queue = queue.Queue()  # for the engine: buffers, or a thread's error
         self._to_forward: queue.Queue = queue.Queue()
@@ -88,9 +92,29 @@ class ReceiveStream:
     def _post(self, k: int):
         self._slots.acquire()
         span = self.spans[k]
-        buf = torch.empty(span[1] - span[0], dtype=torch.uint8, device=self.device)
+        buf = self._buffer(span[1] - span[0])
         work = self.group.recv([buf], self.rank - 1, k) if self.topology == "chain" else _broadcast(self.group, buf)
         return buf, work
+
+    def _buffer(self, size: int) -> torch.Tensor:
+        """A buffer for one chunk: a spare one if it is big enough, else a new one of a full chunk
+        (reused memory: a fresh buffer costs the kernel zeroing every page, about 4x the copy)."""
+        while self._spare:
+            base = self._spare.pop()
+            if base.numel() >= size:
+                break
+        else:
+            full = self.spans[0][1] - self.spans[0][0]
+            base = torch.empty(max(size, full), dtype=torch.uint8, device=self.device)
+        self._bases.append(base)
+        return base[:size]
+
+    def recycle(self) -> None:
+        """The engine has loaded the version and holds no view of its chunks: their buffers (and
+        the assembler's) are kept for the next version."""
+        self._spare.extend(self._bases)
+        self._bases = []
+        self.assembler.recycle()
 
     def _release(self, k: int) -> None:
         """One holder of chunk k is done with it; its slot is free once both are (or the only one)."""

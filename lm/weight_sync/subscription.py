@@ -12,6 +12,8 @@ import threading
 import time
 import uuid
 
+import torch
+
 from lm.weight_sync.group import WeightGroup, call, node_address
 from lm.weight_sync.layout import Layout
 from lm.weight_sync.payloads import resolve_weights
@@ -27,6 +29,7 @@ class WeightSubscription:
         self.address = address
         self._group: WeightGroup | None = None  # of the last send this worker took part in
         self._pushed: bool | None = None  # unknown until a version is live
+        self._spare = {"chunks": [], "assembly": {}}  # receive buffers kept from the last version (host memory)
         call(board, "join", worker_id, self.session, int(have))  # `have`: the engine's version now
 
     def newest_version(self) -> int:
@@ -89,13 +92,18 @@ class WeightSubscription:
         rest of the stream (the ranks after this one get their version) and is reported."""
         version, layout, stream = int(go["version"]), Layout.from_wire(go["layout"]), None
         try:
+            device = getattr(engine, "weights_device", "cpu")
+            host = torch.device(device).type == "cpu"  # device memory is reused by its own allocator
             stream = ReceiveStream(self._group_of(go), go["rank"], go["world"], layout, go["chunk_bytes"],
-                                   go["topology"], getattr(engine, "weights_device", "cpu"),
-                                   ahead=max(1, go.get("ahead_bytes", 4 * go["chunk_bytes"]) // go["chunk_bytes"]))
+                                   go["topology"], device,
+                                   ahead=max(1, go.get("ahead_bytes", 4 * go["chunk_bytes"]) // go["chunk_bytes"]),
+                                   spare=self._spare if host else None)
             check_fits(engine, layout)
             engine.load_weights(version, iter(stream))
             if not stream.complete:
                 raise RuntimeError(f"the engine stopped reading weights v{version} part-way")
+            if host:
+                stream.recycle()
         except Exception as err:
             self._drain(stream)
             call(self.board, "done", self.worker_id, self.session, version, f"{type(err).__name__}: {err}")

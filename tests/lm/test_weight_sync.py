@@ -95,10 +95,12 @@ class EngineThreads:
         self.errors: dict[str, list[str]] = {name: [] for name in engines}
         self.threads = [threading.Thread(target=self._loop, args=(name,), daemon=True) for name in engines]
         self.joined = threading.Semaphore(0)
+        self.subscriptions: dict[str, WeightSubscription] = {}
 
     def _loop(self, name: str) -> None:
         engine = self.engines[name]
         subscription = WeightSubscription(self.board, name, engine.version)  # a member from now on
+        self.subscriptions[name] = subscription
         self.joined.release()
         while not self.stop.is_set():
             if name in self.paused and not self.paused[name].is_set():
@@ -187,13 +189,14 @@ def broadcast_sender(board, topology="chain", chunk_bytes=4096, ready_timeout_s=
 def test_broadcast_brings_every_engine_to_each_version(model_dir, topology):
     """Three engines, two versions in bfloat16, chunks much smaller than the embedding: every
     engine holds exactly the learner's weights (as cast), and the group formed for the first
-    version is reused for the second (same members)."""
+    version is reused for the second (same members), as are each engine's receive buffers (new
+    host memory for every version costs the kernel zeroing each page)."""
     board = WeightStore()
     learner = Learner(broadcast_sender(board, topology, dtype=torch.bfloat16))
     engines = {f"worker-{i}": HFEngine(model_dir) for i in range(3)}
     try:
         with EngineThreads(board, engines) as threads:
-            generations = []
+            generations, buffers = [], []
             for _ in range(2):
                 learner.step()
                 learner.publish_and_wait(board)
@@ -201,12 +204,22 @@ def test_broadcast_brings_every_engine_to_each_version(model_dir, topology):
                 for engine in engines.values():
                     assert engine.version == learner.version
                     assert_engine_has(engine, learner, torch.bfloat16)
+                buffers.append({name: spare_buffers(s) for name, s in threads.subscriptions.items()})
+            for name in engines:
+                assert buffers[0][name] and buffers[1][name] == buffers[0][name], "the same buffers, none new"
             stats = learner.publication.last
         assert not any(threads.errors.values()), threads.errors
         assert stats["engines"] == 3 and stats["version"] == 2 and stats["served_s"] >= stats["own_s"] > 0
         assert board.generation() == 1, "the same members keep their group"
     finally:
         learner.close()
+
+
+def spare_buffers(subscription: WeightSubscription) -> set[int]:
+    """Where the receive buffers a subscription keeps between versions live (chunks and the
+    assembly of tensors that span chunks)."""
+    spare = subscription._spare
+    return {b.data_ptr() for b in spare["chunks"]} | {b.data_ptr() for bs in spare["assembly"].values() for b in bs}
 
 
 def test_a_member_that_never_comes_is_named_left_out_and_catches_up(model_dir, caplog):
