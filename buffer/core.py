@@ -118,6 +118,10 @@ class BufferCore:
             self.log = DurableLog(config.log)
             for record in self.log.replay():
                 self._replay(record)
+            # The doubling rule counts from what the live state needs, not from the disk at open:
+            # segments a previous process filled with groups consumed since are reclaimed by the
+            # next compaction instead of waiting for the disk to double again.
+            self.log.base_bytes = self.log.size + sum(g.blob[2] for g in self.store.live_groups() if g.blob)
 
     # ---- the gate ---------------------------------------------------------------------------
 

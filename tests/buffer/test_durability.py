@@ -436,3 +436,33 @@ def settle_background_sync(core) -> None:
     if core.log._background is not None:
         core.log._background.join(60)
         assert not core.log._background.is_alive(), "a background fsync never ended"
+
+
+def test_a_restart_reclaims_the_segments_consumed_before_it_at_the_next_compaction(tmp_path):
+    """A process that never compacted leaves segments full of consumed groups; the next process
+    counts its doubling from what its live groups need, so its first ack compacts and deletes them
+    (counting from the disk at open would wait until the disk doubled again)."""
+    path = tmp_path / "b.log"
+    core = core_with_log(path, batch_size=1, eta=None, compact_min_bytes=10**12, segment_bytes=400_000)
+    for _ in range(9):  # 3 segments of consumed groups, no compaction
+        permit = core.acquire_permit("w")
+        core.push_group(large_group(permit.ticket), permit.permit_id)
+        core.ack(core.pull_batch(1).lease_id)
+    permit = core.acquire_permit("w")
+    core.push_group(large_group(permit.ticket), permit.permit_id)  # one live group, in a 4th segment
+    assert core.stats()["log_compactions"] == 0 and len(segment_files(path)) == 4
+    core.close()
+
+    again = core_with_log(path, batch_size=1, eta=None, compact_min_bytes=0, segment_bytes=400_000)
+    disk_at_open = again.stats()["log_bytes"]
+    permit = again.acquire_permit("w")
+    again.push_group(large_group(permit.ticket), permit.permit_id)
+    again.ack(again.pull_batch(1).lease_id)  # the live group from before the restart
+    assert again.wait_for_compaction(timeout=60) and again.stats()["log_compactions"] == 1
+    assert segment_files(path) == ["00000004.seg"], "the consumed ones are gone (4: the new live group)"
+    assert again.stats()["log_bytes"] < disk_at_open / 2
+    (group,) = again.store.ready.values()
+    again.close()
+    third = core_with_log(path, batch_size=1, eta=None)
+    assert [bytes(g.packed) for g in third.store.ready.values()] == [bytes(group.packed)]
+    third.close()
