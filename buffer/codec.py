@@ -387,6 +387,17 @@ def unpack_frames(packed) -> list[memoryview]:
     return frames
 
 
+def first_frame_span(first_bytes) -> tuple[int, int] | None:
+    """(start, end) of a packed group's first frame (its header) from the group's first bytes
+    (8 are enough to know where it ends), or None if they cannot say."""
+    view = memoryview(first_bytes).cast("B")
+    if view.nbytes < 8:
+        return None
+    count, size = struct.unpack_from("<2I", view)
+    table = 4 * (count + 1)
+    return (table + (-table % 8), table + (-table % 8) + size) if count else None
+
+
 def frames_nbytes(frames: Sequence) -> int:
     return sum(memoryview(f).nbytes for f in frames)
 

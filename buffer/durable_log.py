@@ -47,11 +47,13 @@ from typing import Iterable, Iterator
 
 import msgpack
 
+from buffer.codec import first_frame_span
 from buffer.config import LogConfig
 
 log = logging.getLogger(__name__)
 _HEAD = struct.Struct("<II")
 _COPY_CHUNK = 16 << 20  # bytes copied per read while a compaction catches up with the log's tail
+_READ_PIECE = 1 << 20  # bytes per read when a payload is checked, not kept
 _TAIL_UNDER_LOCK = 256 << 10  # a compaction takes the lock once the tail left to copy is this small
 _INLINE_BYTES = 64 << 10  # a group payload at least this big is written from its own buffer
 
@@ -133,22 +135,35 @@ def _segment_numbers(folder: Path) -> dict[int, int]:
     return {int(f.stem): f.stat().st_size for f in folder.glob("*.seg") if f.stem.isdigit()}
 
 
-def read_payload(folder: Path, blob: list) -> bytes | None:
-    """The bytes a `blob` reference names, or None if they are missing, short or corrupt."""
+def read_payload(folder: Path, blob: list, whole: bool = True) -> bytes | None:
+    """The bytes a `blob` reference names, or None if they are missing, short or corrupt.
+    `whole=False`: checked all the same (read in pieces), but only its first bytes are returned,
+    up to the end of the packed group's header frame."""
     number, offset, length, crc = blob
     try:
         with open(_segment_path(folder, number), "rb") as f:
             f.seek(offset)
-            data = f.read(length)
+            if whole:
+                data = f.read(length)
+                return data if len(data) == length and zlib.crc32(data) == crc else None
+            span = first_frame_span(f.read(8))
+            f.seek(offset)
+            head = f.read(min(length, span[1] if span else length))
+            seen, running = len(head), zlib.crc32(head)
+            while seen < length and (piece := f.read(min(_READ_PIECE, length - seen))):
+                seen += len(piece)
+                running = zlib.crc32(piece, running)
     except FileNotFoundError:
         return None
-    return data if len(data) == length and zlib.crc32(data) == crc else None
+    return head if seen == length and running == crc else None
 
 
-def iter_records(path: Path) -> Iterator[tuple[dict, int]]:
+def iter_records(path: Path, payloads: bool = True) -> Iterator[tuple[dict, int]]:
     """Each intact record of the file and the offset just after it, read as a stream; stops at
     the first torn or corrupt record. A `push` whose payload is in a segment comes with its bytes
-    (`group`) read back; one whose payload is not intact counts as torn."""
+    (`group`) read back; one whose payload is not intact counts as torn. `payloads=False` (a
+    reader that needs the groups' headers only, e.g. the audit): such a push comes with the
+    payload's first bytes (`group_head`, its header frame included) instead, checked the same."""
     if not path.exists():
         return
     folder = payloads_dir(path)
@@ -161,8 +176,9 @@ def iter_records(path: Path) -> Iterator[tuple[dict, int]]:
                 return
             record = msgpack.unpackb(body, raw=False)
             if "blob" in record:
-                record["group"] = read_payload(folder, record["blob"])
-                if record["group"] is None:
+                key = "group" if payloads else "group_head"
+                record[key] = read_payload(folder, record["blob"], whole=payloads)
+                if record[key] is None:
                     log.warning("buffer log %s: the payload of the record at byte %d is missing or corrupt (%s)",
                                 path, offset, record["blob"])
                     return
@@ -177,10 +193,11 @@ def _intact_length(path: Path) -> int:
     return end
 
 
-def read_records(path: Path) -> tuple[list[dict], int]:
-    """All intact records and the byte length they span (anything after is a torn tail)."""
+def read_records(path: Path, payloads: bool = True) -> tuple[list[dict], int]:
+    """All intact records and the byte length they span (anything after is a torn tail);
+    `payloads` as for `iter_records`."""
     records, end = [], 0
-    for record, end in iter_records(path):
+    for record, end in iter_records(path, payloads):
         records.append(record)
     return records, end
 

@@ -26,7 +26,7 @@ from typing import Iterable
 
 import msgpack
 
-from buffer.codec import unpack, unpack_frames
+from buffer.codec import first_frame_span, unpack, unpack_frames
 from buffer.durable_log import read_records, settled_path
 
 
@@ -72,7 +72,16 @@ def read_run_log(run_dir: str | Path) -> list[Consumption]:
 def read_buffer_log(path: str | Path) -> list[dict]:
     """The records of a buffer's durable log (a torn tail is ignored, as replay does), preceded
     by its settled archive: the acks and drops that compactions removed from the log."""
-    return read_records(settled_path(path))[0] + read_records(Path(path))[0]
+    return read_records(settled_path(path))[0] + read_records(Path(path), payloads=False)[0]
+
+
+def group_header(push: dict) -> dict:
+    """The group header of a `push` record: from its payload, or from the first bytes of a
+    payload kept in a log segment (`group_head`: the header frame, not the samples)."""
+    if "group_head" in push:
+        start, end = first_frame_span(push["group_head"])
+        return unpack(memoryview(push["group_head"])[start:end])
+    return unpack(unpack_frames(push["group"])[0])
 
 
 def read_checkpoint_buffer(checkpoint: str | Path, name: str = "buffer.msgpack") -> list[dict]:
@@ -122,7 +131,7 @@ def replay(records: Iterable[dict]) -> BufferHistory:
             if ticket is not None:
                 h.quarantined.add(ticket)
         elif op == "push":
-            header = unpack(unpack_frames(r["group"])[0])
+            header = group_header(r)
             gid, ticket = header["group_id"], header["prompt_index"]
             if gid in h.pushed:
                 h.pushed_twice.append(gid)

@@ -314,10 +314,32 @@ def test_a_payload_lost_or_corrupt_in_its_segment_cuts_the_log_there(tmp_path):
     data = bytearray(segment.read_bytes())
     data[-10] ^= 0xFF  # the second group's payload, as a crash mid-write may leave it
     segment.write_bytes(bytes(data))
+    whole, heads = read_records(path)[0], read_records(path, payloads=False)[0]
+    assert [r["op"] for r in heads] == [r["op"] for r in whole], "a reader of headers cuts at the same record"
     again = core_with_log(path)
     assert again.log.truncated_bytes > 0, "the record naming the bad payload is cut as a torn tail"
     assert again.stats()["groups_ready"] == 1 and again.gate.accepted == 1
     again.close()
+
+
+def test_a_reader_of_group_headers_gets_them_without_the_samples(tmp_path):
+    """The audit reads a log for its groups' headers: a push whose payload is in a segment comes
+    with the payload's first bytes only (checked whole all the same), and its header reads the
+    same as from the whole payload."""
+    from services.audit import group_header
+
+    path = tmp_path / "b.log"
+    core = core_with_log(path)
+    for _ in range(2):
+        permit = core.acquire_permit("w")
+        core.push_group(large_group(permit.ticket), permit.permit_id)
+    core.close()
+    whole = [r for r in read_records(path)[0] if r["op"] == "push"]
+    heads = [r for r in read_records(path, payloads=False)[0] if r["op"] == "push"]
+    assert len(heads) == 2 and all("group" not in r and len(r["group_head"]) < 4096 for r in heads)
+    assert all(len(r["group"]) > 100_000 for r in whole)
+    assert [group_header(r) for r in heads] == [group_header(r) for r in whole]
+    assert [group_header(r)["prompt_index"] for r in heads] == [0, 1]
 
 
 def test_a_restore_writes_large_payloads_to_segments(tmp_path):
