@@ -369,9 +369,13 @@ class DurableLog:
         request loop, under the buffer's lock) never waits for the disk. Safe with appends going
         on meanwhile: the segment is synced before the log, so a record the log's sync may catch
         that names a payload the segment's sync missed was written after the sync began: a crash
-        cuts the log there, losing only records of the interval `interval` may lose."""
+        cuts the log there, losing only records of the interval `interval` may lose. (`always`:
+        what is due here is records no answer waits for, synced at once as before.)"""
         self._raise_background_error()
         if not self._dirty or (time.monotonic() - self._last_sync) * 1000 < self.config.fsync_interval_ms:
+            return
+        if self.config.fsync == "always":
+            self.sync()
             return
         if self._background is not None and self._background.is_alive():
             return  # one at a time: the next is due once this one is done
