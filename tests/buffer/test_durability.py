@@ -256,6 +256,12 @@ def large_group(ticket: int, version: int = 0):
     return encode_group(make_group(ticket, version=version, n=4, tokens=3000))
 
 
+def push_large(core) -> None:
+    """Take a permit and push a large group under it."""
+    permit = core.acquire_permit("w")
+    core.push_group(large_group(permit.ticket), permit.permit_id)
+
+
 def segment_files(path):
     return sorted(f.name for f in payloads_dir(path).glob("*.seg"))
 
@@ -269,8 +275,7 @@ def test_large_payloads_live_in_segments_that_compaction_drops_once_consumed(tmp
     core = core_with_log(path, batch_size=1, eta=None, **settings)
     pinned = None
     for i in range(18):
-        permit = core.acquire_permit("w")
-        core.push_group(large_group(permit.ticket), permit.permit_id)
+        push_large(core)
         batch = core.pull_batch(1)
         if pinned is None:
             pinned = batch  # the first group stays leased: its segment must stay
@@ -291,13 +296,11 @@ def test_large_payloads_live_in_segments_that_compaction_drops_once_consumed(tmp
     again.ack(pinned.lease_id)
     compactions = again.stats()["log_compactions"]
     while again.stats()["log_compactions"] < compactions + 2:  # writes start compactions (the first may
-        permit = again.acquire_permit("w")                     # have snapshotted before the ack)
-        again.push_group(large_group(permit.ticket), permit.permit_id)
+        push_large(again)                                      # have snapshotted before the ack)
         again.ack(again.pull_batch(1).lease_id)
         assert again.wait_for_compaction(timeout=60)
     assert "00000000.seg" not in segment_files(path), "a fully consumed segment is deleted"
-    permit = again.acquire_permit("w")
-    again.push_group(large_group(permit.ticket), permit.permit_id)
+    push_large(again)
     pushes = [r for r in read_records(path)[0] if r["op"] == "push"]
     assert pushes and all("blob" in r and len(r["group"]) > 100_000 for r in pushes), "read back with payloads"
     again.close()
@@ -307,8 +310,7 @@ def test_a_payload_lost_or_corrupt_in_its_segment_cuts_the_log_there(tmp_path):
     path = tmp_path / "b.log"
     core = core_with_log(path)
     for _ in range(2):
-        permit = core.acquire_permit("w")
-        core.push_group(large_group(permit.ticket), permit.permit_id)
+        push_large(core)
     core.close()
     (segment,) = payloads_dir(path).glob("*.seg")
     data = bytearray(segment.read_bytes())
@@ -331,8 +333,7 @@ def test_a_reader_of_group_headers_gets_them_without_the_samples(tmp_path):
     path = tmp_path / "b.log"
     core = core_with_log(path)
     for _ in range(2):
-        permit = core.acquire_permit("w")
-        core.push_group(large_group(permit.ticket), permit.permit_id)
+        push_large(core)
     core.close()
     whole = [r for r in read_records(path)[0] if r["op"] == "push"]
     heads = [r for r in read_records(path, payloads=False)[0] if r["op"] == "push"]
@@ -345,8 +346,7 @@ def test_a_reader_of_group_headers_gets_them_without_the_samples(tmp_path):
 def test_a_restore_writes_large_payloads_to_segments(tmp_path):
     source = BufferCore(BufferConfig(gate=GateConfig(batch_size=1, eta=None, max_concurrent=8)))
     for _ in range(3):
-        permit = source.acquire_permit("w")
-        source.push_group(large_group(permit.ticket), permit.permit_id)
+        push_large(source)
     records = source.snapshot_records(keep_in_flight=False)
     target = core_with_log(tmp_path / "b.log", batch_size=1, eta=None)
     target.restore(records)
@@ -361,11 +361,9 @@ def test_a_restore_writes_large_payloads_to_segments(tmp_path):
 def test_a_log_kept_as_previous_moves_with_its_archive_and_segments(tmp_path):
     path = tmp_path / "b.log"
     core = core_with_log(path, batch_size=1, eta=None, compact_min_bytes=0)
-    permit = core.acquire_permit("w")
-    core.push_group(large_group(permit.ticket), permit.permit_id)
+    push_large(core)
     core.ack(core.pull_batch(1).lease_id)
-    permit = core.acquire_permit("w")
-    core.push_group(large_group(permit.ticket), permit.permit_id)
+    push_large(core)
     assert core.wait_for_compaction(timeout=60)
     core.close()
     previous = keep_as_previous(path)
@@ -389,8 +387,7 @@ def test_compaction_syncs_the_payloads_it_names_before_the_new_log(tmp_path, mon
     synced, real_fsync = [], os.fsync
     monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.fstat(fd).st_ino), real_fsync(fd))[1])
     for _ in range(3):
-        permit = core.acquire_permit("w")
-        core.push_group(large_group(permit.ticket), permit.permit_id)
+        push_large(core)
     (segment,) = payloads_dir(path).glob("*.seg")
     assert segment.stat().st_ino not in synced, "the interval has not synced the payloads"
     core.ack(core.pull_batch(1).lease_id)  # starts a compaction whose snapshot names the other two
@@ -417,8 +414,7 @@ def test_interval_fsyncs_run_off_the_request_path(tmp_path, monkeypatch):
         synced.append(inode)
         real_fsync(fd)
 
-    permit = core.acquire_permit("w")
-    core.push_group(large_group(permit.ticket), permit.permit_id)  # opens the segment (its folder synced)
+    push_large(core)  # opens the segment (its folder synced)
     permits = [core.acquire_permit("w") for _ in range(3)]
     settle_background_sync(core)
     core.log.sync()  # nothing unsynced: the next sync is due to the pushes alone
@@ -467,18 +463,15 @@ def test_a_restart_reclaims_the_segments_consumed_before_it_at_the_next_compacti
     path = tmp_path / "b.log"
     core = core_with_log(path, batch_size=1, eta=None, compact_min_bytes=10**12, segment_bytes=400_000)
     for _ in range(9):  # 3 segments of consumed groups, no compaction
-        permit = core.acquire_permit("w")
-        core.push_group(large_group(permit.ticket), permit.permit_id)
+        push_large(core)
         core.ack(core.pull_batch(1).lease_id)
-    permit = core.acquire_permit("w")
-    core.push_group(large_group(permit.ticket), permit.permit_id)  # one live group, in a 4th segment
+    push_large(core)  # one live group, in a 4th segment
     assert core.stats()["log_compactions"] == 0 and len(segment_files(path)) == 4
     core.close()
 
     again = core_with_log(path, batch_size=1, eta=None, compact_min_bytes=0, segment_bytes=400_000)
     disk_at_open = again.stats()["log_bytes"]
-    permit = again.acquire_permit("w")
-    again.push_group(large_group(permit.ticket), permit.permit_id)
+    push_large(again)
     again.ack(again.pull_batch(1).lease_id)  # the live group from before the restart
     assert again.wait_for_compaction(timeout=60) and again.stats()["log_compactions"] == 1
     assert segment_files(path) == ["00000004.seg"], "the consumed ones are gone (4: the new live group)"
