@@ -60,6 +60,10 @@ class StoreConfig(_Strict):
     remembered_settled_groups: int = Field(
         100_000, ge=1, description="consumed or dropped groups whose ids are kept (about 100 bytes each) so a "
         "retried push of one is answered as a duplicate; a push retried later is refused as unknown_permit")
+    max_bytes: int = Field(
+        8 << 30, ge=1, description="bytes of packed groups held (ready + leased); a push beyond is refused "
+        "(store_full) and no permit is granted while the store is full: accepted data is never dropped. The group "
+        "count alone let a few large groups fill the machine's memory")
 
 
 class LogConfig(_Strict):
@@ -103,6 +107,22 @@ class CurveConfig(_Strict):
         None, description="the key the run's rollout workers use (role worker); None: client_secret_key_file")
 
 
+class PerClientLimits(_Strict):
+    """What one client may hold, so no client can take the buffer from the others. A client is one
+    connection (its ZMQ routing identity) for permits and waiting requests; for the version, one
+    CURVE key (with role folders) or, without, every keyless client together: a client that
+    reconnects must not get a fresh budget."""
+
+    max_permits: int = Field(64, ge=1, description="permits one connection may hold at once; a request beyond gets "
+                             "fewer permits, or is refused (too_many_permits) when it holds this many")
+    max_waiting: int = Field(16, ge=1, description="long polls (acquire, pull) one connection may have parked; more "
+                             "are refused (too_many_waiting); the run's clients park one at a time")
+    version_rate_per_s: float = Field(
+        1.0, gt=0, description="the learner version's rise per client is a token bucket: max_version_jump tokens "
+        "(a resume's burst), refilled at this rate and by one token per batch the client acks (the learner's pace: "
+        "one version per consumed batch); a rise beyond the tokens is refused (version_jump)")
+
+
 class ClientConfig(_Strict):
     request_timeout_s: float = Field(10.0, gt=0)
     retries: int = Field(5, ge=0)
@@ -116,6 +136,10 @@ class BufferConfig(_Strict):
     transport: Literal["zmq", "ray"] = "zmq"
     host: str = "127.0.0.1"
     port: int = Field(5557, ge=0, le=65535)
+    ipc_path: Path | None = Field(
+        None, description="serve on this Unix socket instead of host:port (one-node runs): its folder must be "
+        "yours and mode 0700 (checked at bind), so file permissions keep other local users out. The run's "
+        "supervisor uses one in RUN_DIR when CURVE is off; `etarl buffer serve` keeps tcp on host:port unless set")
     allow_remote_without_auth: bool = False
     max_version_jump: int = Field(
         16, ge=1, description="set_version (or an ack with a version) and recover may move the learner version "
@@ -125,6 +149,7 @@ class BufferConfig(_Strict):
     log: LogConfig = LogConfig()
     limits: SampleLimits = SampleLimits()
     curve: CurveConfig = CurveConfig()
+    per_client: PerClientLimits = PerClientLimits()
     client: ClientConfig = ClientConfig()
 
     @model_validator(mode="after")
@@ -147,6 +172,8 @@ class BufferConfig(_Strict):
 
     @property
     def endpoint(self) -> str:
+        if self.ipc_path is not None:
+            return f"ipc://{self.ipc_path}"
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"tcp://{host}:{self.port}"
 

@@ -14,7 +14,7 @@ timeout 0 and parks waiting requests itself.
 `stats()` keys (gauges unless marked counter; counters count since this process started, except
 the gate's, which are restored from the log):
   version                      learner weight version i
-  eta, batch_size, max_concurrent, store_capacity_groups   settings
+  eta, batch_size, max_concurrent, store_capacity_groups, store_max_bytes   settings
   capacity                     permits grantable now: the η formula, within the store's free room
   running                      permits held (generations in flight)
   enqueued                     acquire requests waiting for capacity
@@ -102,7 +102,8 @@ class BufferCore:
         self.gate = AdmissionGate(g.batch_size, g.initial_eta, g.max_concurrent, g.permit_lease_s,
                                   config.max_version_jump)
         self.store = GroupStore(config.store.capacity_groups, config.store.lease_s,
-                                remembered_settled=config.store.remembered_settled_groups)
+                                remembered_settled=config.store.remembered_settled_groups,
+                                max_bytes=config.store.max_bytes)
         self.enqueued = 0
         self._pending_dropped = 0
         self._settled: list[dict] = []  # ack and drop records since the last compaction (to archive)
@@ -266,7 +267,7 @@ class BufferCore:
             views, duplicate = [c[0] for c in checked], [c[1] for c in checked]
             fresh = [(v, permit_id, p) for v, permit_id, p, dup in zip(views, permit_ids, packed, duplicate) if not dup]
             _check_distinct(fresh)
-            self.store.check_room(len(fresh))
+            self.store.check_room(len(fresh), sum(memoryview(data).nbytes for _, _, data in fresh))
             for view, permit_id, data in fresh:
                 self._accept(view, permit_id, data)
             self.counters.duplicate_pushes += sum(duplicate)
@@ -452,6 +453,7 @@ class BufferCore:
             return {
                 "version": gate.version, "eta": gate.eta, "batch_size": gate.batch_size,
                 "max_concurrent": gate.max_concurrent, "store_capacity_groups": store.capacity_groups,
+                "store_max_bytes": store.max_bytes,
                 "capacity": self.capacity(), "running": gate.running, "enqueued": self.enqueued,
                 "accepted": gate.accepted, "rejected": gate.rejected,
                 "permits_released": gate.released, "permits_reclaimed": gate.reclaimed,

@@ -2,30 +2,131 @@
 
 The child is a fresh interpreter (`python -m MODULE ARGS...`), not a fork (unsafe in threaded
 Ray/vLLM processes) nor a multiprocessing spawn (which re-imports the caller's main script).
-Requests go to its stdin and replies come back on a private copy of its stdout (the user code's
-prints go to stderr), as pickled messages, one request at a time. A child that hangs is killed
-by its parent (`kill`) and started afresh on the next request.
+Requests go to its stdin (pickled: the parent trusts what it sends itself) and replies come back
+on a private copy of its stdout (the user code's prints go to stderr), one request at a time.
+The child runs user code, so nothing it says is trusted:
+  - replies are msgpack, plain data only (no ext types), at most MAX_REPLY_BYTES; the parent never
+    unpickles a byte the child sends (unpickling runs code). Anything else is `BadChildReply`.
+  - it starts with a scrubbed environment (`child_environment`: an allow-list, so the CURVE keys,
+    tokens and cloud credentials of the worker's environment never reach it).
+  - it may run under limits (`ChildLimits`): CPU seconds per request (RLIMIT_CPU: SIGXCPU ends
+    the child) and address space (RLIMIT_AS: allocations past it fail with MemoryError), set by
+    the child itself before it imports the user's module.
+A child that hangs is killed by its parent (`kill`) and started afresh on the next request.
 """
 from __future__ import annotations
 
+import json
+import math
 import os
+import resource
+import signal
 import subprocess
 import sys
 from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from typing import Any
+
+import msgpack
+
+MAX_REPLY_BYTES = 16 * 2**20  # an environment's observation is at most 1M characters (4 MB of UTF-8)
+# What a child may see of its parent's environment: what Python, locales and thread pools need.
+ENV_ALLOWED = ("PATH", "HOME", "LANG", "LANGUAGE", "TZ", "TMPDIR", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
+               "OPENBLAS_NUM_THREADS", "TOKENIZERS_PARALLELISM")
+ENV_ALLOWED_PREFIXES = ("LC_",)
+_LIMITS_ENV = "ETARL_CHILD_LIMITS"  # how the parent hands the limits to the child (removed there)
 
 
 class ChildStartFailed(RuntimeError):
-    """The child did not say "ready" within its start timeout (it is killed)."""
+    """The child did not say "ready" within its start timeout (it is killed), or exited first."""
+
+
+class BadChildReply(OSError):
+    """The child sent something that is not a plain-data msgpack message (refused). An
+    OSError, so a caller that treats a broken pipe as a dead child does the same here."""
+
+
+@dataclass(frozen=True)
+class ChildLimits:
+    """Resource limits a child sets on itself. cpu_s: CPU seconds per request (all its threads;
+    rounded up to whole seconds, RLIMIT_CPU's unit); memory_mb: address space of the process
+    (the interpreter and the user's imports included). None: no limit."""
+
+    cpu_s: float | None = None
+    memory_mb: int | None = None
+
+    def describe(self) -> str:
+        parts = ([f"{self.cpu_s:g} CPU seconds"] if self.cpu_s else []) + \
+                ([f"{self.memory_mb} MB of memory"] if self.memory_mb else [])
+        return ", ".join(parts) or "no limits"
+
+
+def child_environment(extra_pythonpath: list[str] | None = None) -> dict[str, str]:
+    """The environment a child starts with: the allow-listed names of this process's environment,
+    PYTHONPATH = this process's sys.path (so the child imports what the parent can: the user's
+    module, the job's py_modules), one thread per pool unless set."""
+    env = {k: v for k, v in os.environ.items() if k in ENV_ALLOWED or k.startswith(ENV_ALLOWED_PREFIXES)}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [*(extra_pythonpath or []), *sys.path] if p)
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        env.setdefault(name, "1")  # one request at a time: a thread pool per core buys nothing
+    return env
+
+
+def _refuse_ext(code: int, data: bytes):
+    raise ValueError(f"msgpack extension type {code} (only plain data is accepted)")
+
+
+def decode_reply(data: bytes) -> Any:
+    """A child's reply as plain data (dicts, lists, str, bytes, numbers, bool, None); BadChildReply
+    if it is not exactly one msgpack message of those."""
+    try:
+        return msgpack.unpackb(data, raw=False, strict_map_key=False, ext_hook=_refuse_ext,
+                               timestamp=2)  # msgpack's one built-in ext (a timestamp) as plain int nanoseconds
+    except (ValueError, TypeError, msgpack.UnpackException) as err:  # ExtraData, FormatError, StackError,
+        # the ext refusal; TypeError: an unhashable map key
+        raise BadChildReply(f"not plain data (one msgpack message); refused: {type(err).__name__}: "
+                            f"{str(err)[:120]}") from None
+
+
+class _Replies:
+    """The parent's end of the reply pipe: poll, recv (decoded msgpack) and fileno (so
+    `multiprocessing.connection.wait` takes it, as the environment pool does)."""
+
+    def __init__(self, fd: int) -> None:
+        from multiprocessing.connection import Connection
+
+        self._conn = Connection(fd, writable=False)
+
+    def fileno(self) -> int:
+        return self._conn.fileno()
+
+    def poll(self, timeout: float) -> bool:
+        return self._conn.poll(timeout)
+
+    def recv(self) -> Any:
+        """The next reply; EOFError if the child died, BadChildReply if it is not plain data or
+        longer than MAX_REPLY_BYTES."""
+        try:
+            data = self._conn.recv_bytes(MAX_REPLY_BYTES)
+        except OSError as err:
+            if "bad message length" in str(err):  # the length prefix says more than we accept
+                raise BadChildReply(f"longer than {MAX_REPLY_BYTES} bytes; refused unread") from None
+            raise
+        return decode_reply(data)
+
+    def close(self) -> None:
+        self._conn.close()
 
 
 class ChildProcess:
     """One `python -m module args...` child that answers requests over pipes."""
 
-    def __init__(self, module: str, args: list[str], start_timeout_s: float = 60.0) -> None:
+    def __init__(self, module: str, args: list[str], start_timeout_s: float = 60.0,
+                 limits: ChildLimits | None = None) -> None:
         self.module = module
         self.args = list(args)
         self.start_timeout_s = start_timeout_s
+        self.limits = limits or ChildLimits()
         self._proc: subprocess.Popen | None = None
         self._send = self.connection = None
 
@@ -38,11 +139,12 @@ class ChildProcess:
         start at once this way."""
         from multiprocessing.connection import Connection
 
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        env = child_environment()
+        env[_LIMITS_ENV] = json.dumps(asdict(self.limits))
         self._proc = subprocess.Popen([sys.executable, "-m", self.module, *self.args],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         self._send = Connection(os.dup(self._proc.stdin.fileno()), readable=False)
-        self.connection = Connection(os.dup(self._proc.stdout.fileno()), writable=False)
+        self.connection = _Replies(os.dup(self._proc.stdout.fileno()))
         self._proc.stdin.close()
         self._proc.stdout.close()
 
@@ -50,12 +152,13 @@ class ChildProcess:
         """Wait (start_timeout_s: starting Python is slow on a loaded machine) for the child's
         "ready"; ChildStartFailed (the child is killed) if it does not come."""
         try:
-            ready = self.connection.poll(self.start_timeout_s) and self.connection.recv()[0] == "ready"
+            ready = self.connection.poll(self.start_timeout_s) and self.connection.recv() == ["ready", None]
         except (EOFError, OSError):
             ready = False
         if not ready:
+            why = self.exit_reason() or f"did not start in {self.start_timeout_s}s"
             self.kill()
-            raise ChildStartFailed(f"{self.module} {' '.join(self.args)[:80]} did not start in {self.start_timeout_s}s")
+            raise ChildStartFailed(f"{self.module} {' '.join(self.args)[:80]} {why}")
 
     def ensure_started(self) -> None:
         if not self.alive:
@@ -67,10 +170,27 @@ class ChildProcess:
         self._send.send(message)
 
     def reply(self, timeout_s: float) -> Any:
-        """The next reply; TimeoutError if none comes within timeout_s, EOFError if the child died."""
+        """The next reply; TimeoutError if none comes within timeout_s, EOFError if the child died,
+        BadChildReply if it is not plain data."""
         if not self.connection.poll(timeout_s):
             raise TimeoutError(f"no reply within {timeout_s}s")
         return self.connection.recv()
+
+    def exit_reason(self, wait_s: float = 1.0) -> str:
+        """Why the child ended ("exited with code 3", "was killed by SIGXCPU (over its limit of 2
+        CPU seconds)"), "" if it still runs after wait_s (its pipe may close just before it exits)."""
+        if self._proc is None:
+            return ""
+        try:
+            code = self._proc.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            return ""
+        if code >= 0:
+            return f"exited with code {code}"
+        name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else str(-code)
+        if -code == signal.SIGXCPU:
+            return f"was killed by {name} (over its limit of {self.limits.describe()})"
+        return f"was killed by {name}"
 
     def kill(self) -> None:
         if self._proc is not None:
@@ -82,19 +202,52 @@ class ChildProcess:
         self._proc = self._send = self.connection = None
 
 
+def _apply_limits() -> ChildLimits:
+    """The child's side of ChildLimits: no core files (a CPU kill would write one), the address
+    space capped. Returns the limits (RLIMIT_CPU is set per request, by `_cpu_budget`)."""
+    limits = ChildLimits(**json.loads(os.environ.pop(_LIMITS_ENV, "{}")))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    if limits.memory_mb:
+        size = limits.memory_mb * 2**20
+        resource.setrlimit(resource.RLIMIT_AS, (size, size))
+    return limits
+
+
+def _cpu_budget(cpu_s: float) -> None:
+    """Allow cpu_s more CPU seconds from now. RLIMIT_CPU counts the process's whole life, so the
+    soft limit moves up before each request; the hard limit stays (an unprivileged process cannot
+    raise it again), so this bounds runaway code, not code that raises its own soft limit."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    soft = math.ceil(usage.ru_utime + usage.ru_stime + cpu_s)
+    _, hard = resource.getrlimit(resource.RLIMIT_CPU)
+    resource.setrlimit(resource.RLIMIT_CPU, (soft if hard == resource.RLIM_INFINITY else min(soft, hard), hard))
+
+
+def _pack(reply: Any) -> bytes:
+    """A reply as msgpack; a reply that is not plain data becomes ("bad", why), so the user code's
+    mistake fails its request, not the child."""
+    try:
+        return msgpack.packb(reply, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as err:
+        return msgpack.packb(["bad", f"replied with something that is not plain data (msgpack): {err}"[:300]])
+
+
 def serve(make_handler: Callable[[], Callable[[Any], Any]]) -> None:
-    """The child's side: build the handler (an import error ends the child before "ready"), then
-    answer each request with `handler(request)` until the parent closes the pipe."""
+    """The child's side: set the limits, build the handler (an import error ends the child before
+    "ready"), then answer each request with `handler(request)` until the parent closes the pipe."""
     from multiprocessing.connection import Connection
 
+    limits = _apply_limits()
     replies = Connection(os.dup(1), readable=False)
     os.dup2(2, 1)
     requests = Connection(os.dup(0), writable=False)
     handler = make_handler()
-    replies.send(("ready", None))
+    replies.send_bytes(_pack(["ready", None]))
     while True:
         try:
             message = requests.recv()
         except EOFError:
             return
-        replies.send(handler(message))
+        if limits.cpu_s:
+            _cpu_budget(limits.cpu_s)
+        replies.send_bytes(_pack(handler(message)))

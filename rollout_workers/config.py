@@ -123,6 +123,12 @@ class RolloutConfig(_Strict):
                         "solution_str, ground_truth, extra_info=None), sync or async; not used by multi-turn "
                         "rollouts (their environment gives the rewards)")
     reward_timeout_s: float = Field(5.0, gt=0)
+    reward_cpu_s: float | None = Field(
+        10.0, gt=0, description="CPU seconds the reward process may use per response (all its threads; past it "
+        "the response scores failure_reward and the process is replaced); null: no limit")
+    reward_memory_mb: int | None = Field(
+        4096, gt=0, description="address space of the reward process in MB (the interpreter and its imports "
+        "included; an allocation past it fails the response); null: no limit")
     groups_per_batch: int = Field(
         4, ge=1, description="permits taken at once (when free) and generated in one engine batch")
     interrupt_on_update: bool = Field(

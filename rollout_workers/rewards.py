@@ -12,7 +12,9 @@ in the Ray job's runtime environment (`reward_py_modules`); a file reward is loa
 else, on a node without that path, as the module of the same name shipped that way.
 `RewardRunner` calls the function in a child process with a per-response timeout: a reward that
 hangs, crashes, kills its process or returns a non-number is scored `failure_reward`, counted,
-and the child is replaced, so the worker never stalls.
+and the child is replaced, so the worker never stalls. The child sees only an allow-listed
+environment (no keys or tokens of the worker's), answers in plain data (msgpack, never a pickle)
+and runs under a CPU-time and a memory limit; one over them fails its response the same way.
 """
 from __future__ import annotations
 
@@ -32,13 +34,15 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from rollout_workers.child_process import ChildProcess, ChildStartFailed, serve
+from rollout_workers.child_process import BadChildReply, ChildLimits, ChildProcess, ChildStartFailed, serve
 from rollout_workers.data.problems import Problem
 
 RewardFn = Callable[[str, str], float]
 PLAIN_FORM = "fn(response, answer) -> float"
 VERL_FORM = "compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float | dict"
 VERL_ARGS = ("data_source", "solution_str", "ground_truth", "extra_info")
+DEFAULT_CPU_S = 10.0  # CPU seconds per response: a reward's threads and runaway code, past the wall timeout
+DEFAULT_MEMORY_MB = 4096  # address space of the reward process (the interpreter and torch take ~0.7 GB)
 MAX_REWARD_METRICS = 16  # metrics a reward may add per sample (they ride in the sample's metadata)
 _RESERVED_METRICS = ("score", "mean", "std")  # the reward itself, and the learner's reward/mean, reward/std
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
@@ -271,15 +275,29 @@ def _reward_handler():
     return handle
 
 
+def _checked_reply(value: Any) -> Scored:
+    """An "ok" reply of the reward process as a Scored: the child runs user code, so its reply is
+    checked again here (a finite reward, at most MAX_REWARD_METRICS finite metrics)."""
+    if not (isinstance(value, list) and len(value) == 2 and is_finite_number(value[0])
+            and isinstance(value[1], dict) and len(value[1]) <= MAX_REWARD_METRICS
+            and all(isinstance(k, str) and is_finite_number(v) for k, v in value[1].items())):
+        raise BadRewardValue(f"answered {value!r:.120}, not (reward, metrics)")
+    return Scored(float(value[0]), {k: float(v) for k, v in value[1].items()})
+
+
 class RewardRunner:
     """Scores responses in a child process (`rollout_workers.child_process`), one response at a
-    time, each within timeout_s."""
+    time, each within timeout_s, cpu_s CPU seconds and memory_mb of address space (None: no
+    limit)."""
 
     def __init__(
-        self, spec: str = "math", timeout_s: float = 5.0, failure_reward: float = 0.0, start_timeout_s: float = 60.0
+        self, spec: str = "math", timeout_s: float = 5.0, failure_reward: float = 0.0, start_timeout_s: float = 60.0,
+        cpu_s: float | None = DEFAULT_CPU_S, memory_mb: int | None = DEFAULT_MEMORY_MB,
     ) -> None:
         if timeout_s <= 0:
             raise ValueError(f"reward timeout_s must be > 0, got {timeout_s}")
+        if (cpu_s is not None and cpu_s <= 0) or (memory_mb is not None and memory_mb <= 0):
+            raise ValueError(f"reward cpu_s and memory_mb must be > 0 (or None: no limit), got {cpu_s}, {memory_mb}")
         Reward(spec)  # fail fast, in the caller, on a bad spec or signature
         self.spec = spec
         self.timeout_s = timeout_s
@@ -289,7 +307,8 @@ class RewardRunner:
         self.timeouts_total = 0
         self.last_error = ""
         # Starting Python is slow on a loaded machine: start_timeout_s is apart from the reward timeout.
-        self._child = ChildProcess("rollout_workers.rewards", [spec], start_timeout_s)
+        self.limits = ChildLimits(cpu_s, memory_mb)
+        self._child = ChildProcess("rollout_workers.rewards", [spec], start_timeout_s, self.limits)
 
     def _fail(self, why: str) -> Scored:
         self.failures_total += 1
@@ -301,19 +320,38 @@ class RewardRunner:
         try:
             self._child.ensure_started()
             self._child.send((response, problem))
-            status, value = self._child.reply(self.timeout_s)
-        except TimeoutError:
+            reply = self._child.reply(self.timeout_s)
+        except TimeoutError:  # (an OSError: first)
             self._child.kill()
             self.timeouts_total += 1
             return self._fail(f"reward {self.spec!r} took longer than {self.timeout_s}s")
-        except (EOFError, OSError, ChildStartFailed) as err:
+        except BadChildReply as err:  # never unpickled, never used: the child is replaced
             self._child.kill()
-            return self._fail(f"reward {self.spec!r} process died ({type(err).__name__})")
+            return self._fail(f"reward {self.spec!r} process answered with something refused: {err}")
+        except ChildStartFailed as err:
+            return self._fail(f"reward {self.spec!r} process: {err}")
+        except (EOFError, OSError) as err:
+            why = self._child.exit_reason() or f"its pipe broke ({type(err).__name__})"
+            self._child.kill()
+            return self._fail(f"reward {self.spec!r} process died: {why}")
+        if not (isinstance(reply, list) and len(reply) == 2):
+            self._child.kill()
+            return self._fail(f"reward {self.spec!r} process answered {reply!r:.80}, not (status, value)")
+        status, value = reply[0], str(reply[1])[:500]  # the child's words, bounded
         if status == "error":
+            if str(value).startswith("MemoryError") and self.limits.memory_mb:
+                value = f"{value} (over its limit of {self.limits.memory_mb} MB of memory)"
             return self._fail(f"reward {self.spec!r} raised {value}")
         if status == "bad":
             return self._fail(f"reward {self.spec!r} {value}")
-        return Scored(*value)
+        if status != "ok":
+            self._child.kill()
+            return self._fail(f"reward {self.spec!r} process answered with status {status!r:.40}")
+        try:
+            return _checked_reply(reply[1])
+        except BadRewardValue as err:
+            self._child.kill()
+            return self._fail(f"reward {self.spec!r} process {err}")
 
     def score(self, responses: list[str], problem: Problem) -> list[Scored]:
         return [self.score_one(response, problem) for response in responses]

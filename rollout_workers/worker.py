@@ -31,10 +31,12 @@ from collections import deque
 
 import numpy as np
 
+from buffer.errors import GROUP_REFUSALS, BufferError
 from buffer.sample import Group, Sample, new_id
 from lm.causal_lm import load_tokenizer
 from lm.weight_sync import WeightSubscription
 from lm.weight_sync.group import call
+from lm.weight_sync.integrity import WeightsRejected
 from rollout_workers.agent_loop import AgentLoop, agent_group
 from rollout_workers.config import RolloutConfig
 from rollout_workers.data import Problem, PromptFormat, train_prompts
@@ -85,7 +87,8 @@ class RolloutWorker:
             groups_total=0, samples_total=0, tokens_total=0, generation_s=0.0, gate_blocked_s=0.0,
             weight_load_s=0.0, weight_loads_total=0, failed_generations_total=0,
             interrupted_generations_total=0, permits_released_total=0, prompt_failures_total=0,
-            prompts_quarantined_total=0, weight_load_failures_total=0,
+            prompts_quarantined_total=0, weight_load_failures_total=0, weight_loads_rejected_total=0,
+            groups_refused_total=0,
         )
         self._probe_prompt: list[int] | None = None  # a prompt the engine served (the health probe)
         # Prompt positions this worker quarantined, with why: a later ticket for the same prompt (the
@@ -112,7 +115,8 @@ class RolloutWorker:
         if self.prompts is None:
             self.prompts = train_prompts(cfg.task, self.prompt_format, cfg.sampling.max_new_tokens)
         if self.rewards is None and not cfg.multi_turn.enabled:
-            self.rewards = RewardRunner(cfg.reward, timeout_s=cfg.reward_timeout_s)
+            self.rewards = RewardRunner(cfg.reward, timeout_s=cfg.reward_timeout_s, cpu_s=cfg.reward_cpu_s,
+                                        memory_mb=cfg.reward_memory_mb)
         if self.agent is None and cfg.multi_turn.enabled:
             self.agent = AgentLoop(cfg.multi_turn, self.tokenizer, self.prompt_format)
 
@@ -138,17 +142,30 @@ class RolloutWorker:
         return self._known_version
 
     def _new_weights_waiting(self) -> bool:
-        return self._store_version(self.config.weight_poll_s) > self.engine.version
+        return self._store_version(self.config.weight_poll_s) > self._version_or_refused()
+
+    def _version_or_refused(self) -> int:
+        """The engine's version, or the newest version refused for good if that is newer: nothing
+        up to it is worth interrupting a generation for."""
+        refused = max(self._subscription.refused, default=-1) if self._subscription is not None else -1
+        return max(int(self.engine.version), refused)
 
     def load_latest_weights(self) -> bool:
         """Bring the engine to the store's newest version if it is behind: load the live payload, or
         take part in the broadcast of it (waiting for it at most `weight_wait_s`). True if loaded."""
         if self._subscription is None:  # joins the weight channel: the next version waits for this worker
             self._subscription = WeightSubscription(self.store, self.worker_id, self.engine.version)
-        if self._store_version(0.0) <= self.engine.version:
+        if self._store_version(0.0) <= self._version_or_refused():
             return False
         started = time.perf_counter()
-        if self._subscription.receive(self.engine, self.config.weight_wait_s, self._stop) is None:
+        try:
+            if self._subscription.receive(self.engine, self.config.weight_wait_s, self._stop) is None:
+                return False
+        except WeightsRejected as err:
+            # Refused by content (digest, NaN): the engine kept its weights, and its samples keep
+            # the version it has. No retry here and no restart: a new process would load the same bytes.
+            self.counters["weight_loads_rejected_total"] += 1
+            self.last_error = f"weight load: {err}"
             return False
         self.counters["weight_load_s"] += time.perf_counter() - started
         self.counters["weight_loads_total"] += 1
@@ -185,6 +202,10 @@ class RolloutWorker:
         deadline = time.monotonic() + wait_s
         while self.engine.version < version and not self._stop.is_set():
             if not self.load_weights_or_restart():
+                refused = self._subscription.refused_newest() if self._subscription is not None else None
+                if refused is not None:
+                    log.warning("%s: generating with v%d, as %s", self.worker_id, self.engine.version, refused)
+                    return
                 if time.monotonic() > deadline:
                     log.warning("%s: weights v%d not published within %.0fs (rollout.weight_wait_s); generating "
                                 "with v%d", self.worker_id, version, wait_s, self.engine.version)
@@ -359,8 +380,13 @@ class RolloutWorker:
             if not made:
                 return 0, []
             count = 0 if self._stop.is_set() else next_count
-            _, next_permits = self.client.push_and_acquire([g for _, g in made], [p.permit_id for p, _ in made],
-                                                           self.worker_id, count)  # the push is all or nothing
+            try:
+                _, next_permits = self.client.push_and_acquire([g for _, g in made], [p.permit_id for p, _ in made],
+                                                               self.worker_id, count)  # the push is all or nothing
+            except BufferError as err:
+                if err.reason not in GROUP_REFUSALS:
+                    raise
+                made, next_permits = self._push_alone(made, err), []
             held = [p for p in held if all(p is not q for q, _ in made)]
             self.counters["groups_total"] += len(made)
             return len(made), next_permits
@@ -410,6 +436,32 @@ class RolloutWorker:
                 self._quarantine_or_restart(permit, error, engine_served_others=bool(made))
                 held.remove(permit)
         return made
+
+    def _push_alone(self, made: list[tuple], err: BufferError) -> list[tuple]:
+        """After a push refused for a group's content: each group pushed on its own, so its
+        batch-mates are accepted; a group refused again is quarantined like a prompt the engine
+        fails (it would be generated and refused forever). Returns the (permit, group) pairs pushed;
+        the others' permits are ended by the quarantine (a later release of them is a no-op)."""
+        log.warning("%s: the push of tickets %s was refused (%s); pushing each group alone", self.worker_id,
+                    [p.ticket for p, _ in made], err)
+        ended = []
+        for permit, group in made:
+            try:
+                self.client.push_group(group, permit.permit_id)
+            except BufferError as refused:
+                if refused.reason not in GROUP_REFUSALS:
+                    raise
+                reason = f"group refused by the buffer: {refused}"
+                log.error("%s: ticket %d quarantined, its group %s: %s", self.worker_id, permit.ticket,
+                          group.group_id, refused)
+                self.client.release_permit(permit.permit_id, quarantine=f"ticket {permit.ticket}: {reason}")
+                self.counters["prompts_quarantined_total"] += 1
+                self.counters["groups_refused_total"] += 1
+                self._bad_prompts[self._prompt_position(permit.ticket)] = reason
+                self.last_error = reason
+                continue
+            ended.append((permit, group))
+        return ended
 
     def _set_aside_known_bad(self, held: list) -> None:
         """Quarantine at once the permits whose prompt this worker quarantined before."""

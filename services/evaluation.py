@@ -86,6 +86,35 @@ def evaluate(
     return metrics
 
 
+class RewardScore:
+    """A ScoreFn for `evaluate` that scores through a `RewardRunner`, as training does: the reward
+    runs in its own process with its timeout and limits, so one that hangs, crashes or goes over a
+    limit costs at most its timeout, scores the runner's failure_reward (a wrong answer), is
+    counted, and the evaluation goes on. The first failure is logged (a reward that always fails
+    would fill the screen)."""
+
+    def __init__(self, runner, tokenizer) -> None:
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.logged = False
+
+    def __call__(self, prompt: EvalPrompt, response: list[int]) -> float:
+        text = self.tokenizer.decode(response, skip_special_tokens=True)
+        failures = self.runner.failures_total
+        scored = self.runner.score_one(text, prompt.problem)
+        if self.runner.failures_total > failures and not self.logged:
+            self.logged = True
+            log.warning("eval: reward %r failed on %s (scored %s; later failures are not logged): %s",
+                        self.runner.spec, prompt.problem.where(), self.runner.failure_reward, self.runner.last_error)
+        return scored.value
+
+    def stats(self) -> dict[str, float]:
+        return self.runner.stats()
+
+    def close(self) -> None:
+        self.runner.close()
+
+
 class PolicyEvaluator:
     """Greedy accuracy and pass@k of a policy on held-out prompts, with a generation engine of
     its own (built once; new weights are loaded in place before each evaluation)."""
@@ -107,27 +136,13 @@ class PolicyEvaluator:
         from lm.causal_lm import load_tokenizer
         from rollout_workers.data import PromptFormat, heldout_problems
         from rollout_workers.engines import make_engine
-        from rollout_workers.rewards import Reward
+        from rollout_workers.rewards import RewardRunner
 
         task = cfg.rollout.task
         tokenizer = load_tokenizer(model_dir)
         prompt_format = PromptFormat.for_model(model_dir, task, tokenizer, cfg.rollout.engine.max_model_len)
         problems = heldout_problems(task, cfg.eval.num_prompts, cfg.run.seed, prompt_format, cfg.eval.max_new_tokens)
         prompts = [EvalPrompt(prompt_format.encode(p), p) for p in problems]
-        reward = Reward(cfg.rollout.reward)
-        failures = []
-
-        def score(prompt: EvalPrompt, response: list[int]) -> float:
-            text = tokenizer.decode(response, skip_special_tokens=True)
-            try:
-                return reward(text, prompt.problem).value
-            except Exception as err:  # one bad reward call must not stop the run: a wrong answer
-                if not failures:  # logged once: a reward that always fails would fill the screen
-                    log.warning("eval: reward %r failed on %s (scored 0; later failures are not logged): %s: %s",
-                                reward.spec, prompt.problem.where(), type(err).__name__, err)
-                failures.append(prompt.problem.row)
-                return 0.0
-
         engine_cfg = cfg.rollout.engine.model_copy(update={"kind": cfg.eval.engine or cfg.rollout.engine.kind})
         engine = make_engine(engine_cfg, model_dir, seed=cfg.run.seed)
         if cfg.rollout.multi_turn.enabled:
@@ -136,7 +151,9 @@ class PolicyEvaluator:
             agent = AgentLoop(cfg.rollout.multi_turn, tokenizer, prompt_format)
             return AgentEvaluator(agent, engine, tokenizer, prompts, _episode_reward, cfg.eval, cfg.eval.max_new_tokens,
                                   prompt_format.stop_token_ids, cfg.run.seed)
-        return cls(engine, tokenizer, prompts, score, cfg.eval, cfg.eval.max_new_tokens, prompt_format.stop_token_ids,
+        runner = RewardRunner(cfg.rollout.reward, timeout_s=cfg.rollout.reward_timeout_s,
+                              cpu_s=cfg.rollout.reward_cpu_s, memory_mb=cfg.rollout.reward_memory_mb)
+        return cls(engine, tokenizer, prompts, RewardScore(runner, tokenizer), cfg.eval, cfg.eval.max_new_tokens, prompt_format.stop_token_ids,
                    cfg.run.seed)
 
     def _generate(self, batch: list[list[int]], n: int, temperature: float, seed: int) -> list[list[list[int]]]:
@@ -154,14 +171,24 @@ class PolicyEvaluator:
 
             self.engine.load_weights(payload["version"], resolve_weights(payload))
             self.loaded_version = payload["version"]
+        counted = getattr(self.score, "stats", dict)
+        before = counted()
         metrics = evaluate(self._generate, self.score, self.prompts, self.cfg.n_samples, self.cfg.k,
                            self.cfg.temperature, seed=self.seed)
+        after = counted()
+        for key in ("reward_failures_total", "reward_timeouts_total"):  # this evaluation's, scored as wrong
+            if key in after:
+                metrics[f"eval/{key.removesuffix('_total')}"] = float(after[key] - before[key])
         if self.loaded_version is not None:
             metrics["eval/version"] = float(self.loaded_version)
         return metrics
 
     def close(self) -> None:
-        self.engine.close()
+        try:
+            self.engine.close()
+        finally:
+            if hasattr(self.score, "close"):
+                self.score.close()
 
 
 def _episode_reward(prompt: EvalPrompt, episode) -> float:
