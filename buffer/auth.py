@@ -32,6 +32,22 @@ ROLE_OPS: dict[str, frozenset[str] | None] = {
 }
 
 
+def check_private_dir(directory: str | Path) -> None:
+    """A folder only this user may enter (a Unix socket's or the run keys'): it exists, is no
+    symlink, is owned by this user and has mode 0700 (no group or other bits)."""
+    import stat
+
+    directory = Path(directory)
+    try:
+        st = os.lstat(directory)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"folder {str(directory)!r} does not exist") from None
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        raise ValueError(f"folder {str(directory)!r} must be a directory of this user with mode 0700 (it is "
+                         f"{'a directory' if stat.S_ISDIR(st.st_mode) else 'no directory'} of uid {st.st_uid}, mode "
+                         f"{stat.S_IMODE(st.st_mode):o}): other local users could reach what it holds; chmod 700 it")
+
+
 def role_allows(role: str, op: str) -> bool:
     allowed = ROLE_OPS[role]
     return allowed is None or op in allowed

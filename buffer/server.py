@@ -16,7 +16,11 @@ reply and is counted by reason in `stats()["bad_messages"]` (refused but well-fo
 `stats()["request_errors"]`); nothing a client sends can stop the loop. The stats keys are listed
 in `buffer.core`.
 
-Binds to 127.0.0.1 by default; CURVE (`buffer.auth`) when `curve.enabled`.
+Binds to 127.0.0.1 by default, without keys: any local user may call every operation. Use CURVE
+(`buffer.auth`, `curve.enabled`, with role folders) or `ipc_path` (a Unix socket in a 0700 folder)
+where other local users are not trusted; a run's supervised service uses the ipc socket when CURVE
+is off (`services.buffer_handle`), and hands the service a socket it holds (`--listen-fd`), so a
+restart never frees the port or the path. What one client may take is bounded by `buffer.limits`.
     python -m buffer serve --config buffer.yaml        (or `etarl buffer serve ...`)
     python -m buffer keygen DIR
 """
@@ -28,6 +32,7 @@ import math
 import signal
 import sys
 import threading
+from collections import Counter
 from dataclasses import dataclass
 
 import zmq
@@ -37,6 +42,7 @@ from buffer.codec import decode_message_header, encode_message, frames_nbytes
 from buffer.config import BufferConfig
 from buffer.core import BufferCore, PullResult
 from buffer.errors import BufferError, ProtocolError, RequestError
+from buffer.limits import ClientLimits
 
 log = logging.getLogger(__name__)
 _MAX_LOOP_WAIT_S = 0.05  # the loop re-checks deadlines at least this often
@@ -113,9 +119,14 @@ def parse_args(op: str, args) -> dict:
 
 
 class BufferServer:
-    def __init__(self, config: BufferConfig, core: BufferCore | None = None):
+    def __init__(self, config: BufferConfig, core: BufferCore | None = None, listen_fd: int | None = None):
+        """`listen_fd`: a bound, listening socket (tcp or Unix) to serve on instead of binding one:
+        the supervisor's, held across restarts (ZMQ_USE_FD)."""
+        if config.ipc_path is not None and listen_fd is None:
+            auth.check_private_dir(config.ipc_path.parent)
         self.config = config
         self.core = core or BufferCore(config)
+        self._limits = ClientLimits(config.per_client, config.max_version_jump, self.core.clock)
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.ROUTER)
         self.socket.linger = 0
@@ -125,7 +136,10 @@ class BufferServer:
         # With role folders, each request is checked against its client key's role (auth.ROLE_OPS).
         self._authenticator, self._roles = (auth.configure_server(self.socket, config.curve) if config.curve.enabled
                                             else (None, None))
-        if config.port == 0:
+        if listen_fd is not None:
+            self.socket.setsockopt(zmq.USE_FD, listen_fd)
+            self.socket.bind(config.endpoint)
+        elif config.port == 0 and config.ipc_path is None:
             self.socket.bind_to_random_port(f"tcp://{config.host}")
         else:
             self.socket.bind(config.endpoint)
@@ -150,10 +164,10 @@ class BufferServer:
                 if poller.poll(self._poll_timeout_ms()):
                     for _ in range(_BATCH):
                         try:
-                            frames, role = self._receive()
+                            frames, role, principal = self._receive()
                         except zmq.Again:
                             break
-                        self._handle(frames, role)
+                        self._handle(frames, role, principal)
                 self.core.tick()
                 self._serve_parked()
         finally:
@@ -185,19 +199,20 @@ class BufferServer:
 
     # ---- one message ------------------------------------------------------------------------
 
-    def _receive(self) -> tuple[list, str | None]:
+    def _receive(self) -> tuple[list, str | None, str]:
         """The next message (identity as bytes, the other frames as views into the received
-        messages: a pushed group is stored and logged without a copy) and its client's role
-        (None: no roles configured, every op allowed). A role is read from the message's ZAP
-        User-Id (the client's public key)."""
+        messages: a pushed group is stored and logged without a copy), its client's role
+        (None: no roles configured, every op allowed) and its principal (the client's public key,
+        or "" without role folders: keyless clients share one version budget). A role is read
+        from the message's ZAP User-Id (the client's public key)."""
         frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
         views = [frames[0].bytes, *(f.buffer for f in frames[1:])]
         if self._roles is None:
-            return views, None
-        user = frames[-1].get("User-Id")
-        return views, self._roles.get(user.encode() if user else b"", "")
+            return views, None, ""
+        user = frames[-1].get("User-Id") or ""
+        return views, self._roles.get(user.encode(), ""), user
 
-    def _handle(self, frames: list[bytes], role: str | None = None) -> None:
+    def _handle(self, frames: list[bytes], role: str | None = None, principal: str = "") -> None:
         identity, request_id = frames[0], None
         try:
             if len(frames) < 2:
@@ -217,7 +232,11 @@ class BufferServer:
             args = parse_args(op, header["args"])
             if op != "push_groups" and len(frames) > 2:
                 raise ProtocolError(f"{op} takes no payload frames, got {len(frames) - 2}", "bad_frame_count")
+            rise, acks = self._version_move(op, args)
+            self._limits.check_version_rise(principal, rise, acks)
             reply = self._handlers[op](identity, request_id, args, frames[2:])
+            if rise > 0 or acks:
+                self._limits.spend_version_rise(principal, rise, acks)
             if reply is not None:
                 self._deliver(identity, request_id, op, *reply)
         except BufferError as exc:
@@ -253,14 +272,34 @@ class BufferServer:
 
     # ---- operations -------------------------------------------------------------------------
 
+    def _version_move(self, op: str, args: dict) -> tuple[int, int]:
+        """(how far a request raises the learner version, the batches it acks): what the
+        per-client version budget checks. A fresh buffer may be recovered to any version."""
+        gate = self.core.gate
+        lease = args.get("ack_lease_id") if op == "pull_batch" else args.get("lease_id") if op == "ack" else None
+        acks = int(lease is not None and lease in self.core.store.leases)  # a retried ack earns nothing
+        version = args.get("version") if op in ("set_version", "ack", "pull_batch", "recover") else None
+        if version is None or (op == "recover" and not (gate.version or gate.accepted or gate.permits)):
+            return 0, acks
+        return version - gate.version, acks
+
     def _park(self, queue: list, identity, request_id, args) -> None:
         if len(self._acquires) + len(self._pulls) >= _MAX_PARKED:
             raise RequestError(f"{_MAX_PARKED} requests are already waiting; retry later", "too_many_waiting")
+        self._limits.check_park(identity)
+        self._limits.parked[identity] += 1
         now = self.core.clock()
         queue.append(_Parked(identity, request_id, args, now, now + args["timeout"]))
 
+    def _grant(self, identity: bytes, worker_id, permit_ids: list[str]) -> list:
+        """Permits for a connection, within its per-client cap."""
+        held = self.core.gate.permits
+        permits = self.core.try_acquire_many(worker_id, self._limits.permit_ids(identity, permit_ids, held))
+        self._limits.granted(identity, permits, held)
+        return permits
+
     def _acquire(self, identity, request_id, args, _payload):
-        permits = self.core.try_acquire_many(args["worker_id"], args["permit_ids"])
+        permits = self._grant(identity, args["worker_id"], args["permit_ids"])
         if not permits and args["timeout"] > 0:
             self._park(self._acquires, identity, request_id, args)
             self.core.start_gate_wait()
@@ -279,8 +318,15 @@ class BufferServer:
             return {"results": self.core.push_groups(payload, args["permit_ids"]), "permits": []},
         if args["worker_id"] is None:
             raise ProtocolError("push_groups: next_permit_ids needs worker_id", "bad_args")
-        results, permits = self.core.push_and_acquire(payload, args["permit_ids"], args["worker_id"],
-                                                      args["next_permit_ids"])
+        held, refused = self.core.gate.permits, None
+        try:
+            next_ids = self._limits.permit_ids(identity, args["next_permit_ids"], held, ending=args["permit_ids"])
+        except RequestError as exc:  # the push goes ahead; only its next permits are refused
+            next_ids, refused = [], exc
+        results, permits = self.core.push_and_acquire(payload, args["permit_ids"], args["worker_id"], next_ids)
+        self._limits.granted(identity, permits, held)
+        if refused is not None:
+            self.core.count_bad_message(refused)
         return {"results": results, "permits": [p.to_dict() for p in permits]},
 
     def _pull(self, identity, request_id, args, _payload):
@@ -330,7 +376,13 @@ class BufferServer:
         still, gate_open = [], True
         for p in self._acquires:
             # capacity is shared: after one refusal the others only need their deadlines checked
-            permits = self.core.try_acquire_many(p.args["worker_id"], p.args["permit_ids"]) if gate_open else []
+            try:
+                permits = self._grant(p.identity, p.args["worker_id"], p.args["permit_ids"]) if gate_open else []
+            except RequestError as exc:  # its connection took permits meanwhile (another socket's request)
+                self._error(p.identity, p.request_id, exc.reason, str(exc))
+                self.core.finish_gate_wait(False, p.start)
+                self.core.count_bad_message(exc)
+                continue
             gate_open = bool(permits)
             if not permits and now < p.deadline:
                 still.append(p)
@@ -350,6 +402,7 @@ class BufferServer:
                 continue
             self._deliver(p.identity, p.request_id, "pull_batch", *self._pull_reply(result))
         self._pulls = still
+        self._limits.parked = Counter(p.identity for p in self._acquires + self._pulls)
 
 
 # ---- command line ---------------------------------------------------------------------------
@@ -361,6 +414,8 @@ def main(argv: list[str]) -> int:
     serve = sub.add_parser("serve", help="run the buffer service")
     serve.add_argument("--config", help="buffer config YAML (or a run config with a `buffer:` section)")
     serve.add_argument("--port", type=int, help="override the port (0 = any free port)")
+    serve.add_argument("--listen-fd", type=int, help="serve on this inherited, listening socket (the run's "
+                       "supervisor holds it across restarts) instead of binding host:port or ipc_path")
     serve.add_argument("--log-level", default="INFO")
     keygen = sub.add_parser("keygen", help="write the CURVE server key pair (unless DIR has one) and a client "
                             "key pair per role, authorized under DIR/authorized_clients/<role>/")
@@ -380,12 +435,15 @@ def main(argv: list[str]) -> int:
         config = BufferConfig.from_yaml(args.config) if args.config else BufferConfig()
         if args.port is not None:
             config = config.model_copy(update={"port": args.port})
-        server = BufferServer(config)
+        server = BufferServer(config, listen_fd=args.listen_fd)
     except (OSError, ValueError, zmq.ZMQError) as exc:
         print(f"etarl buffer serve: {exc}", file=sys.stderr)
         return 2
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: server._stop.set())
+    if not config.curve.enabled and config.ipc_path is None:
+        log.warning("buffer: serving on %s without keys: any local user may call every operation (set curve.enabled "
+                    "with authorized_clients_dir, or ipc_path in a 0700 folder)", server.endpoint)
     print(f"buffer serving on {server.endpoint} (curve={'on' if config.curve.enabled else 'off'}, "
           f"durable={'on' if config.log.path else 'off'})", flush=True)
     server.serve_forever()

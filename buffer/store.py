@@ -50,8 +50,9 @@ class Lease:
 
 class GroupStore:
     def __init__(self, capacity_groups: int, lease_s: float, remembered_leases: int = 4096,
-                 remembered_settled: int = 100_000):
+                 remembered_settled: int = 100_000, max_bytes: int | None = None):
         self.capacity_groups = capacity_groups
+        self.max_bytes = max_bytes  # packed bytes held (ready + leased); None: no byte budget
         self.lease_s = lease_s
         self._heap: list[tuple[int, int, str]] = []  # (weight_version, seq, group_id) of ready groups
         self.ready: dict[str, StoredGroup] = {}
@@ -65,7 +66,8 @@ class GroupStore:
         self._expired: OrderedDict[str, dict[str, int]] = OrderedDict()
         self._remembered = remembered_leases
         self.next_seq = 0
-        self.bytes_held = 0
+        self.bytes_held = 0  # of ready groups
+        self.bytes_leased = 0
 
     # ---- sizes ------------------------------------------------------------------------------
 
@@ -97,14 +99,28 @@ class GroupStore:
         raise RequestError(f"group {group_id!r} overlaps an accepted group (reused group id or sample ids "
                            "with different content)", "conflicting_push")
 
+    @property
+    def bytes_live(self) -> int:
+        """Packed bytes of the groups held, ready and leased (what the byte budget counts)."""
+        return self.bytes_held + self.bytes_leased
+
     def room(self) -> int:
-        """Groups the store can still take (capacity minus ready and leased)."""
+        """Groups the store can still take (capacity minus ready and leased); 0 once the byte
+        budget is spent, so no permit is granted for a group that could not be stored."""
+        if self.max_bytes is not None and self.bytes_live >= self.max_bytes:
+            return 0
         return self.capacity_groups - self.groups_held
 
-    def check_room(self, groups: int = 1) -> None:
-        if groups and groups > self.room():
+    def check_room(self, groups: int = 1, nbytes: int = 0) -> None:
+        """Refuse a push of `groups` groups of `nbytes` packed bytes that the store cannot hold (it
+        never drops what it accepted to make room)."""
+        if groups and groups > self.capacity_groups - self.groups_held:
             raise RequestError(f"buffer full ({self.groups_held} of {self.capacity_groups} groups, {groups} more "
                                "pushed)", "buffer_full")
+        if groups and self.max_bytes is not None and self.bytes_live + nbytes > self.max_bytes:
+            raise RequestError(f"store full: {self.bytes_live} of store.max_bytes={self.max_bytes} bytes held, and "
+                               f"the push brings {nbytes} more; retry once the learner has consumed some",
+                               "store_full")
 
     def add(self, index: GroupIndex, packed: bytes, seq: int | None = None) -> StoredGroup:
         seq = self.next_seq if seq is None else seq
@@ -179,6 +195,7 @@ class GroupStore:
         """Put groups (taken from ready) under a lease."""
         for g in groups:
             g.handed_out += 1
+        self.bytes_leased += sum(g.nbytes for g in groups)
         lease = Lease(lease_id, groups, deadline, version)
         self.leases[lease_id] = lease
         return lease
@@ -188,6 +205,7 @@ class GroupStore:
         A lease that expired can still be acked while none of its groups was handed out again."""
         lease = self.leases.pop(lease_id, None)
         if lease is not None:
+            self.bytes_leased -= sum(g.nbytes for g in lease.groups)
             self.remember_finished(lease_id, len(lease.groups))
             return lease
         if lease_id in self.finished_leases:
@@ -217,6 +235,7 @@ class GroupStore:
         lease = self.leases.pop(lease_id, None)
         if lease is None:
             return 0
+        self.bytes_leased -= sum(g.nbytes for g in lease.groups)
         for g in lease.groups:
             self._make_ready(g)
         return len(lease.groups)

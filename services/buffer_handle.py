@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -196,23 +197,60 @@ class ZmqBufferClient:
         return getattr(self._client, name)
 
 
+_SOCKET_NAME = "buffer.sock"
+_MAX_SOCKET_PATH = 100  # sun_path holds 108 bytes on Linux (104 on macOS), with its terminating NUL
+_BACKLOG = 1024  # connections waiting while a child restarts
+
+
+def _listen(config) -> socket.socket:
+    """A bound, listening socket for the buffer service's endpoint: the Unix socket at
+    `config.ipc_path` (a stale one from a dead run is replaced: its folder is this user's own),
+    or tcp host:port (port 0: the kernel picks one, kept for the run)."""
+    if config.ipc_path is not None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        config.ipc_path.unlink(missing_ok=True)
+        sock.bind(str(config.ipc_path))
+    else:
+        family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        # a new run may bind a port whose last run's connections linger in TIME_WAIT; without
+        # SO_REUSEPORT no other socket can bind it while this one listens
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((config.host, config.port))
+    sock.listen(_BACKLOG)
+    return sock
+
+
 class BufferSupervisor:
     """The standalone buffer service (`python -m buffer serve`, through `services.buffer_child`)
     as a child process, kept alive.
 
     A thread polls the child; when it exits (SIGKILL, crash) it is started again on the same
     config, port and durable log, which it replays; the run's clients resend what was in flight.
+
+    The endpoint is held, never freed: the supervisor binds and listens once and each child serves
+    on that socket (`--listen-fd`, ZMQ_USE_FD), so no restart opens a window in which another
+    local process could take the port (and serve the workers batches of its own). Clients that
+    connect while no child runs wait in the socket's backlog. Without CURVE on a loopback host the
+    endpoint is a Unix socket in a 0700 folder of the run (`buffer.ipc_path`): other local users
+    cannot connect at all; with CURVE (multi-node) it is the tcp port, and clients verify the
+    server's key.
     Each restart is counted and logged. It gives up, setting `failure` (the controller then stops
     the run), when the service has no durable log (a restart would come back empty, losing the
     groups it had accepted), or after `max_restarts` restarts."""
 
     def __init__(self, config, run_dir: Path, max_restarts: int):
-        if config.port == 0:  # a restart must come back where the clients look
-            import socket
+        from buffer.config import LOOPBACK_HOSTS
 
-            with socket.socket() as s:
-                s.bind((config.host, 0))
-                config = config.model_copy(update={"port": s.getsockname()[1]})
+        self._private_dir: Path | None = None
+        if config.ipc_path is None and not config.curve.enabled and config.host in LOOPBACK_HOSTS:
+            config = config.model_copy(update={"ipc_path": self._socket_path(run_dir)})
+        try:
+            self.listener = _listen(config)  # held until stop(): a restart serves on it again
+        except OSError as exc:
+            raise RuntimeError(f"the buffer service's endpoint {config.endpoint} cannot be bound: {exc}") from exc
+        if config.ipc_path is None:
+            config = config.model_copy(update={"port": self.listener.getsockname()[1]})
         self.config = config
         self.max_restarts = max_restarts
         self.config_file = run_dir / "buffer.yaml"
@@ -229,6 +267,7 @@ class BufferSupervisor:
         if not self._wait_ready(self.process):
             code = self.process.poll()
             self.process.kill()
+            self.listener.close()
             raise RuntimeError(f"the buffer service did not start (exit code {code}); see {self.output}")
         self._thread.start()
 
@@ -242,6 +281,28 @@ class BufferSupervisor:
                 self.process.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 self.process.kill()
+                self.process.wait()
+        self.listener.close()
+        if self.config.ipc_path is not None:
+            self.config.ipc_path.unlink(missing_ok=True)
+            if self._private_dir is not None:
+                self._private_dir.rmdir()
+
+    def _socket_path(self, run_dir: Path) -> Path:
+        """The Unix socket, in a 0700 folder of the run, or of /tmp when the run's path is too
+        long for a socket address (108 bytes on Linux)."""
+        from buffer.auth import check_private_dir
+
+        folder = run_dir / "buffer-socket"
+        if len(str(folder / _SOCKET_NAME).encode()) > _MAX_SOCKET_PATH:
+            import tempfile
+
+            folder = self._private_dir = Path(tempfile.mkdtemp(prefix="etarl-buffer-"))  # made 0700
+        else:
+            folder.mkdir(mode=0o700, exist_ok=True)
+            os.chmod(folder, 0o700)  # an existing folder, or a umask that cleared bits mkdir asked for
+        check_private_dir(folder)
+        return folder / _SOCKET_NAME
 
     def _spawn(self) -> subprocess.Popen:
         # Its own session: a Ctrl-C in the terminal stops the run after its step (which still needs
@@ -250,10 +311,11 @@ class BufferSupervisor:
         from services.buffer_child import PARENT_ENV
 
         env = {**os.environ, PARENT_ENV: str(os.getpid())}
+        fd = self.listener.fileno()
         with open(self.output, "ab") as out:
             return subprocess.Popen([sys.executable, "-m", "services.buffer_child", "serve", "--config",
-                                     str(self.config_file)], stdout=out, stderr=subprocess.STDOUT,
-                                    start_new_session=True, env=env)
+                                     str(self.config_file), "--listen-fd", str(fd)], stdout=out,
+                                    stderr=subprocess.STDOUT, start_new_session=True, env=env, pass_fds=(fd,))
 
     def _wait_ready(self, process: subprocess.Popen) -> bool:
         """Whether the service answers a health check before it exits or the start-up time runs out."""

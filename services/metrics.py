@@ -176,6 +176,8 @@ BUFFER_METRICS: tuple[MetricSpec, ...] = (
     _buffer("buffer_leased_groups", "gauge", "groups_leased", "groups pulled but not yet acknowledged"),
     _buffer("buffer_samples", "gauge", "samples_ready", "samples waiting in the buffer"),
     _buffer("buffer_bytes", "gauge", "bytes_held", "bytes of sample data held"),
+    _buffer("buffer_capacity_bytes", "gauge", "store_max_bytes",
+            "bytes of packed groups the buffer may hold (store.max_bytes); pushes beyond are refused as store_full"),
     _buffer("samples_pushed_total", "counter", "pushed_samples", "samples accepted into the buffer"),
     _buffer("groups_pushed_total", "counter", "pushed_groups", "groups accepted into the buffer"),
     _buffer("duplicate_pushes_total", "counter", "duplicate_pushes", "retried pushes ignored as duplicates"),
