@@ -11,6 +11,11 @@ back when it expires).
 Methods with a `timeout` block up to that long (long poll); the ZMQ server calls them with
 timeout 0 and parks waiting requests itself.
 
+The core fails stop with its log: a record that cannot be written or synced
+(`buffer.durable_log.LogFailed`) fails its request, and every later call raises `LogFailed` too
+(`failed` is set), so nothing is answered from a state the log may not hold; the owner (the ZMQ
+service, the Ray actor) then exits and is restarted from the log.
+
 `stats()` keys (gauges unless marked counter; counters count since this process started, except
 the gate's, which are restored from the log):
   version                      learner weight version i
@@ -53,7 +58,7 @@ from dataclasses import dataclass
 from buffer.admission import AdmissionGate, Permit
 from buffer.codec import check_group, group_index, pack_frames, unpack_frames
 from buffer.config import BufferConfig
-from buffer.durable_log import Compaction, DurableLog
+from buffer.durable_log import Compaction, DurableLog, LogFailed
 from buffer.errors import BufferError, ProtocolError, RequestError
 from buffer.sample import new_id
 from buffer.store import GroupStore, Lease
@@ -114,6 +119,7 @@ class BufferCore:
         self._compaction: threading.Thread | None = None
         self.counters = _Counters()
         self.log: DurableLog | None = None
+        self.failed: LogFailed | None = None  # the log failed: every later call raises (fail stop)
         self.started_at = time.time()
         if config.log.path is not None:
             self.log = DurableLog(config.log)
@@ -443,7 +449,7 @@ class BufferCore:
             return min(deadlines, default=None)
 
     def count_bad_message(self, error: BufferError) -> None:
-        with self._request():
+        with self._lock:  # writes no record: counts a refusal even once the log has failed
             target = self.counters.request_errors if isinstance(error, RequestError) else self.counters.bad_messages
             target[error.reason] += 1
 
@@ -490,7 +496,7 @@ class BufferCore:
         self.wait_for_compaction()
         with self._lock:
             if self.log is not None:
-                self.log.close()
+                self.log.close(sync=self.failed is None)  # a failed log is left as a crash would
 
     # ---- durability -------------------------------------------------------------------------
 
@@ -498,16 +504,36 @@ class BufferCore:
     def _request(self):
         """One request (or a call nested in one): state changes under the lock, and at the end of
         the outermost call the request's log records are committed together (one fsync at most)
-        before the caller answers."""
+        before the caller answers. A log error fails the request and stops the core (`_fail`)."""
         with self._lock:
+            if self.failed is not None:
+                raise LogFailed(f"the buffer has stopped: {self.failed}")
             depth = getattr(self._requests, "depth", 0)
             self._requests.depth = depth + 1
             try:
                 yield
+            except OSError as exc:  # only the log does I/O here
+                raise self._fail(LogFailed(f"buffer log: {exc}")) from exc
+            except LogFailed as exc:
+                raise self._fail(exc)
             finally:
                 self._requests.depth = depth
-                if depth == 0 and self.log is not None:
-                    self.log.commit()
+                if depth == 0 and self.log is not None and self.failed is None:
+                    try:
+                        self.log.commit()
+                    except LogFailed as exc:  # not durable: the caller must not answer it as a success
+                        raise self._fail(exc)
+
+    def _fail(self, error: LogFailed) -> LogFailed:
+        """Stop: the log failed (a write cut back or poisoned, an fsync failed). The in-memory
+        state may be ahead of the log (an ack settles its groups before its record is written),
+        so no later request may be answered from it; the owner restarts the buffer from the log.
+        Waiting requests wake up and raise."""
+        if self.failed is None:
+            self.failed = error
+            log.critical("buffer: stopping, its durable log failed: %s", error)
+            self._changed.notify_all()
+        return error
 
     def _append(self, record: dict, durable: bool = True) -> list | None:
         """Log a record; a group payload written to a segment returns its `blob` reference."""

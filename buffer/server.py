@@ -41,10 +41,12 @@ from buffer import auth
 from buffer.codec import decode_message_header, encode_message, frames_nbytes
 from buffer.config import BufferConfig
 from buffer.core import BufferCore, PullResult
+from buffer.durable_log import LogFailed
 from buffer.errors import BufferError, ProtocolError, RequestError
 from buffer.limits import ClientLimits
 
 log = logging.getLogger(__name__)
+LOG_FAILED_EXIT = 3  # the service's exit code when its durable log failed (each request got an error reply)
 _MAX_LOOP_WAIT_S = 0.05  # the loop re-checks deadlines at least this often
 _BATCH = 256  # messages handled before parked requests get another look
 _MAX_PARKED = 4096  # long polls waiting at once; more are refused (a flood must not eat memory)
@@ -168,8 +170,15 @@ class BufferServer:
                         except zmq.Again:
                             break
                         self._handle(frames, role, principal)
-                self.core.tick()
-                self._serve_parked()
+                try:
+                    self.core.tick()
+                    self._serve_parked()
+                except LogFailed:
+                    pass  # the core has stopped (`core.failed`): so does the loop, below
+                if self.core.failed is not None:  # fail stop: the supervisor restarts it from the log
+                    log.critical("buffer: the durable log failed, the service stops (exit code %d): %s",
+                                 LOG_FAILED_EXIT, self.core.failed)
+                    break
         finally:
             self._close()
 
@@ -436,7 +445,7 @@ def main(argv: list[str]) -> int:
         if args.port is not None:
             config = config.model_copy(update={"port": args.port})
         server = BufferServer(config, listen_fd=args.listen_fd)
-    except (OSError, ValueError, zmq.ZMQError) as exc:
+    except (OSError, ValueError, zmq.ZMQError, LogFailed) as exc:  # ValueError: a corrupt log (LogCorrupt) too
         print(f"etarl buffer serve: {exc}", file=sys.stderr)
         return 2
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -447,4 +456,4 @@ def main(argv: list[str]) -> int:
     print(f"buffer serving on {server.endpoint} (curve={'on' if config.curve.enabled else 'off'}, "
           f"durable={'on' if config.log.path else 'off'})", flush=True)
     server.serve_forever()
-    return 0
+    return LOG_FAILED_EXIT if server.core.failed is not None else 0

@@ -13,6 +13,11 @@ leases, acked lease ids, the ids of every accepted sample). Clients resend a cal
 because the actor was restarting with the same ids, so a retry is recognised (same permit, same
 lease, duplicate push, repeated ack): nothing accepted is lost or delivered twice. A `starts_file`
 counts the actor's starts across restarts (Ray tells a restarted actor only that it is one).
+
+Failing stop: once the durable log fails (a write or fsync error, `buffer.durable_log.LogFailed`)
+every call raises it, and the housekeeping thread ends the actor's process within a tick
+(`LOG_FAILED_EXIT`), so Ray restarts it from the log (or, past `max_restarts`, reports it dead).
+`RayBufferClient` resends a call refused that way, as it does one that met a restarting actor.
 """
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ from buffer.admission import Permit
 from buffer.codec import decode_group, encode_group, pack_frames, unpack_frames
 from buffer.config import BufferConfig
 from buffer.core import BufferCore, PullResult
+from buffer.durable_log import LogFailed
 from buffer.errors import BufferError, BufferUnavailable, RemoteError
 from buffer.sample import Group, PulledBatch, new_id
 
@@ -42,6 +48,7 @@ _TICK_S = 0.2
 # as unavailable (ActorUnavailableError, retried until the client's time runs out) and one it will
 # not restart as dead; the grace is only a margin against a death reported early.
 _DEATH_GRACE_S = 1.0
+LOG_FAILED_EXIT = 3  # the actor process's exit code when its durable log failed (as the ZMQ service's)
 
 
 def count_start(starts_file: str | os.PathLike | None) -> int:
@@ -74,8 +81,20 @@ class BufferActor:
         threading.Thread(target=self._housekeeping, name="buffer-housekeeping", daemon=True).start()
 
     def _housekeeping(self) -> None:
+        """Expire permits and leases, sync the log; never ends quietly: on a failed log (here or
+        in any call) the process exits so that Ray restarts it from the log."""
         while not self._stop.wait(_TICK_S):
-            self.core.tick()
+            try:
+                self.core.tick()
+            except LogFailed:
+                pass  # `core.failed` is set: handled below
+            except Exception:  # a bug must not stop expiry and syncs silently: say so, go on
+                log.exception("buffer actor: housekeeping tick failed")
+            if self.core.failed is not None:
+                log.critical("buffer actor (pid %d): its durable log failed, exiting (code %d) so that Ray restarts "
+                             "it from %s: %s", os.getpid(), LOG_FAILED_EXIT, self.core.config.log.path,
+                             self.core.failed)
+                os._exit(LOG_FAILED_EXIT)  # a death Ray restarts (ray.actor.exit_actor would be a final one)
 
     @ray.method(concurrency_group=WORKERS)
     def acquire_permit(self, worker_id: str, timeout: float = 0.0, permit_id: str | None = None) -> Permit | None:
@@ -187,9 +206,11 @@ class RayBufferClient:
             try:
                 return ray.get(getattr(self.actor, method).remote(*args), timeout=timeout)
             except ray.exceptions.RayTaskError as exc:
-                if isinstance(exc.cause, BufferError):
-                    raise RemoteError(f"buffer error ({exc.cause.reason}): {exc.cause}", exc.cause.reason) from None
-                raise
+                if not isinstance(exc.cause, LogFailed):
+                    if isinstance(exc.cause, BufferError):
+                        raise RemoteError(f"buffer error ({exc.cause.reason}): {exc.cause}", exc.cause.reason) from None
+                    raise
+                error = exc  # its log failed: the actor exits and Ray restarts it from the log, so resend
             except ray.exceptions.ActorUnavailableError as exc:  # restarting: Ray runs its constructor again
                 error = exc
             except ray.exceptions.GetTimeoutError as exc:

@@ -11,7 +11,7 @@ from buffer.client import BufferClient
 from buffer.codec import encode_group, pack_frames
 from buffer.config import BufferConfig, ClientConfig, GateConfig, LogConfig
 from buffer.core import BufferCore
-from buffer.durable_log import keep_as_previous, payloads_dir, read_records, settled_path
+from buffer.durable_log import LogFailed, keep_as_previous, payloads_dir, read_records, settled_path
 
 
 @pytest.mark.parametrize("fsync", ["always", "interval"])
@@ -400,7 +400,7 @@ def test_compaction_syncs_the_payloads_it_names_before_the_new_log(tmp_path, mon
 def test_interval_fsyncs_run_off_the_request_path(tmp_path, monkeypatch):
     """`fsync: interval` with a disk that takes its time: while a due sync waits on the disk,
     requests are answered (and no second sync starts); each sync does the payload segment before
-    the log; a background fsync that fails is raised on the request path at the next sync."""
+    the log; a background fsync that fails stops the buffer at the next request, for good."""
     import os
     import time
 
@@ -441,9 +441,11 @@ def test_interval_fsyncs_run_off_the_request_path(tmp_path, monkeypatch):
     time.sleep(0.01)
     core.acquire_permit("w")  # due: starts a sync that fails in the background
     settle_background_sync(core)
-    with pytest.raises(OSError, match="a background fsync failed"):
+    with pytest.raises(LogFailed, match=r"fsync of the log \(background sync\) failed \(\[Errno 5\]"):
         core.acquire_permit("w")
     monkeypatch.setattr(os, "fsync", real_fsync)
+    with pytest.raises(LogFailed, match="stopped"):  # never forgotten, though fsync works again
+        core.acquire_permit("w")
     core.close()
     again = core_with_log(path, batch_size=1, eta=None)
     assert again.gate.accepted == 4
@@ -481,3 +483,248 @@ def test_a_restart_reclaims_the_segments_consumed_before_it_at_the_next_compacti
     third = core_with_log(path, batch_size=1, eta=None)
     assert [bytes(g.packed) for g in third.store.ready.values()] == [bytes(group.packed)]
     third.close()
+
+
+# ---- failing stop: write and sync errors, corruption ------------------------------------------
+
+def open_log(path, **settings):
+    from buffer.durable_log import DurableLog
+
+    log = DurableLog(LogConfig(path=path, **settings))
+    records = list(log.replay())
+    return log, records
+
+
+def short_writes(monkeypatch, count: int = 1, keep: float = 0.5) -> None:
+    """The next `count` writes (writev or write) store only part of their bytes and say so, as
+    the kernel does when the disk fills."""
+    import os
+
+    real_write, left = os.write, [count]
+
+    def partial(fd, data, real):
+        if left[0] <= 0:
+            return real(fd, data)
+        left[0] -= 1
+        data = b"".join(bytes(p) for p in data) if isinstance(data, list) else bytes(data)
+        return real_write(fd, data[: int(len(data) * keep)])
+
+    real_writev = os.writev
+    monkeypatch.setattr(os, "writev", lambda fd, parts: partial(fd, parts, real_writev))
+    monkeypatch.setattr(os, "write", lambda fd, data: partial(fd, data, real_write))
+
+
+def test_a_short_write_leaves_no_half_record_before_later_ones(tmp_path, monkeypatch):
+    """The issue's case: versions 1, a short write of 2 (a full disk), then 3, 4, 5 appended and
+    committed. Replay gave [1] (the half record cut everything after it as a torn tail); the
+    failed write is now cut back, so it gives 1, 3, 4, 5."""
+    path = tmp_path / "b.log"
+    log, _ = open_log(path)
+    log.append({"op": "version", "version": 1})
+    log.commit()
+    short_writes(monkeypatch)
+    with pytest.raises(Exception, match="short write"):
+        log.append({"op": "version", "version": 2})
+    monkeypatch.undo()
+    for version in (3, 4, 5):
+        log.append({"op": "version", "version": version})
+    log.commit()
+    log.close()
+    _, records = open_log(path)
+    assert [r["version"] for r in records] == [1, 3, 4, 5]
+
+
+def test_a_short_payload_write_keeps_the_segment_offsets_right(tmp_path, monkeypatch):
+    """A payload segment's short write is cut back too, and the next payload is named at its
+    true offset (it was named after the half payload's start: replay cut it as corrupt)."""
+    path = tmp_path / "b.log"
+    log, _ = open_log(path)
+    payload = lambda i: bytes([i]) * 70_000  # noqa: E731 - large: it goes to a segment
+    log.append({"op": "push", "permit": None, "seq": 0, "group": payload(1)})
+    log.commit()
+    short_writes(monkeypatch)
+    with pytest.raises(Exception, match="short write"):
+        log.append({"op": "push", "permit": None, "seq": 1, "group": payload(2)})
+    monkeypatch.undo()
+    log.append({"op": "push", "permit": None, "seq": 2, "group": payload(3)})
+    log.commit()
+    log.close()
+    (segment,) = payloads_dir(path).glob("*.seg")
+    assert segment.stat().st_size == 2 * 70_000, "the half payload was cut from the segment"
+    _, records = open_log(path)
+    assert [bytes(r["group"]) for r in records] == [payload(1), payload(3)]
+
+
+def test_a_write_that_cannot_be_cut_back_poisons_the_log(tmp_path, monkeypatch):
+    import errno
+    import os
+
+    path = tmp_path / "b.log"
+    log, _ = open_log(path)
+    log.append({"op": "version", "version": 1})
+    log.commit()
+    short_writes(monkeypatch)
+
+    def ftruncate(fd, length):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "ftruncate", ftruncate)
+    with pytest.raises(LogFailed, match=r"short write.* cutting the file back to byte \d+ failed too"):
+        log.append({"op": "version", "version": 2})
+    monkeypatch.undo()
+    for call in (lambda: log.append({"op": "version", "version": 3}), log.commit, log.sync):
+        with pytest.raises(LogFailed, match="poisoned"):
+            call()
+    log.close()
+    log, records = open_log(path)  # the half record is the tail: cut, as after a crash
+    assert [r["version"] for r in records] == [1] and log.truncated_bytes > 0
+    log.close()
+
+
+def test_a_failed_fsync_stops_the_buffer_for_good(tmp_path, monkeypatch):
+    """fsync-gate: after a failed fsync the kernel may have dropped the pages, and a second fsync
+    can report success; so the push is refused, nothing is fsynced again, and every later call
+    raises. A restart replays the log; the client's retried push is accepted once."""
+    import errno
+    import os
+
+    path = tmp_path / "b.log"
+    core = core_with_log(path)
+    permit = core.acquire_permit("w")
+    group = encode_group(make_group(permit.ticket))
+    calls, real_fsync = [], os.fsync
+
+    def fsync(fd):
+        calls.append(fd)
+        if len(calls) == 1:
+            raise OSError(errno.EIO, "Input/output error")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    with pytest.raises(LogFailed, match=r"fsync of the log failed \(\[Errno 5\]"):
+        core.push_group(group, permit.permit_id)
+    for call in (lambda: core.push_group(group, permit.permit_id), core.stats, lambda: core.pull_batch(1),
+                 core.tick):
+        with pytest.raises(LogFailed, match="stopped"):
+            call()
+    core.close()
+    assert len(calls) == 1, "a failed fsync is never retried"
+    monkeypatch.undo()
+    again = core_with_log(path)
+    again.push_group(group, permit.permit_id)  # the client's retry: accepted now, or a duplicate
+    assert again.stats()["accepted"] == 1 and len(again.pull_batch(1).groups) == 1
+
+
+def test_a_failed_write_stops_the_buffer_so_no_retry_is_answered_from_memory(tmp_path, monkeypatch):
+    """An ack settles its groups before its record is written: if the write fails, the buffer
+    stops rather than answer the retried ack from memory (the lease would come back after a
+    restart and be delivered twice). The restarted buffer answers the retry from the log."""
+    import errno
+    import os
+
+    path = tmp_path / "b.log"
+    core = core_with_log(path)
+    for _ in range(2):
+        permit = core.acquire_permit("w")
+        core.push_group(encode_group(make_group(permit.ticket)), permit.permit_id)
+    batch = core.pull_batch(2)
+    real_writev = os.writev
+
+    def writev(fd, parts):
+        monkeypatch.setattr(os, "writev", real_writev)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "writev", writev)
+    with pytest.raises(LogFailed, match=r"No space left on device.*cut back"):
+        core.ack(batch.lease_id)
+    with pytest.raises(LogFailed, match="stopped"):
+        core.ack(batch.lease_id)
+    core.close()
+    again = core_with_log(path)
+    assert again.ack(batch.lease_id) == 2 and again.pull_batch(2) is None
+    assert again.stats()["consumed_groups"] == 2
+
+
+def test_replay_refuses_a_bad_record_followed_by_intact_ones(tmp_path):
+    """Damage in the middle of the log is not a torn tail: replay names the file and the byte and
+    cuts nothing. The same damage in the last record is a torn tail, cut as before; so is a tail
+    of zeros (which read as a record of length 0 and crashed replay)."""
+    from buffer.durable_log import LogCorrupt
+
+    path = tmp_path / "b.log"
+    log, _ = open_log(path)
+    ends = []
+    for version in range(1, 6):
+        log.append({"op": "version", "version": version})
+        ends.append(log.size)
+    log.close()
+    data = bytearray(path.read_bytes())
+    data[ends[1] + 12] ^= 0x04  # a bit of the third record's body
+    path.write_bytes(bytes(data))
+    with pytest.raises(LogCorrupt, match=rf"{path}: the record at byte {ends[1]} is corrupt, but an intact record "
+                                         rf"follows at byte {ends[2]}"):
+        core_with_log(path)
+    assert path.read_bytes() == bytes(data), "nothing was cut"
+    with pytest.raises(LogCorrupt):
+        read_records(path)  # the audit reads it as replay does
+
+    data[ends[3] + 12] ^= 0x04  # the last record instead: a torn tail
+    data[ends[1] + 12] ^= 0x04
+    path.write_bytes(bytes(data) + bytes(4096))  # and zeros after it
+    log, records = open_log(path)
+    assert [r["version"] for r in records] == [1, 2, 3, 4] and path.stat().st_size == ends[3]
+    log.close()
+
+
+def test_new_files_and_folders_are_synced_in_their_parent(tmp_path, monkeypatch):
+    """The log's folders and file, the segments folder and each segment, and the settled archive:
+    each new name is made durable by an fsync of its folder."""
+    import os
+
+    synced, real_fsync = [], os.fsync
+
+    def fsync(fd):
+        if os.path.isdir(f"/proc/self/fd/{fd}"):
+            synced.append((os.readlink(f"/proc/self/fd/{fd}"), set(os.listdir(fd))))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    path = tmp_path / "run" / "logs" / "b.log"
+    core = core_with_log(path, batch_size=1, compact_min_bytes=0)
+    push_large(core)
+    core.ack(core.pull_batch(1).lease_id)  # a compaction: its archive is created
+    assert core.wait_for_compaction(timeout=60) and core.stats()["log_compactions"] == 1
+    core.close()
+
+    def was_synced(folder, name):
+        return any(f == str(folder) and name in names for f, names in synced)
+
+    for folder, name in [(tmp_path, "run"), (tmp_path / "run", "logs"), (path.parent, "b.log"),
+                         (path.parent, "b.log.payloads"), (payloads_dir(path), "00000000.seg"),
+                         (path.parent, "b.log.settled")]:
+        assert was_synced(folder, name), f"{name} was not synced in {folder}"
+
+
+def test_the_zmq_service_answers_an_error_and_stops_when_its_log_fails(tmp_path, monkeypatch):
+    import errno
+    import os
+
+    from buffer.errors import RemoteError
+    from buffer.server import BufferServer
+
+    config = BufferConfig(port=0, gate=GateConfig(batch_size=1, eta=None, max_concurrent=4),
+                          log=LogConfig(path=tmp_path / "b.log"))
+    server = BufferServer(config).start()
+    with BufferClient(server.endpoint, ClientConfig(request_timeout_s=10, retries=0)) as client:
+        permit = client.acquire_permit("w")
+
+        def fsync(fd):
+            raise OSError(errno.EIO, "Input/output error")
+
+        monkeypatch.setattr(os, "fsync", fsync)
+        with pytest.raises(RemoteError, match="fsync of the log failed") as error:
+            client.push_group(make_group(permit.ticket), permit.permit_id)
+        assert error.value.reason == "log_failed"
+        server._thread.join(10)
+        assert not server._thread.is_alive(), "the service loop ends (its process exits non-zero)"
+    assert server.core.failed is not None and server.core.counters.request_errors["log_failed"] == 1
