@@ -19,6 +19,8 @@ REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "deploy" / "k8s"
 KUBERAY = REPO.parent / "shared" / "kuberay"
 K8S_VERSION = "1.33.0"  # the oldest Kubernetes release KubeRay's current operator supports well
+OPERATOR_NAMESPACE = "kuberay-system"  # where docs/deploy.md installs the KubeRay operator's chart
+MONITORING_NAMESPACE = "monitoring"  # and kube-prometheus-stack
 
 
 def load(name: str) -> list[dict]:
@@ -91,6 +93,7 @@ def test_kuberay_manifests_match_the_crd_schema(manifest, crd):
     (("spec", "headGroupSpec"), {"rayStartParms": {}}),  # misspelled KubeRay field
     (("spec", "workerGroupSpecs", 1, "template", "spec", "containers", 0), {"resource": {}}),  # pod spec field
     (("spec", "workerGroupSpecs", 0), {"replicas": "one"}),  # wrong type
+    (("spec", "authOptions"), {"mode": "on"}),  # not one of KubeRay's auth modes (disabled, token)
 ])
 def test_a_misspelled_or_mistyped_field_fails_the_crd_schema(path, bad):
     doc = copy.deepcopy(the("raycluster.yaml"))
@@ -271,3 +274,75 @@ def test_the_run_config_fills_the_gpus_the_raycluster_declares(manifest, tmp_pat
     assert main(["plan", "--config", str(run_yaml), "--raycluster", str(K8S / manifest),
                  f"rollout.num_workers={config['rollout']['num_workers'] + 1}"]) == 2
     assert "rollout.num_workers" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ who gets in (issue 30)
+
+
+def _cluster_specs() -> dict[str, dict]:
+    return {"raycluster.yaml": the("raycluster.yaml")["spec"], "rayjob.yaml": the("rayjob.yaml")["spec"]["rayClusterSpec"]}
+
+
+@pytest.mark.parametrize("manifest", ["raycluster.yaml", "rayjob.yaml"])
+def test_ray_token_authentication_is_on_and_nothing_turns_it_off(manifest):
+    """KubeRay's authOptions: the operator makes the token's Secret and sets RAY_AUTH_MODE=token and
+    RAY_AUTH_TOKEN in every Ray container and the submitter; the dashboard, on the pod address for
+    the operator, then answers nobody without the token (its Jobs API runs code)."""
+    spec = _cluster_specs()[manifest]
+    assert spec.get("authOptions") == {"mode": "token"}  # enableK8sTokenAuth: not supported for RayJobs
+    assert spec["headGroupSpec"]["rayStartParams"]["dashboard-host"] == "0.0.0.0"  # hence the token
+    templates = pod_templates(spec)
+    if manifest == "rayjob.yaml":
+        job = the(manifest)["spec"]
+        templates["submitter"] = job["submitterPodTemplate"]
+        assert not {"RAY_AUTH_MODE", "RAY_AUTH_TOKEN"} & set(yaml.safe_load(job["runtimeEnvYAML"])["env_vars"])
+    for group, template in templates.items():  # no container overrides the mode or holds a token
+        for container in template["spec"]["containers"]:
+            names = {e["name"] for e in container.get("env", [])}
+            assert not names & {"RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"}, (group, names)
+
+
+def _selects(selector: dict, labels: dict) -> bool:
+    """A Kubernetes label selector of matchLabels only ({} selects everything)."""
+    assert set(selector) <= {"matchLabels"}, f"this check reads matchLabels only: {selector}"
+    return selector.get("matchLabels", {}).items() <= labels.items()
+
+
+def _admits(policy: dict, policy_namespace: str, namespace: str, pod_labels: dict, port: int) -> bool:
+    """Whether the NetworkPolicy admits a connection to `port` from a pod with `pod_labels` in
+    `namespace` (labelled, as Kubernetes does, kubernetes.io/metadata.name=<namespace>)."""
+    ns_labels = {"kubernetes.io/metadata.name": namespace}
+    for rule in policy["ingress"]:
+        if rule.get("ports") and port not in {p["port"] for p in rule["ports"]}:
+            continue
+        for peer in rule.get("from", [{}]):
+            in_namespace = (_selects(peer["namespaceSelector"], ns_labels) if "namespaceSelector" in peer
+                            else namespace == policy_namespace)
+            if in_namespace and _selects(peer.get("podSelector", {}), pod_labels):
+                return True
+    return False
+
+
+def test_a_pod_that_copies_the_operators_or_prometheus_label_elsewhere_is_not_admitted():
+    """The operator's and Prometheus's rules need their namespace AND their label (one `from`
+    element): a label anyone who may create a pod can set, the namespace name Kubernetes sets."""
+    policy = the("networkpolicy.yaml")["spec"]
+    run_ns = "etarl-runs"
+    operator = {"app.kubernetes.io/name": "kuberay-operator"}
+    prometheus = {"app.kubernetes.io/name": "prometheus"}
+    assert _admits(policy, run_ns, OPERATOR_NAMESPACE, operator, 8265)
+    assert _admits(policy, run_ns, MONITORING_NAMESPACE, prometheus, 9400)
+    assert _admits(policy, run_ns, MONITORING_NAMESPACE, prometheus, 8080)
+    for namespace in ("default", run_ns, "someone-else"):  # the same labels anywhere else: refused
+        assert not _admits(policy, run_ns, namespace, operator, 8265), namespace
+        assert not _admits(policy, run_ns, namespace, prometheus, 9400), namespace
+    assert not _admits(policy, run_ns, OPERATOR_NAMESPACE, {"app": "other"}, 8265)  # the namespace alone: no
+    assert not _admits(policy, run_ns, MONITORING_NAMESPACE, {"app.kubernetes.io/name": "grafana"}, 9400)
+    assert not _admits(policy, run_ns, OPERATOR_NAMESPACE, operator, 6379)  # the operator: the dashboard only
+    assert not _admits(policy, run_ns, MONITORING_NAMESPACE, prometheus, 8265)  # Prometheus: metrics only
+    etarl = {"app.kubernetes.io/name": "etarl"}
+    assert _admits(policy, run_ns, run_ns, etarl, 6379) and not _admits(policy, run_ns, "default", etarl, 6379)
+    for rule in policy["ingress"]:  # the namespace is named exactly, never by a label one could copy
+        for peer in rule["from"]:
+            if "namespaceSelector" in peer:
+                assert set(peer["namespaceSelector"]["matchLabels"]) == {"kubernetes.io/metadata.name"}, peer
