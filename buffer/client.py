@@ -18,7 +18,7 @@ import zmq
 from buffer import auth
 from buffer.admission import Permit
 from buffer.codec import (decode_group, decode_message_header, encode_group, encode_message, pack_frames,
-                          unpack_frames)
+                          pulled_limits, unpack_frames)
 from buffer.config import BufferConfig, ClientConfig, CurveConfig, SampleLimits
 from buffer.errors import BufferUnavailable, ProtocolError, RemoteError
 from buffer.sample import Group, PulledBatch, new_id
@@ -99,7 +99,7 @@ class BufferClient:
         result, frames = self._call("pull_batch", args, wait=timeout)
         if result is None:
             return None
-        groups = [decode_group(unpack_frames(packed), self.limits) for packed in frames]
+        groups = [decode_group(unpack_frames(packed), pulled_limits(self.limits)) for packed in frames]
         return PulledBatch(result["lease_id"], groups, result["dropped_stale"], result["version"],
                            result.get("prompts_quarantined", 0))
 
@@ -109,9 +109,10 @@ class BufferClient:
         args = {"lease_id": lease_id} if version is None else {"lease_id": lease_id, "version": int(version)}
         return self._call("ack", args)[0]
 
-    def nack(self, lease_id: str) -> int:
-        """Hand a leased batch back; its groups are pulled again, oldest first."""
-        return self._call("nack", {"lease_id": lease_id})[0]
+    def nack(self, lease_id: str, failed: bool = False) -> int:
+        """Hand a leased batch back; its groups are pulled again, oldest first. `failed`: the
+        learner failed on it (counted per group; see buffer.max_deliveries)."""
+        return self._call("nack", {"lease_id": lease_id, **({"failed": True} if failed else {})})[0]
 
     def set_version(self, version: int) -> None:
         """The learner's weight version. Call it before publishing those weights to workers."""

@@ -24,7 +24,9 @@ one packed group per frame (pull).
 does with every push); `decode_group` validates and builds them; `validate_group` runs the same
 checks on an in-memory `Group` (the learner's check of a batch). Violations raise `SampleError`
 (naming field and sample) or `ProtocolError`: frame count and sizes, dtypes (implied by the
-layout, checked by size), lengths that agree, token ids >= 0, finite log-probs <= 0, loss mask in
+layout, checked by size), lengths that agree, token ids >= 0 and below the vocabulary
+(`limits.vocab_size`), prompt + response within the context (`limits.max_sequence_tokens`), a
+header within `limits.max_header_bytes` and msgpack's item bounds, finite log-probs <= 0, loss mask in
 {0, 1}, finite rewards, versions not ahead of the learner (`max_version`) and not before the
 sample's start version, and the configured size limits.
 """
@@ -56,18 +58,47 @@ _SAMPLE_KEYS = {
 _GROUP_KEYS = {"v", "group_id", "prompt_index", "samples"}
 _PER_TOKEN = ("rollout_log_probs", "loss_mask", "token_versions", "token_rewards")
 _WIRE_DTYPES = {name: dtype.newbyteorder("<") for name, dtype in ARRAY_FIELDS.items()}
+_MAX_PACKED_FRAMES = 64
 
 
 def pack(obj: Any) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
 
 
-def unpack(frame) -> Any:
-    """msgpack-decode one frame; any failure is a ProtocolError."""
+def unpack(frame, limits: SampleLimits | None = None) -> Any:
+    """msgpack-decode one header frame within `limits` (its size, then msgpack's own bounds on
+    every string, binary, array and map, all checked before any object is built); any failure
+    is a ProtocolError: `header_too_large`, `msgpack_limit` or `bad_msgpack`."""
+    limits = limits or _DEFAULT_LIMITS
+    size = len(frame) if type(frame) is bytes else memoryview(frame).nbytes
+    if size > limits.max_header_bytes:
+        raise ProtocolError(f"header of {size} bytes exceeds max_header_bytes={limits.max_header_bytes}",
+                            "header_too_large")
     try:
-        return msgpack.unpackb(frame, raw=False, strict_map_key=True)
+        return msgpack.unpackb(frame, raw=False, strict_map_key=True, **_msgpack_bounds(limits))
     except Exception as exc:  # msgpack raises several unrelated types on garbage
+        if isinstance(exc, ValueError) and "exceeds max_" in str(exc):
+            raise ProtocolError(f"header refused: {exc}", "msgpack_limit") from None
         raise ProtocolError(f"header is not valid msgpack: {type(exc).__name__}: {exc}", "bad_msgpack") from None
+
+
+def _msgpack_bounds(limits: SampleLimits) -> dict:
+    """msgpack's per-item bounds from the limits: a header holds short strings (ids, reasons,
+    metadata: 4 UTF-8 bytes a char at most), lists of samples or ids, maps of keys (a reply's
+    stats the largest), no binaries of size and no extension types. The bounds refuse an item
+    that claims more than a header needs before msgpack builds it; max_header_bytes bounds the
+    total, as every item costs at least one byte."""
+    chars = 4 * limits.max_string_chars
+    return {"max_str_len": chars, "max_bin_len": chars, "max_ext_len": 0,
+            "max_array_len": max(limits.max_group_size, limits.max_frames),
+            "max_map_len": max(len(_SAMPLE_KEYS), limits.max_metadata_items, 1024)}
+
+
+def check_frame_count(count: int, limits: SampleLimits | None = None) -> None:
+    """A message's frame count within `limits.max_frames` (every frame is an object in memory)."""
+    limits = limits or _DEFAULT_LIMITS
+    if count > limits.max_frames:
+        raise ProtocolError(f"message of {count} frames exceeds max_frames={limits.max_frames}", "too_many_frames")
 
 
 # ---- encoding ---------------------------------------------------------------------------------
@@ -152,7 +183,7 @@ def check_group(frames: Sequence, limits: SampleLimits | None = None, max_versio
     limits = limits or _DEFAULT_LIMITS
     if not frames:
         raise ProtocolError("a group needs at least a header frame", "bad_group")
-    header = unpack(frames[0])
+    header = unpack(frames[0], limits)
     _check_group_header(header, limits)
     if len(frames) != GROUP_FRAMES:
         raise ProtocolError(f"group {header['group_id']!r}: expected {GROUP_FRAMES} frames, got {len(frames)}",
@@ -174,9 +205,9 @@ def check_group(frames: Sequence, limits: SampleLimits | None = None, max_versio
                                           f"(group {header['group_id']!r})")
         arrays[name] = np.frombuffer(frame, dtype=dtype, count=n)
     view = GroupView(header["group_id"], header["prompt_index"], metas, arrays, offsets)
-    if not _arrays_valid(view, max_version):
+    if not _arrays_valid(view, max_version, limits.vocab_size):
         for k in range(len(metas)):
-            _check_sample_arrays(view, k, max_version)
+            _check_sample_arrays(view, k, max_version, limits.vocab_size)
         raise SampleError("samples", None, f"group {view.group_id!r} failed an array check")  # unreachable
     return view
 
@@ -192,6 +223,17 @@ def decode_group(frames: Sequence, limits: SampleLimits | None = None, max_versi
         for k, m in enumerate(view.samples)
     ]
     return Group(group_id=view.group_id, samples=samples, prompt_index=view.prompt_index)
+
+
+def pulled_limits(limits: SampleLimits) -> SampleLimits:
+    """The limits a pulled group is decoded with: those of a push, less the checks against the
+    model (vocabulary, context). A group the buffer holds passed them when it was pushed; one that
+    did not (a log written under other limits) reaches the learner, which checks the vocabulary
+    against its own model and refuses the batch naming the sample, so the run hands it back and
+    the buffer drops it as poisoned, instead of a pull failing for good."""
+    if limits.vocab_size is None and limits.max_sequence_tokens is None:
+        return limits
+    return limits.model_copy(update={"vocab_size": None, "max_sequence_tokens": None})
 
 
 def validate_group(group: Group, limits: SampleLimits | None = None, max_version: int | None = None) -> None:
@@ -257,6 +299,9 @@ def _check_sample_header(meta: dict, limits: SampleLimits, max_version: int | No
     if type(n_response) is not int or not 0 <= n_response <= limits.max_response_tokens:
         raise SampleError("n_response", sid,
                           f"must be an int in [0, {limits.max_response_tokens}], got {n_response!r:.60}")
+    if limits.max_sequence_tokens is not None and n_prompt + n_response > limits.max_sequence_tokens:
+        raise SampleError("n_response", sid, f"prompt ({n_prompt}) + response ({n_response}) tokens exceed "
+                                             f"max_sequence_tokens={limits.max_sequence_tokens} (the engine's context)")
     if type(meta["has_token_rewards"]) is not bool:
         raise SampleError("has_token_rewards", sid, f"must be a bool, got {meta['has_token_rewards']!r:.60}")
     for key in ("worker_id", "finish_reason"):
@@ -288,11 +333,11 @@ def _check_metadata(metadata, sid: str, limits: SampleLimits) -> None:
             raise SampleError("metadata", sid, f"value of {key!r} longer than max_string_chars")
 
 
-def _arrays_valid(view: GroupView, max_version: int | None) -> bool:
+def _arrays_valid(view: GroupView, max_version: int | None, vocab_size: int | None) -> bool:
     """Every array check of `_check_sample_arrays`, for the whole group in a few numpy calls."""
     a = view.arrays
     for name in ("prompt_ids", "response_ids"):
-        if a[name].size and a[name].min() < 0:
+        if a[name].size and (a[name].min() < 0 or vocab_size is not None and a[name].max() >= vocab_size):
             return False
     lp = a["rollout_log_probs"]
     # max() is NaN if any NaN (and NaN <= 0 is False); a float64 sum is finite iff every value is
@@ -313,12 +358,17 @@ def _arrays_valid(view: GroupView, max_version: int | None) -> bool:
     return not tr.size or math.isfinite(tr.sum(dtype=np.float64))
 
 
-def _check_sample_arrays(view: GroupView, k: int, max_version: int | None) -> None:
+def _check_sample_arrays(view: GroupView, k: int, max_version: int | None, vocab_size: int | None) -> None:
     """The array checks of sample k, raising SampleError that names the field and the sample."""
     sid, version = view.samples[k]["sample_id"], view.samples[k]["weight_version"]
     for name in ("prompt_ids", "response_ids"):
-        if (view.field(name, k) < 0).any():
+        ids = view.field(name, k)
+        if (ids < 0).any():
             raise SampleError(name, sid, "token ids must be >= 0")
+        if vocab_size is not None and ids.size and ids.max() >= vocab_size:
+            at = int(np.argmax(ids >= vocab_size))
+            raise SampleError(name, sid, f"token id {int(ids[at])} at position {at} is not below the vocabulary "
+                                         f"size {vocab_size}")
     lp = view.field("rollout_log_probs", k)
     if not np.isfinite(lp).all():
         raise SampleError("rollout_log_probs", sid, f"not finite at token {int(np.argmin(np.isfinite(lp)))}")
@@ -343,9 +393,9 @@ def encode_message(header: dict, payload: Sequence = ()) -> list:
     return [pack({"v": PROTOCOL_VERSION, **header}), *payload]
 
 
-def decode_message_header(frame, required: Sequence[str]) -> dict:
-    """Decode and check a request/reply header frame."""
-    header = unpack(frame)
+def decode_message_header(frame, required: Sequence[str], limits: SampleLimits | None = None) -> dict:
+    """Decode and check a request/reply header frame (bounded by `limits`, see `unpack`)."""
+    header = unpack(frame, limits)
     if not isinstance(header, dict):
         raise ProtocolError(f"message header must be a map, got {type(header).__name__}", "bad_header")
     if header.get("v") != PROTOCOL_VERSION:
@@ -375,6 +425,11 @@ def unpack_frames(packed) -> list[memoryview]:
         raise ProtocolError(f"packed group of {view.nbytes} bytes has no length table", "bad_packed_group")
     (count,) = struct.unpack_from("<I", view)
     table = 4 * (count + 1)
+    # A group has GROUP_FRAMES; the bound keeps a forged count from building a table of millions
+    # of sizes (4 bytes each on the wire, a Python int each here), and lets wrong counts through
+    # to the group check, which names them.
+    if count > _MAX_PACKED_FRAMES:
+        raise ProtocolError(f"packed group claims {count} frames, more than {_MAX_PACKED_FRAMES}", "bad_packed_group")
     if count == 0 or table > view.nbytes:
         raise ProtocolError(f"packed group claims {count} frames in {view.nbytes} bytes", "bad_packed_group")
     sizes = struct.unpack_from(f"<{count}I", view, 4)
@@ -411,8 +466,9 @@ class GroupIndex(NamedTuple):
 
 
 def group_index(header_frame) -> GroupIndex:
-    """What the store keeps of a group, from its already validated header."""
-    header = unpack(header_frame)
+    """What the store keeps of a group, from its already validated header (decoded without the
+    limits: a log written under larger limits still replays)."""
+    header = msgpack.unpackb(header_frame, raw=False, strict_map_key=True)
     samples = header["samples"]
     return GroupIndex(header["group_id"], [s["sample_id"] for s in samples], [s["weight_version"] for s in samples],
                       header["prompt_index"], max((s["n_response"] for s in samples), default=0))

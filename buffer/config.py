@@ -85,6 +85,21 @@ class SampleLimits(_Strict):
     max_string_chars: int = Field(4096, ge=1)
     max_message_bytes: int = Field(512 << 20, ge=1024)
     max_batch_groups: int = Field(65536, ge=1)
+    # A token id the model has no embedding for is a device-side assert in the learner (every
+    # resume would pull it again): a run fills these two from its model (services/config.py).
+    vocab_size: int | None = Field(
+        None, ge=1, description="token ids (prompt and response) must be below this; None: unchecked (a run "
+        "fills it from the model's config)")
+    max_sequence_tokens: int | None = Field(
+        None, ge=1, description="prompt + response tokens of one sample; None: unchecked (a run fills it with the "
+        "rollout engine's context: rollout.engine.max_model_len, else the model's)")
+    # msgpack decodes a header whole before any type check, and tiny items become large objects
+    # (2 MB of empty maps are 144 MB of dicts): headers are small, so they are bounded in bytes.
+    max_header_bytes: int = Field(
+        1 << 20, ge=1024, description="bytes of a msgpack header (a request's or a group's); the arrays travel "
+        "in frames of their own and are bounded by max_message_bytes")
+    max_frames: int = Field(
+        1 + 1024, ge=2, description="frames of one request: its header and one packed group per group pushed")
 
 
 class CurveConfig(_Strict):
@@ -144,6 +159,11 @@ class BufferConfig(_Strict):
     max_version_jump: int = Field(
         16, ge=1, description="set_version (or an ack with a version) and recover may move the learner version "
         "at most this far ahead in one request: a wrong or hostile call cannot close the gate for good")
+    max_deliveries: int | None = Field(
+        2, ge=1, description="a group whose lease failed this many times (expired: the learner crashed, or the "
+        "lease was in flight at a restart and never acked; or nacked as failed: the learner refused or crashed on "
+        "the batch) is dropped as poisoned by the next pull (counted, logged, its ticket reissued), not pulled "
+        "forever; None: never")
     gate: GateConfig = GateConfig()
     store: StoreConfig = StoreConfig()
     log: LogConfig = LogConfig()

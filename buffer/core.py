@@ -31,7 +31,8 @@ the gate's, which are restored from the log):
   groups_ready, groups_leased, samples_ready, bytes_held     store contents
   pushed_samples, pushed_groups, duplicate_pushes            counters
   consumed_samples, consumed_groups                          counters (acked)
-  dropped_samples: {reason: n}, dropped_groups: {reason: n}  counters (reason "stale")
+  dropped_samples: {reason: n}, dropped_groups: {reason: n}  counters (reason "stale", or "poisoned":
+                               its lease failed buffer.max_deliveries times: expired or nacked as failed)
   bad_messages: {reason: n}    counters: malformed messages and invalid samples
   request_errors: {reason: n}  counters: refused requests (unknown_permit, buffer_full, ...)
   gate_wait_seconds            counter: total time acquire requests waited
@@ -111,6 +112,7 @@ class BufferCore:
                                 max_bytes=config.store.max_bytes)
         self.enqueued = 0
         self._pending_dropped = 0
+        self._poisoned: dict[str, int] = {}  # group id -> its handed_out when marked poisoned (dropped at the next pull)
         self._settled: list[dict] = []  # ack and drop records since the last compaction (to archive)
         self._settle_n = 0  # the next settle number (an ack or drop record's `n`)
         self._lock = threading.RLock()
@@ -125,6 +127,7 @@ class BufferCore:
             self.log = DurableLog(config.log)
             for record in self.log.replay():
                 self._replay(record)
+            self._mark_poisoned(self.store.ready.values())  # failures counted from the logged records
             # The doubling rule counts from what the live state needs, not from the disk at open:
             # segments a previous process filled with groups consumed since are reclaimed by the
             # next compaction instead of waiting for the disk to double again.
@@ -352,6 +355,7 @@ class BufferCore:
                 return self._result(self.store.leases[lease_id], 0)  # a retried pull
             self._tick_locked()
             self._drop_stale()
+            self._drop_poisoned()
             lease = self.store.lease(batch_size, lease_id or new_id(), self.clock(), self.gate.version)
             if lease is None:
                 return None
@@ -367,16 +371,56 @@ class BufferCore:
         dropped = self.store.drop_stale(self.gate.version, self.gate.eta)
         if not dropped:
             return
+        self._settle_dropped(dropped, "stale")
+        self._pending_dropped += len(dropped)
+        self.counters.settled_by_length["dropped"].update(length_bucket(g.response_tokens) for g in dropped)
+        self._maybe_compact()
+
+    def _count_failure(self, groups, replaying: bool = False) -> None:
+        """Groups back from a lease that failed (expired, or nacked as failed): one that failed
+        `max_deliveries` times is poisoned, and dropped by the next pull rather than handed out
+        again. Not at once: a late ack of the expired lease (a slow learner, not a crashed one)
+        still consumes it until then. Replay counts the same from the logged `expire` and failed
+        `nack` records (and a compaction's `failures`), so the count survives a restart."""
+        for g in groups:
+            g.failures += 1
+        if not replaying:
+            self._mark_poisoned(groups)
+
+    def _mark_poisoned(self, groups) -> None:
+        limit = self.config.max_deliveries
+        for g in groups:
+            if limit is not None and g.failures >= limit:
+                self._poisoned[g.group_id] = g.handed_out
+
+    def _drop_poisoned(self) -> None:
+        """Drop the marked groups that are still ready and were not handed out since. The learner
+        cannot say which group of a batch crashed it, so the whole batch goes; their tickets are
+        reissued (a fresh generation of the prompt is pushed, and validated, anew)."""
+        if not self._poisoned:
+            return
+        marked, self._poisoned = self._poisoned, {}
+        poisoned = [g for gid, n in marked.items() if (g := self.store.ready.get(gid)) is not None and g.handed_out == n]
+        if not poisoned:
+            return
+        for g in poisoned:
+            self.store.remove_ready(g.group_id)
+        self._settle_dropped(poisoned, "poisoned")
+        log.error("buffer: %d group(s) dropped as poisoned, each failed the learner %d times (a batch that "
+                  "crashes it, or that it refuses): %s; tickets %s reissued", len(poisoned), self.config.max_deliveries,
+                  [g.group_id for g in poisoned], [g.ticket for g in poisoned])
+        self._maybe_compact()
+
+    def _settle_dropped(self, dropped, reason: str) -> None:
+        """Settle groups taken out of the store as a logged drop (replay and the audit count them
+        as dropped, not lost) and give their tickets back to the gate."""
         tickets = [g.ticket for g in dropped]
         self.store.settle(dropped)
-        self._append_settled({"op": "drop", "reason": "stale", "groups": [g.group_id for g in dropped],
+        self._append_settled({"op": "drop", "reason": reason, "groups": [g.group_id for g in dropped],
                               "tickets": tickets})
         self.gate.return_dropped(tickets)
-        self._pending_dropped += len(dropped)
-        self.counters.dropped_groups["stale"] += len(dropped)
-        self.counters.settled_by_length["dropped"].update(length_bucket(g.response_tokens) for g in dropped)
-        self.counters.dropped_samples["stale"] += sum(len(g.sample_ids) for g in dropped)
-        self._maybe_compact()
+        self.counters.dropped_groups[reason] += len(dropped)
+        self.counters.dropped_samples[reason] += sum(len(g.sample_ids) for g in dropped)
 
     def ack(self, lease_id: str, version: int | None = None) -> int:
         """The learner trained on the lease: its groups are consumed, exactly once. With `version`,
@@ -409,12 +453,18 @@ class BufferCore:
             self._maybe_compact()
             return len(lease.groups)
 
-    def nack(self, lease_id: str) -> int:
+    def nack(self, lease_id: str, failed: bool = False) -> int:
+        """Hand a lease's groups back (pulled again, in their old places). `failed`: the learner
+        failed on the batch (crashed, or refused a sample), a delivery that counts towards
+        `max_deliveries`; a plain hand-back (a stop, a reply that could not be sent) does not."""
         with self._request():
+            lease = self.store.leases.get(lease_id)
             n = self.store.nack(lease_id)
             if n:
-                self._append({"op": "nack", "lease": lease_id})
+                self._append({"op": "nack", "lease": lease_id, **({"failed": True} if failed else {})})
                 self.counters.nacks += 1
+                if failed:
+                    self._count_failure(lease.groups)
                 self._changed.notify_all()
             return n
 
@@ -437,6 +487,7 @@ class BufferCore:
         self.counters.leases_expired += len(expired)
         for lease in expired:
             self._append({"op": "expire", "lease": lease.lease_id})
+            self._count_failure(lease.groups)
         if self.log is not None:
             self.log.sync_if_due()
         return bool(reclaimed or expired)
@@ -561,14 +612,20 @@ class BufferCore:
                 self.gate.consume(record["permit"])
             stored = self.store.add(group_index(unpack_frames(record["group"])[0]), record["group"], record["seq"])
             stored.handed_out = record.get("handed_out", 0)
+            stored.failures = record.get("failures", 0)
             stored.blob = record.get("blob")
         elif op == "lease":
             groups = [g for gid in record["groups"] if (g := self.store.remove_ready(gid)) is not None]
             self.store.hand_out(record["lease"], groups, now + self.store.lease_s, record["version"])
         elif op == "nack":
-            self.store.nack(record["lease"])
+            lease = self.store.leases.get(record["lease"])
+            if self.store.nack(record["lease"]) and record.get("failed"):
+                self._count_failure(lease.groups, replaying=True)
         elif op == "expire":
+            lease = self.store.leases.get(record["lease"])
             self.store.expire(record["lease"])
+            if lease is not None:
+                self._count_failure(lease.groups, replaying=True)
         elif op in ("ack", "drop"):
             self._replay_settled(record, now)
         elif op == "version":
@@ -656,7 +713,8 @@ class BufferCore:
             # handed_out without the current lease: replaying its `lease` record counts it again
             pushes = [{"op": "push", "permit": None, "seq": g.seq,
                        **({"blob": g.blob} if payload_refs and g.blob else {"group": g.packed}),
-                       "handed_out": g.handed_out - (g.group_id in leased)} for g in live]
+                       "handed_out": g.handed_out - (g.group_id in leased),
+                       **({"failures": g.failures} if g.failures else {})} for g in live]
             leases = [{"op": "lease", **_lease_record(lease)} for lease in self.store.leases.values()]
             return [head, *pushes, *(leases if keep_in_flight else [])]
 
@@ -668,6 +726,7 @@ class BufferCore:
                 raise RequestError("restore needs a fresh buffer (this one already holds state)", "not_fresh")
             for record in records:
                 self._replay(record)
+            self._mark_poisoned(self.store.ready.values())
             if self.log is not None:
                 records = self.snapshot_records()
                 by_seq = {g.seq: g for g in self.store.live_groups()}

@@ -36,6 +36,12 @@ class SampleError(BufferError):
         super().__init__(f"{where}, field {field!r}: {message}")
 
 
+# Reasons a pushed group is refused for its own content (codec and size checks): pushed again it is
+# refused again, so a worker quarantines its prompt instead of generating it forever.
+GROUP_REFUSALS = frozenset({"bad_sample", "bad_group", "bad_frame_count", "bad_packed_group", "bad_protocol_version",
+                            "oversized", "header_too_large", "msgpack_limit", "bad_msgpack"})
+
+
 class ProtocolError(BufferError):
     """A message that is not a valid request or reply (framing, msgpack, protocol version, size)."""
 

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import zmq
 
 from buffer import auth
-from buffer.codec import decode_message_header, encode_message, frames_nbytes
+from buffer.codec import check_frame_count, decode_message_header, encode_message, frames_nbytes
 from buffer.config import BufferConfig
 from buffer.core import BufferCore, PullResult
 from buffer.durable_log import LogFailed
@@ -84,6 +84,7 @@ _ARG_TYPES = {
     "batch_size": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an int"),
     "version": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "an int >= 0"),
     "eta": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "an int >= 0"),
+    "failed": (lambda v: isinstance(v, bool), "a bool"),
 }
 _OP_ARGS = {
     "acquire_permits": {"worker_id": _REQUIRED, "timeout": 0.0, "permit_ids": _REQUIRED},
@@ -91,7 +92,7 @@ _OP_ARGS = {
     "push_groups": {"permit_ids": _REQUIRED, "worker_id": None, "next_permit_ids": None},
     "pull_batch": {"batch_size": _REQUIRED, "timeout": 0.0, "lease_id": None, "ack_lease_id": None, "version": None},
     "ack": {"lease_id": _REQUIRED, "version": None},
-    "nack": {"lease_id": _REQUIRED},
+    "nack": {"lease_id": _REQUIRED, "failed": False},
     "set_version": {"version": _REQUIRED},
     "set_eta": {"eta": None},
     "recover": {"version": _REQUIRED},
@@ -230,7 +231,8 @@ class BufferServer:
             if size > self.config.limits.max_message_bytes:
                 raise ProtocolError(f"message of {size} bytes exceeds max_message_bytes="
                                     f"{self.config.limits.max_message_bytes}", "oversized")
-            header = decode_message_header(frames[1], ("id", "op", "args"))
+            check_frame_count(len(frames) - 1, self.config.limits)  # the identity frame is ZMQ's, not the client's
+            header = decode_message_header(frames[1], ("id", "op", "args"), self.config.limits)
             request_id = header["id"] if isinstance(header["id"], str) else None
             op = header["op"]
             if not isinstance(op, str) or op not in self._handlers:
@@ -358,7 +360,7 @@ class BufferServer:
         return self.core.ack(args["lease_id"], args["version"]),
 
     def _nack(self, identity, request_id, args, _payload):
-        return self.core.nack(args["lease_id"]),
+        return self.core.nack(args["lease_id"], args["failed"]),
 
     def _set_version(self, identity, request_id, args, _payload):
         self.core.set_version(args["version"])

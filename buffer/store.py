@@ -33,6 +33,7 @@ class StoredGroup:
     ticket: int  # the prompt number it answers (its permit's ticket)
     response_tokens: int  # its longest response
     handed_out: int = 0  # leases it was pulled under (an expired lease's late ack checks it)
+    failures: int = 0  # of those, leases that expired or were nacked as failed (buffer.max_deliveries)
     blob: list | None = None  # where the durable log keeps its payload (segment, offset, length, crc)
 
     @property

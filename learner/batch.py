@@ -77,18 +77,20 @@ class TrainBatch:
 
 
 # The record contract is the buffer's (one home: buffer.codec); size limits are the transport's
-# business, so the learner checks with none.
+# business, so the learner checks with none but the model's own: a token id beyond its embedding
+# is a device-side assert (a group from an old log or a lax buffer must be refused here, named).
 _NO_SIZE_LIMITS = SampleLimits(max_group_size=2**31, max_prompt_tokens=2**31, max_response_tokens=2**31,
-                               max_metadata_items=2**31, max_string_chars=2**31)
+                               max_metadata_items=2**31, max_string_chars=2**31, max_header_bytes=2**31,
+                               max_frames=2**31)
 
 
-def _check_group(group, position: int, learner_version: int | None) -> None:
+def _check_group(group, position: int, learner_version: int | None, limits: SampleLimits) -> None:
     if not isinstance(group, Group):
         raise BatchError(f"item {position} of the batch is a {type(group).__name__}, not a Group")
     if not group.samples:
         raise BatchError(f"group {group.group_id!r} has no samples")
     try:
-        validate_group(group, _NO_SIZE_LIMITS, max_version=learner_version)
+        validate_group(group, limits, max_version=learner_version)
     except SampleError as exc:
         raise BatchError(f"{exc} (learner version {learner_version})") from None
     for sample in group.samples:
@@ -104,15 +106,17 @@ def _row(sample) -> dict:
                 reward=float(sample.reward))
 
 
-def build_batch(groups, learner_version: int | None = None) -> TrainBatch:
+def build_batch(groups, learner_version: int | None = None, vocab_size: int | None = None) -> TrainBatch:
     """Validate pulled groups (`buffer.codec.validate_group`) and pad them into a TrainBatch.
-    `learner_version` rejects samples tagged with a version the learner has not produced yet."""
+    `learner_version` rejects samples tagged with a version the learner has not produced yet;
+    `vocab_size` (the model's embedding rows) token ids the model has no embedding for."""
     groups = list(groups)
     if not groups:
         raise BatchError("cannot build a training batch from zero groups")
+    limits = _NO_SIZE_LIMITS if vocab_size is None else _NO_SIZE_LIMITS.model_copy(update={"vocab_size": vocab_size})
     rows, group_index, group_ids, sample_ids = [], [], [], []
     for position, group in enumerate(groups):
-        _check_group(group, position, learner_version)
+        _check_group(group, position, learner_version, limits)
         for sample in group.samples:
             rows.append(_row(sample))
             group_index.append(position)

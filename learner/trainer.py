@@ -138,6 +138,7 @@ class Learner:
         torch.manual_seed(config.seed)
         model = load_causal_lm(config.model_path, dtype=config.dtype, device=str(self.device))
         model.config.use_cache = False
+        self._vocab_size = model.get_input_embeddings().num_embeddings  # build_batch refuses ids beyond it
         # Dropout off for good: the proximal pass, the update and the sampler must see one policy.
         model.eval()
         if config.gradient_checkpointing:
@@ -210,7 +211,7 @@ class Learner:
         self._slots = torch.zeros(2, dtype=torch.float64)  # (real tokens, padded slots) of this step's passes
 
         # 1. Validate and pad the groups; advantages over the whole batch.
-        batch = build_batch(groups, learner_version=self.version)
+        batch = build_batch(groups, learner_version=self.version, vocab_size=self._vocab_size)
         self._check_budget(batch)
         advantages = compute_advantages(batch.rewards, batch.group_index, batch.response_mask, cfg.advantage)
         minibatches = self._minibatch_groups(batch.num_groups)

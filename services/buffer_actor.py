@@ -30,7 +30,7 @@ from pathlib import Path
 import ray
 
 from buffer.admission import Permit
-from buffer.codec import decode_group, encode_group, pack_frames, unpack_frames
+from buffer.codec import decode_group, encode_group, pack_frames, pulled_limits, unpack_frames
 from buffer.config import BufferConfig
 from buffer.core import BufferCore, PullResult
 from buffer.durable_log import LogFailed
@@ -131,8 +131,8 @@ class BufferActor:
         return self.core.ack(lease_id, version)
 
     @ray.method(concurrency_group=LEARNER)
-    def nack(self, lease_id: str) -> int:
-        return self.core.nack(lease_id)
+    def nack(self, lease_id: str, failed: bool = False) -> int:
+        return self.core.nack(lease_id, failed)
 
     @ray.method(concurrency_group=LEARNER)
     def set_version(self, version: int) -> None:
@@ -257,14 +257,14 @@ class RayBufferClient:
                             None if version is None else int(version), wait=timeout)
         if result is None:
             return None
-        groups = [decode_group(unpack_frames(packed), self.config.limits) for packed in result.groups]
+        groups = [decode_group(unpack_frames(packed), pulled_limits(self.config.limits)) for packed in result.groups]
         return PulledBatch(result.lease_id, groups, result.dropped_stale, result.version, result.prompts_quarantined)
 
     def ack(self, lease_id: str, version: int | None = None) -> int:
         return self._call("ack", lease_id, None if version is None else int(version))
 
-    def nack(self, lease_id: str) -> int:
-        return self._call("nack", lease_id)
+    def nack(self, lease_id: str, failed: bool = False) -> int:
+        return self._call("nack", lease_id, failed)
 
     def set_version(self, version: int) -> None:
         self._call("set_version", int(version))

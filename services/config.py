@@ -9,6 +9,7 @@ bad values are errors that name the full dotted key.
 from __future__ import annotations
 
 import difflib
+import json
 import os
 from pathlib import Path
 from typing import Any, Literal, Optional
@@ -293,6 +294,40 @@ def _move_diagnostics(data: dict, learner) -> None:
         if window is not None:
             diagnostics = {**diagnostics, "keep_versions": int(window) + 1}
     learner["diagnostics"] = diagnostics
+
+
+def fill_sample_limits(cfg: EtarlConfig, model_dir: str | os.PathLike) -> None:
+    """The buffer's sample limits that depend on the model, once its folder is known (a tiny model
+    is built at start): `buffer.limits.vocab_size` from its config's vocabulary (a token id beyond
+    it is a device-side assert in the learner) and `buffer.limits.max_sequence_tokens` from the
+    rollout engine's context (`rollout.engine.max_model_len`, else the model's). A value set in
+    the config stays if it is within the model's (stricter on purpose); beyond it is an error
+    naming both."""
+    from rollout_workers.data import model_context_len
+
+    path = Path(model_dir) / "config.json"
+    try:
+        model = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"run.model: cannot read the model's vocabulary size from {path}: {exc}") from None
+    text = model.get("text_config") if isinstance(model.get("text_config"), dict) else {}
+    vocab = model.get("vocab_size", text.get("vocab_size"))
+    context = cfg.rollout.engine.max_model_len or model_context_len(model_dir)
+    limits = cfg.buffer.limits
+    update = {}
+    for key, model_value, source in (("vocab_size", vocab, f"the vocabulary of {path}"),
+                                     ("max_sequence_tokens", context, "the rollout engine's context")):
+        if not isinstance(model_value, int) or model_value < 1:
+            continue  # the model does not say: the configured value (or none) stands
+        set_value = getattr(limits, key)
+        if set_value is None:
+            update[key] = model_value
+        elif set_value > model_value:
+            raise ConfigError(f"buffer.limits.{key}={set_value} exceeds {source} ({model_value}): samples the "
+                              f"model cannot take would be accepted; drop buffer.limits.{key} (it is filled from "
+                              "the model) or lower it")
+    if update:
+        cfg.buffer.limits = limits.model_copy(update=update)
 
 
 def build_config(tree: dict, overrides: dict[str, Any] | list[str] | None = None, source: str = "config") -> EtarlConfig:

@@ -33,7 +33,7 @@ from rollout_workers.agent_loop import multi_turn_metrics
 from rollout_workers.rewards import reward_metrics
 from services import checkpoint as ckpt
 from services.buffer_handle import BufferHandle
-from services.config import TINY_MODEL, ConfigError, EtarlConfig, build_config, read_yaml
+from services.config import TINY_MODEL, ConfigError, EtarlConfig, build_config, fill_sample_limits, read_yaml
 from services.inputs import check_run_inputs
 from services.placement import Placement, start_ray
 from services.plots import MetricLog, plot_run
@@ -123,6 +123,7 @@ class Controller:
         (services/placement.py)."""
         cfg = self.cfg
         self.model_dir = resolve_model(cfg)
+        fill_sample_limits(cfg, self.model_dir)  # vocabulary and context: the buffer refuses what the model cannot take
         check_run_inputs(cfg, self.model_dir)
         plan = start_ray(cfg)
         (self.run_dir / CONFIG_FILE).write_text(cfg.to_yaml())
@@ -259,13 +260,16 @@ class Controller:
                 return None
             self.buffer.check()
             self.workers.check()
-            if batch is not None:
+            if batch is None:
+                batch = client.pull_batch(cfg.batch_size, timeout=1.0)
+                continue
+            t_data = time.perf_counter()
+            consumed_at = self.version  # staleness is measured against the version that trains on it
+            staleness = [consumed_at - min(_policy_versions(s)) for g in batch.groups for s in g.samples]
+            metrics = self._train_or_hand_back(batch)
+            if metrics is not None:
                 break
-            batch = client.pull_batch(cfg.batch_size, timeout=1.0)
-        t_data = time.perf_counter()
-        consumed_at = self.version  # staleness is measured against the version that trains on it
-        staleness = [consumed_at - min(_policy_versions(s)) for g in batch.groups for s in g.samples]
-        metrics = self.learner.train_step(batch.groups)
+            batch = None  # refused and handed back: the next pull (the buffer drops it once poisoned)
         t_train = time.perf_counter()
         self.version = int(metrics.get("learner/version", self.version + 1))
         eta_gauges = self._adapt_eta(metrics)  # before the next pull: it drops what the new η rules out
@@ -291,6 +295,28 @@ class Controller:
             **reward_metrics(batch.groups), **multi_turn_metrics(batch.groups), **eta_gauges,
         }
         return record
+
+    def _train_or_hand_back(self, batch) -> dict | None:
+        """The learner's step on `batch`. Whatever fails, the batch goes back to the buffer (nack:
+        a delivery that ended without an ack, counted per group). A batch the learner refuses
+        (`BatchError`, naming the sample) returns None and the run goes on: pulled again and
+        refused again, the buffer drops it as poisoned at `buffer.max_deliveries`. Any other failure
+        (the learner died) stops the run, as before."""
+        from learner.batch import BatchError
+
+        try:
+            return self.learner.train_step(batch.groups)
+        except Exception as exc:
+            refused = isinstance(exc, BatchError) or isinstance(getattr(exc, "cause", None), BatchError)
+            try:
+                self.buffer.client.nack(batch.lease_id, failed=True)
+            except Exception as nack_error:  # its lease expires instead, which counts the same
+                log.warning("could not hand back batch %s: %s", batch.lease_id, nack_error)
+            if not refused or self.cfg.buffer.max_deliveries is None:
+                raise
+            log.error("the learner refused batch %s (handed back; the buffer drops it as poisoned once handed out "
+                      "buffer.max_deliveries=%d times): %s", batch.lease_id, self.cfg.buffer.max_deliveries, exc)
+            return None
 
     def _adapt_eta(self, metrics: dict) -> dict:
         """`buffer.gate.eta: auto`: feed the step's drift per version to the η controller and send
