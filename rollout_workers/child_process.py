@@ -49,24 +49,19 @@ class BadChildReply(OSError):
 @dataclass(frozen=True)
 class ChildLimits:
     """Resource limits a child sets on itself. cpu_s: CPU seconds per request (all its threads;
-    rounded up to whole seconds, RLIMIT_CPU's unit); memory_mb: address space of the process
-    (the interpreter and the user's imports included). None: no limit."""
+    RLIMIT_CPU counts whole seconds, so a request gets between cpu_s and cpu_s + 1); memory_mb:
+    address space of the process (the interpreter and the user's imports included). None: no limit."""
 
     cpu_s: float | None = None
     memory_mb: int | None = None
 
-    def describe(self) -> str:
-        parts = ([f"{self.cpu_s:g} CPU seconds"] if self.cpu_s else []) + \
-                ([f"{self.memory_mb} MB of memory"] if self.memory_mb else [])
-        return ", ".join(parts) or "no limits"
 
-
-def child_environment(extra_pythonpath: list[str] | None = None) -> dict[str, str]:
+def child_environment() -> dict[str, str]:
     """The environment a child starts with: the allow-listed names of this process's environment,
     PYTHONPATH = this process's sys.path (so the child imports what the parent can: the user's
     module, the job's py_modules), one thread per pool unless set."""
     env = {k: v for k, v in os.environ.items() if k in ENV_ALLOWED or k.startswith(ENV_ALLOWED_PREFIXES)}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in [*(extra_pythonpath or []), *sys.path] if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
     for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         env.setdefault(name, "1")  # one request at a time: a thread pool per core buys nothing
     return env
@@ -189,7 +184,7 @@ class ChildProcess:
             return f"exited with code {code}"
         name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else str(-code)
         if -code == signal.SIGXCPU:
-            return f"was killed by {name} (over its limit of {self.limits.describe()})"
+            return f"was killed by {name} (over its limit of {self.limits.cpu_s:g} CPU seconds)"
         return f"was killed by {name}"
 
     def kill(self) -> None:

@@ -340,7 +340,7 @@ class RewardRunner:
         status, value = reply[0], str(reply[1])[:500]  # the child's words, bounded
         if status == "error":
             if str(value).startswith("MemoryError") and self.limits.memory_mb:
-                value = f"{value} (over its limit of {self.limits.memory_mb} MB of memory)"
+                value = f"{value.rstrip(': ')} (over its limit of {self.limits.memory_mb} MB of memory)"
             return self._fail(f"reward {self.spec!r} raised {value}")
         if status == "bad":
             return self._fail(f"reward {self.spec!r} {value}")
