@@ -230,6 +230,8 @@ WORKER_METRICS: tuple[MetricSpec, ...] = (
             "prompts this worker quarantined"),
     _worker("worker_weight_load_failures_total", "counter", "weight_load_failures_total",
             "weight loads that failed (retried, then the worker restarts)"),
+    _worker("worker_weight_loads_rejected_total", "counter", "weight_loads_rejected_total",
+            "weight versions refused by content (digest mismatch, NaN/inf): the engine kept its weights"),
     _worker("worker_reward_calls_total", "counter", "reward_calls_total", "reward function calls"),
     _worker("worker_reward_failures_total", "counter", "reward_failures_total", "reward calls that failed"),
     _worker("worker_reward_timeouts_total", "counter", "reward_timeouts_total", "reward calls that timed out"),

@@ -8,8 +8,11 @@ Three channels (`learner.weight_sync.channel`), one protocol around the board (`
 The learner side: `Publication` (a thread on rank 0; the next step starts while it sends) around
 a sender of `senders`. The worker side: `WeightSubscription.receive(engine, ...)` at the worker's
 interrupt point. The wire: `layout.Layout` (the metadata header) and `stream` (chunks).
+Every version carries digests of its bytes (`integrity`), checked with a NaN/inf check before an
+engine swaps; a version that fails is refused (`WeightsRejected`) and the engine keeps its weights.
 """
 from lm.weight_sync.board import WeightStore
+from lm.weight_sync.integrity import WeightsRejected
 from lm.weight_sync.layout import Layout
 from lm.weight_sync.payloads import load_weights_folder, resolve_weights, save_weights_folder
 from lm.weight_sync.publication import ParameterGuard, Publication
@@ -18,6 +21,6 @@ from lm.weight_sync.subscription import WeightSubscription, check_fits
 
 __all__ = [
     "BroadcastSender", "FolderSender", "Layout", "ObjectStoreSender", "ParameterGuard", "Publication",
-    "WeightStore", "WeightSubscription", "check_fits", "load_weights_folder", "resolve_weights",
+    "WeightStore", "WeightSubscription", "WeightsRejected", "check_fits", "load_weights_folder", "resolve_weights",
     "save_weights_folder",
 ]

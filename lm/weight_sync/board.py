@@ -150,14 +150,15 @@ class WeightStore:
         member = self._members.get(worker)
         return member.go if member is not None and member.session == session else None
 
-    def done(self, worker: str, session: str, version: int, error: str = "") -> None:
-        """The worker's receive of `version` ended (its engine serves it, or `error`)."""
+    def done(self, worker: str, session: str, version: int, error: str = "", have: int | None = None) -> None:
+        """The worker's receive of `version` ended (its engine serves it, or `error`; `have`: the
+        version its engine still holds after an error, e.g. a version refused by content)."""
         with self._cond:
             member = self._members.get(worker)
             if member is None or member.session != session:
                 return
             member.done = {"version": version, "error": error, "at": time.time()}
-            member.have = -1 if error else version
+            member.have = version if not error else (-1 if have is None else have)
             self._cond.notify_all()
 
     # ------------------------------------------------------------ broadcast: the sender

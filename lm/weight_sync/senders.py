@@ -3,7 +3,9 @@
 Each runs on the learner's rank 0, in the publication thread (`publication.Publication`), and
 calls `release()` as soon as it no longer reads the tensors (the learner's parameters may then
 change). Each returns its timings: `own_s` (the sender's own time: put, write, or send) and
-`served_s` (until every reader has the version, where the channel can know it).
+`served_s` (until every reader has the version, where the channel can know it). Every version
+carries the digests of its bytes (`integrity`): a pull payload has one per tensor, a broadcast
+one per chunk after its last chunk; receivers check them before an engine swaps.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from lm.weight_sync import integrity
 from lm.weight_sync.group import WeightGroup, call, node_address
 from lm.weight_sync.layout import Layout, cast
 from lm.weight_sync.payloads import save_weights_folder, to_shared_arrays
@@ -35,10 +38,12 @@ class ObjectStoreSender:
 
         start = time.perf_counter()
         try:
-            ref = ray.put(to_shared_arrays(cast(tensors, self.dtype)))
+            cast_tensors = cast(tensors, self.dtype)
+            ref = ray.put(to_shared_arrays(cast_tensors))
+            digests = integrity.tensor_digests(cast_tensors.items())
         finally:
             release()
-        call(self.board, "publish", {"version": version, "kind": "object_ref", "ref": [ref]})
+        call(self.board, "publish", {"version": version, "kind": "object_ref", "ref": [ref], "integrity": digests})
         return {"own_s": time.perf_counter() - start}
 
     def close(self) -> None:
@@ -58,11 +63,13 @@ class FolderSender:
     def send(self, version: int, tensors: dict[str, torch.Tensor], release) -> dict:
         start = time.perf_counter()
         try:
-            folder = save_weights_folder(cast(tensors, self.dtype), self.root / f"v{version:06d}", version)
+            cast_tensors = cast(tensors, self.dtype)
+            folder = save_weights_folder(cast_tensors, self.root / f"v{version:06d}", version)
+            digests = integrity.tensor_digests(cast_tensors.items())
         finally:
             release()
         self.written[version] = folder
-        call(self.board, "publish", {"version": version, "kind": "folder", "path": str(folder)})
+        call(self.board, "publish", {"version": version, "kind": "folder", "path": str(folder), "integrity": digests})
         self.prune()
         return {"own_s": time.perf_counter() - start}
 

@@ -13,6 +13,8 @@ engine may hold views of a chunk while it loads, e.g. vLLM's layer-wise reload; 
 are kept for the next version once the engine has loaded this one), receives in one
 thread and forwards in another, and holds at most `ahead` chunks not yet both forwarded and
 loaded: until then neither its engine nor the ranks after it hold up the ranks before it.
+After the last chunk comes a trailer: the digest of each chunk as the sender filled it
+(`integrity`), which every receiver compares with its own digests of what arrived.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from collections.abc import Iterator, Mapping
 import torch
 import torch.distributed as dist
 
+from lm.weight_sync import integrity
 from lm.weight_sync.layout import ChunkAssembler, Layout, fill_chunk
 
 TOPOLOGIES = ("chain", "star")
@@ -37,21 +40,28 @@ def _broadcast(group, buf: torch.Tensor):
 
 def send_stream(group, layout: Layout, tensors: Mapping[str, torch.Tensor], chunk_bytes: int, topology: str,
                 device: torch.device | str = "cpu") -> None:
-    """Rank 0: send every chunk of the stream (the tensors cast as the layout says)."""
+    """Rank 0: send every chunk of the stream (the tensors cast as the layout says), then the
+    trailer of their digests."""
     spans = layout.chunks(chunk_bytes)
     if not spans:
         return
     size = spans[0][1] - spans[0][0]
     buffers = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(min(2, len(spans)))]
-    works = deque()
+    works, digests = deque(), []
     for k, span in enumerate(spans):
         if len(works) == len(buffers):
             works.popleft().wait()  # the buffer about to be refilled has left
         buf = buffers[k % len(buffers)][: span[1] - span[0]]
         fill_chunk(buf, layout, span, tensors)
-        works.append(group.send([buf], 1, k) if topology == "chain" else _broadcast(group, buf))
+        works.append(_send(group, buf, k, topology))
+        digests.append(integrity.digest(buf))  # while the chunk is on the wire (both only read it)
+    works.append(_send(group, integrity.pack_trailer(digests, device), len(spans), topology))
     for work in works:
         work.wait()
+
+
+def _send(group, buf: torch.Tensor, tag: int, topology: str):
+    return group.send([buf], 1, tag) if topology == "chain" else _broadcast(group, buf)
 
 
 class ReceiveStream:
@@ -62,7 +72,8 @@ class ReceiveStream:
     down holds up the ranks before this one until this one holds `ahead` chunks: with enough of
     them the learner's send ends about when the first engine has the bytes, whatever the number of
     engines. `drain()` takes the rest without handing anything out: a receiver whose engine failed
-    part-way must not stall the ranks after it."""
+    part-way must not stall the ranks after it. Once iterated to the end, `digests` are those of
+    the chunks as they arrived and `sent_digests` those the sender took (the trailer)."""
 
     def __init__(self, group, rank: int, world: int, layout: Layout, chunk_bytes: int, topology: str,
                  device: torch.device | str = "cpu", ahead: int = 4, spare: dict | None = None):
@@ -71,6 +82,9 @@ class ReceiveStream:
         self.group, self.rank, self.layout, self.topology, self.device = group, rank, layout, topology, device
         self.forward = topology == "chain" and rank < world - 1
         self.spans = layout.chunks(chunk_bytes)
+        self._wire = len(self.spans) + 1 if self.spans else 0  # the chunks, then the trailer
+        self.digests: list[bytes] = []
+        self.sent_digests: list[bytes] = []
         spare = spare if spare is not None else {"chunks": [], "assembly": {}}  # what a finished version left
         self.assembler = ChunkAssembler(layout, device, spare["assembly"])
         self._spare = spare["chunks"]
@@ -91,8 +105,10 @@ class ReceiveStream:
 
     def _post(self, k: int):
         self._slots.acquire()
-        span = self.spans[k]
-        buf = self._buffer(span[1] - span[0])
+        if k == len(self.spans):
+            buf = torch.empty(integrity.trailer_bytes(k), dtype=torch.uint8, device=self.device)
+        else:
+            buf = self._buffer(self.spans[k][1] - self.spans[k][0])
         work = self.group.recv([buf], self.rank - 1, k) if self.topology == "chain" else _broadcast(self.group, buf)
         return buf, work
 
@@ -127,14 +143,14 @@ class ReceiveStream:
 
     def _receive_all(self) -> None:
         try:
-            posted = self._post(0) if self.spans else None
-            for k in range(len(self.spans)):
+            posted = self._post(0) if self._wire else None
+            for k in range(self._wire):
                 buf, work = posted
                 work.wait()
                 if self.forward:
                     self._to_forward.put((k, buf))
                 self._chunks.put((k, buf))
-                posted = self._post(k + 1) if k + 1 < len(self.spans) else None
+                posted = self._post(k + 1) if k + 1 < self._wire else None
         except Exception as err:  # handed to the consumer, which raises it
             self._to_forward.put(err)
             self._chunks.put(err)
@@ -142,7 +158,7 @@ class ReceiveStream:
     def _forward_all(self) -> None:
         sending = deque()
         try:
-            for _ in range(len(self.spans)):
+            for _ in range(self._wire):
                 item = self._to_forward.get()
                 if isinstance(item, Exception):
                     return  # the receiver's error reaches the consumer on its own
@@ -174,17 +190,21 @@ class ReceiveStream:
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         while self._taken < len(self.spans):
             span = self.spans[self._taken]
-            yield from self.assembler.feed(span, self._take_chunk())
+            chunk = self._take_chunk()
+            self.digests.append(integrity.digest(chunk))  # in this thread, while the next chunk arrives
+            yield from self.assembler.feed(span, chunk)
+        if self._wire:
+            self.sent_digests = integrity.unpack_trailer(self._take_chunk(), len(self.spans))
         self._join()
 
     def drain(self) -> None:
-        while self._taken < len(self.spans):
+        while self._taken < self._wire:
             self._take_chunk()
         self._join()
 
     @property
     def complete(self) -> bool:
-        return (self._taken == len(self.spans) and not any(t.is_alive() for t in self._threads)
+        return (self._taken == self._wire and not any(t.is_alive() for t in self._threads)
                 and self.assembler.complete)
 
     def _join(self) -> None:

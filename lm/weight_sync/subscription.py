@@ -5,21 +5,31 @@ An engine here is anything with `version`, `load_weights(version, weights)` (a m
 iterable of (name, tensor) pairs), and optionally `load_weights_folder(version, path)` (read a
 folder itself), `expected_weights()` ((shapes by name, names it may lack) to check a layout
 against before joining a send) and `weights_device` (where received chunks go).
+
+Nothing reaches the engine before the whole version has passed its content check (`integrity`:
+the digests the sender published or sent, and no NaN/inf): a version that fails raises
+`WeightsRejected` and the engine keeps the weights it has. A broadcast is therefore received
+whole into the receive buffers (which hold a whole version anyway) before the engine loads it.
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import uuid
 
 import torch
 
+from lm.weight_sync import integrity
 from lm.weight_sync.group import WeightGroup, call, node_address
+from lm.weight_sync.integrity import WeightsRejected
 from lm.weight_sync.layout import Layout
 from lm.weight_sync.payloads import resolve_weights
 from lm.weight_sync.stream import ReceiveStream
 
 _POLL_S = 1.0  # the longest a wait for a go goes without checking the stop flag
+
+log = logging.getLogger(__name__)
 
 
 class WeightSubscription:
@@ -30,6 +40,10 @@ class WeightSubscription:
         self._group: WeightGroup | None = None  # of the last send this worker took part in
         self._pushed: bool | None = None  # unknown until a version is live
         self._spare = {"chunks": [], "assembly": {}}  # receive buffers kept from the last version (host memory)
+        # Versions refused for good (a stored object or folder that does not match its digest, a
+        # NaN the learner sent): not asked for again; a newer version is.
+        self.refused: dict[int, WeightsRejected] = {}
+        self.rejected_total = 0  # versions refused by content, retried ones included
         call(board, "join", worker_id, self.session, int(have))  # `have`: the engine's version now
 
     def newest_version(self) -> int:
@@ -48,20 +62,46 @@ class WeightSubscription:
         payload = call(self.board, "latest", self.worker_id)
         if payload is not None and payload.get("kind") != "broadcast":
             return self._load_payload(engine, payload)
+        if self.refused and max(self.refused) >= self.newest_version():
+            return None  # the newest version was refused for good: wait for the next one
         return self._receive_broadcast(engine, wait_s, stop)
+
+    def refused_newest(self) -> WeightsRejected | None:
+        """The refusal of the newest version, if it was refused for good (the engine stays on its
+        version until a newer one comes)."""
+        if not self.refused:
+            return None
+        return self.refused.get(self.newest_version())
 
     def _load_payload(self, engine, payload: dict) -> int | None:
         version = int(payload["version"])
-        if version <= engine.version:
+        if version <= engine.version or version in self.refused:
+            if version in self.refused:
+                call(self.board, "loaded", self.worker_id, version)  # no claim on a folder it will not read
             return None
+        channel = "folder" if payload["kind"] == "folder" else "object_store"
         try:
             if payload["kind"] == "folder" and hasattr(engine, "load_weights_folder"):
+                integrity.check_folder(version, payload["path"], payload.get("integrity"))
                 engine.load_weights_folder(version, payload["path"])  # no tensors through this process
             else:
-                engine.load_weights(version, resolve_weights(payload))
+                weights = resolve_weights(payload)
+                integrity.check_tensors(version, channel, weights, payload.get("integrity"))
+                engine.load_weights(version, weights)
+        except WeightsRejected as err:
+            self._rejected(err)
+            raise
         finally:
             call(self.board, "loaded", self.worker_id, version)
         return version
+
+    def _rejected(self, err: WeightsRejected) -> None:
+        self.rejected_total += 1
+        if not err.retry:
+            self.refused[err.version] = err
+            for old in sorted(self.refused)[:-8]:  # the newest few are all a worker asks about
+                del self.refused[old]
+        log.warning("%s: %s%s", self.worker_id, err, " (asks again)" if err.retry else "")
 
     # ---------------------------------------------------------------- broadcast
 
@@ -99,11 +139,23 @@ class WeightSubscription:
                                    ahead=max(1, go.get("ahead_bytes", 4 * go["chunk_bytes"]) // go["chunk_bytes"]),
                                    spare=self._spare if host else None)
             check_fits(engine, layout)
-            engine.load_weights(version, iter(stream))
+            weights = list(stream)  # the whole version, checked before the engine takes any of it
             if not stream.complete:
-                raise RuntimeError(f"the engine stopped reading weights v{version} part-way")
+                raise RuntimeError(f"the stream of weights v{version} ended part-way")
+            integrity.check_chunks(version, layout, stream.spans, stream.digests, stream.sent_digests)
+            bad = integrity.first_nonfinite(weights)
+            if bad is not None:
+                raise WeightsRejected(version, "broadcast", bad, "holds a NaN or an inf")
+            engine.load_weights(version, iter(weights))
+            del weights
             if host:
                 stream.recycle()
+        except WeightsRejected as err:
+            self._rejected(err)
+            if host:
+                stream.recycle()  # the engine took nothing: the buffers serve the next version
+            call(self.board, "done", self.worker_id, self.session, version, str(err), int(engine.version))
+            raise
         except Exception as err:
             self._drain(stream)
             call(self.board, "done", self.worker_id, self.session, version, f"{type(err).__name__}: {err}")

@@ -272,42 +272,43 @@ def test_an_engine_whose_model_does_not_fit_is_refused_by_tensor_name(model_dir,
         learner.close()
 
 
-class GatedEngine(HFEngine):
-    """Takes the first tensor of a load, then waits until `gate` opens (a slow engine)."""
+def gate_receivers(monkeypatch, gate: threading.Event, ranks: set[int] | None = None) -> threading.Event:
+    """Make the receivers of these ranks (None: all) slow: each takes the first chunk of a
+    version, then waits until `gate` opens. Returns the event set when one is waiting."""
+    from lm.weight_sync import subscription
 
-    def __init__(self, model_dir, gate: threading.Event):
-        super().__init__(model_dir)
-        self.gate, self.reading = gate, threading.Event()
+    reading = threading.Event()
 
-    def load_weights(self, version, weights):
-        def held():
-            for i, item in enumerate(weights):
-                if i == 1:
-                    self.reading.set()
-                    assert self.gate.wait(60)
-                yield item
+    class GatedStream(subscription.ReceiveStream):
+        def _take_chunk(self):
+            if self._taken == 1 and (ranks is None or self.rank in ranks):
+                reading.set()
+                assert gate.wait(60)
+            return super()._take_chunk()
 
-        super().load_weights(version, held())
+    monkeypatch.setattr(subscription, "ReceiveStream", GatedStream)
+    return reading
 
 
 @pytest.mark.parametrize("snapshot", [False, True])
-def test_the_parameters_stay_still_under_a_send(model_dir, snapshot):
+def test_the_parameters_stay_still_under_a_send(model_dir, snapshot, monkeypatch):
     """An optimizer step taken while a slow engine is still receiving version 1: without a
     snapshot it waits for the send (blocked time counted), with one it goes ahead; either way the
     engine ends with version 1's weights, not the stepped ones. With a snapshot the learner goes
     on stepping and publishing while the send is stuck: the versions in between are skipped and
-    the engine then gets the newest. The engine may hold one chunk it has not loaded
+    the engine then gets the newest. The engine may hold one chunk it has not taken
     (`receive_ahead_mb`), so the send waits for it."""
     board = WeightStore()
     learner = Learner(broadcast_sender(board, chunk_bytes=1024, ahead_chunks=1), snapshot=snapshot)
     gate = threading.Event()
-    engine = GatedEngine(model_dir, gate)
+    reading = gate_receivers(monkeypatch, gate)
+    engine = HFEngine(model_dir)
     try:
         with EngineThreads(board, {"slow": engine}), opened_at_exit(gate):
             learner.step()
             want = {k: v.clone() for k, v in learner.named().items()}
             learner.publication.publish(learner.version)
-            assert engine.reading.wait(60)
+            assert reading.wait(60)
             stepped = threading.Thread(target=learner.step)
             stepped.start()
             if snapshot:
@@ -323,9 +324,9 @@ def test_the_parameters_stay_still_under_a_send(model_dir, snapshot):
             assert (learner.guard.take_blocked_s() > 0) != snapshot
             if snapshot:
                 gate.clear()
-                engine.reading.clear()
+                reading.clear()
                 learner.publication.publish(learner.version)  # v2: the engine holds it up again
-                assert engine.reading.wait(60)
+                assert reading.wait(60)
                 for _ in range(3):  # v3, v4, v5 while v2 is stuck
                     wait_for(lambda: learner.guard.readers == 0)  # the last version's copy is made
                     learner.step()
@@ -341,21 +342,23 @@ def test_the_parameters_stay_still_under_a_send(model_dir, snapshot):
         learner.close()
 
 
-def test_a_slow_engine_down_the_chain_holds_up_neither_the_learner_nor_the_engines_before_it(model_dir):
-    """A chain of two engines whose last one is stuck in its load: while the version fits in what
-    an engine may hold ahead (`receive_ahead_mb`), the learner's send ends (the parameters are
+def test_a_slow_engine_down_the_chain_holds_up_neither_the_learner_nor_the_engines_before_it(model_dir,
+                                                                                             monkeypatch):
+    """A chain of two engines whose last one is stuck taking chunks: while the version fits in
+    what an engine may hold ahead (`receive_ahead_mb`), the learner's send ends (the parameters are
     free again: no snapshot here) and the first engine serves the version; the stuck one then gets
     exactly the same weights."""
     board = WeightStore()
     learner = Learner(broadcast_sender(board, chunk_bytes=1024, ahead_chunks=10_000))
     gate = threading.Event()
-    engines = {"a-fast": HFEngine(model_dir), "b-slow": GatedEngine(model_dir, gate)}
+    reading = gate_receivers(monkeypatch, gate, ranks={2})  # b-slow, last in the chain
+    engines = {"a-fast": HFEngine(model_dir), "b-slow": HFEngine(model_dir)}
     try:
         with EngineThreads(board, engines) as threads, opened_at_exit(gate):
             learner.step()
             want = {k: v.clone() for k, v in learner.named().items()}
             learner.publication.publish(learner.version)
-            assert engines["b-slow"].reading.wait(60)
+            assert reading.wait(60)
             wait_for(lambda: engines["a-fast"].version == 1 and learner.guard.readers == 0)
             assert not gate.is_set() and engines["b-slow"].version < 1, "the slow engine is still stuck"
             gate.set()
