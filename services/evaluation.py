@@ -143,6 +143,11 @@ class PolicyEvaluator:
         prompt_format = PromptFormat.for_model(model_dir, task, tokenizer, cfg.rollout.engine.max_model_len)
         problems = heldout_problems(task, cfg.eval.num_prompts, cfg.run.seed, prompt_format, cfg.eval.max_new_tokens)
         prompts = [EvalPrompt(prompt_format.encode(p), p) for p in problems]
+        # Multi-turn episodes are scored by their environment; single-turn answers by the reward,
+        # in its own process (made before the engine: a bad spec fails before a model is loaded).
+        score = None if cfg.rollout.multi_turn.enabled else RewardScore(
+            RewardRunner(cfg.rollout.reward, timeout_s=cfg.rollout.reward_timeout_s, cpu_s=cfg.rollout.reward_cpu_s,
+                         memory_mb=cfg.rollout.reward_memory_mb), tokenizer)
         engine_cfg = cfg.rollout.engine.model_copy(update={"kind": cfg.eval.engine or cfg.rollout.engine.kind})
         engine = make_engine(engine_cfg, model_dir, seed=cfg.run.seed)
         if cfg.rollout.multi_turn.enabled:
@@ -151,9 +156,7 @@ class PolicyEvaluator:
             agent = AgentLoop(cfg.rollout.multi_turn, tokenizer, prompt_format)
             return AgentEvaluator(agent, engine, tokenizer, prompts, _episode_reward, cfg.eval, cfg.eval.max_new_tokens,
                                   prompt_format.stop_token_ids, cfg.run.seed)
-        runner = RewardRunner(cfg.rollout.reward, timeout_s=cfg.rollout.reward_timeout_s,
-                              cpu_s=cfg.rollout.reward_cpu_s, memory_mb=cfg.rollout.reward_memory_mb)
-        return cls(engine, tokenizer, prompts, RewardScore(runner, tokenizer), cfg.eval, cfg.eval.max_new_tokens, prompt_format.stop_token_ids,
+        return cls(engine, tokenizer, prompts, score, cfg.eval, cfg.eval.max_new_tokens, prompt_format.stop_token_ids,
                    cfg.run.seed)
 
     def _generate(self, batch: list[list[int]], n: int, temperature: float, seed: int) -> list[list[list[int]]]:
