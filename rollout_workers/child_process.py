@@ -182,7 +182,10 @@ class ChildProcess:
             return ""
         if code >= 0:
             return f"exited with code {code}"
-        name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else str(-code)
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:  # a signal number Python has no name for
+            name = f"signal {-code}"
         if -code == signal.SIGXCPU:
             return f"was killed by {name} (over its limit of {self.limits.cpu_s:g} CPU seconds)"
         return f"was killed by {name}"
