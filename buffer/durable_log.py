@@ -45,6 +45,7 @@ About 100 bytes per settled group.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -340,6 +341,7 @@ class DurableLog:
         self._background_fsyncs = 0  # counted by the background sync thread only
         self._background: threading.Thread | None = None  # the `interval` sync in flight
         self.failed: LogFailed | None = None  # poisoned: set once, never cleared (see the module doc)
+        self._sync_turn = threading.Lock()  # fsyncs of the log's and segments' files, one at a time (`_fsync`)
         self.cut_writes = 0  # writes that failed and were cut back (a compaction copying the tail checks it)
         self.compactions = 0
         self.truncated_bytes = 0
@@ -425,13 +427,20 @@ class DurableLog:
             log.critical("%s", self.failed)
         return LogFailed(str(self.failed))
 
-    def _fsync(self, fd: int, what: str) -> None:
+    def _fsync(self, fd: int, what: str, shared: bool = True) -> None:
         """fsync, poisoning the log if it fails: never retried, since a second fsync may report
-        success for pages the kernel dropped after the first failed."""
-        try:
-            os.fsync(fd)
-        except OSError as exc:
-            raise self._poison(f"buffer log {self.path}: fsync of {what} failed ({_describe(exc)})") from exc
+        success for pages the kernel dropped after the first failed. `shared`: a descriptor of the
+        log or a segment (or a dup of one, from another thread): such fsyncs take turns, and none
+        runs once one has failed, since the kernel reports a writeback error once per open file,
+        so a later fsync through the same file succeeds (found by tests/faults/test_disk_faults.py:
+        a compaction's failed fsync of the segment, then the request's own fsync "succeeded" and
+        the push was answered, its payload dropped). A temporary file's fd is not shared."""
+        with self._sync_turn if shared else contextlib.nullcontext():
+            self.check()
+            try:
+                os.fsync(fd)
+            except OSError as exc:
+                raise self._poison(f"buffer log {self.path}: fsync of {what} failed ({_describe(exc)})") from exc
 
     def _sync_folder(self, folder: Path) -> None:
         """Make the names in `folder` durable (a file created or renamed in it)."""
@@ -647,7 +656,7 @@ class DurableLog:
                 blobs.append(blob)
                 _write_record(fd, record, f"buffer log {tmp}")
             self._sync_segment()
-            self._fsync(fd, f"restored log {tmp}")
+            self._fsync(fd, f"restored log {tmp}", shared=False)
         except BaseException:
             tmp.unlink(missing_ok=True)  # on a full disk, give its room back
             raise
@@ -727,7 +736,7 @@ class Compaction:
                 self._copy_tail(src, fd, until=None)  # most of the tail, without the lock
                 if self.segment_fd >= 0:
                     log_._fsync(self.segment_fd, "payload segment (compaction)")
-                log_._fsync(fd, f"compacted log {self.tmp}")
+                log_._fsync(fd, f"compacted log {self.tmp}", shared=False)
                 started = time.monotonic()
                 # With fsync "always" an answered request must survive a machine crash, so the
                 # rename is made durable before anything is appended to the new log; with
@@ -739,7 +748,7 @@ class Compaction:
                         raise LogFailed(f"buffer log {log_.path}: a write was cut back during the compaction; "
                                         f"the copied tail may hold its bytes, so the log is kept as it is")
                     self._copy_tail(src, fd, until=log_.size)
-                    log_._fsync(fd, f"compacted log {self.tmp}")
+                    log_._fsync(fd, f"compacted log {self.tmp}", shared=False)
                     os.close(fd)
                     fd = -1
                     log_._swap_in(self.tmp, sync_dir=always)
