@@ -3,8 +3,8 @@
 A Qwen2-shaped policy of --layers x --hidden (default 24 x 1024, vocab 32,000, tied embeddings:
 the 304M parameters of benchmarks/weight_sync.py) in bfloat16 (608 MB), random values. Measured in
 one process, one thread (what one side of a channel spends), medians over --rounds:
-  digest     BLAKE2b over every tensor's bytes (a pull sender's or reader's share), MB/s
-  chunks     BLAKE2b over the version cut into --bucket-mb chunks (a broadcast sender's or
+  digest     the digest (integrity.ALGORITHM) over every tensor's bytes (a pull sender's or reader's share), MB/s
+  chunks     the digest over the version cut into --bucket-mb chunks (a broadcast sender's or
              receiver's share), MB/s
   finite     the NaN/inf check of every floating tensor (a receiver's share), MB/s
   copy       copying the version into a second set of tensors (what an engine's load costs at
