@@ -20,7 +20,7 @@ from buffer.admission import Permit
 from buffer.codec import (decode_group, decode_message_header, encode_group, encode_message, pack_frames,
                           pulled_limits, unpack_frames)
 from buffer.config import BufferConfig, ClientConfig, CurveConfig, SampleLimits
-from buffer.errors import BufferUnavailable, ProtocolError, RemoteError
+from buffer.errors import BufferUnavailable, LogFailed, ProtocolError, RemoteError
 from buffer.sample import Group, PulledBatch, new_id
 
 
@@ -164,6 +164,7 @@ class BufferClient:
         request_id = new_id()
         message = encode_message({"id": request_id, "op": op, "args": args}, payload)
         timeout_s = self.settings.request_timeout_s + max(0.0, wait)
+        log_failed = None  # the last log_failed reply: raised if no attempt after it is answered
         with self._lock:
             for attempt in range(self.settings.retries + 1):
                 if attempt:
@@ -177,10 +178,19 @@ class BufferClient:
                 except zmq.Again:
                     self._reset_socket()
                     continue
-                reply = self._receive(sock, request_id, timeout_s)
+                try:
+                    reply = self._receive(sock, request_id, timeout_s)
+                except RemoteError as err:
+                    if err.reason != LogFailed.reason:
+                        raise
+                    # The service's disk failed: it exits and its supervisor restarts it from the
+                    # log, where nothing of this request was kept; resending is safe (ids).
+                    reply, log_failed = None, err
                 if reply is not None:
                     return reply
                 self._reset_socket()
+        if log_failed is not None:
+            raise log_failed
         raise BufferUnavailable(f"buffer at {self.endpoint} did not answer {op!r} within {timeout_s:.1f}s "
                                 f"({self.settings.retries + 1} attempts)")
 

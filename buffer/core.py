@@ -59,8 +59,8 @@ from dataclasses import dataclass
 from buffer.admission import AdmissionGate, Permit
 from buffer.codec import check_group, group_index, pack_frames, unpack_frames
 from buffer.config import BufferConfig
-from buffer.durable_log import Compaction, DurableLog, LogFailed
-from buffer.errors import BufferError, ProtocolError, RequestError
+from buffer.durable_log import Compaction, DurableLog
+from buffer.errors import BufferError, LogFailed, ProtocolError, RequestError
 from buffer.sample import new_id
 from buffer.store import GroupStore, Lease
 

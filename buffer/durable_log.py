@@ -62,7 +62,7 @@ import msgpack
 
 from buffer.codec import first_frame_span
 from buffer.config import LogConfig
-from buffer.errors import RequestError
+from buffer.errors import LogFailed
 
 log = logging.getLogger(__name__)
 _HEAD = struct.Struct("<II")
@@ -74,13 +74,6 @@ _INLINE_BYTES = 64 << 10  # a group payload at least this big is written from it
 # scan past a bad record looks for, so random bytes are almost never checked as a record.
 _OP_KEY = b"\xa2op"
 _SCAN_PIECE = 1 << 20  # bytes read per step when looking for an intact record after a bad one
-
-
-class LogFailed(RequestError):
-    """The durable log could not write or sync a record: the request is not answered as a success
-    and the buffer stops, to be restarted from its log (every later call raises this)."""
-
-    reason = "log_failed"
 
 
 class LogCorrupt(ValueError):

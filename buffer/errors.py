@@ -54,6 +54,13 @@ class RequestError(BufferError):
     reason = "bad_request"
 
 
+class LogFailed(RequestError):
+    """The durable log could not write or sync a record: the request is not answered as a success
+    and the buffer stops, to be restarted from its log (every later call raises this)."""
+
+    reason = "log_failed"
+
+
 class RemoteError(BufferError):
     """An error reply from the buffer service, re-raised on the client side with its reason."""
 

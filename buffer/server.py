@@ -41,8 +41,7 @@ from buffer import auth
 from buffer.codec import check_frame_count, decode_message_header, encode_message, frames_nbytes
 from buffer.config import BufferConfig
 from buffer.core import BufferCore, PullResult
-from buffer.durable_log import LogFailed
-from buffer.errors import BufferError, ProtocolError, RequestError
+from buffer.errors import BufferError, LogFailed, ProtocolError, RequestError
 from buffer.limits import ClientLimits
 
 log = logging.getLogger(__name__)

@@ -33,8 +33,7 @@ from buffer.admission import Permit
 from buffer.codec import decode_group, encode_group, pack_frames, pulled_limits, unpack_frames
 from buffer.config import BufferConfig
 from buffer.core import BufferCore, PullResult
-from buffer.durable_log import LogFailed
-from buffer.errors import BufferError, BufferUnavailable, RemoteError
+from buffer.errors import BufferError, BufferUnavailable, LogFailed, RemoteError
 from buffer.sample import Group, PulledBatch, new_id
 
 log = logging.getLogger(__name__)

@@ -11,7 +11,8 @@ from buffer.client import BufferClient
 from buffer.codec import encode_group, pack_frames
 from buffer.config import BufferConfig, ClientConfig, GateConfig, LogConfig
 from buffer.core import BufferCore
-from buffer.durable_log import LogFailed, keep_as_previous, payloads_dir, read_records, settled_path
+from buffer.durable_log import keep_as_previous, payloads_dir, read_records, settled_path
+from buffer.errors import LogFailed
 
 
 @pytest.mark.parametrize("fsync", ["always", "interval"])
