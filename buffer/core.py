@@ -736,6 +736,23 @@ class BufferCore:
             self._changed.notify_all()
 
 
+def with_failures(records: list[dict], failures: dict[str, int]) -> list[dict]:
+    """`snapshot_records()` whose groups count at least `failures[group_id]` failed deliveries:
+    what a resumed run adds for the batches its learner died on after the checkpoint (the
+    checkpoint cannot know them; services/learner_failures.py). `restore` then drops a group that
+    reached `max_deliveries` at the next pull."""
+    if not failures:
+        return records
+    out = []
+    for record in records:
+        if record.get("op") == "push" and "group" in record:
+            group_id = group_index(unpack_frames(record["group"])[0]).group_id
+            if failures.get(group_id, 0) > record.get("failures", 0):
+                record = {**record, "failures": failures[group_id]}
+        out.append(record)
+    return out
+
+
 def _check_distinct(pushes: list) -> None:
     """One push must not name a group, a sample or a permit twice (each would be accepted twice)."""
     sample_ids = [sid for view, _, _ in pushes for sid in view.sample_ids]

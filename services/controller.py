@@ -28,6 +28,7 @@ from pathlib import Path
 import msgpack
 import numpy as np
 
+from buffer.core import with_failures
 from buffer.errors import BufferUnavailable
 from rollout_workers.agent_loop import multi_turn_metrics
 from rollout_workers.rewards import reward_metrics
@@ -35,6 +36,7 @@ from services import checkpoint as ckpt
 from services.buffer_handle import BufferHandle
 from services.config import TINY_MODEL, ConfigError, EtarlConfig, build_config, fill_sample_limits, read_yaml
 from services.inputs import check_run_inputs
+from services.learner_failures import LearnerFailures
 from services.placement import Placement, start_ray
 from services.plots import MetricLog, plot_run
 from services.weights import WeightPublisher
@@ -123,6 +125,8 @@ class Controller:
         (services/placement.py)."""
         cfg = self.cfg
         self.model_dir = resolve_model(cfg)
+        self.learner_failures = LearnerFailures(self.run_dir)
+        self.learner_failures.recover()  # a batch the last process died on counts a failed delivery
         fill_sample_limits(cfg, self.model_dir)  # vocabulary and context: the buffer refuses what the model cannot take
         check_run_inputs(cfg, self.model_dir)
         plan = start_ray(cfg)
@@ -166,7 +170,8 @@ class Controller:
         self.evals = list(state.get("evals", []))
         buffer_file = checkpoint / BUFFER_STATE_FILE
         if buffer_file.is_file():
-            restored = self.buffer.restore(msgpack.unpackb(buffer_file.read_bytes(), raw=False))
+            records = with_failures(msgpack.unpackb(buffer_file.read_bytes(), raw=False), self.learner_failures.counts)
+            restored = self.buffer.restore(records)
         else:
             raise ConfigError(f"checkpoint {checkpoint} holds no buffer state ({BUFFER_STATE_FILE})")
         log.info("resumed from %s: step %d, version %d, buffer %s", checkpoint, self.step, self.version, restored)
@@ -301,13 +306,20 @@ class Controller:
         a delivery that ended without an ack, counted per group). A batch the learner refuses
         (`BatchError`, naming the sample) returns None and the run goes on: pulled again and
         refused again, the buffer drops it as poisoned at `buffer.max_deliveries`. Any other failure
-        (the learner died) stops the run, as before."""
+        (the learner died) stops the run, as before; the run folder remembers the batch
+        (services/learner_failures.py), so resumes drop it at `max_deliveries` instead of dying on
+        it every time."""
         from learner.batch import BatchError
 
+        self.learner_failures.training([g.group_id for g in batch.groups])  # still there if this process dies
         try:
-            return self.learner.train_step(batch.groups)
+            metrics = self.learner.train_step(batch.groups)
+            self.learner_failures.trained()
+            return metrics
         except Exception as exc:
             refused = isinstance(exc, BatchError) or isinstance(getattr(exc, "cause", None), BatchError)
+            if refused:
+                self.learner_failures.trained()  # the nack below counts it in the buffer
             try:
                 self.buffer.client.nack(batch.lease_id, failed=True)
             except Exception as nack_error:  # its lease expires instead, which counts the same

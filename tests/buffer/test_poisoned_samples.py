@@ -218,11 +218,12 @@ def test_the_learner_refuses_a_token_beyond_its_vocabulary_naming_the_sample():
         build_batch([make_group(1), group], vocab_size=VOCAB)
 
 
-def test_a_batch_the_learner_refuses_is_handed_back_and_dropped_and_the_run_goes_on():
+def test_a_batch_the_learner_refuses_is_handed_back_and_dropped_and_the_run_goes_on(tmp_path):
     """The controller's side: a refused batch is nacked as failed, and at the second refusal the
     buffer drops it; the next pull gets fresh groups (the run does not stop)."""
     from learner.batch import BatchError
     from services.controller import Controller
+    from services.learner_failures import LearnerFailures
 
     core = BufferCore(BufferConfig(gate=GateConfig(batch_size=2, eta=None)))
     push_two(core)
@@ -236,6 +237,7 @@ def test_a_batch_the_learner_refuses_is_handed_back_and_dropped_and_the_run_goes
     controller = Controller.__new__(Controller)
     controller.cfg = types.SimpleNamespace(buffer=types.SimpleNamespace(max_deliveries=2))
     controller.learner, controller.buffer = Learner(), types.SimpleNamespace(client=core)
+    controller.learner_failures = LearnerFailures(tmp_path)
     poisoned = set(core.store.ready)
     for _ in range(2):
         lease = core.pull_batch(2)
@@ -245,6 +247,54 @@ def test_a_batch_the_learner_refuses_is_handed_back_and_dropped_and_the_run_goes
     fresh = core.pull_batch(2)
     assert fresh is not None and not {g.group_id for g in core.store.leases[fresh.lease_id].groups} & poisoned
     assert core.stats()["dropped_groups"] == {"poisoned": 2}
+
+
+def test_a_batch_the_learner_dies_on_is_dropped_at_the_second_resume(tmp_path):
+    """The learner's process dies on a batch (a device-side assert, an out-of-memory): the run
+    stops, and each resume restores the buffer from a checkpoint that predates the crash, so the
+    buffer's own count is gone. The run folder's marker counts the death; at the second resume
+    the restored buffer drops the batch as poisoned instead of handing it to the learner a third
+    time, and the run goes on with the reissued tickets."""
+    from buffer.core import with_failures
+    from services.controller import Controller
+    from services.learner_failures import LearnerFailures
+
+    core = BufferCore(BufferConfig(gate=GateConfig(batch_size=2, eta=None)))
+    push_two(core)
+    checkpoint = core.snapshot_records(keep_in_flight=False)
+    poisoned = set(core.store.ready)
+
+    class DyingLearner:
+        def train_step(self, groups):
+            raise RuntimeError("CUDA error: device-side assert triggered (the learner's process died)")
+
+    def run_once():
+        """A resumed run: the ledger recovers, the buffer is restored from the checkpoint with the
+        counted failures, one step is tried. Returns the buffer."""
+        controller = Controller.__new__(Controller)
+        controller.cfg = types.SimpleNamespace(buffer=types.SimpleNamespace(max_deliveries=2))
+        controller.learner_failures = LearnerFailures(tmp_path)
+        controller.learner_failures.recover()
+        buffer = BufferCore(BufferConfig(gate=GateConfig(batch_size=2, eta=None)))
+        buffer.restore(with_failures(checkpoint, controller.learner_failures.counts))
+        controller.learner, controller.buffer = DyingLearner(), types.SimpleNamespace(client=buffer)
+        lease = buffer.pull_batch(2)
+        if lease is not None:
+            groups = [types.SimpleNamespace(group_id=g.group_id) for g in buffer.store.leases[lease.lease_id].groups]
+            assert {g.group_id for g in groups} == poisoned
+            with pytest.raises(RuntimeError, match="device-side assert"):
+                controller._train_or_hand_back(types.SimpleNamespace(lease_id=lease.lease_id, groups=groups))
+        return buffer, lease
+
+    for attempt in range(2):  # the first run and the first resume die on the batch
+        _, lease = run_once()
+        assert lease is not None, f"attempt {attempt}: handed out"
+    buffer, lease = run_once()  # the second resume
+    assert lease is None, "not handed to the learner a third time"
+    stats = buffer.stats()
+    assert stats["dropped_groups"] == {"poisoned": 2} and stats["free_tickets"] == 2, "tickets reissued"
+    assert json.loads((tmp_path / "learner-failures.json").read_text()) == {g: 2 for g in poisoned}
+    assert not (tmp_path / "learner-training.json").exists()
 
 
 def test_the_run_fills_the_sample_limits_from_its_model(tmp_path):
