@@ -16,6 +16,7 @@ from multiprocessing.connection import wait
 
 from rollout_workers.child_process import ChildProcess, ChildStartFailed
 from rollout_workers.data.problems import Problem
+from rollout_workers.environments.base import BadEnvironmentResult, checked_reset, checked_step
 from rollout_workers.environments.registry import resolve_environment
 
 CHILD_MODULE = "rollout_workers.environments.child"  # what each child process runs
@@ -104,15 +105,23 @@ class EnvironmentPool:
 
     def _outcome(self, slot: int, call: str, seconds: float) -> EnvOutcome:
         try:
-            status, value = self.children[slot].connection.recv()
+            reply = self.children[slot].connection.recv()
         except (EOFError, OSError) as err:
             return self._failed(slot, f"its process died ({type(err).__name__})", seconds)
+        # The child runs the user's code: its reply is checked here again, not trusted for its shape.
+        if not (isinstance(reply, list) and len(reply) == 2 and reply[0] in ("ok", "bad", "error")):
+            return self._failed(slot, f"{call} answered {reply!r:.80}, not (status, value)", seconds)
+        status, value = reply
         if status != "ok":
-            return self._failed(slot, f"{call} {'raised ' if status == 'error' else ''}{value}", seconds, kill=False)
-        if call == "reset":
-            return EnvOutcome(observation=value, seconds=seconds)
-        observation, reward, done, info = value
-        return EnvOutcome(observation, reward, done, info, seconds)
+            return self._failed(slot, f"{call} {'raised ' if status == 'error' else ''}{value!s:.300}", seconds,
+                                kill=False)
+        try:
+            if call == "reset":
+                return EnvOutcome(observation=checked_reset(value), seconds=seconds)
+            step = checked_step(tuple(value) if isinstance(value, list) else value)  # msgpack has no tuples
+        except BadEnvironmentResult as err:
+            return self._failed(slot, str(err), seconds)
+        return EnvOutcome(step.observation, step.reward, step.done, step.info, seconds)
 
     def _failed(self, slot: int, why: str, seconds: float, kill: bool = True) -> EnvOutcome:
         if kill:

@@ -1,6 +1,8 @@
 """Environments for the multi-turn tests, imported by name ("env_helpers:Class") in the
 environment child processes. `Misbehaving` does what its problem's answer says: ok, hang, crash
-(the process dies), raise, garbage (a step result that is not one), reset_raise, hang_reset."""
+(the process dies), raise, garbage (a step result that is not one), forged (a well-formed reply of
+the wrong shape written straight into the reply pipe, past the child's own check: the child runs
+user code, which can), reset_raise, hang_reset."""
 from __future__ import annotations
 
 import os
@@ -38,6 +40,15 @@ class Misbehaving(Environment):
             raise ValueError("environment bug")
         if self.how == "garbage":
             return {"observation": "x"}  # not (observation, reward, done, info)
+        if self.how == "forged":
+            import gc
+            from multiprocessing.connection import Connection
+
+            import msgpack
+
+            for pipe in gc.get_objects():
+                if isinstance(pipe, Connection) and pipe.writable and not pipe.readable:
+                    pipe.send_bytes(msgpack.packb(["ok", ["x", float("nan"), "maybe", 5]]))
         return StepResult(None, self.reward, True, {"steps": 1.0})
 
 

@@ -79,6 +79,19 @@ def test_the_pool_steps_environments_in_parallel_processes():
         pool.close()
 
 
+def test_a_reply_forged_past_the_childs_check_is_checked_again_by_the_pool():
+    pool = EnvironmentPool(f"{HELPERS}:Misbehaving", {"reward": 1.0}, step_timeout_s=5.0)
+    try:
+        pool.reset([Problem("p", "forged"), Problem("p", "ok")])
+        forged, ok = pool.step([0, 1], ["answer"] * 2)
+        assert "reward is nan, not a finite number" in forged.error and forged.done
+        assert not ok.error and pool.stats()["env_failures_total"] == 1
+        pool.reset([Problem("p", "ok")])  # the slot's child was replaced: it serves the next trajectory
+        assert not pool.step([0], ["answer"])[0].error
+    finally:
+        pool.close()
+
+
 def test_each_misbehaving_environment_ends_its_own_trajectory():
     pool = EnvironmentPool(f"{HELPERS}:Misbehaving", {"reward": 1.0}, step_timeout_s=1.0)
     behaviours = ["ok", "hang", "crash", "raise", "garbage", "ok"]
