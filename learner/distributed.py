@@ -87,6 +87,80 @@ class ProcessGroupComm:
         dist.barrier()
 
 
+def plan_buckets(sizes: list[int], bucket_bytes: int) -> list[list[int]]:
+    """Consecutive positions of `sizes` (bytes) in buckets of at most `bucket_bytes` each; an item
+    larger than a bucket gets one of its own."""
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+    buckets: list[list[int]] = []
+    used = 0
+    for i, size in enumerate(sizes):
+        if not buckets or used + size > bucket_bytes:
+            buckets.append([])
+            used = 0
+        buckets[-1].append(i)
+        used += size
+    return buckets
+
+
+class FullWeightBuckets:
+    """The model's full weights, one bucket of at most `bucket_bytes` (in `dtype`) at a time.
+
+    Under FSDP2 each parameter is a DTensor shard: `full_tensor()` all-gathers it on its device and
+    the cast to `dtype` happens there, so a rank holds its shards plus one bucket, never the model.
+    Every rank must iterate to the end (each gather is a collective); only a rank with `keep` gets
+    the tensors (moved to `out_device`, e.g. the CPU), the others get empty dicts. Names are the
+    model's state-dict names, tied ones included (they share one tensor, gathered once, in one
+    bucket); `len()` is the number of buckets, known before the first gather."""
+
+    def __init__(self, model, bucket_bytes: int, dtype: torch.dtype | None = None, keep: bool = True,
+                 out_device: torch.device | str | None = None):
+        # keep_vars: tied names then share one object (a plain state_dict() detaches each anew).
+        state = model.state_dict(keep_vars=True)
+        self._tensors: list[torch.Tensor] = []
+        self._names: list[list[str]] = []
+        index_of: dict[int, int] = {}
+        for name, tensor in state.items():
+            if id(tensor) in index_of:
+                self._names[index_of[id(tensor)]].append(name)
+                continue
+            index_of[id(tensor)] = len(self._tensors)
+            self._tensors.append(tensor)
+            self._names.append([name])
+        self.dtype, self.keep, self.out_device = dtype, keep, out_device
+        sizes = [t.numel() * (dtype or t.dtype).itemsize for t in self._tensors]
+        self.buckets = plan_buckets(sizes, bucket_bytes)
+        self.bucket_bytes = [sum(sizes[i] for i in b) for b in self.buckets]
+
+    def __len__(self) -> int:
+        return len(self.buckets)
+
+    def names(self, bucket: int) -> list[str]:
+        return [n for i in self.buckets[bucket] for n in self._names[i]]
+
+    def first_names(self, bucket: int) -> list[str]:
+        """The bucket's names without tied repeats (what an HF checkpoint stores)."""
+        return [self._names[i][0] for i in self.buckets[bucket]]
+
+    def __iter__(self):
+        from torch.distributed.tensor import DTensor
+
+        for bucket in self.buckets:
+            out: dict[str, torch.Tensor] = {}
+            for i in bucket:
+                tensor = self._tensors[i].detach()
+                full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor  # a collective
+                if not self.keep:
+                    continue
+                if self.dtype is not None:
+                    full = full.to(self.dtype)  # on the device, before any copy leaves it
+                if self.out_device is not None:
+                    full = full.to(self.out_device)
+                for name in self._names[i]:
+                    out[name] = full
+            yield out
+
+
 def node_interface(address: str) -> str | None:
     """The network interface that holds `address` (None: no interface of this machine does)."""
     import psutil

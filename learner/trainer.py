@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
-import shutil
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -36,6 +35,15 @@ import torch
 
 from learner.advantages import compute_advantages
 from learner.batch import TrainBatch, build_batch, padding_counts, plan_micro_batches
+from learner.checkpoint import (  # noqa: F401 (the part names: services.checkpoint checks they agree)
+    POLICY_DIR,
+    TRAINER_STATE_FILE,
+    load_training_state,
+    read_policy_weights,
+    read_trainer_file,
+    save_training_state,
+    write_policy,
+)
 from learner.config import LearnerConfig
 from learner.correction import compute_rollout_correction, is_batch_norm_sums, to_floats
 from learner.distributed import LocalComm
@@ -52,13 +60,8 @@ from lm.weight_sync import (
 from lm.weight_sync.layout import cast
 from lm.weight_sync.payloads import to_shared_arrays
 
-TRAINER_STATE_FILE = "trainer.pt"
-POLICY_DIR = "policy"
 # Loss-side metrics that are sums over the minibatch (each micro-batch adds its share).
 _ADDITIVE_METRICS = frozenset({"actor/pg_loss", "actor/entropy", "actor/kl_loss"})
-# Weight files of an HF folder; every other file of the source (tokenizer, chat template, ...) is
-# copied beside a saved policy so the folder stays usable as a model.
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json", ".lock")
 
 
 def loglinear_prox_log_prob(rollout_log_prob: torch.Tensor, log_prob: torch.Tensor,
@@ -632,45 +635,33 @@ class Learner:
 
     def save_policy(self, folder) -> Path | None:
         """The policy as an HF folder: config and safetensors weights, plus the source folder's
-        other files (tokenizer and the like)."""
-        state = self.full_state_dict()
-        if self.comm.rank != 0:
-            return None
-        folder = Path(folder)
-        model = self.model
-        model.save_pretrained(folder, state_dict=state, safe_serialization=True)
-        for f in Path(self.config.model_path).iterdir():
-            if f.is_file() and not f.name.endswith(_WEIGHT_SUFFIXES) and not (folder / f.name).exists():
-                shutil.copy2(f, folder / f.name)
-        return folder
+        other files (tokenizer and the like). Written file by file from the shards under FSDP
+        (`learner.checkpoint.write_policy`): every rank must call it then."""
+        return write_policy(Path(folder), self.model, self.config.model_path, self.comm.rank, self._sharded)
 
     def save_checkpoint(self, folder) -> Path | None:
-        """`folder/policy/` (HF folder) and `folder/trainer.pt` (optimizer, scheduler, version)."""
+        """`folder/policy/` (HF folder), `folder/trainer_shards/` (model and optimizer, each rank
+        its shards) and `folder/trainer.pt` (scheduler, version): see `learner.checkpoint`."""
         folder = Path(folder)
         self.save_policy(folder / POLICY_DIR)
-        if self.comm.rank != 0:
-            return None
-        torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                    "version": self.version}, folder / TRAINER_STATE_FILE)
-        return folder
+        save_training_state(folder, self.model, self.optimizer, self.scheduler, self.version, self.comm.rank)
+        return folder if self.comm.rank == 0 else None
 
     def load_checkpoint(self, folder) -> None:
+        """Resume from `save_checkpoint`'s folder: every rank reads its own shards. A checkpoint
+        of the former layout (full optimizer state in trainer.pt) loads without FSDP only."""
         folder = Path(folder)
-        trainer_file = folder / TRAINER_STATE_FILE
-        if not trainer_file.is_file():
-            raise FileNotFoundError(f"checkpoint {str(folder)!r} has no {TRAINER_STATE_FILE}")
-        weights = _read_policy_weights(folder / POLICY_DIR)
-        state = torch.load(trainer_file, map_location="cpu", weights_only=True)
-        self.load_state_dict({"model": weights, **state})
+        state = read_trainer_file(folder)
+        if "shards" not in state:
+            if self._sharded:
+                raise ValueError(f"checkpoint {str(folder)!r} holds rank 0's optimizer state only (written before "
+                                 f"sharded checkpoints): it cannot resume an FSDP learner; resume it without FSDP")
+            self.load_state_dict({"model": read_policy_weights(folder / POLICY_DIR), **state})
+            return
+        load_training_state(folder, self.model, self.optimizer)
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.version = int(state["version"])
 
-
-def _read_policy_weights(folder: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"policy folder {str(folder)!r} holds no .safetensors weights")
-    weights = {}
-    for f in files:
-        weights.update(load_file(str(f)))
-    return weights
+    @property
+    def _sharded(self) -> bool:
+        return self.config.distributed.strategy == "fsdp"

@@ -3,7 +3,8 @@ loss right after a checkpoint leaves LATEST naming a half-written or truncated c
 
     RUN_DIR/checkpoints/step_000020/
         policy/           the policy as an HF folder (config, safetensors, tokenizer)   [learner]
-        trainer.pt        optimizer + scheduler state, learner version                   [learner]
+        trainer.pt        scheduler state, learner version                               [learner]
+        trainer_shards/   model + optimizer, each rank its own shards (DCP)              [learner, every rank]
         buffer.msgpack    the buffer's gate counters, data cursor, tickets and contents [buffer, transport ray]
         state.json        controller state: step, version, config, the consumption audit
     RUN_DIR/checkpoints/LATEST   name of the newest complete checkpoint
@@ -28,6 +29,7 @@ FORMAT_VERSION = 1
 POLICY_PART = "policy"
 TRAINER_PART = "trainer.pt"
 BUFFER_PART = "buffer.msgpack"
+SHARDS_PART = "trainer_shards"  # learner.checkpoint.SHARDS_DIR; complete once DCP wrote .metadata (last)
 
 
 def step_name(step: int) -> str:
@@ -78,6 +80,9 @@ def missing_parts(folder: Path, state: dict) -> list[str]:
     policy = folder / POLICY_PART
     if not policy.is_dir() or not any(policy.glob("*.safetensors")):
         missing.append(f"{POLICY_PART}/ (an HF folder with .safetensors weights)")
+    shards = folder / SHARDS_PART
+    if shards.exists() and not (shards / ".metadata").is_file():
+        missing.append(f"{SHARDS_PART}/.metadata (the sharded save did not finish)")
     for name in (TRAINER_PART, *([BUFFER_PART] if state.get("buffer_transport") == "ray" else [])):
         part = folder / name
         if not part.is_file() or part.stat().st_size == 0:

@@ -13,12 +13,13 @@ from lm.causal_lm import load_causal_lm, response_log_probs
 VOCAB = 48
 
 
-def build_tiny_policy(folder: Path, seed: int = 0) -> Path:
+def build_tiny_policy(folder: Path, seed: int = 0, vocab_size: int = VOCAB, intermediate_size: int = 64) -> Path:
+    """Odd `vocab_size` or `intermediate_size` make FSDP shards of unequal sizes on 2 ranks."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
     config = Qwen2Config(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        vocab_size=vocab_size, hidden_size=32, intermediate_size=intermediate_size, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
         tie_word_embeddings=True,
     )

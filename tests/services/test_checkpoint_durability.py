@@ -95,8 +95,19 @@ def test_an_empty_trainer_file_is_refused_and_zmq_runs_need_no_buffer_part(tmp_p
 
 
 def test_the_part_names_agree_with_their_writers():
+    from learner.checkpoint import SHARDS_DIR
     from learner.trainer import POLICY_DIR, TRAINER_STATE_FILE
     from services.controller import BUFFER_STATE_FILE
 
-    assert (checkpoint.POLICY_PART, checkpoint.TRAINER_PART, checkpoint.BUFFER_PART) == (
-        POLICY_DIR, TRAINER_STATE_FILE, BUFFER_STATE_FILE)
+    assert (checkpoint.POLICY_PART, checkpoint.TRAINER_PART, checkpoint.BUFFER_PART, checkpoint.SHARDS_PART) == (
+        POLICY_DIR, TRAINER_STATE_FILE, BUFFER_STATE_FILE, SHARDS_DIR)
+
+
+def test_sharded_training_state_without_its_metadata_is_refused(tmp_path):
+    staged = _stage_complete(tmp_path, 10, buffer=False)
+    (staged / "trainer_shards").mkdir()
+    (staged / "trainer_shards" / "__0_0.distcp").write_bytes(b"shard")  # a rank wrote, the save did not finish
+    with pytest.raises(ValueError, match="missing trainer_shards/.metadata"):
+        checkpoint.commit(staged, {"step": 10, "version": 1, "buffer_transport": "zmq"})
+    (staged / "trainer_shards" / ".metadata").write_bytes(b"m")
+    assert checkpoint.commit(staged, {"step": 10, "version": 1, "buffer_transport": "zmq"}).name == "step_000010"

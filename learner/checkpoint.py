@@ -1,0 +1,134 @@
+"""The learner's checkpoints: sharded training state to resume from, and an HF policy folder.
+
+    folder/trainer_shards/   model + optimizer (torch.distributed.checkpoint): every rank writes
+                             and reads only its own shards; `.metadata` is written last
+    folder/trainer.pt        scheduler state and the learner version (rank 0; small)
+    folder/policy/           the policy as an HF folder for `etarl eval` and users, written
+                             bucket by bucket from the shards (rank 0 holds one file's worth)
+
+DCP keys tensors by parameter name, not by rank, so a checkpoint loads into another world size
+or strategy (FSDP <-> replicas): DCP reshards on load. A checkpoint of the former layout (the full
+optimizer state inside trainer.pt, written by rank 0) still loads where it was right, i.e.
+without FSDP; under FSDP it is refused: rank 0 held only its own optimizer shards.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from learner.distributed import FullWeightBuckets
+
+TRAINER_STATE_FILE = "trainer.pt"
+SHARDS_DIR = "trainer_shards"
+POLICY_DIR = "policy"
+# The policy is written in files of about this size: rank 0 holds one of them in host memory.
+POLICY_FILE_BYTES = 2 << 30
+# Weight files of an HF folder; every other file of the source (tokenizer, chat template, ...) is
+# copied beside a saved policy so the folder stays usable as a model.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json", ".lock")
+
+
+def _state_dict_options():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    # Sharded (DTensor) entries under FSDP; plain tensors otherwise.
+    return StateDictOptions(full_state_dict=False, cpu_offload=False)
+
+
+def _distributed() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def save_training_state(folder: Path, model, optimizer, scheduler, version: int, rank: int) -> None:
+    """Every rank: its shards of model and optimizer into `folder/trainer_shards/`; rank 0 also
+    `folder/trainer.pt` (scheduler, version). A collective under a process group."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer, options=_state_dict_options())
+    dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(folder / SHARDS_DIR),
+             no_dist=not _distributed())
+    if rank == 0:
+        torch.save({"scheduler": scheduler.state_dict(), "version": int(version), "shards": SHARDS_DIR},
+                   folder / TRAINER_STATE_FILE)
+
+
+def read_trainer_file(folder: Path) -> dict:
+    trainer_file = folder / TRAINER_STATE_FILE
+    if not trainer_file.is_file():
+        raise FileNotFoundError(f"checkpoint {str(folder)!r} has no {TRAINER_STATE_FILE}")
+    return torch.load(trainer_file, map_location="cpu", weights_only=True)
+
+
+def load_training_state(folder: Path, model, optimizer) -> None:
+    """Every rank: its shards of model and optimizer from `folder/trainer_shards/` (a collective)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    shards = folder / SHARDS_DIR
+    if not (shards / ".metadata").is_file():
+        raise FileNotFoundError(f"checkpoint {str(folder)!r} has no complete {SHARDS_DIR}/ (no .metadata)")
+    # DCP loads in place: the state dicts of the live model and optimizer say which shards this
+    # rank wants; the optimizer's state is created first (get_state_dict does) so it has slots.
+    model_state, optim_state = get_state_dict(model, optimizer, options=_state_dict_options())
+    state = {"model": model_state, "optimizer": optim_state}
+    dcp.load(state, checkpoint_id=str(shards), no_dist=not _distributed())
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                   options=_state_dict_options())
+
+
+def write_policy(folder: Path, model, source_dir: str, rank: int, sharded: bool,
+                 file_bytes: int = POLICY_FILE_BYTES) -> Path | None:
+    """The policy as an HF folder (config, safetensors, the source's other files), written by rank
+    0 one file at a time: under FSDP every rank gathers one file's parameters (`FullWeightBuckets`)
+    and rank 0 writes them before the next, so no rank holds the full model. Tied names are
+    stored once, as `save_pretrained` does. Every rank must call it under FSDP."""
+    from safetensors.torch import save_file
+
+    if not sharded and rank != 0:
+        return None  # replicas: rank 0 has everything, nothing to gather
+    buckets = FullWeightBuckets(model, file_bytes, keep=rank == 0, out_device="cpu")
+    folder = Path(folder)
+    if rank == 0:
+        folder.mkdir(parents=True, exist_ok=True)
+    n = len(buckets)
+    files = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    weight_map = {}
+    for i, tensors in enumerate(buckets):
+        if rank != 0:
+            continue
+        stored = {name: tensors[name].contiguous() for name in buckets.first_names(i)}
+        save_file(stored, str(folder / files[i]), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(stored, files[i]))
+        del tensors, stored  # the next file's gather reuses the memory
+    if rank != 0:
+        return None
+    if n > 1:
+        total = sum(buckets.bucket_bytes)
+        (folder / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1), encoding="utf-8")
+    model.config.save_pretrained(folder)
+    generation = getattr(model, "generation_config", None)
+    if generation is not None:
+        generation.save_pretrained(folder)
+    for f in Path(source_dir).iterdir():
+        if f.is_file() and not f.name.endswith(_WEIGHT_SUFFIXES) and not (folder / f.name).exists():
+            shutil.copy2(f, folder / f.name)
+    return folder
+
+
+def read_policy_weights(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"policy folder {str(folder)!r} holds no .safetensors weights")
+    weights = {}
+    for f in files:
+        weights.update(load_file(str(f)))
+    return weights
