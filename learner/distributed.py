@@ -87,6 +87,26 @@ class ProcessGroupComm:
         dist.barrier()
 
 
+def shard_model(model, mixed_precision: str | None = None):
+    """FSDP2: shard every decoder layer, then the root (embeddings, final norm, LM head). With
+    `mixed_precision="bfloat16"` FSDP's MixedPrecisionPolicy keeps the sharded master weights (and
+    so the optimizer) in float32, gathers and computes with bfloat16 parameters, and reduces the
+    gradients in float32: half the all-gather bytes, no autocast re-casting every micro-batch, and
+    updates of 1e-6 relative size land on float32 weights (bfloat16 keeps 8 bits of mantissa). The
+    CPU suite runs it with gloo; on GPUs it runs with nccl."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy()
+    if mixed_precision == "bfloat16":
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    elif mixed_precision is not None:
+        raise ValueError(f"mixed_precision must be 'bfloat16' or None, got {mixed_precision!r}")
+    for layer in model.model.layers:
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    return model
+
+
 def plan_buckets(sizes: list[int], bucket_bytes: int) -> list[list[int]]:
     """Consecutive positions of `sizes` (bytes) in buckets of at most `bucket_bytes` each; an item
     larger than a bucket gets one of its own."""

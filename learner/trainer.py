@@ -46,7 +46,7 @@ from learner.checkpoint import (  # noqa: F401 (the part names: services.checkpo
 )
 from learner.config import LearnerConfig
 from learner.correction import compute_rollout_correction, is_batch_norm_sums, to_floats
-from learner.distributed import LocalComm
+from learner.distributed import LocalComm, shard_model
 from learner.losses import compute_policy_loss, count_tokens_and_sequences, staleness_metrics
 from lm.causal_lm import enable_gradient_checkpointing, load_causal_lm, response_log_probs, torch_dtype
 from lm.weight_sync import (
@@ -193,14 +193,7 @@ class Learner:
     def _wrap(self, model):
         if self.config.distributed.strategy != "fsdp":
             return model
-        # FSDP2: shard every decoder layer, then the root (embeddings, final norm, LM head). The
-        # CPU suite runs it with gloo; on GPUs it runs with nccl.
-        from torch.distributed.fsdp import fully_shard
-
-        for layer in model.model.layers:
-            fully_shard(layer)
-        fully_shard(model)
-        return model
+        return shard_model(model, self.config.mixed_precision)
 
     # ------------------------------------------------------------------ the step
 
@@ -471,8 +464,11 @@ class Learner:
             (log_prob.sum() * 0.0).backward()
 
     def _autocast(self):
-        """bfloat16 compute over float32 weights when mixed precision is on; a no-op otherwise."""
-        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.config.mixed_precision is not None)
+        """bfloat16 compute over float32 weights when mixed precision is on and FSDP does not do it
+        (its MixedPrecisionPolicy gathers bfloat16 parameters: `learner.distributed.shard_model`);
+        a no-op otherwise."""
+        on = self.config.mixed_precision is not None and self.config.distributed.strategy != "fsdp"
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=on)
 
     # ------------------------------------------------------------------ metrics
 
