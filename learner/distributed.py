@@ -107,6 +107,76 @@ def shard_model(model, mixed_precision: str | None = None):
     return model
 
 
+def fill_shards(model, source, device: torch.device) -> None:
+    """Give a model sharded on the meta device (`shard_model` of `lm.causal_lm.causal_lm_on_meta`)
+    its values: every rank allocates its own shards, rank 0 holds the `source` model (its single
+    read; None elsewhere) and sends each tensor once, one tensor at a time: a rank other than 0
+    never holds more than its shards and one full tensor. Every rank must call it."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    rank = dist.get_rank()
+    if (source is None) != (rank != 0):
+        raise ValueError(f"rank {rank}: the source model belongs to rank 0 only")
+    # to_empty() empties buffers too: they were computed at construction (not on meta), keep them.
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    model.to_empty(device=device)
+    source_state = source.state_dict() if source is not None else {}
+    filled: set[int] = set()
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            buffer.copy_(buffers[name])
+        for name, target in model.state_dict(keep_vars=True).items():
+            if id(target) in filled:  # a tied name: one tensor
+                continue
+            filled.add(id(target))
+            if rank == 0:
+                if name not in source_state:
+                    raise KeyError(f"the source model has no {name!r}")
+                full = source_state[name].to(device=device, dtype=target.dtype)
+            else:
+                full = torch.empty(target.shape, dtype=target.dtype, device=device)
+            if isinstance(target, DTensor):
+                # rank 0's tensor, split by the target's placements: each rank receives its shard
+                shard = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=0)
+                target.to_local().copy_(shard.to_local())
+            else:
+                dist.broadcast(full, src=0)
+                target.copy_(full)
+            del full
+
+
+class PeakRSS:
+    """The peak resident memory of this process above its level at entry, sampled every
+    `interval_s` in a thread (`peak_bytes` once exited): what a phase adds to the host."""
+
+    def __init__(self, interval_s: float = 0.002):
+        import psutil
+
+        self._process, self._interval = psutil.Process(), interval_s
+        self.peak_bytes = 0
+
+    def __enter__(self):
+        import threading
+
+        self._start = self._process.memory_info().rss
+        self._peak = self._start
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, name="peak-rss", daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self._interval):
+            self._peak = max(self._peak, self._process.memory_info().rss)
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self._peak = max(self._peak, self._process.memory_info().rss)
+        self.peak_bytes = self._peak - self._start
+        return False
+
+
 def plan_buckets(sizes: list[int], bucket_bytes: int) -> list[list[int]]:
     """Consecutive positions of `sizes` (bytes) in buckets of at most `bucket_bytes` each; an item
     larger than a bucket gets one of its own."""

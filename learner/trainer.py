@@ -46,9 +46,15 @@ from learner.checkpoint import (  # noqa: F401 (the part names: services.checkpo
 )
 from learner.config import LearnerConfig
 from learner.correction import compute_rollout_correction, is_batch_norm_sums, to_floats
-from learner.distributed import LocalComm, shard_model
+from learner.distributed import LocalComm, PeakRSS, fill_shards, shard_model
 from learner.losses import compute_policy_loss, count_tokens_and_sequences, staleness_metrics
-from lm.causal_lm import enable_gradient_checkpointing, load_causal_lm, response_log_probs, torch_dtype
+from lm.causal_lm import (
+    causal_lm_on_meta,
+    enable_gradient_checkpointing,
+    load_causal_lm,
+    response_log_probs,
+    torch_dtype,
+)
 from lm.weight_sync import (
     BroadcastSender,
     FolderSender,
@@ -139,14 +145,9 @@ class Learner:
         self.comm = comm or LocalComm()
         self.device = self._device()
         torch.manual_seed(config.seed)
-        model = load_causal_lm(config.model_path, dtype=config.dtype, device=str(self.device))
-        model.config.use_cache = False
-        self._vocab_size = model.get_input_embeddings().num_embeddings  # build_batch refuses ids beyond it
-        # Dropout off for good: the proximal pass, the update and the sampler must see one policy.
-        model.eval()
-        if config.gradient_checkpointing:
-            enable_gradient_checkpointing(model)
-        self.model = self._wrap(model)
+        self.load_report: dict[str, float] = {}  # host memory the policy's load added (sharded: per rank)
+        self.model = self._build_model(trainable=True)
+        self._vocab_size = self.model.get_input_embeddings().num_embeddings  # build_batch refuses ids beyond it
         self._log_prob_dtype = torch.promote_types(torch_dtype(config.dtype), torch.float32)
         self._slots = torch.zeros(2, dtype=torch.float64)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -166,8 +167,7 @@ class Learner:
         # The KL penalty's reference: the initial policy, frozen.
         self.ref_model = None
         if config.policy_loss.kl_coef > 0:
-            self.ref_model = load_causal_lm(config.model_path, dtype=config.dtype, device=str(self.device)).eval()
-            self.ref_model.requires_grad_(False)
+            self.ref_model = self._build_model(trainable=False)
 
     # ------------------------------------------------------------------ set-up
 
@@ -190,10 +190,36 @@ class Learner:
         return ExactDriftProbe(self.config.model_path, self.config.dtype, diag.keep_versions, diag.exact_drift_every,
                                diag.exact_drift_rows, self.config.temperature, self.config.pad_token_id)
 
-    def _wrap(self, model):
-        if self.config.distributed.strategy != "fsdp":
-            return model
-        return shard_model(model, self.config.mixed_precision)
+    def _build_model(self, trainable: bool):
+        """The policy (or, not `trainable`, the frozen KL reference) on this rank. Without FSDP a
+        full copy per rank. With FSDP sharded from the first byte: every rank builds it on the meta
+        device and shards it, rank 0 alone reads the folder and sends each rank its shards
+        (`learner.distributed.fill_shards`): about one model copy of host memory per node, on rank
+        0, whatever the rank count, and the reference model the same way."""
+        cfg = self.config
+        if not self._sharded:
+            model = load_causal_lm(cfg.model_path, dtype=cfg.dtype, device=str(self.device))
+            return self._prepare(model, trainable)
+        model = self._prepare(causal_lm_on_meta(cfg.model_path, cfg.dtype), trainable)  # no values: ~0 bytes
+        # measured from here: the first build also imported transformers' model code (~200 MB)
+        with PeakRSS() as peak:
+            model = shard_model(model, cfg.mixed_precision)
+            source = load_causal_lm(cfg.model_path, dtype=cfg.dtype) if self.comm.rank == 0 else None
+            fill_shards(model, source, self.device)
+            del source
+        if trainable:
+            self.load_report = {"peak_host_bytes": float(peak.peak_bytes), "source_reads": float(self.comm.rank == 0)}
+        return model
+
+    def _prepare(self, model, trainable: bool):
+        model.config.use_cache = False
+        # Dropout off for good: the proximal pass, the update and the sampler must see one policy.
+        model.eval()
+        if not trainable:
+            return model.requires_grad_(False)
+        if self.config.gradient_checkpointing:
+            enable_gradient_checkpointing(model)
+        return model
 
     # ------------------------------------------------------------------ the step
 
@@ -444,14 +470,13 @@ class Learner:
         with torch.no_grad():
             for rows in self._micro_batches(batch, list(range(len(batch)))):
                 if not rows:
-                    if model is None:  # only the policy is sharded
-                        self._idle_pass(grad=False)
+                    self._idle_pass(grad=False, model=model)  # the reference is sharded too
                     continue
                 log_prob, _ = self._forward(batch.select(rows), model=model)
                 out[rows, : log_prob.shape[1]] = log_prob
         return out
 
-    def _idle_pass(self, grad: bool) -> None:
+    def _idle_pass(self, grad: bool, model=None) -> None:
         """A zero-weight pass over one pad token for a rank with no rows in a micro-batch slot:
         under FSDP every pass gathers parameters (and every backward reduces gradients) across
         all ranks, so a rank that skipped it would leave the others waiting."""
@@ -459,7 +484,7 @@ class Learner:
             return
         pad = [self.config.pad_token_id]
         with torch.set_grad_enabled(grad), self._autocast():
-            log_prob, _ = response_log_probs(self.model, [pad], [pad], chunk_tokens=1)
+            log_prob, _ = response_log_probs(model or self.model, [pad], [pad], chunk_tokens=1)
         if grad:
             (log_prob.sum() * 0.0).backward()
 

@@ -37,6 +37,32 @@ def load_causal_lm(path: str | os.PathLike, dtype: str = "float32", device: str 
     return model.to(device)
 
 
+def causal_lm_on_meta(path: str | os.PathLike, dtype: str = "float32"):
+    """The model of an HF folder with its parameters on the meta device (no memory, no values)
+    and its buffers real (rotary frequencies are computed at construction and are in no
+    checkpoint). For a sharded learner: shard it, then fill each rank's shards
+    (`learner.distributed.fill_shards`)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(check_model_dir(path))
+
+    def to_meta(module, name, param):
+        if param is None or param.device.type == "meta":
+            return None
+        return torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    # A parameter goes to meta as it is registered (its CPU allocation was never written to);
+    # a torch.device("meta") context would put the buffers there too.
+    handle = torch.nn.modules.module.register_module_parameter_registration_hook(to_meta)
+    try:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype(dtype))
+    finally:
+        handle.remove()
+    if any(p.device.type != "meta" for p in model.parameters()):
+        raise RuntimeError(f"{type(model).__name__} made parameters outside the meta device")
+    return model
+
+
 def enable_gradient_checkpointing(model) -> None:
     """Keep only each decoder layer's input in the forward pass and recompute the layer in the
     backward pass (activation memory: one layer's worth instead of all of them). transformers
