@@ -18,7 +18,14 @@ class EngineConfig(_Strict):
     multiprocess: bool = Field(
         False, description="vLLM engine core in its own process (weights then travel as a safetensors folder)")
     max_model_len: int | None = Field(None, ge=8, description="vLLM context length; None: the model's")
-    kv_cache_mib: int = Field(256, ge=16, description="vLLM KV-cache memory")
+    kv_cache_mib: int = Field(256, ge=16, description="vLLM KV-cache memory (on the CPU, or on a GPU when "
+                              "gpu_memory_utilization is unset)")
+    gpu_memory_utilization: float | None = Field(
+        None, gt=0, lt=1, description="on a GPU: the share of the GPU's memory the engine takes (vLLM's "
+        "gpu_memory_utilization: weights, activations and the KV cache in what is left); where the engine "
+        "shares its GPU with a learner rank (ray.layout colocated) the learner takes the rest, and Ray's GPU "
+        "requests are split the same way. None: kv_cache_mib; `etarl plan` sets it on GPUs. The transformers "
+        "engine has no KV cache to size: it takes what its weights and generation need")
     tensor_parallel_size: int = Field(
         1, ge=1, description="GPUs one vLLM engine spreads over (on one node); the worker asks Ray for that many")
     device: Literal["auto", "cpu", "cuda"] = Field(

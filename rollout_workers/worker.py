@@ -551,3 +551,111 @@ class RolloutWorker:
         if self.agent is not None:
             c.update(self.agent.stats())
         return c
+
+    # ---------------------------------------------------------------- held-out evaluation on this engine
+    # Self-contained on purpose (services/evaluation.py drives it; its metrics are computed there):
+    # evaluation needs no GPU of its own and never runs inside the learner's step.
+
+    def evaluate_heldout(self, spec: dict) -> dict:
+        """Greedy and sampled answers to the run's held-out prompts on this worker's engine, scored,
+        at one weight version: the engine's calls (this loop's generations and weight loads, and
+        the evaluation's) take turns from the first evaluation on, and the whole evaluation holds
+        the turn, so no new weights arrive in the middle of it. Waits (at most spec["wait_s"]) for
+        the engine to exist and to have loaded spec["min_version"]; an engine still behind then is
+        evaluated as it is (the version is reported). `spec`: num_prompts, seed, n_samples,
+        temperature, max_new_tokens, min_version, wait_s. Returns the version, per-prompt rewards
+        (greedy; n_samples sampled), reward failures and timeouts, seconds, and for multi-turn
+        tasks the greedy episodes' environment info and turns."""
+        import sys
+
+        from rollout_workers.data import heldout_problems
+
+        deadline = time.monotonic() + spec["wait_s"]
+        while (self.engine is None or self.prompt_format is None) and time.monotonic() < deadline:
+            time.sleep(0.05)  # the loop builds the engine on its first call
+        if self.engine is None or self.prompt_format is None:
+            raise TimeoutError(f"{self.worker_id}: no engine after {spec['wait_s']:.0f}s: nothing to evaluate on")
+        while self.engine.version < spec["min_version"] and time.monotonic() < deadline:
+            time.sleep(0.05)  # the loop loads new weights between its generations
+        engine, cfg = self.engine, self.config
+        lock = self.__dict__.get("_eval_engine_lock")
+        if lock is None:  # from now on the engine's calls take turns (an RLock: generate may call itself)
+            lock = self._eval_engine_lock = threading.RLock()
+            for name in ("generate_batch", "load_weights"):
+                def locked(*args, _inner=getattr(engine, name), **kwargs):
+                    with lock:
+                        return _inner(*args, **kwargs)
+                setattr(engine, name, locked)
+        codes = {getattr(type(engine), name).__code__ for name in ("generate_batch", "load_weights")}
+
+        def engine_busy_elsewhere() -> bool:  # a call the loop began before the turns existed
+            for thread_id, frame in sys._current_frames().items():
+                while thread_id != threading.get_ident() and frame is not None:
+                    if frame.f_code in codes:
+                        return True
+                    frame = frame.f_back
+            return False
+
+        with lock:
+            while engine_busy_elsewhere() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            started, version = time.perf_counter(), int(engine.version)
+            key = (spec["num_prompts"], spec["seed"], spec["max_new_tokens"])
+            if self.__dict__.get("_eval_prompts_key") != key:
+                problems = heldout_problems(cfg.task, spec["num_prompts"], spec["seed"], self.prompt_format,
+                                            spec["max_new_tokens"])
+                self._eval_prompts = [(p, self.prompt_format.encode(p)) for p in problems]
+                self._eval_prompts_key = key
+            prompts = self._eval_prompts
+            stop = tuple(self.prompt_format.stop_token_ids)
+            greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=spec["max_new_tokens"],
+                                    stop_token_ids=stop, seed=spec["seed"])
+            sampled = greedy.with_(n=spec["n_samples"], temperature=spec["temperature"], seed=spec["seed"] + 1) \
+                if spec["n_samples"] else None
+            out = {"version": version, "env": {}, "turns_mean": None}
+            if cfg.multi_turn.enabled:  # episodes of the agent loop, scored by their environment
+                if self.__dict__.get("_eval_agent") is None:
+                    import weakref
+
+                    self._eval_agent = AgentLoop(cfg.multi_turn, self.tokenizer, self.prompt_format)
+                    weakref.finalize(self, self._eval_agent.close)
+
+                def generate(requests):
+                    return [[(c, [version] * len(c.token_ids)) for c in row] for row in engine.generate_batch(requests)]
+
+                rows = {}
+                for name, params in (("greedy", greedy), ("sampled", sampled)):
+                    if params is not None:
+                        rows[name] = self._eval_agent.run([(p, params) for p, _ in prompts], generate, version=version)
+                out["greedy"] = [row[0].reward for row in rows["greedy"]]
+                out["sampled"] = [[e.reward for e in row] for row in rows["sampled"]] if sampled else None
+                firsts = [row[0] for row in rows["greedy"]]
+                keys = sorted({k for e in firsts for k in e.info})
+                out["env"] = {k: float(np.mean([e.info.get(k, 0.0) for e in firsts])) for k in keys}
+                out["turns_mean"] = float(np.mean([e.turns for e in firsts]))
+                failures = timeouts = 0
+            else:  # one engine call: greedy and sampled requests together, at one version
+                if self.__dict__.get("_eval_rewards") is None:  # its own reward process: the loop's is busy
+                    import weakref
+
+                    self._eval_rewards = RewardRunner(cfg.reward, timeout_s=cfg.reward_timeout_s,
+                                                      cpu_s=cfg.reward_cpu_s, memory_mb=cfg.reward_memory_mb)
+                    weakref.finalize(self, self._eval_rewards.close)
+                rewards, before = self._eval_rewards, dict(self._eval_rewards.stats())
+                requests = [(ids, greedy) for _, ids in prompts] + ([(ids, sampled) for _, ids in prompts]
+                                                                    if sampled else [])
+                rows = engine.generate_batch(requests)
+
+                def score(problem, completions):
+                    texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
+                    return [s.value for s in rewards.score(texts, problem)]
+
+                out["greedy"] = [score(p, row)[0] for (p, _), row in zip(prompts, rows[:len(prompts)])]
+                out["sampled"] = [score(p, row) for (p, _), row in zip(prompts, rows[len(prompts):])] \
+                    if sampled else None
+                after = rewards.stats()
+                failures = after.get("reward_failures_total", 0) - before.get("reward_failures_total", 0)
+                timeouts = after.get("reward_timeouts_total", 0) - before.get("reward_timeouts_total", 0)
+            out.update(reward_failures=float(failures), reward_timeouts=float(timeouts),
+                       seconds=time.perf_counter() - started)
+            return out

@@ -3,8 +3,10 @@
     etarl train [--config F] [--resume RUN_DIR] [key=value ...]   run (or continue) training
     etarl eval  [--config F] [--model DIR | --run RUN_DIR] [key=value ...]   held-out evaluation
     etarl plot  RUN_DIR                                           redraw a run's PNG plots
-    etarl config [--config F] [key=value ...]                     print the resolved config
-    etarl plan  [--config F] [--raycluster M] [key=value ...]     what each actor asks Ray for; does it fit
+    etarl config [--config F] [key=value ...]                     print the resolved config (with the
+                                                                  layout and defaults for this machine's GPUs)
+    etarl plan  [--config F] [--raycluster M] [key=value ...]     the layout chosen and why, what each actor
+                                                                  asks Ray for; does it fit
     etarl data check FILE [--config F] [key=value ...]            check a prompt file against the model
     etarl buffer serve|keygen ...                                 the standalone buffer service
 
@@ -98,7 +100,9 @@ def _dispatch(args) -> int:
             print(path)
         return 0
     if args.command == "config":
-        print(load_config(args.config, args.overrides).to_yaml(), end="")
+        from services.placement import config_with_layout
+
+        print(config_with_layout(load_config(args.config, args.overrides)), end="")
         return 0
     if args.command == "plan":
         from services.placement import plan_report

@@ -52,6 +52,10 @@ class RayConfig(BaseModel):
     worker_max_restarts: int = Field(3, ge=0, description="Ray restarts of a crashed rollout worker")
     worker_num_cpus: float = Field(1.0, ge=0, description="Ray CPUs reserved per rollout worker")
     learner_num_cpus: float = Field(1.0, ge=0, description="Ray CPUs reserved per learner rank")
+    layout: Literal["auto", "colocated", "separate"] = Field(
+        "auto", description="where the engines and the learner go on GPUs: colocated (engine i and learner rank i "
+        "share one GPU; the engine's memory share is rollout.engine.gpu_memory_utilization, the learner takes the "
+        "rest), separate (a GPU each), auto: chosen by `etarl plan` from the GPUs found (services/placement.py)")
     placement_timeout_s: float = Field(600.0, gt=0, description="how long to wait for the cluster to free "
                                        "the resources the plan reserves (`etarl plan`) before giving up")
     log_to_driver: bool = Field(False, description="show the actors' logs in this terminal")
@@ -66,7 +70,8 @@ class EvalConfig(BaseModel):
     k: int = Field(4, ge=1)
     temperature: float = Field(1.0, gt=0)
     max_new_tokens: Optional[int] = Field(None, ge=1, description="None: the rollout setting")
-    engine: Optional[Literal["vllm", "hf"]] = Field(None, description="None: the rollout engine kind")
+    engine: Optional[Literal["vllm", "hf"]] = Field(None, description="`etarl eval` only (None: the rollout engine "
+                                                    "kind); during training a rollout worker's engine evaluates")
 
     @model_validator(mode="after")
     def _k_within_n(self):

@@ -45,6 +45,7 @@ from services.worker_pool import WorkerPool
 log = logging.getLogger("etarl")
 
 BUFFER_STATE_FILE = "buffer.msgpack"
+EVAL_FINAL_WAIT_S = 900.0  # the evaluations still out when training ends: a worker stuck longer loses them
 CONFIG_FILE = "config.yaml"
 
 
@@ -81,6 +82,25 @@ def resolve_model(cfg: EtarlConfig) -> Path:
         raise ConfigError(f"run.model: {exc}") from None
 
 
+RUN_ROOT_ENV = "ETARL_RUN_ROOT"  # where run folders go by default on a cluster: shared by every node
+
+
+def default_run_dir(cfg: EtarlConfig) -> str:
+    """run.run_dir when unset: runs/<time> here for a local run; on a cluster (ray.address not
+    local, as under `ray job submit`) under $ETARL_RUN_ROOT, a folder every node mounts at the same
+    path (deploy/ray/submit.sh and the KubeRay manifests set it); unset there, the run stops now:
+    a folder of the driver's own would leave checkpoints on whichever node the learner runs."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    if cfg.ray.address == "local":
+        return f"runs/{stamp}"
+    root = os.environ.get(RUN_ROOT_ENV)
+    if not root:
+        raise ConfigError(f"run.run_dir is unset and the run joins a cluster (ray.address={cfg.ray.address}): set "
+                          f"run.run_dir, or {RUN_ROOT_ENV}, to a folder every node mounts at the same path (a "
+                          "shared file system; docs/deploy.md, section 3)")
+    return str(Path(root) / stamp)
+
+
 def resume_config(run_dir: str | os.PathLike, config_file: str | None, overrides: list[str]) -> EtarlConfig:
     """The saved config of a run (or `config_file`), with overrides (e.g. run.steps=80)."""
     run_dir = Path(run_dir)
@@ -102,8 +122,7 @@ class Controller:
                               "(resuming would lose and repeat groups). Resume runs with buffer.transport=ray, "
                               "whose checkpoints hold the buffer, or start a new run")
         self.resume_from = ckpt.latest_checkpoint(resume) if resume else None
-        run_dir = cfg.run.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}"
-        self.run_dir = Path(run_dir).resolve()
+        self.run_dir = Path(cfg.run.run_dir or default_run_dir(cfg)).resolve()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.stop_requested = threading.Event()
         self.step = 0
@@ -112,7 +131,7 @@ class Controller:
         self.next_batch = None  # leased by the last step's end, trained on by the next step
         self.evals: list[dict] = []
         self._started = False
-        self.buffer = self.learner = self.weights = self.evaluator = self.exporter = self.workers = None
+        self.buffer = self.learner = self.weights = self.evaluations = self.exporter = self.workers = None
         self.placement = None
         self.eta_control = None  # buffer.gate.eta: auto
 
@@ -130,6 +149,11 @@ class Controller:
         fill_sample_limits(cfg, self.model_dir)  # vocabulary and context: the buffer refuses what the model cannot take
         check_run_inputs(cfg, self.model_dir)
         plan = start_ray(cfg)
+        self.cfg = cfg = plan.config  # with the layout chosen for the GPUs found (services/placement.py)
+        from services.shared_paths import check_shared_paths, run_paths
+
+        check_shared_paths(self.run_dir, run_paths(cfg, self.model_dir))  # before any actor: a node that
+        # sees another folder would fail the run at its first checkpoint
         (self.run_dir / CONFIG_FILE).write_text(cfg.to_yaml())
         self.placement = Placement(plan, cfg.ray.placement_timeout_s)
         from learner.distributed import LearnerGroup
@@ -149,6 +173,10 @@ class Controller:
         self.workers = WorkerPool(cfg, self.model_dir, self.buffer.worker_client, self.weights.store,
                                   self.stop_requested, self.placement.all_options("rollout"), self.exporter)
         self.workers.start()
+        if cfg.eval.enabled:  # on the workers' engines, between their requests (services/evaluation.py)
+            from services.evaluation import WorkerEvaluations
+
+            self.evaluations = WorkerEvaluations(cfg, self.workers.workers)
         self._started = True
 
     def _start_eta_control(self) -> None:
@@ -189,9 +217,7 @@ class Controller:
         if self.workers is not None:
             self.workers.stop()
             self.workers = None
-        if self.evaluator is not None:
-            self.evaluator.close()
-            self.evaluator = None
+        self.evaluations = None  # an evaluation in flight ends with its worker
         if self.learner is not None:
             self.learner.shutdown()
             self.learner = None
@@ -214,12 +240,14 @@ class Controller:
         progress = _progress(cfg, self.step)
         try:
             if self.resume_from is None and cfg.eval.enabled:
-                self._evaluate(metric_log, progress)
+                self.evaluations.request(self.step, self.version)
             self._train_loop(metric_log, progress)
             self._give_back_next_batch()
             completed = self.step >= cfg.run.steps
-            if completed and cfg.eval.enabled and not self.evals_at(self.step):
-                metric_log.write({"step": self.step, "version": self.version, **self._evaluate(None, progress)})
+            if cfg.eval.enabled:
+                if completed and not self.evals_at(self.step) and not self.evaluations.asked(self.step):
+                    self.evaluations.request(self.step, self.version)
+                self._report_evals(metric_log, progress, timeout=EVAL_FINAL_WAIT_S)  # the run's last word waits
             self.save_checkpoint()
         except BufferUnavailable as exc:  # a client gave up: say why the buffer is gone and what to do
             lost = self.buffer.lost(exc)
@@ -242,9 +270,11 @@ class Controller:
             record = self._train_step()
             if record is None:  # stop requested while waiting for data
                 break
-            if self._eval_due():
-                record.update(self._evaluate(None, progress))
+            if self._eval_due():  # asked now, reported when it comes (the learner does not wait for it)
+                self.evaluations.request(self.step, self.version)
             metric_log.write(record)
+            if self.evaluations is not None:
+                self._report_evals(metric_log, progress)
             if self.exporter is not None:
                 self.exporter.record_step(record, version=self.version)  # staleness: from the buffer's stats
                 self.exporter.record_buffer_stats({**self.buffer.client.stats(), "restarts": record["buffer/restarts"]})
@@ -369,18 +399,16 @@ class Controller:
         every = self.cfg.run.eval_every
         return self.cfg.eval.enabled and bool(every) and self.step % every == 0
 
-    def _evaluate(self, metric_log: MetricLog | None, progress) -> dict:
-        from services.evaluation import RemoteEvaluator
-
-        if self.evaluator is None:  # an actor with the evaluator's resources, never the driver
-            self.evaluator = RemoteEvaluator(self.cfg, self.model_dir, self.placement.options("evaluator"))
-        metrics = self.evaluator.evaluate_payload(self.weights.latest())
-        self.evals.append({"step": self.step, **metrics})
-        progress.write(f"eval @ step {self.step}: " + ", ".join(f"{k[5:]}={v:.3f}" for k, v in metrics.items()
-                                                                  if k != "eval/num_prompts"))
-        if metric_log is not None:
-            metric_log.write({"step": self.step, "version": self.version, **metrics})
-        return metrics
+    def _report_evals(self, metric_log: MetricLog, progress, timeout: float = 0.0) -> None:
+        """Log the evaluations that have finished (waiting up to `timeout` for the others): each as
+        a record of the step that asked for it, with the version it evaluated."""
+        for metrics in self.evaluations.collect(self.step, timeout=timeout):
+            self.evals.append(metrics)
+            self.evals.sort(key=lambda e: e["step"])
+            shown = {k: v for k, v in metrics.items() if k not in ("step", "eval/num_prompts", "eval/reported_at_step",
+                                                                    "eval/seconds")}
+            progress.write(f"eval @ step {metrics['step']}: " + ", ".join(f"{k[5:]}={v:.3f}" for k, v in shown.items()))
+            metric_log.write({"version": int(metrics["eval/version"]), **metrics})
 
     def save_checkpoint(self) -> Path:
         staged = ckpt.staging_dir(self.run_dir, self.step)

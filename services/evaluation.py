@@ -1,5 +1,10 @@
 """Held-out evaluation: greedy accuracy and pass@k with the unbiased estimator.
 
+During training the rollout workers evaluate, on their own engines between their requests, at one
+weight version (`RolloutWorker.evaluate_heldout`); `WorkerEvaluations` asks for one every
+`run.eval_every` steps without waiting and hands the results to the run loop when they come.
+`PolicyEvaluator` (an engine of its own) is `etarl eval`'s, for a model folder or a checkpoint.
+
 pass@k for one prompt with n samples of which c are correct is 1 - C(n-c, k) / C(n, k)
 (Chen et al. 2021; ../shared/reference/pass_at_k.md). It is computed as a running product,
 1 - prod_{i=n-c+1}^{n} (1 - k/i), which never forms the huge binomials.
@@ -71,18 +76,29 @@ def evaluate(
     batch = [p.prompt_ids for p in prompts]
     greedy = generate(batch, 1, 0.0, seed)
     greedy_rewards = [score(p, outs[0]) for p, outs in zip(prompts, greedy)]
-    metrics = {
-        "eval/accuracy": float(np.mean([r >= correct_threshold for r in greedy_rewards])),
-        "eval/greedy_reward": float(np.mean(greedy_rewards)),
-        "eval/num_prompts": float(len(prompts)),
-    }
+    rewards = None
     if n_samples > 0:
         sampled = generate(batch, n_samples, temperature, seed + 1)
         rewards = [[score(p, out) for out in outs] for p, outs in zip(prompts, sampled)]
-        counts = [sum(r >= correct_threshold for r in row) for row in rewards]
+    return heldout_metrics(greedy_rewards, rewards, k, correct_threshold)
+
+
+def heldout_metrics(greedy: Sequence[float], sampled: Sequence[Sequence[float]] | None, k: int,
+                    correct_threshold: float = 1.0) -> dict[str, float]:
+    """The `eval/` metrics from per-prompt rewards: one greedy answer each, and (or None) n sampled."""
+    if not greedy:
+        raise ValueError("evaluate: the held-out set is empty")
+    metrics = {
+        "eval/accuracy": float(np.mean([r >= correct_threshold for r in greedy])),
+        "eval/greedy_reward": float(np.mean(greedy)),
+        "eval/num_prompts": float(len(greedy)),
+    }
+    if sampled:
+        n_samples = len(sampled[0])
+        counts = [sum(r >= correct_threshold for r in row) for row in sampled]
         metrics[f"eval/pass@{k}"] = mean_pass_at_k(counts, n_samples, k)
         metrics["eval/pass@1"] = mean_pass_at_k(counts, n_samples, 1)
-        metrics["eval/sampled_reward"] = float(np.mean(rewards))
+        metrics["eval/sampled_reward"] = float(np.mean(sampled))
     return metrics
 
 
@@ -240,40 +256,66 @@ class AgentEvaluator(PolicyEvaluator):
         super().close()
 
 
-class EvaluatorActor:
-    """A `PolicyEvaluator` in a Ray actor of its own, with the resources the placement plan gives
-    the evaluator (its engine's GPUs): evaluation never runs in the driver, which may sit on a
-    node without GPUs (the KubeRay head)."""
+class WorkerEvaluations:
+    """Held-out evaluations of a training run on its rollout workers' engines (the worker's
+    `evaluate_heldout`, services never gives evaluation a GPU of its own). `request(step, version)`
+    sends one and returns at once; the run loop goes on training, and `collect()` returns the
+    evaluations that have finished, each as the metrics of the step that asked for it, with the
+    version it evaluated (`eval/version`: at least that step's, the one the worker had loaded when
+    it began; a step or so later when the worker was mid-batch) and `eval/reported_at_step`.
+    Requests go to the workers in turn; a worker that died while evaluating loses that evaluation
+    (logged and counted in `failed`), the run goes on."""
 
-    def __init__(self, cfg, model_dir):
-        self.evaluator = PolicyEvaluator.from_config(cfg, model_dir)
+    def __init__(self, cfg, workers: list):
+        self.cfg = cfg
+        self.workers = workers
+        self.pending: list[tuple[int, int, object]] = []  # (step, version asked for, ObjectRef)
+        self.sent = 0
+        self.failed = 0
 
-    def evaluate_payload(self, payload: dict | None) -> dict[str, float]:
-        return self.evaluator.evaluate_payload(payload)
+    def spec(self, version: int) -> dict:
+        ev = self.cfg.eval
+        wait_s = max(self.cfg.rollout.weight_wait_s, 600.0)  # a vLLM engine may take minutes to start
+        return {"num_prompts": ev.num_prompts, "seed": self.cfg.run.seed, "n_samples": ev.n_samples,
+                "temperature": ev.temperature, "max_new_tokens": ev.max_new_tokens, "min_version": int(version),
+                "wait_s": wait_s}
 
-    def close(self) -> None:
-        self.evaluator.close()
+    def request(self, step: int, version: int) -> None:
+        worker = self.workers[self.sent % len(self.workers)]
+        self.sent += 1
+        self.pending.append((step, version, worker.evaluate_heldout.remote(self.spec(version))))
 
+    def asked(self, step: int) -> bool:
+        return any(s == step for s, _, _ in self.pending)
 
-class RemoteEvaluator:
-    """What the run holds: `evaluate_payload` and `close`, as `PolicyEvaluator`, on an
-    `EvaluatorActor` started with `options` (services/placement.py)."""
-
-    def __init__(self, cfg, model_dir, options: dict):
+    def collect(self, now_step: int, timeout: float = 0.0) -> list[dict]:
+        """The evaluations finished within `timeout` seconds (0: those done now; None: all), in
+        the order they were asked for."""
         import ray
 
-        self.actor = ray.remote(EvaluatorActor).options(max_restarts=0, **options).remote(cfg, str(model_dir))
-
-    def evaluate_payload(self, payload: dict | None) -> dict[str, float]:
-        import ray
-
-        return ray.get(self.actor.evaluate_payload.remote(payload))
-
-    def close(self) -> None:
-        import ray
-
-        try:
-            ray.get(self.actor.close.remote(), timeout=60)
-        except Exception:  # a dead or stuck evaluator: killed below all the same
-            pass
-        ray.kill(self.actor)
+        if not self.pending:
+            return []
+        refs = [ref for _, _, ref in self.pending]
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+        done_ids = {id(ref) for ref in done}
+        results, still = [], []
+        for step, version, ref in self.pending:
+            if id(ref) not in done_ids:
+                still.append((step, version, ref))
+                continue
+            try:
+                out = ray.get(ref)
+            except Exception as exc:  # the worker died mid-evaluation (Ray restarts it): this one is lost
+                self.failed += 1
+                log.warning("eval @ step %d lost: %s: %s", step, type(exc).__name__, exc)
+                continue
+            metrics = heldout_metrics(out["greedy"], out["sampled"], self.cfg.eval.k)
+            metrics.update({"eval/reward_failures": out["reward_failures"],
+                            "eval/reward_timeouts": out["reward_timeouts"], "eval/version": float(out["version"]),
+                            "eval/seconds": out["seconds"], "eval/reported_at_step": float(now_step)})
+            metrics.update({f"eval/env/{k}": v for k, v in out["env"].items()})
+            if out["turns_mean"] is not None:
+                metrics["eval/turns_mean"] = out["turns_mean"]
+            results.append({"step": step, **metrics})
+        self.pending = still
+        return results

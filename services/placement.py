@@ -1,14 +1,17 @@
 """Placement: what every actor of a run asks Ray for, where it goes, and whether the cluster can
-hold it. `make_plan` returns one plain `Plan`; `etarl plan` prints it, `start_ray` checks it
-against the cluster before anything starts, and `Placement` reserves it for `Controller.start`.
+hold it. `plan_for` chooses the layout for the cluster's GPUs (`resolve_layout`, below) and returns
+one plain `Plan`; `etarl plan` prints it with what was chosen and why, `start_ray` checks it against
+the cluster before anything starts, and `Placement` reserves it for `Controller.start`.
 
 - rollout: rollout.num_workers actors, each ray.worker_num_cpus CPUs and its engine's GPUs
   (rollout.engine.tensor_parallel_size); one placement group, a bundle per worker (a bundle is on
-  one node: a tensor-parallel engine's GPUs are too), PACK.
+  one node: a tensor-parallel engine's GPUs are too), PACK. The workers also run the held-out
+  evaluations, between their requests: evaluation has no actor and no GPU of its own.
 - learner: learner.distributed.world_size ranks, each ray.learner_num_cpus CPUs and 1 GPU; one
   placement group, a bundle per rank, learner.distributed.placement (pack | spread).
-- evaluator (eval.enabled): ray.worker_num_cpus CPUs and its engine's GPUs; a placement group of
-  its own.
+- colocated (ray.layout): engine i and learner rank i share bundle i of one placement group
+  ({CPU: both, GPU: 1}, PACK); the engine asks Ray for its memory share of the GPU
+  (rollout.engine.gpu_memory_utilization), the rank for the rest, so Ray gives both the same GPU.
 - buffer: nothing; the Ray actor is pinned to the driver's node (its durable log is in the run
   folder); with buffer.transport=zmq it is a child process of the driver.
 - weight_store: nothing; anywhere.
@@ -29,7 +32,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.config import ConfigError, EtarlConfig
@@ -53,8 +56,9 @@ class Role:
     name: str
     count: int
     cpus: float
-    gpus: int
-    placement: str  # pack | spread (a placement group), driver-node, driver-process, any
+    gpus: float  # a fraction where a colocated engine and learner rank share a GPU
+    placement: str  # pack | spread (a placement group), colocated (one shared with the other colocated role),
+    #                 driver-node, driver-process, any
     count_key: str = ""
     cpus_key: str = ""
     gpus_key: str = ""
@@ -99,6 +103,11 @@ class Cluster:
     grow: str
 
     @property
+    def on_this_machine(self) -> bool:
+        """Every node is this machine (the embedded cluster, or nodes on loopback)."""
+        return all(n.name == "local" or n.name.startswith("127.0.0.1/") for n in self.nodes)
+
+    @property
     def has_gpus(self) -> bool:
         return any(n.gpus > 0 for n in self.nodes)
 
@@ -111,8 +120,30 @@ class Cluster:
 
 
 @dataclass(frozen=True)
+class Layout:
+    """What `resolve_layout` chose for the GPUs it found, why, and the config keys it set."""
+
+    name: str  # cpu | colocated | separate
+    reasons: tuple[str, ...] = ()
+    changes: tuple[tuple[str, object], ...] = ()
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "why": list(self.reasons), "set": dict(self.changes)}
+
+
+@dataclass(frozen=True)
 class Plan:
     roles: tuple[Role, ...]
+    layout: Layout | None = None
+    config: EtarlConfig | None = field(default=None, compare=False, repr=False)  # the config the plan is of
+    cluster: Cluster | None = field(default=None, compare=False, repr=False)  # what plan_for fitted it to
+
+    def check_logged(self) -> "Plan":
+        """`check` against the cluster it was made for, then log the layout and why."""
+        self.check(self.cluster)
+        if self.layout is not None:
+            log.info("layout %s: %s", self.layout.name, "; ".join(self.layout.reasons))
+        return self
 
     def role(self, name: str) -> Role:
         (role,) = [r for r in self.roles if r.name == name]
@@ -121,11 +152,30 @@ class Plan:
     def total(self) -> dict[str, float]:
         return {"CPU": sum(r.count * r.cpus for r in self.roles), "GPU": sum(r.count * r.gpus for r in self.roles)}
 
+    def shared_bundle(self) -> dict[str, float]:
+        """The bundle colocated roles share (actor i of each in bundle i): their per-actor
+        resources summed, the GPU whole (the roles' fractions add up to one GPU)."""
+        roles = [r for r in self.roles if r.placement == "colocated" and r.count and r.bundle]
+        if not roles:
+            return {}
+        bundle = {"CPU": sum(r.cpus for r in roles), "GPU": float(math.ceil(sum(r.gpus for r in roles) - 1e-6))}
+        return {k: v for k, v in bundle.items() if v}
+
     def bundles(self) -> list[dict[str, float]]:
-        return [r.bundle for r in self.roles for _ in range(r.count) if r.bundle]
+        own = [r.bundle for r in self.roles for _ in range(r.count) if r.bundle and r.placement != "colocated"]
+        colocated = [r for r in self.roles if r.placement == "colocated" and r.count and r.bundle]
+        return own + [self.shared_bundle()] * (colocated[0].count if colocated else 0)
 
     def to_dict(self) -> dict:
-        return {"roles": {r.name: r.to_dict() for r in self.roles}, "total": self.total()}
+        roles = {r.name: r.to_dict() for r in self.roles}
+        shared = [r.name for r in self.roles if r.placement == "colocated" and r.count and r.bundle]
+        for name in shared:  # actor i of every colocated role in bundle i of one group
+            roles[name]["placement_group"] = {"strategy": "PACK", "bundles": self.role(name).count,
+                                              "bundle": self.shared_bundle(), "shared_by": shared}
+        out = {"roles": roles, "total": self.total()}
+        if self.layout is not None:
+            out["layout"] = self.layout.to_dict()
+        return out
 
     def problems(self, cluster: Cluster) -> list[str]:
         """What keeps this plan from fitting `cluster` (nothing: it fits)."""
@@ -190,28 +240,211 @@ def _gpus(device: str, cluster_has_gpus: bool, count: int) -> int:
     return count if device == "cuda" or (device == "auto" and cluster_has_gpus) else 0
 
 
+def engine_share(cfg: EtarlConfig) -> float:
+    """The GPU share of a colocated engine: its memory share (rollout.engine.gpu_memory_utilization)
+    is also its Ray request, and the learner rank beside it asks for the rest. Rounded to Ray's
+    granularity (1e-4), so that the two add up to exactly one GPU."""
+    share = cfg.rollout.engine.gpu_memory_utilization
+    return round(share if share is not None else COLOCATED_ENGINE_SHARE, 4)
+
+
 def make_plan(cfg: EtarlConfig, cluster_has_gpus: bool) -> Plan:
-    """Every actor of the run `cfg` describes, on a cluster with or without GPUs."""
+    """Every actor of the run `cfg` describes, on a cluster with or without GPUs. Evaluation runs on
+    a rollout worker's engine between its requests: it has no actor and no GPU of its own."""
     ray, engine, dist = cfg.ray, cfg.rollout.engine, cfg.learner.distributed
+    engine_gpus = _gpus(engine.device, cluster_has_gpus, engine.tensor_parallel_size)
+    rank_gpus = _gpus(cfg.learner.device, cluster_has_gpus, 1)
+    rollout_place, learner_place = "pack", dist.placement
+    if ray.layout == "colocated" and engine_gpus and rank_gpus:
+        problems = []
+        if engine.tensor_parallel_size != 1:
+            problems.append(f"rollout.engine.tensor_parallel_size={engine.tensor_parallel_size} (colocation needs 1)")
+        if dist.world_size != cfg.rollout.num_workers:
+            problems.append(f"learner.distributed.world_size={dist.world_size} (colocation needs "
+                            f"rollout.num_workers={cfg.rollout.num_workers})")
+        if problems:
+            raise PlanError("ray.layout=colocated puts engine i and learner rank i on GPU i: " + "; ".join(problems)
+                            + "; or ray.layout=separate")
+        share = engine_share(cfg)
+        engine_gpus, rank_gpus = share, round(1 - share, 4)
+        rollout_place = learner_place = "colocated"
     roles = [
-        Role("rollout", cfg.rollout.num_workers, ray.worker_num_cpus,
-             _gpus(engine.device, cluster_has_gpus, engine.tensor_parallel_size), "pack",
+        Role("rollout", cfg.rollout.num_workers, ray.worker_num_cpus, engine_gpus, rollout_place,
              "rollout.num_workers", "ray.worker_num_cpus", "rollout.engine.tensor_parallel_size"),
-        Role("learner", dist.world_size, ray.learner_num_cpus, _gpus(cfg.learner.device, cluster_has_gpus, 1),
-             dist.placement, "learner.distributed.world_size", "ray.learner_num_cpus"),
+        Role("learner", dist.world_size, ray.learner_num_cpus, rank_gpus, learner_place,
+             "learner.distributed.world_size", "ray.learner_num_cpus"),
     ]
-    if cfg.eval.enabled:
-        tp = engine.tensor_parallel_size if (cfg.eval.engine or engine.kind) == "vllm" else 1
-        roles.append(Role("evaluator", 1, ray.worker_num_cpus, _gpus(engine.device, cluster_has_gpus, tp), "pack",
-                          "eval.enabled=false", "ray.worker_num_cpus", "rollout.engine.tensor_parallel_size"))
     buffer_place = "driver-node" if cfg.buffer.transport == "ray" else "driver-process"
     roles += [Role("buffer", 1, 0, 0, buffer_place), Role("weight_store", 1, 0, 0, "any")]
-    return Plan(tuple(roles))
+    return Plan(tuple(roles), config=cfg)
 
 
 def check_plan(cfg: EtarlConfig, cluster: Cluster) -> Plan:
     """The run's plan for `cluster`; PlanError if it cannot fit."""
     return make_plan(cfg, cluster.has_gpus).check(cluster)
+
+
+# ---------------------------------------------------------------- the layout for the GPUs found
+#
+# `resolve_layout` fills what the user left unset (pydantic's fields_set: a key in the YAML or on
+# the command line is the user's, and is never changed) from the GPUs the cluster has:
+#   no GPU       the CPU defaults, unchanged
+#   1 GPU        colocated: one engine and one learner rank share it
+#   G >= 2 GPUs  separate: learner ranks = G // 2, engines = (G - ranks) // tp, with tp the smallest
+#                power of two that holds the model's bfloat16 weights (2 bytes per parameter) in
+#                ENGINE_WEIGHT_SHARE of one GPU's memory, at most the GPUs of the smallest GPU node
+#   counts the user named: separate if they fit so, else colocated if they fit so (never a refusal
+#   of a run that can fit)
+# and, on GPUs, the GPU defaults: engine bfloat16 with a memory share (gpu_memory_utilization:
+# COLOCATED_ENGINE_SHARE beside a learner rank, SEPARATE_ENGINE_SHARE alone), learner float32
+# master weights with bfloat16 autocast and gradient checkpointing; learner ranks > 1 talk over
+# NCCL, and shard (FSDP) where the full float32 state (16 bytes per parameter: weights, gradients,
+# AdamW's two moments) would take more than half a GPU.
+
+COLOCATED_ENGINE_SHARE = 0.3
+SEPARATE_ENGINE_SHARE = 0.85
+ENGINE_WEIGHT_SHARE = 0.4
+DEFAULT_GPU_MEMORY_GIB = 80.0  # an A100/H100; the driver's own GPU's when it has one
+
+
+def _user_set(cfg: EtarlConfig, key: str) -> bool:
+    """Whether the user set dotted `key` (in the YAML or an override), not its default."""
+    node = cfg
+    for part in key.split("."):
+        if part not in node.model_fields_set:
+            return False
+        node = getattr(node, part)
+    return True
+
+
+def model_parameters(model: str) -> float | None:
+    """The parameter count of an HF model folder from its safetensors files' sizes and dtype (the
+    index's total size where there is one); None where the driver cannot read it (tiny: built later)."""
+    import json
+
+    folder = Path(model)
+    if model == "tiny" or not (folder / "config.json").is_file():
+        return None
+    try:
+        dtype = json.loads((folder / "config.json").read_text()).get("torch_dtype") or "bfloat16"
+        size = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+    except (OSError, ValueError):
+        return None
+    return size / (4 if dtype == "float32" else 2) if size else None
+
+
+def _tensor_parallel(params: float | None, gpu_gib: float, node_gpus: int, free: int) -> tuple[int, str]:
+    if params is None:
+        return 1, "model size unknown to the driver: tensor_parallel_size 1"
+    need = 2 * params / (ENGINE_WEIGHT_SHARE * gpu_gib * 2**30)
+    tp = 1
+    while tp < need and tp * 2 <= min(node_gpus, max(free, 1)):
+        tp *= 2
+    why = (f"{params / 1e9:.2f}B parameters: bfloat16 weights {2 * params / 2**30:.1f} GiB, "
+           f"tensor_parallel_size {tp} keeps them within {ENGINE_WEIGHT_SHARE:.0%} of a {gpu_gib:g} GiB GPU")
+    if tp < need:
+        why += f" only up to the {node_gpus} GPUs of one node ({need:.1f} wanted)"
+    return tp, why
+
+
+def resolve_layout(cfg: EtarlConfig, cluster: Cluster, params: float | None = None,
+                   gpu_gib: float = DEFAULT_GPU_MEMORY_GIB, cuda: bool = True) -> tuple[EtarlConfig, Layout]:
+    """The config with the layout and the GPU defaults filled for `cluster` (see above), and what
+    was chosen and why. A config the user pinned (every key named) comes back as it was. `cuda`:
+    whether the GPUs are real (declared GPUs on a CPU machine are not: NCCL is not chosen there)."""
+    gpus = int(cluster.total()["GPU"])
+    uses_gpu = cfg.rollout.engine.device != "cpu" or cfg.learner.device != "cpu"
+    if not gpus or not uses_gpu:
+        why = "no GPU in " + cluster.source if not gpus else "rollout.engine.device and learner.device are cpu"
+        return cfg, Layout("cpu", (f"{why}: the CPU defaults",))
+    node_gpus = int(min((n.gpus for n in cluster.nodes if n.gpus), default=0))
+    set_ = {k: _user_set(cfg, k) for k in ("rollout.num_workers", "learner.distributed.world_size",
+                                           "rollout.engine.tensor_parallel_size", "ray.layout")}
+    changes: dict[str, object] = {}
+    reasons = [f"{gpus} GPU(s) in {cluster.source}"]
+    name = cfg.ray.layout
+    if name == "auto":
+        named = set_["rollout.num_workers"] or set_["learner.distributed.world_size"]
+        if gpus == 1:
+            name = "colocated"
+            reasons.append("one GPU: the engine and the learner share it (colocated)")
+        elif named:
+            separate = _with(cfg, {"ray.layout": "separate"})
+            colocated = _with(cfg, {"ray.layout": "colocated"})
+            if not make_plan(separate, True).problems(cluster):
+                name = "separate"
+                reasons.append("the counts you named fit one GPU per engine and per learner rank (separate)")
+            elif cfg.rollout.num_workers == cfg.learner.distributed.world_size and _fits_colocated(colocated, cluster):
+                name = "colocated"
+                reasons.append("the counts you named fit only with engine i and learner rank i sharing GPU i")
+            else:
+                name = "separate"
+                reasons.append("the counts you named fit neither way: see the problems")
+        else:
+            name = "separate"
+            reasons.append(f"{gpus} GPUs: separate GPUs for engines and learner ranks (half and half)")
+        changes["ray.layout"] = name
+    engine_vllm = cfg.rollout.engine.kind == "vllm"
+    if name == "colocated":
+        if not set_["rollout.num_workers"] and not set_["learner.distributed.world_size"]:
+            changes["rollout.num_workers"] = changes["learner.distributed.world_size"] = gpus
+            reasons.append(f"{gpus} engine(s) and {gpus} learner rank(s), one pair per GPU")
+    elif not set_["rollout.num_workers"] and not set_["learner.distributed.world_size"]:
+        ranks = gpus // 2
+        tp = cfg.rollout.engine.tensor_parallel_size
+        if engine_vllm and not set_["rollout.engine.tensor_parallel_size"]:
+            tp, why = _tensor_parallel(params, gpu_gib, node_gpus, gpus - ranks)
+            changes["rollout.engine.tensor_parallel_size"] = tp
+            reasons.append(why)
+        engines = max(1, (gpus - ranks) // tp)
+        changes["rollout.num_workers"], changes["learner.distributed.world_size"] = engines, ranks
+        reasons.append(f"learner ranks = {gpus} // 2 = {ranks}; engines = ({gpus} - {ranks}) // {tp} = {engines}")
+    ranks = changes.get("learner.distributed.world_size", cfg.learner.distributed.world_size)
+    learner = cfg.learner
+    gpu_defaults = {
+        "rollout.engine.dtype": "bfloat16",
+        "rollout.engine.gpu_memory_utilization": COLOCATED_ENGINE_SHARE if name == "colocated" else SEPARATE_ENGINE_SHARE,
+        "learner.gradient_checkpointing": True,
+    }
+    if learner.dtype == "float32":
+        gpu_defaults["learner.mixed_precision"] = "bfloat16"
+    if ranks > 1 and learner.distributed.strategy == "allreduce":
+        if cuda:
+            gpu_defaults["learner.distributed.backend"] = "nccl"
+        else:
+            reasons.append("the GPUs are declared, CUDA is missing here: the learner ranks keep gloo")
+        if params is not None and 16 * params > 0.5 * gpu_gib * 2**30:
+            gpu_defaults["learner.distributed.strategy"] = "fsdp"
+            reasons.append(f"learner state {16 * params / 2**30:.0f} GiB (float32 weights, gradients, AdamW) > half "
+                           f"a GPU: sharded over the {ranks} ranks (FSDP)")
+            if 16 * params / ranks > 0.8 * gpu_gib * 2**30:
+                reasons.append(f"warning: {16 * params / ranks / 2**30:.0f} GiB of learner state per rank is more than a "
+                               f"{gpu_gib:g} GiB GPU holds with activations: add GPUs (learner.distributed.world_size)")
+    filled = {k: v for k, v in gpu_defaults.items() if not _user_set(cfg, k)}
+    if filled:
+        reasons.append("GPU defaults: " + ", ".join(f"{k}={v}" for k, v in filled.items()))
+    changes.update(filled)
+    return _with(cfg, changes), Layout(name, tuple(reasons), tuple(changes.items()))
+
+
+def _fits_colocated(cfg: EtarlConfig, cluster: Cluster) -> bool:
+    try:
+        return not make_plan(cfg, True).problems(cluster)
+    except PlanError:
+        return False
+
+
+def _with(cfg: EtarlConfig, changes: dict) -> EtarlConfig:
+    """`cfg` with dotted `changes` (the whole tree again: values filled since validation, such as
+    the buffer's sample limits, stay)."""
+    if not changes:
+        return cfg
+    from services.config import build_config, set_dotted
+
+    tree = cfg.model_dump(mode="json")
+    for key, value in changes.items():
+        set_dotted(tree, key, value)
+    return build_config(tree, source="the layout for the GPUs found")
 
 
 # ---------------------------------------------------------------- clusters
@@ -233,8 +466,10 @@ def local_cluster(cfg: EtarlConfig) -> Cluster:
     gpus = cfg.ray.num_gpus if cfg.ray.num_gpus is not None else detected_gpus()
     if cfg.ray.num_cpus is not None:
         cpus = cfg.ray.num_cpus
-    else:  # logical CPUs, enough for every actor: the real cores are shared by all of them
-        cpus = max(os.cpu_count() or 1, math.ceil(make_plan(cfg, gpus > 0).total()["CPU"]))
+    else:  # logical CPUs, enough for every actor of the layout chosen: the real cores are shared by all of them
+        unbounded = Cluster("this machine", (Node("local", float("inf"), float(gpus)),), "")
+        resolved, _ = resolve_layout(cfg, unbounded, model_parameters(cfg.run.model))
+        cpus = max(os.cpu_count() or 1, math.ceil(make_plan(resolved, gpus > 0).total()["CPU"]))
     cpus_from = "ray.num_cpus" if cfg.ray.num_cpus is not None else "this machine's, or the plan's if more"
     gpus_from = "ray.num_gpus" if cfg.ray.num_gpus is not None else "detected"
     return Cluster(f"the embedded cluster ({cpus} CPUs: {cpus_from}; {gpus} GPUs: {gpus_from})",
@@ -296,10 +531,10 @@ def start_ray(cfg: EtarlConfig) -> Plan:
     import ray
 
     if ray.is_initialized():
-        return check_plan(cfg, running_cluster("the Ray cluster this process is connected to"))
+        return plan_for(cfg, running_cluster("the Ray cluster this process is connected to")).check_logged()
     if cfg.ray.address == "local":
         cluster = local_cluster(cfg)
-        plan = check_plan(cfg, cluster)
+        plan = plan_for(cfg, cluster).check_logged()
         from services.local_ray import init_local_ray  # every Ray server on 127.0.0.1
 
         (node,) = cluster.nodes
@@ -311,7 +546,47 @@ def start_ray(cfg: EtarlConfig) -> Plan:
     # reward's module when it must travel).
     ray.init(address=cfg.ray.address, namespace=cfg.ray.namespace, log_to_driver=cfg.ray.log_to_driver,
              runtime_env=ray_runtime_env(cfg))
-    return check_plan(cfg, running_cluster(f"the Ray cluster at ray.address={cfg.ray.address}"))
+    return plan_for(cfg, running_cluster(f"the Ray cluster at ray.address={cfg.ray.address}")).check_logged()
+
+
+def local_gpu_gib() -> float:
+    """The memory of this process's first GPU (the driver's), else DEFAULT_GPU_MEMORY_GIB."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_properties(0).total_memory / 2**30
+    except Exception as exc:  # a broken CUDA set-up: the plan goes on with the default
+        log.debug("no GPU memory size: %s", exc)
+    return DEFAULT_GPU_MEMORY_GIB
+
+
+def _cuda_here() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def plan_for(cfg: EtarlConfig, cluster: Cluster) -> Plan:
+    """The plan of `cfg` on `cluster` with the layout chosen for its GPUs (`resolve_layout`);
+    `plan.config` is the config with the layout filled in, `plan.layout` what was chosen and why."""
+    cuda = _cuda_here() if cluster.on_this_machine else True  # a real cluster's GPU nodes have CUDA
+    resolved, layout = resolve_layout(cfg, cluster, model_parameters(cfg.run.model), local_gpu_gib(), cuda)
+    plan = make_plan(resolved, cluster.has_gpus)
+    return Plan(plan.roles, layout, resolved, cluster)
+
+
+def config_with_layout(cfg: EtarlConfig) -> str:
+    """`etarl config`: the config as a local run would train it (the layout and the GPU defaults
+    for this machine's GPUs filled in), with what was chosen and why as YAML comments on top. A
+    run that joins a cluster learns its GPUs there: its config is shown as written (`etarl plan
+    ray.address=...` shows the layout)."""
+    if cfg.ray.address != "local":
+        return f"# ray.address={cfg.ray.address}: the layout is chosen once the cluster is joined (etarl plan)\n" \
+               + cfg.to_yaml()
+    plan = plan_for(cfg, local_cluster(cfg))
+    lines = [f"# layout {plan.layout.name}"] + [f"#   {reason}" for reason in plan.layout.reasons]
+    return "\n".join(lines) + "\n" + plan.config.to_yaml()
 
 
 def plan_report(cfg: EtarlConfig, raycluster: str | None = None) -> tuple[dict, list[str]]:
@@ -330,7 +605,10 @@ def plan_report(cfg: EtarlConfig, raycluster: str | None = None) -> tuple[dict, 
             cluster = running_cluster(f"the Ray cluster at ray.address={cfg.ray.address}")
         finally:
             ray.shutdown()
-    plan = make_plan(cfg, cluster.has_gpus)
+    try:
+        plan = plan_for(cfg, cluster)
+    except PlanError as exc:  # a layout the user pinned that cannot be: reported like a misfit
+        return {"cluster": cluster.to_dict(), "fits": False, "problems": [str(exc)]}, [str(exc)]
     problems = plan.problems(cluster)
     return {**plan.to_dict(), "cluster": cluster.to_dict(), "fits": not problems, "problems": problems}, problems
 
@@ -350,7 +628,11 @@ class Placement:
                 if role.count and role.bundle and role.placement in _STRATEGY:
                     self.groups[role.name] = placement_group([role.bundle] * role.count,
                                                              strategy=_STRATEGY[role.placement])
-            for name, group in self.groups.items():
+            shared = [r for r in plan.roles if r.placement == "colocated" and r.count and r.bundle]
+            if shared:  # engine i and learner rank i in bundle i, each with its fraction of the bundle's GPU
+                group = placement_group([plan.shared_bundle()] * shared[0].count, strategy="PACK")
+                self.groups.update({r.name: group for r in shared})
+            for name, group in {id(g): (n, g) for n, g in self.groups.items()}.values():
                 self._wait(name, group, timeout_s)
         except BaseException:
             self.release()
@@ -362,7 +644,8 @@ class Placement:
         ready, _ = ray.wait([group.ready()], timeout=timeout_s)
         if not ready:
             role = self.plan.role(name)
-            raise PlanError(f"the cluster did not free {role.count} x {_res(role.bundle)} for the {name} within "
+            bundle = self.plan.shared_bundle() if role.placement == "colocated" else role.bundle
+            raise PlanError(f"the cluster did not free {role.count} x {_res(bundle)} for the {name} within "
                             f"ray.placement_timeout_s={timeout_s:g}s (free now: {ray.available_resources()}); "
                             f"other jobs hold them, or the cluster is smaller than `etarl plan` was told")
 
@@ -384,7 +667,7 @@ class Placement:
     def release(self) -> None:
         from ray.util.placement_group import remove_placement_group
 
-        for group in self.groups.values():
+        for group in {id(g): g for g in self.groups.values()}.values():  # a shared group once
             try:
                 remove_placement_group(group)
             except Exception as exc:  # Ray is gone already: its groups with it

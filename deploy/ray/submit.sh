@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Submit an etarl training run to a Ray cluster as a Ray job, from the repository root.
 #
-#   deploy/ray/submit.sh [--address URL] [--no-wait] [--submission-id ID] [--] [etarl train args ...]
+#   deploy/ray/submit.sh [--address URL] [--run-root DIR] [--no-wait] [--submission-id ID] [--] [etarl train args ...]
 #
 #   deploy/ray/submit.sh run.steps=200 buffer.gate.eta=2          # local cluster on 127.0.0.1:8265
 #   deploy/ray/submit.sh --address http://127.0.0.1:8265 -- --config deploy/k8s/my-run.yaml
@@ -13,20 +13,26 @@
 # or the image of deploy/docker/Dockerfile).
 # Waits for the job and exits 0 only if it SUCCEEDED (--no-wait: exits after submitting).
 # Address: --address, else $RAY_ADDRESS, else http://127.0.0.1:8265 (the dashboard's job API).
+# Run folders: a run without run.run_dir goes under --run-root (else $ETARL_RUN_ROOT, else ./runs
+# of this tree, right for a cluster on this machine only): a folder every node mounts at the same
+# path (the run checks it before it starts). The job's ETARL_RUN_ROOT carries it.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
 address="${RAY_ADDRESS:-http://127.0.0.1:8265}"
 wait=1
+run_root="${ETARL_RUN_ROOT:-$PWD/runs}"
 submission_id="etarl-$(date +%Y%m%d-%H%M%S)-$$"
 while [ $# -gt 0 ]; do
   case "$1" in
     --address) address="$2"; shift 2 ;;
     --address=*) address="${1#*=}"; shift ;;
+    --run-root) run_root="$2"; shift 2 ;;
+    --run-root=*) run_root="${1#*=}"; shift ;;
     --no-wait) wait=0; shift ;;
     --submission-id) submission_id="$2"; shift 2 ;;
     --submission-id=*) submission_id="${1#*=}"; shift ;;
-    -h|--help) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     --) shift; break ;;
     *) break ;;
   esac
@@ -41,8 +47,11 @@ fi
 
 RAY="${RAY:-ray}"
 command -v "$RAY" >/dev/null 2>&1 || RAY=.venv/bin/ray
+case "$run_root" in /*) ;; *) echo "[submit] --run-root must be an absolute path (the same on every node): $run_root" >&2; exit 2 ;; esac
+case "$run_root" in *'"'*|*'\\'*) echo "[submit] --run-root must not hold quotes or backslashes: $run_root" >&2; exit 2 ;; esac
 runtime_env='{
-  "env_vars": {"TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"},
+  "env_vars": {"TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
+               "ETARL_RUN_ROOT": "'"$run_root"'"},
   "excludes": [".venv/", ".git/", ".cache/", "runs/", "*.egg-info/", "__pycache__/", "*.pyc", ".pytest_cache/"]
 }'
 

@@ -155,13 +155,57 @@ def test_every_pod_is_non_root_and_limited():
                 assert kind in res["requests"] and kind in res["limits"], (group, kind)
 
 
-def test_ray_pods_get_a_memory_backed_dev_shm():
-    for group, template in pod_templates(the("raycluster.yaml")["spec"]).items():
+def _bytes(quantity) -> int:
+    """A Kubernetes memory quantity (4Gi, 512Mi, 1000000) in bytes."""
+    text = str(quantity)
+    for suffix, scale in (("Ki", 2**10), ("Mi", 2**20), ("Gi", 2**30), ("Ti", 2**40)):
+        if text.endswith(suffix):
+            return int(float(text[:-2]) * scale)
+    return int(text)
+
+
+def test_ray_pods_get_a_memory_backed_dev_shm_that_holds_the_object_store():
+    """Ray's object store lives in /dev/shm: each group sets its size (Ray's default, 30% of the pod's
+    memory, is more than the volume) and the volume holds at least that much, within the pod's memory."""
+    spec = the("raycluster.yaml")["spec"]
+    groups = {"head": spec["headGroupSpec"], **{g["groupName"]: g for g in spec["workerGroupSpecs"]}}
+    for group, template in pod_templates(spec).items():
         pod = template["spec"]
         volumes = {v["name"]: v for v in pod["volumes"]}
         (mount,) = [m for m in pod["containers"][0]["volumeMounts"] if m["mountPath"] == "/dev/shm"]
-        assert volumes[mount["name"]]["emptyDir"]["medium"] == "Memory", group
-        assert "sizeLimit" in volumes[mount["name"]]["emptyDir"], group
+        shm = volumes[mount["name"]]["emptyDir"]
+        assert shm["medium"] == "Memory", group
+        store = int(groups[group]["rayStartParams"]["object-store-memory"])
+        assert store <= _bytes(shm["sizeLimit"]) < _bytes(pod["containers"][0]["resources"]["limits"]["memory"]), group
+    (gpu,) = [g for g in spec["workerGroupSpecs"] if g["groupName"] == "gpu-workers"]
+    assert int(gpu["rayStartParams"]["object-store-memory"]) >= 2 * 7e9 * 2  # two 7B versions in bfloat16
+
+
+@pytest.mark.parametrize("manifest", ["raycluster.yaml", "rayjob.yaml"])
+def test_the_fast_interconnect_settings_are_documented_on_the_gpu_group(manifest):
+    """IPC_LOCK and an RDMA resource are what NCCL over InfiniBand/RoCE needs; clusters name the RDMA
+    device differently, so they are comments: the pods as shipped keep every capability dropped."""
+    text = (K8S / manifest).read_text()
+    gpu_part = text[text.index("groupName: gpu-workers"):]
+    assert "IPC_LOCK" in gpu_part and "rdma/" in gpu_part and "NCCL_IB_HCA" in gpu_part
+    for template in pod_templates(_cluster_specs()[manifest]).values():
+        assert "add" not in template["spec"]["containers"][0]["securityContext"]["capabilities"]
+
+
+def test_every_pod_writes_runs_to_the_shared_volume_by_default():
+    """ETARL_RUN_ROOT (a run without run.run_dir goes there) is the path where every pod mounts the
+    ReadWriteMany etarl-runs volume, and the shipped run's folder is under it."""
+    _, config = _run_config()
+    for group, template in pod_templates(the("raycluster.yaml")["spec"]).items():
+        pod = template["spec"]
+        (container,) = pod["containers"]
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        claims = {v["name"]: v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"] if "persistentVolumeClaim" in v}
+        mounts = {m["mountPath"]: claims.get(m["name"]) for m in container["volumeMounts"]}
+        assert mounts.get(env["ETARL_RUN_ROOT"]) == "etarl-runs", group
+    assert config["run"]["run_dir"].startswith(env["ETARL_RUN_ROOT"] + "/")
+    (runs,) = [d for d in load("storage.yaml") if d["metadata"]["name"] == "etarl-runs"]
+    assert runs["spec"]["accessModes"] == ["ReadWriteMany"]
 
 
 def test_gpu_group_requests_gpus_and_tells_ray():
@@ -214,6 +258,9 @@ def test_the_real_model_config_is_a_valid_etarl_config():
     _, tree = _run_config()
     config = build_config(tree, source="deploy/k8s/etarl-config.yaml")
     assert config.ray.address == "auto"
+    # float32 master weights and AdamW (an lr 1e-6 update is below bfloat16's rounding), bfloat16 compute
+    assert (config.learner.dtype, config.learner.mixed_precision, config.learner.gradient_checkpointing) == (
+        "float32", "bfloat16", True)
     assert config.run.model.startswith("/models/")
     assert config.run.run_dir.startswith("/runs/")
 
@@ -268,7 +315,8 @@ def test_the_run_config_fills_the_gpus_the_raycluster_declares(manifest, tmp_pat
     assert report["fits"] and report["total"]["GPU"] == report["cluster"]["total"]["GPU"] == declared
     roles = report["roles"]
     assert roles["rollout"]["per_actor"]["GPU"] == 1 and roles["learner"]["per_actor"]["GPU"] == 1
-    assert roles["evaluator"]["per_actor"]["GPU"] == 1
+    assert "evaluator" not in roles  # the samplers evaluate between their requests
+    assert report["layout"]["name"] == "separate"  # the counts the config names fit a GPU each
 
     # one sampler more does not fit, and `etarl plan` says so
     assert main(["plan", "--config", str(run_yaml), "--raycluster", str(K8S / manifest),

@@ -2,8 +2,10 @@
 tests/services/test_placement_ray.py (the test session holds a Ray cluster of its own). Prints one
 line `RESULT <json>` with what every actor saw.
 
-    four_gpus            an embedded cluster with 4 declared GPUs: probe actors placed by the plan
-    two_nodes RUN_DIR    a head (the driver, the buffer) and two nodes of 2 GPUs each: a short real run
+    four_gpus            an embedded cluster with 4 declared GPUs: probe actors placed by the plan, a
+                         colocated plan (the default's on one GPU) and fractional requests
+    two_nodes RUN_DIR    a head (the driver, the buffer) and two nodes of 2 GPUs each: a short real run,
+                         then the shared-path check where one node sees another folder
 """
 from __future__ import annotations
 
@@ -94,15 +96,42 @@ def four_gpus() -> dict:
         rollout__num_workers=2, learner__distributed={"world_size": 2, "placement": "spread"})))
     out["tensor_parallel"] = place_probes(start_ray(config(
         rollout__num_workers=1, rollout__engine={"kind": "vllm", "tensor_parallel_size": 2})))
+    # The embedded default's plan for a machine of one GPU (colocated: one bundle, both actors in it),
+    # placed here; then two actors asking for half a GPU each, without a placement group.
+    from services.config import load_config
+    from services.placement import Cluster, Node, plan_for
+
+    one_gpu = plan_for(load_config(None, ["ray.worker_num_cpus=0.5", "ray.learner_num_cpus=0.5"]),
+                       Cluster("one GPU", (Node("local", 4, 1),), ""))
+    out["colocated_plan"] = one_gpu.to_dict()
+    out["colocated"] = place_probes(one_gpu)
+    halves = [Probe.options(num_cpus=0, num_gpus=0.5).remote() for _ in range(2)]
+    out["fractional"] = ray.get([p.info.remote() for p in halves])
+    for p in halves:
+        ray.kill(p)
     out["before_refusal"] = {"actors": alive_actors(), "placement_groups": live_placement_groups()}
     try:
-        start_ray(config(rollout__num_workers=3, eval__enabled=True))  # 3 + 1 + the evaluator's 1
+        start_ray(config(rollout__num_workers=4))  # 4 + 1 learner rank
         out["refused"] = None
     except PlanError as exc:
         out["refused"] = str(exc)
     out["after_refusal"] = {"actors": alive_actors(), "placement_groups": live_placement_groups()}
     ray.shutdown()
     return out
+
+
+def node_view_probe(probe_file, token, node_file, node_name, readable):
+    """services.shared_paths.probe_paths as a node whose ETARL_TEST_NODE_ROOT mounts another folder
+    at the shared root would see it: every path under the root moves to the node's own folder."""
+    from services.shared_paths import probe_paths
+
+    shared, own = os.environ["ETARL_TEST_SHARED_ROOT"], os.environ["ETARL_TEST_NODE_ROOT"]
+
+    def view(path: str) -> str:
+        return own + path[len(shared):] if path.startswith(shared) else path
+
+    lines = probe_paths(view(probe_file), token, view(node_file), node_name, {k: view(v) for k, v in readable.items()})
+    return [line.replace(own, shared) for line in lines]
 
 
 def two_nodes(run_dir: str) -> dict:
@@ -112,7 +141,14 @@ def two_nodes(run_dir: str) -> dict:
     from services.controller import Controller
     from services.local_ray import loopback_cluster
 
-    cluster = loopback_cluster([{"num_cpus": 2, "num_gpus": 2}] * 2, head={"num_cpus": 1, "num_gpus": 0})
+    shared = Path(run_dir).parent / "shared"
+    elsewhere = Path(run_dir).parent / "elsewhere"  # what the second node mounts at the shared root
+    (shared / "data").mkdir(parents=True)
+    elsewhere.mkdir()
+    (shared / "data" / "train.jsonl").write_text("{}\n")
+    roots = [{"ETARL_TEST_SHARED_ROOT": str(shared), "ETARL_TEST_NODE_ROOT": str(root)} for root in (shared, elsewhere)]
+    cluster = loopback_cluster([{"num_cpus": 2, "num_gpus": 2, "env_vars": env} for env in roots],
+                               head={"num_cpus": 1, "num_gpus": 0})
     try:
         ray.init(address=cluster.address, log_to_driver=False, runtime_env={"env_vars": {
             "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}})
@@ -141,11 +177,11 @@ def two_nodes(run_dir: str) -> dict:
                                    for r in controller.learner.ranks],
                 "rendezvous": controller.learner.init_method,
                 "workers": [ray.get(w.__ray_call__.remote(actor_info)) for w in controller.workers.workers],
-                "evaluator": ray.get(controller.evaluator.actor.__ray_call__.remote(actor_info)),
                 "buffer": ray.get(controller.buffer.actor.__ray_call__.remote(actor_info)),
             }
         finally:
             controller.stop()
+        seen["shared_paths"] = shared_path_checks(shared)
         report = audit(read_run_log(run_dir), read_buffer_log(Path(run_dir) / RAY_BUFFER_LOG), cfg.eta)
         seen.update(completed=result.completed, steps=result.steps_done, evals=result.evals, eta=cfg.eta,
                     batch_size=cfg.batch_size, audit_ok=report.ok, audit=str(report),
@@ -154,6 +190,30 @@ def two_nodes(run_dir: str) -> dict:
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+def shared_path_checks(shared: Path) -> dict:
+    """The shared-path check on this cluster: as it is (every node sees the same folders) and as it
+    would be if the second GPU node mounted another folder at `shared` (node_view_probe)."""
+    import time
+
+    from services.config import ConfigError
+    from services.shared_paths import check_shared_paths
+
+    readable = {"rollout.task.path": str(shared / "data" / "train.jsonl")}
+    out = {}
+    started = time.perf_counter()
+    out["shared_nodes"] = check_shared_paths(shared / "run", readable)
+    out["shared_s"] = time.perf_counter() - started
+    try:
+        check_shared_paths(shared / "run", readable, probe=node_view_probe)
+        out["split"] = None
+    except ConfigError as exc:
+        out["split"] = str(exc)
+    out["split_node"] = [n["NodeManagerAddress"] + "/" + n["NodeID"][:8] for n in ray.nodes() if n["Alive"]
+                         and n["Resources"].get("GPU")]
+    out["probe_left"] = sorted(p.name for p in (shared / "run").iterdir())
+    return out
 
 
 if __name__ == "__main__":

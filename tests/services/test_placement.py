@@ -13,7 +13,7 @@ import pytest
 
 from services.cli import main
 from services.config import build_config
-from services.placement import Cluster, Node, PlanError, check_plan, local_cluster, make_plan
+from services.placement import Cluster, Node, PlanError, check_plan, local_cluster, make_plan, resolve_layout
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -33,21 +33,18 @@ def asks(plan) -> dict:
 
 def test_without_gpus_in_the_cluster_nothing_asks_for_a_gpu():
     plan = check_plan(config(**{"rollout.num_workers": 3}), nodes((8, 0)))
-    assert asks(plan) == {"rollout": (3, 1.0, 0), "learner": (1, 1.0, 0), "evaluator": (1, 1.0, 0),
-                          "buffer": (1, 0, 0), "weight_store": (1, 0, 0)}
+    assert asks(plan) == {"rollout": (3, 1.0, 0), "learner": (1, 1.0, 0), "buffer": (1, 0, 0),
+                          "weight_store": (1, 0, 0)}  # evaluation runs on a rollout engine: no actor of its own
 
 
 def test_with_gpus_engines_and_ranks_ask_for_the_gpus_they_use():
     cfg = config(**{"rollout.num_workers": 3, "rollout.engine.tensor_parallel_size": 2,
                     "learner.distributed.world_size": 2, "ray.worker_num_cpus": 2})
     plan = make_plan(cfg, cluster_has_gpus=True)
-    assert asks(plan) == {"rollout": (3, 2.0, 2), "learner": (2, 1.0, 1), "evaluator": (1, 2.0, 2),
-                          "buffer": (1, 0, 0), "weight_store": (1, 0, 0)}
-    assert plan.total() == {"CPU": 10.0, "GPU": 10}
-    # a transformers evaluator runs on one GPU whatever the samplers' tensor parallelism
-    assert make_plan(cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"engine": "hf"})}),
-                     True).role("evaluator").gpus == 1
-    # device cpu: that role asks for none; eval disabled: no evaluator
+    assert asks(plan) == {"rollout": (3, 2.0, 2), "learner": (2, 1.0, 1), "buffer": (1, 0, 0),
+                          "weight_store": (1, 0, 0)}
+    assert plan.total() == {"CPU": 8.0, "GPU": 8}
+    # device cpu: that role asks for none
     cpu = config(**{"learner.device": "cpu", "rollout.engine.device": "cpu", "eval.enabled": False})
     assert asks(make_plan(cpu, True)) == {"rollout": (1, 1.0, 0), "learner": (1, 1.0, 0), "buffer": (1, 0, 0),
                                           "weight_store": (1, 0, 0)}
@@ -63,20 +60,20 @@ def test_the_plan_says_which_bundle_each_actor_gets():
 
 
 def test_too_few_gpus_is_refused_naming_what_is_missing_and_the_keys():
-    cfg = config(**{"rollout.num_workers": 3})  # 3 workers + learner + evaluator
+    cfg = config(**{"rollout.num_workers": 4})  # 4 workers + learner
     check_plan(cfg, nodes((16, 5)))
     with pytest.raises(PlanError) as err:
         check_plan(cfg, nodes((16, 4)))
     message = str(err.value)
-    assert "needs 5 GPUs (rollout 3 x 1, learner 1 x 1, evaluator 1 x 1)" in message and "has 4" in message
-    for key in ("rollout.num_workers", "learner.distributed.world_size", "eval.enabled=false", "more nodes",
+    assert "needs 5 GPUs (rollout 4 x 1, learner 1 x 1)" in message and "has 4" in message
+    for key in ("rollout.num_workers", "learner.distributed.world_size", "more nodes",
                 "learner.device=cpu"):
         assert key in message
 
 
 def test_too_few_cpus_names_the_cpu_keys():
-    with pytest.raises(PlanError, match=r"needs 3 CPUs .* has 2: .*ray\.worker_num_cpus.*ray\.learner_num_cpus"):
-        check_plan(config(), nodes((2, 0)))
+    with pytest.raises(PlanError, match=r"needs 2 CPUs .* has 1: .*ray\.worker_num_cpus.*ray\.learner_num_cpus"):
+        check_plan(config(), nodes((1, 0)))
 
 
 def test_a_cuda_device_on_a_cluster_without_gpus_is_refused():
@@ -85,7 +82,7 @@ def test_a_cuda_device_on_a_cluster_without_gpus_is_refused():
 
 
 def test_a_tensor_parallel_engine_must_fit_on_one_node():
-    cfg = config(**{"rollout.engine.tensor_parallel_size": 8, "learner.device": "cpu", "eval.enabled": False})
+    cfg = config(**{"rollout.engine.tensor_parallel_size": 8, "learner.device": "cpu"})
     check_plan(cfg, nodes((8, 8)))
     with pytest.raises(PlanError) as err:
         check_plan(cfg, nodes((8, 4), (8, 4)))  # 8 GPUs in all, but 4 per node
@@ -96,8 +93,7 @@ def test_a_tensor_parallel_engine_must_fit_on_one_node():
 
 
 def test_bundles_that_fit_in_total_but_not_node_by_node_are_refused():
-    cfg = config(**{"rollout.num_workers": 3, "rollout.engine.tensor_parallel_size": 2, "learner.device": "cpu",
-                    "eval.enabled": False})
+    cfg = config(**{"rollout.num_workers": 3, "rollout.engine.tensor_parallel_size": 2, "learner.device": "cpu"})
     check_plan(cfg, nodes((4, 4), (4, 2)))  # 2 engines on the first node, 1 on the second
     with pytest.raises(PlanError, match="in total but not node by node"):
         check_plan(cfg, nodes((4, 3), (4, 3)))  # 6 GPUs, but each node holds one 2-GPU engine
@@ -106,7 +102,7 @@ def test_bundles_that_fit_in_total_but_not_node_by_node_are_refused():
 def test_the_embedded_cluster_has_the_declared_gpus_and_enough_cpus():
     cfg = config(**{"ray.num_gpus": 4, "rollout.num_workers": 40})
     (node,) = local_cluster(cfg).nodes
-    assert node.gpus == 4 and node.cpus >= 42  # logical CPUs grow to the plan unless ray.num_cpus says
+    assert node.gpus == 4 and node.cpus >= 41  # logical CPUs grow to the plan unless ray.num_cpus says
     (node,) = local_cluster(config(**{"ray.num_gpus": 0, "ray.num_cpus": 2})).nodes
     assert (node.cpus, node.gpus) == (2, 0)
 
@@ -115,7 +111,7 @@ def test_etarl_plan_prints_the_plan_and_exits_0_when_it_fits(capsys):
     assert main(["plan", "ray.num_gpus=4", "ray.num_cpus=8", "rollout.num_workers=2"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["fits"] and report["problems"] == []
-    assert report["total"] == {"CPU": 4.0, "GPU": 4}
+    assert report["total"] == {"CPU": 3.0, "GPU": 3}  # the learner rank you left alone: 1
     assert report["roles"]["rollout"]["count"] == 2 and report["roles"]["rollout"]["per_actor"] == {"CPU": 1.0,
                                                                                                    "GPU": 1}
     assert report["cluster"]["nodes"] == [{"name": "local", "CPU": 8.0, "GPU": 4.0}]
@@ -125,8 +121,8 @@ def test_etarl_plan_exits_2_with_the_reason_when_it_cannot_fit(capsys):
     assert main(["plan", "ray.num_gpus=4", "rollout.num_workers=4"]) == 2
     captured = capsys.readouterr()
     report = json.loads(captured.out)
-    assert not report["fits"] and report["total"]["GPU"] == 6
-    assert "needs 6 GPUs" in captured.err and "ray.num_gpus" in captured.err and "rollout.num_workers" in captured.err
+    assert not report["fits"] and report["total"]["GPU"] == 5
+    assert "needs 5 GPUs" in captured.err and "ray.num_gpus" in captured.err and "rollout.num_workers" in captured.err
 
 
 def test_etarl_train_refuses_a_plan_that_cannot_fit_before_starting_anything(tmp_path):
@@ -135,7 +131,7 @@ def test_etarl_train_refuses_a_plan_that_cannot_fit_before_starting_anything(tmp
                           "rollout.num_workers=4", "run.progress=false"], cwd=REPO, capture_output=True, text=True,
                          timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert out.returncode == 2, out.stderr[-3000:]
-    assert "the run does not fit the cluster" in out.stderr and "needs 6 GPUs" in out.stderr
+    assert "the run does not fit the cluster" in out.stderr and "needs 5 GPUs" in out.stderr
     assert "Ray instance" not in out.stderr  # no Ray started
     assert not (run_dir / "config.yaml").exists()  # nor the run
 
@@ -152,3 +148,85 @@ def test_device_outside_ray_follows_what_the_process_sees():
             resolve_device("cuda", "test")
     with pytest.raises(ValueError, match="device must be one of"):
         resolve_device("cuda:1", "test")
+
+
+# ------------------------------------------------------------------ the layout chosen for the GPUs found
+
+
+def layout_for(shape, params=None, *overrides):
+    """The embedded default (counts unset) on `shape` nodes, a model of `params` parameters."""
+    cfg, layout = resolve_layout(build_config({}, list(overrides)) if overrides else load_config(None, []),
+                                 nodes(*shape), params)
+    plan = make_plan(cfg, True).check(nodes(*shape))
+    return cfg, layout, plan
+
+
+from services.config import load_config  # noqa: E402
+
+
+def test_one_gpu_colocates_an_engine_and_a_learner_rank_with_gpu_defaults():
+    cfg, layout, plan = layout_for([(4, 1)])
+    assert layout.name == "colocated" and any("one GPU" in r for r in layout.reasons)
+    rollout, learner = plan.role("rollout"), plan.role("learner")
+    assert (rollout.count, learner.count) == (1, 1) and rollout.placement == learner.placement == "colocated"
+    assert rollout.gpus == cfg.rollout.engine.gpu_memory_utilization == 0.3 and learner.gpus == 0.7
+    assert plan.bundles() == [{"CPU": 2.0, "GPU": 1.0}]  # one bundle, both actors in it
+    # the GPU defaults, visible in the config
+    assert cfg.rollout.engine.dtype == "bfloat16"
+    assert (cfg.learner.dtype, cfg.learner.mixed_precision, cfg.learner.gradient_checkpointing) == (
+        "float32", "bfloat16", True)
+
+
+def test_two_gpus_one_each_and_the_cpu_defaults_stay_without_gpus():
+    cfg, layout, plan = layout_for([(8, 2)])
+    assert layout.name == "separate" and asks(plan)["rollout"][::2] == (1, 1) and asks(plan)["learner"][::2] == (1, 1)
+    assert cfg.rollout.engine.gpu_memory_utilization == 0.85
+    cpu, layout = resolve_layout(load_config(None, []), nodes((8, 0)))
+    assert layout.name == "cpu" and cpu == load_config(None, [])  # unchanged: float32, no autocast
+    assert (cpu.rollout.engine.dtype, cpu.learner.mixed_precision, cpu.learner.gradient_checkpointing) == (
+        "float32", None, False)
+
+
+@pytest.mark.parametrize(("shape", "params", "engines", "tp", "ranks", "strategy"), [
+    ([(64, 8)], 1.5e9, 4, 1, 4, "allreduce"),       # 8 GPUs: half and half
+    ([(64, 8)], 7e9, 4, 1, 4, "fsdp"),              # 112 GB of float32 state: sharded
+    ([(64, 8)], 30e9, 2, 2, 4, "fsdp"),             # 60 GB of bf16 weights: 2-GPU engines
+    ([(64, 8), (64, 8)], 7e9, 8, 1, 8, "fsdp"),     # 2 x 8: the ranks pack one node, the engines the other
+    ([(64, 8), (64, 8)], 70e9, 1, 8, 8, "fsdp"),    # 140 GB of weights: one 8-GPU engine
+    ([(64, 4), (64, 4)], 70e9, 1, 4, 4, "fsdp"),    # tensor parallelism stops at a node's GPUs
+])
+def test_many_gpus_split_by_the_documented_rule(shape, params, engines, tp, ranks, strategy):
+    cfg, layout, plan = layout_for(shape, params)
+    assert layout.name == "separate"
+    assert (cfg.rollout.num_workers, cfg.rollout.engine.tensor_parallel_size) == (engines, tp)
+    assert (cfg.learner.distributed.world_size, cfg.learner.distributed.strategy) == (ranks, strategy)
+    assert cfg.learner.distributed.backend == "nccl"
+    assert plan.total()["GPU"] <= sum(g for _, g in shape)
+    assert any(f"learner ranks = {sum(g for _, g in shape)} // 2" in r for r in layout.reasons)
+
+
+def test_what_the_user_names_is_kept_and_a_run_that_fits_only_colocated_is_colocated():
+    cfg, layout, _ = layout_for([(64, 8)], 7e9, "rollout.num_workers=6", "rollout.engine.dtype=float32")
+    assert (cfg.rollout.num_workers, cfg.learner.distributed.world_size, cfg.rollout.engine.dtype) == (6, 1, "float32")
+    assert layout.name == "separate"
+    # 2 engines + 2 ranks on 2 GPUs fit only in pairs: colocated, not refused
+    cfg, layout, plan = layout_for([(8, 2)], None, "rollout.num_workers=2", "learner.distributed.world_size=2")
+    assert layout.name == "colocated" and plan.bundles() == [{"CPU": 2.0, "GPU": 1.0}] * 2
+    # a layout the user pins that cannot be is refused, naming the keys
+    with pytest.raises(PlanError, match="learner.distributed.world_size=1 .*rollout.num_workers=2"):
+        make_plan(config(**{"ray.layout": "colocated", "rollout.num_workers": 2}), True)
+
+
+def test_etarl_plan_prints_the_layout_and_why_and_etarl_config_shows_the_gpu_defaults(capsys):
+    assert main(["plan", "ray.num_gpus=1", "ray.num_cpus=4"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["fits"] and report["layout"]["name"] == "colocated" and report["layout"]["why"]
+    assert report["layout"]["set"]["rollout.engine.dtype"] == "bfloat16"
+    assert main(["config", "ray.num_gpus=1"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("# layout colocated")
+    import yaml
+
+    shown = yaml.safe_load(out)
+    assert shown["rollout"]["engine"]["dtype"] == "bfloat16" and shown["learner"]["mixed_precision"] == "bfloat16"
+    assert shown["ray"]["layout"] == "colocated"
