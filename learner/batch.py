@@ -28,8 +28,8 @@ class BatchError(ValueError):
 
 @dataclass
 class TrainBatch:
-    prompts: list[list[int]]
-    responses: list[list[int]]
+    prompts: list[np.ndarray]  # int64 token ids per row
+    responses: list[np.ndarray]
     response_mask: torch.Tensor  # float32 [B, T]: real response tokens with loss_mask 1
     rollout_log_probs: torch.Tensor  # float32 [B, T], 0 at padding
     token_versions: torch.Tensor  # int64 [B, T], the sample's weight_version at padding
@@ -62,7 +62,7 @@ class TrainBatch:
         return TrainBatch(**picked)
 
     def to(self, device) -> "TrainBatch":
-        """The same rows with every tensor on `device` (token lists stay Python lists)."""
+        """The same rows with every tensor on `device` (token arrays stay on the host)."""
         return TrainBatch(**{f.name: getattr(self, f.name).to(device) if isinstance(getattr(self, f.name), torch.Tensor)
                              else getattr(self, f.name) for f in fields(self)})
 
@@ -70,6 +70,12 @@ class TrainBatch:
         """Prompt+response tokens of the given rows (all by default)."""
         rows = range(len(self)) if rows is None else rows
         return [len(self.prompts[r]) + len(self.responses[r]) for r in rows]
+
+    def group_tokens(self) -> list[int]:
+        """Prompt+response tokens of each group, by its position in the pulled batch."""
+        lengths = torch.tensor(self.sequence_lengths(), dtype=torch.long)
+        sums = torch.zeros(int(self.group_index.max()) + 1, dtype=torch.long).index_add_(0, self.group_index, lengths)
+        return sums.tolist()
 
     def rows_of_groups(self, group_positions: list[int]) -> list[int]:
         wanted = set(group_positions)
@@ -125,23 +131,27 @@ def build_batch(groups, learner_version: int | None = None, vocab_size: int | No
     if len(set(sample_ids)) != len(sample_ids):
         raise BatchError("the batch holds the same sample_id twice")
 
-    B, T = len(rows), max(len(r["response"]) for r in rows)
-    response_mask = torch.zeros(B, T)
-    rollout_log_probs = torch.zeros(B, T)
-    token_versions = torch.zeros(B, T, dtype=torch.long)
-    for i, r in enumerate(rows):
-        n = len(r["response"])
-        response_mask[i, :n] = torch.from_numpy(r["loss_mask"])
-        rollout_log_probs[i, :n] = torch.from_numpy(r["log_probs"])
-        token_versions[i] = r["version"]
-        token_versions[i, :n] = torch.from_numpy(r["versions"])
+    # Per-token fields: each concatenated once, then scattered into the padded [B, T] layout.
+    lengths = torch.tensor([len(r["response"]) for r in rows], dtype=torch.long)
+    real = torch.arange(int(lengths.max()))[None, :] < lengths[:, None]
+    weight_versions = torch.tensor([r["version"] for r in rows], dtype=torch.long)
+
+    def padded(key: str, dtype: torch.dtype, fill: torch.Tensor | float = 0) -> torch.Tensor:
+        out = torch.zeros(real.shape, dtype=dtype)
+        out += fill if isinstance(fill, float | int) else fill[:, None]  # the sample's version at padding
+        out[real] = torch.from_numpy(np.concatenate([r[key] for r in rows])).to(dtype)
+        return out
+
+    response_mask = padded("loss_mask", torch.float32)
+    rollout_log_probs = padded("log_probs", torch.float32)
+    token_versions = padded("versions", torch.long, weight_versions)
     return TrainBatch(
-        prompts=[r["prompt"].tolist() for r in rows],
-        responses=[r["response"].tolist() for r in rows],
+        prompts=[r["prompt"] for r in rows],  # int64 arrays: no Python int per token
+        responses=[r["response"] for r in rows],
         response_mask=response_mask,
         rollout_log_probs=rollout_log_probs,
         token_versions=token_versions,
-        weight_versions=torch.tensor([r["version"] for r in rows], dtype=torch.long),
+        weight_versions=weight_versions,
         rewards=torch.tensor([r["reward"] for r in rows], dtype=torch.float32),
         group_index=torch.tensor(group_index, dtype=torch.long),
         group_ids=group_ids,
@@ -149,13 +159,16 @@ def build_batch(groups, learner_version: int | None = None, vocab_size: int | No
     )
 
 
-def plan_micro_batches(lengths, max_tokens: int | None, comm=None, max_rows: int | None = None) -> list[list[int]]:
+def plan_micro_batches(lengths, max_tokens: int | None, comm=None, max_rows: int | None = None,
+                       packed: bool = False) -> list[list[int]]:
     """Split rows (given by their prompt+response lengths) into micro-batches of one forward pass
     each; returns lists of positions into `lengths`.
 
-    A micro-batch costs its padded size, rows x its longest row, and that stays within
+    A padded micro-batch costs rows x its longest row, a packed one (`packed`: the rows
+    concatenated, `lm.causal_lm.pack_sequences`) the sum of its rows; that stays within
     `max_tokens` (None: no limit), with at most `max_rows` rows (None: no limit). Rows are taken
-    longest first, so rows of similar length share a micro-batch and little is padding. With a
+    longest first: padded, rows of similar length share a micro-batch and little is padding;
+    packed, each goes to the first micro-batch with room (first-fit decreasing). With a
     `comm`, every rank gets the count the busiest rank needs (a MAX all-reduce, so call it on every
     rank): a rank with fewer splits its largest micro-batches, and one with fewer rows than that
     count gets empty ones. FSDP runs collectives in every pass, so every rank makes the same
@@ -172,9 +185,23 @@ def plan_micro_batches(lengths, max_tokens: int | None, comm=None, max_rows: int
             raise ValueError(f"row {row} has {n} prompt+response tokens, more than the micro-batch budget "
                              f"max_tokens_per_micro_batch={max_tokens}: raise the budget to at least the longest "
                              f"sequence (prompt + max response tokens)")
+    order = sorted(range(len(lengths)), key=lambda r: (-lengths[r], r))
     plan: list[list[int]] = []
+    if packed:
+        used: list[int] = []
+        for row in order:
+            fits = (i for i in range(len(plan)) if len(plan[i]) < (max_rows or math.inf)
+                    and (max_tokens is None or used[i] + lengths[row] <= max_tokens))
+            i = next(fits, None)
+            if i is None:
+                plan.append([])
+                used.append(0)
+                i = len(plan) - 1
+            plan[i].append(row)
+            used[i] += lengths[row]
+        order = []  # planned
     width = 0
-    for row in sorted(range(len(lengths)), key=lambda r: (-lengths[r], r)):
+    for row in order:
         full = plan and (len(plan[-1]) == (max_rows or math.inf)
                          or max_tokens is not None and (len(plan[-1]) + 1) * width > max_tokens)
         if not plan or full:
@@ -202,6 +229,39 @@ def _spread(plan: list[list[int]], target: int) -> list[list[int]]:
     return plan
 
 
-def padding_counts(lengths: list[int]) -> tuple[int, int]:
-    """(real tokens, padded slots) of one right-padded micro-batch."""
+def padding_counts(lengths: list[int], packed_width: int | None = None) -> tuple[int, int]:
+    """(real tokens, slots) of one micro-batch: right-padded, or packed `packed_width` wide."""
+    if packed_width is not None:
+        return sum(lengths), packed_width
     return sum(lengths), len(lengths) * max(lengths, default=0)
+
+
+def shape_bucket(tokens: int, max_tokens: int | None = None) -> int:
+    """The packed width for `tokens`: the next of 4, 5, 6, 7 x 2^k (at most 25 % filler, about 4
+    widths per doubling), capped at the budget, so a GPU plans its kernels for a few shapes once
+    instead of for every new length."""
+    if tokens < 1:
+        raise ValueError(f"tokens must be >= 1, got {tokens}")
+    if tokens <= 4:
+        width = tokens
+    else:
+        scale = 1 << max(0, tokens.bit_length() - 3)  # tokens / scale lies in [4, 8)
+        width = -(-tokens // scale) * scale
+    return width if max_tokens is None else max(tokens, min(width, max_tokens))
+
+
+def balance_groups(tokens: list[int], world_size: int) -> list[list[int]]:
+    """Positions of groups (given by their prompt+response tokens) for each rank, balanced by
+    tokens so no rank waits long for the busiest (verl's sequence-length balancing; here the
+    longest-processing-time rule: largest group first, to the rank with the fewest tokens so far,
+    ties to the lower rank). Deterministic: every rank computes the same split from the same batch.
+    Each rank's positions in ascending order; a rank gets none only when groups are fewer than ranks."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    load = [0] * world_size
+    parts: list[list[int]] = [[] for _ in range(world_size)]
+    for position in sorted(range(len(tokens)), key=lambda g: (-tokens[g], g)):
+        rank = min(range(world_size), key=lambda r: (load[r], len(parts[r]), r))
+        parts[rank].append(position)
+        load[rank] += tokens[position]
+    return [sorted(p) for p in parts]

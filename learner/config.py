@@ -168,6 +168,13 @@ class LearnerConfig(BaseModel):
         "longest row): peak activation memory follows this, not the batch size (None: no limit)")
     micro_batch_size: Optional[int] = Field(
         None, ge=1, description="at most this many sequences per forward/backward (None: the token budget alone)")
+    packing: bool = Field(
+        True, description="a micro-batch is its sequences concatenated (per-sequence positions, attention "
+        "that never crosses a boundary) instead of right-padded to its longest: no padding, and the token "
+        "budget counts real tokens; log-probs and losses equal the padded path")
+    shape_buckets: Literal["auto", "on", "off"] = Field(
+        "auto", description="round a packed micro-batch's width up to one of a few sizes (4-7 x 2^k, at most "
+        "25 % filler) so kernels are planned once per shape, not per step (auto: on with CUDA)")
     logprob_chunk_tokens: int = Field(
         1024, ge=1, description="response tokens per LM-head chunk: log-prob memory is about 2 x this x vocab "
         "x 4 bytes, never batch x length x vocab")

@@ -34,7 +34,14 @@ from typing import Optional
 import torch
 
 from learner.advantages import compute_advantages
-from learner.batch import TrainBatch, build_batch, padding_counts, plan_micro_batches
+from learner.batch import (
+    TrainBatch,
+    balance_groups,
+    build_batch,
+    padding_counts,
+    plan_micro_batches,
+    shape_bucket,
+)
 from learner.checkpoint import (  # noqa: F401 (the part names: services.checkpoint checks they agree)
     POLICY_DIR,
     TRAINER_STATE_FILE,
@@ -150,6 +157,7 @@ class Learner:
         self._vocab_size = self.model.get_input_embeddings().num_embeddings  # build_batch refuses ids beyond it
         self._log_prob_dtype = torch.promote_types(torch_dtype(config.dtype), torch.float32)
         self._slots = torch.zeros(2, dtype=torch.float64)
+        self._group_tokens: list[int] = []  # the current batch's tokens per group (set by train_step)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             self.params, lr=config.lr, betas=tuple(config.betas), eps=config.adam_eps,
@@ -235,6 +243,7 @@ class Learner:
         # 1. Validate and pad the groups; advantages over the whole batch.
         batch = build_batch(groups, learner_version=self.version, vocab_size=self._vocab_size)
         self._check_budget(batch)
+        self._group_tokens = batch.group_tokens()  # balances the ranks' shares (_my_part)
         advantages = compute_advantages(batch.rewards, batch.group_index, batch.response_mask, cfg.advantage)
         minibatches = self._minibatch_groups(batch.num_groups)
         shard_rows = batch.rows_of_groups(  # every group this rank trains on, in any epoch
@@ -301,8 +310,13 @@ class Learner:
                              f"budget to at least the longest sequence (prompt + max response tokens)")
 
     def _my_part(self, group_positions: list[int]) -> list[int]:
-        """This rank's groups of a minibatch: every world_size-th, starting at its rank."""
-        return group_positions[self.comm.rank :: self.comm.world_size]
+        """This rank's groups of a minibatch, the ranks' shares balanced by tokens
+        (`learner.batch.balance_groups`, the same split on every rank). The loss is normalised by
+        the whole minibatch's counts, so the split never changes the update."""
+        if self.comm.world_size == 1:
+            return list(group_positions)
+        parts = balance_groups([self._group_tokens[g] for g in group_positions], self.comm.world_size)
+        return [group_positions[i] for i in parts[self.comm.rank]]
 
     def _minibatch_groups(self, num_groups: int) -> list[list[list[int]]]:
         """Per epoch, the minibatches as lists of group positions. Shuffling is seeded by the
@@ -449,19 +463,25 @@ class Learner:
         """`rows` of `batch` in micro-batches within the token budget, as many on every rank."""
         cfg = self.config
         lengths = batch.sequence_lengths(rows)
-        plan = plan_micro_batches(lengths, cfg.max_tokens_per_micro_batch, self.comm, cfg.micro_batch_size)
+        plan = plan_micro_batches(lengths, cfg.max_tokens_per_micro_batch, self.comm, cfg.micro_batch_size,
+                                  packed=cfg.packing)
         return [[rows[i] for i in mb] for mb in plan]
 
     def _forward(self, mb: TrainBatch, with_entropy: bool = False, entropy_grad: bool = True, model=None):
         """(log π(response tokens), entropy or None) of one micro-batch under the policy (or the
         given model), with gradients if they are enabled."""
         cfg = self.config
-        real, slots = padding_counts(mb.sequence_lengths())
+        lengths = mb.sequence_lengths()
+        width = None
+        if cfg.packing:
+            buckets = cfg.shape_buckets == "on" or cfg.shape_buckets == "auto" and self.device.type == "cuda"
+            width = shape_bucket(sum(lengths), cfg.max_tokens_per_micro_batch) if buckets else sum(lengths)
+        real, slots = padding_counts(lengths, width)
         self._slots += torch.tensor([real, slots], dtype=torch.float64)
         with self._autocast():
             out = response_log_probs(model or self.model, mb.prompts, mb.responses, cfg.temperature,
                                      cfg.pad_token_id, with_entropy=with_entropy, entropy_grad=entropy_grad,
-                                     chunk_tokens=cfg.logprob_chunk_tokens)
+                                     chunk_tokens=cfg.logprob_chunk_tokens, packed=cfg.packing, pack_width=width)
         return out[0], (out[2] if with_entropy else None)
 
     def _no_grad_log_probs(self, batch: TrainBatch, model=None) -> torch.Tensor:

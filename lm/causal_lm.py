@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import numpy as np
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
@@ -96,26 +97,52 @@ def load_tokenizer(path: str | os.PathLike):
     return AutoTokenizer.from_pretrained(folder)
 
 
+def _flat_tokens(prompts, responses) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(every row's prompt then response, concatenated [N], prompt lengths [B], response lengths
+    [B]); rows may be lists or integer arrays (the learner keeps numpy arrays: no Python ints)."""
+    if len(prompts) != len(responses):
+        raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses: one response per prompt")
+    if not len(prompts):
+        raise ValueError("no sequences to pad (zero prompts)")
+    p_len = torch.tensor([len(p) for p in prompts], dtype=torch.long)
+    r_len = torch.tensor([len(r) for r in responses], dtype=torch.long)
+    parts = [np.asarray(x, dtype=np.int64).reshape(-1) for pair in zip(prompts, responses) for x in pair]
+    return torch.from_numpy(np.concatenate(parts)), p_len, r_len
+
+
 def pad_sequences(
     prompts: list[list[int]], responses: list[list[int]], pad_id: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """Right-pad prompt+response rows. Returns input_ids [B, L], attention_mask [B, L],
     response_mask [B, T] (1 on real response tokens) and T, the longest response."""
-    if len(prompts) != len(responses):
-        raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses: one response per prompt")
-    if not prompts:
-        raise ValueError("no sequences to pad (zero prompts)")
-    lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
-    width = max(lengths)
-    resp_width = max(len(r) for r in responses)
-    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    attention = torch.zeros((len(prompts), width), dtype=torch.long)
-    response_mask = torch.zeros((len(prompts), resp_width), dtype=torch.float32)
-    for row, (p, r) in enumerate(zip(prompts, responses)):
-        input_ids[row, : len(p) + len(r)] = torch.tensor(list(p) + list(r), dtype=torch.long)
-        attention[row, : len(p) + len(r)] = 1
-        response_mask[row, : len(r)] = 1.0
-    return input_ids, attention, response_mask, resp_width
+    flat, p_len, r_len = _flat_tokens(prompts, responses)
+    lengths = p_len + r_len
+    real = torch.arange(int(lengths.max()))[None, :] < lengths[:, None]
+    input_ids = torch.full(real.shape, pad_id, dtype=torch.long)
+    input_ids[real] = flat  # row-major: each row's tokens fill its first columns
+    resp_width = int(r_len.max())
+    response_mask = (torch.arange(resp_width)[None, :] < r_len[:, None]).to(torch.float32)
+    return input_ids, real.to(torch.long), response_mask, resp_width
+
+
+def pack_sequences(prompts, responses, width: int | None = None, pad_id: int = 0):
+    """The rows concatenated into one packed row: input_ids [1, W] and position_ids [1, W], the
+    positions starting at 0 for each row, so attention never crosses a row's boundary (transformers
+    reads the resets: a block-diagonal causal mask for sdpa/eager, varlen for flash attention).
+    `width` >= the rows' tokens (a shape bucket): the rest is one filler sequence of `pad_id`s,
+    its own block, predicting nothing. Returns also each row's start in the packed row [B]."""
+    flat, p_len, r_len = _flat_tokens(prompts, responses)
+    lengths = p_len + r_len
+    starts = torch.cumsum(lengths, 0) - lengths
+    total = int(lengths.sum())
+    width = total if width is None else int(width)
+    if width < total:
+        raise ValueError(f"a packed width of {width} cannot hold {total} tokens")
+    positions = torch.arange(total) - torch.repeat_interleave(starts, lengths)
+    filler = width - total
+    input_ids = torch.cat([flat, torch.full((filler,), pad_id, dtype=torch.long)])[None, :]
+    position_ids = torch.cat([positions, torch.arange(filler)])[None, :]
+    return input_ids, position_ids, starts
 
 
 def response_log_probs(
@@ -127,6 +154,8 @@ def response_log_probs(
     with_entropy: bool = False,
     entropy_grad: bool = True,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    packed: bool = False,
+    pack_width: int | None = None,
 ):
     """Log-probs of each response token under `model` (logits divided by temperature), as
     [B, T] float32 right-padded with zeros, and the [B, T] response mask; with `with_entropy`,
@@ -134,18 +163,30 @@ def response_log_probs(
     (the learner's entropy bonus and metric; `entropy_grad=False` makes it a constant, for when
     it is only reported). Gradients flow unless the caller wraps this in torch.no_grad().
 
-    One forward pass over the rows (the caller sizes them: see learner.batch.plan_micro_batches).
+    One forward pass over the rows (the caller sizes them: see learner.batch.plan_micro_batches):
+    right-padded [B, longest], or with `packed` one row of their concatenation (`pack_sequences`,
+    `pack_width` tokens wide, default their total) whose attention stops at each row's boundary.
     The LM head runs only on the positions that predict a response token, `chunk_tokens` of them
     at a time, and its [chunk, vocab] logits are recomputed in the backward pass: memory for the
     log-probs is O(chunk_tokens x vocab), never O(rows x length x vocab)."""
-    input_ids, attention, response_mask, resp_width = pad_sequences(prompts, responses, pad_id)
     device = next(model.parameters()).device
+    if packed:
+        input_ids, position_ids, starts = pack_sequences(prompts, responses, pack_width, pad_id)
+        hidden = _final_hidden_states(model, input_ids.to(device), position_ids=position_ids.to(device))
+    else:
+        input_ids, attention, _, _ = pad_sequences(prompts, responses, pad_id)
+        hidden = _final_hidden_states(model, input_ids.to(device), attention_mask=attention.to(device))
     rows, cols, positions = _response_positions(prompts, responses)
-    hidden = _final_hidden_states(model, input_ids.to(device), attention.to(device))
+    r_len = torch.tensor([len(r) for r in responses], dtype=torch.long)
+    resp_width = int(r_len.max())
+    response_mask = (torch.arange(resp_width)[None, :] < r_len[:, None]).to(torch.float32)
+    # Where each predicting position sits in the forward's input: (row, column) padded, (0, the
+    # row's start + column) packed.
+    in_rows, in_cols = (torch.zeros_like(rows), starts[rows] + positions) if packed else (rows, positions)
     # Token t is predicted by position t-1: the hidden state just before each response token.
-    picked = hidden[rows.to(device), positions.to(device)]
+    picked = hidden[in_rows.to(device), in_cols.to(device)]
     head = model.get_output_embeddings()
-    targets = input_ids[rows, positions + 1].to(device)
+    targets = input_ids[in_rows, in_cols + 1].to(device)
     log_probs, entropy = chunked_token_log_probs(picked, head.weight, getattr(head, "bias", None), targets,
                                                  temperature, chunk_tokens, with_entropy, entropy_grad)
     out = _scatter_rows(log_probs, rows, cols, (len(prompts), resp_width), device)
@@ -157,15 +198,15 @@ def response_log_probs(
 
 def _response_positions(prompts, responses) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(row, response column, input position of the predicting token) of every response token."""
-    rows, cols, positions = [], [], []
-    for row, (p, r) in enumerate(zip(prompts, responses)):
-        if r and not p:
-            raise ValueError(f"row {row} has a response but an empty prompt: its first token has no context")
-        rows.extend([row] * len(r))
-        cols.extend(range(len(r)))
-        positions.extend(range(len(p) - 1, len(p) + len(r) - 1))
-    as_long = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
-    return as_long(rows), as_long(cols), as_long(positions)
+    p_len = torch.tensor([len(p) for p in prompts], dtype=torch.long)
+    r_len = torch.tensor([len(r) for r in responses], dtype=torch.long)
+    bad = torch.nonzero((p_len == 0) & (r_len > 0)).flatten()
+    if len(bad):
+        raise ValueError(f"row {int(bad[0])} has a response but an empty prompt: its first token has no context")
+    rows = torch.repeat_interleave(torch.arange(len(prompts)), r_len)
+    cols = torch.arange(int(r_len.sum())) - torch.repeat_interleave(torch.cumsum(r_len, 0) - r_len, r_len)
+    positions = torch.repeat_interleave(p_len - 1, r_len) + cols
+    return rows, cols, positions
 
 
 def _scatter_rows(values: torch.Tensor, rows, cols, shape, device) -> torch.Tensor:
@@ -176,7 +217,8 @@ def _scatter_rows(values: torch.Tensor, rows, cols, shape, device) -> torch.Tens
 _NO_POSITIONS = torch.empty(0, dtype=torch.long)
 
 
-def _final_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+def _final_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                         position_ids: torch.Tensor | None = None) -> torch.Tensor:
     """The decoder's last hidden states [B, L, H] (after the final norm). The whole model's
     forward runs, so wrappers that act in its hooks (FSDP gathers the root's parameters there)
     still see a normal call, but its LM head gets no position: the caller applies the head."""
@@ -187,7 +229,9 @@ def _final_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.T
 
     handle = model.base_model.register_forward_hook(keep)
     try:
-        model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=_NO_POSITIONS.to(input_ids.device))
+        # no cache: transformers reads packed rows from the position resets only without one
+        model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
+              logits_to_keep=_NO_POSITIONS.to(input_ids.device))
     finally:
         handle.remove()
     return captured["hidden"]

@@ -9,7 +9,7 @@ import torch
 from pydantic import ValidationError
 
 from buffer.sample import Group, Sample
-from learner.batch import BatchError, build_batch
+from learner.batch import BatchError, build_batch, shape_bucket
 from learner.config import LearnerConfig
 from learner.trainer import Learner, loglinear_prox_log_prob, lr_factor
 from learner_helpers import build_tiny_policy, max_param_diff, params_of, sample_groups
@@ -189,16 +189,20 @@ def test_a_token_budget_gives_the_update_of_one_big_batch(policy_dir, overrides)
         for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "rollout_corr/rollout_is_batch_norm_factor"):
             assert got[key] == pytest.approx(want[key], rel=1e-9, abs=1e-12), key
         assert want["rollout_corr/rollout_is_batch_norm_factor"] != 1.0  # the normalisation does something
-        # Sorted by length into small passes: less padding than one pass over every row.
-        assert 0.0 <= got["perf/padding_fraction"] < want["perf/padding_fraction"]
+        # Packed micro-batches (the default) hold no padding, whatever their split.
+        assert got["perf/padding_fraction"] == want["perf/padding_fraction"] == 0.0
 
 
 def test_padding_fraction_counts_every_pass(policy_dir, groups):
     batch = build_batch(groups)
     lengths = [len(p) + len(r) for p, r in zip(batch.prompts, batch.responses)]
-    metrics = make_learner(policy_dir, max_tokens_per_micro_batch=None).train_step(groups)
+    metrics = make_learner(policy_dir, max_tokens_per_micro_batch=None, packing=False).train_step(groups)
     # One pass for π_old and one for the update, each over every row padded to the longest.
     assert metrics["perf/padding_fraction"] == pytest.approx(1 - sum(lengths) / (len(lengths) * max(lengths)))
+    # Packed, then packed into shape buckets: the filler up to the bucket is the only padding.
+    assert make_learner(policy_dir, max_tokens_per_micro_batch=None).train_step(groups)["perf/padding_fraction"] == 0
+    bucketed = make_learner(policy_dir, max_tokens_per_micro_batch=None, shape_buckets="on").train_step(groups)
+    assert bucketed["perf/padding_fraction"] == pytest.approx(1 - sum(lengths) / shape_bucket(sum(lengths)))
 
 
 def test_gradient_checkpointing_and_mixed_precision(policy_dir, groups):
