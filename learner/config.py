@@ -29,6 +29,10 @@ class DistributedConfig(BaseModel):
     master_port: int = Field(0, ge=0, le=65535, description="the rendezvous port on rank 0's node, when the "
                              "ranks span nodes (0: a free port); ranks on one node meet through a file")
     timeout_s: float = Field(300.0, gt=0, description="collective timeout")
+    publish_bucket_mb: float = Field(
+        256.0, gt=0, description="under FSDP, weights leave the shards this many MB at a time (gathered "
+        "parameter by parameter on the device and cast there to the publish dtype): a rank holds one bucket "
+        "beyond its shards while a version is gathered")
     placement: Literal["pack", "spread"] = Field(
         "pack", description="the ranks' placement group: pack (as few nodes as possible) or spread (one rank "
         "per node where possible)")

@@ -53,7 +53,7 @@ from learner.checkpoint import (  # noqa: F401 (the part names: services.checkpo
 )
 from learner.config import LearnerConfig
 from learner.correction import compute_rollout_correction, is_batch_norm_sums, to_floats
-from learner.distributed import LocalComm, PeakRSS, fill_shards, shard_model
+from learner.distributed import FullWeightBuckets, LocalComm, PeakRSS, fill_shards, shard_model
 from learner.losses import compute_policy_loss, count_tokens_and_sequences, staleness_metrics
 from lm.causal_lm import (
     causal_lm_on_meta,
@@ -570,8 +570,25 @@ class Learner:
     def _publishable(self) -> dict[str, torch.Tensor]:
         """The weights to send, every name (a tied lm_head too: vLLM's in-place reload keeps its
         old lm_head if the stream lacks it; the channels send a shared storage's bytes once).
-        Views of the live parameters, or gathered copies under FSDP."""
+        Views of the live parameters, or under FSDP gathered copies in the publish dtype
+        (`_gathered`; rank 0's, empty elsewhere)."""
+        if self._sharded:
+            return self._gathered()
         return self.full_state_dict()
+
+    def _gathered(self) -> dict[str, torch.Tensor]:
+        """FSDP: the full weights on rank 0's host, gathered one bucket at a time with each
+        parameter cast to the publish dtype on its device before it leaves (bfloat16: half the
+        bytes of a float32 gather, and no cast on one CPU thread after it); other ranks hold one
+        bucket at a time and get {}. The channels take a whole version, so rank 0 still ends with
+        one in the publish dtype: a channel that took buckets as they come would hold one."""
+        size = int(self.config.distributed.publish_bucket_mb * 2**20)
+        buckets = FullWeightBuckets(self.model, size, dtype=self._publish_dtype(), keep=self.comm.rank == 0,
+                                    out_device="cpu")
+        out: dict[str, torch.Tensor] = {}
+        for bucket in buckets:  # a collective per parameter: every rank iterates to the end
+            out.update(bucket)
+        return out
 
     def _publish_dtype(self) -> torch.dtype | None:
         return torch_dtype(self.config.weight_sync.dtype) if self.config.weight_sync.dtype else None

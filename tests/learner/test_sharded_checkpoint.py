@@ -14,6 +14,7 @@ from learner.distributed import FullWeightBuckets, LearnerGroup, plan_buckets
 from learner.trainer import Learner
 from learner_helpers import build_tiny_policy, max_param_diff, params_of, sample_groups
 from lm.causal_lm import load_causal_lm
+from lm.weight_sync import resolve_weights
 
 
 @pytest.fixture(scope="module")
@@ -51,14 +52,21 @@ def test_fsdp_resume_from_shards_equals_the_uninterrupted_run(uneven_policy, ray
     assert sorted(p.name for p in (ckpt / SHARDS_DIR).glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
     assert (ckpt / SHARDS_DIR / ".metadata").is_file()
 
-    resumed = LearnerGroup(_config(uneven_policy, distributed=fsdp), ray_options={"num_cpus": 0})
+    # (publishing in bfloat16, small buckets: the weights leave the shards a bucket at a time)
+    resumed = LearnerGroup(_config(uneven_policy, distributed={**fsdp, "publish_bucket_mb": 0.004},
+                                   weight_sync={"dtype": "bfloat16"}), ray_options={"num_cpus": 0})
     try:
         resumed.load_checkpoint(str(ckpt))
         assert resumed.version == n_steps
         got = [resumed.train_step(batches[step % 2]) for step in range(n_steps, n_steps + m_steps)]
         final = resumed.state_dict()["model"]
+        assert resumed.publish_weights()["version"] == n_steps + m_steps
+        published = resolve_weights(resumed.published(timeout=120))
     finally:
         resumed.shutdown()
+    assert published.keys() == final.keys()  # the tied lm_head too
+    assert all(published[k].dtype == torch.bfloat16 and torch.equal(published[k], final[k].to(torch.bfloat16))
+               for k in final)
     for w, g in zip(want, got):
         assert g["actor/lr"] == w["actor/lr"]
         assert g["actor/pg_loss"] == pytest.approx(w["actor/pg_loss"], abs=1e-6)
