@@ -1,6 +1,9 @@
 """Exactly-once as a property: random sequences of pushes (and retried pushes), pulls, acks,
 nacks, lease expiries and crash-restarts from the durable log. At every step each accepted group
-is in exactly one place (ready, leased or consumed) and nothing is consumed twice."""
+is in exactly one place (ready, leased, consumed, or dropped as poisoned once its leases expired
+`max_deliveries` = 2 times) and nothing is consumed twice or handed out after it was dropped."""
+from collections import Counter
+
 from buffer_helpers import make_group
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -34,6 +37,8 @@ class ExactlyOnce(RuleBasedStateMachine):
         self.pushed: dict[str, object] = {}  # group id -> Group
         self.consumed: list[str] = []
         self.leases: dict[str, list[str]] = {}
+        self.expiries: Counter = Counter()  # group id -> leases of it that expired (failed deliveries)
+        self.dropped: set[str] = set()
 
     def teardown(self):
         self.core.close()
@@ -57,6 +62,8 @@ class ExactlyOnce(RuleBasedStateMachine):
         result = self.core.pull_batch(size)
         if result is not None:
             self.leases[result.lease_id] = [group_index(unpack_frames(p)[0])[0] for p in result.groups]
+            assert all(self.expiries[g] < self.config.max_deliveries for g in self.leases[result.lease_id]), \
+                "a poisoned group handed out again"
 
     @precondition(lambda self: self.leases)
     @rule(data=st.data())
@@ -75,6 +82,7 @@ class ExactlyOnce(RuleBasedStateMachine):
     def leases_expire(self):
         self.clock.now += 11
         self.core.tick()
+        self.expiries.update(g for groups in self.leases.values() for g in groups)
         self.leases.clear()
 
     @rule()
@@ -89,7 +97,11 @@ class ExactlyOnce(RuleBasedStateMachine):
         leased = {g.group_id: lid for lid, lease in store.leases.items() for g in lease.groups}
         assert len(self.consumed) == len(set(self.consumed)), "consumed twice"
         assert not ready & set(leased) and not (ready | set(leased)) & set(self.consumed)
-        assert ready | set(leased) | set(self.consumed) == set(self.pushed), "a group was lost or invented"
+        placed = ready | set(leased) | set(self.consumed)
+        assert not placed & self.dropped, "a dropped group came back"
+        self.dropped |= set(self.pushed) - placed
+        assert placed | self.dropped == set(self.pushed), "a group was invented"
+        assert all(self.expiries[g] >= self.config.max_deliveries for g in self.dropped), "a group was lost"
         assert {lid: sorted(g) for lid, g in self.leases.items()} == \
             {lid: sorted(g.group_id for g in lease.groups) for lid, lease in store.leases.items()}
 
