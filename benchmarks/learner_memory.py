@@ -17,9 +17,16 @@ the prompt. Every measurement runs in a fresh child process, so each peak is its
   * tokens/s of the learner's forward+backward over the planned micro-batches against a plain
     transformers forward+backward (`labels` loss over the response tokens) over the same ones.
 
+Each step runs twice on the same lengths: the first on new shapes, the second warm (their speed
+ratio; issue 27's goal >= 0.95 on a GPU), and model TFLOP/s (8 x parameters x tokens / warm step).
+Micro-batches are packed (learner.packing; --no-packing: right-padded), so the padding fraction is
+0 on CPU (shape buckets, on with CUDA, add at most 25 % filler); the throughput child also checks
+packed against padded log-probs of one micro-batch (max |diff|). --mixed-precision and
+--checkpointing set the learner's options of those names.
+
 Goals (issue 17): peak at B=128 within 1.15x of B=8; log-prob memory at most 1/8 of the naive
-float32 [B, L, V]; tokens/s at least 0.9x the plain pass. Prints the numbers and, as its last
-line, a JSON summary. Asserts nothing.
+float32 [B, L, V]; tokens/s at least 0.9x the plain pass (issue 27 on a GPU with packing: 1.3x at
+B=32). Prints the numbers and, as its last line, a JSON summary. Asserts nothing.
 """
 from __future__ import annotations
 
@@ -148,7 +155,8 @@ def child_step(spec: dict) -> dict:
     groups = random_groups(spec["batch"], spec["min_len"], spec["max_len"], spec["vocab"], seed=spec["batch"])
     config = LearnerConfig(model_path=spec["model"], device=spec["device"], lr=1e-5,
                            max_tokens_per_micro_batch=None if spec["old"] else spec["budget"],
-                           logprob_chunk_tokens=spec["chunk"])
+                           logprob_chunk_tokens=spec["chunk"], packing=spec["packing"] and not spec["old"],
+                           mixed_precision=spec["mixed_precision"], gradient_checkpointing=spec["checkpointing"])
     if spec["old"]:
         trainer.response_log_probs = former_response_log_probs
     learner = trainer.Learner(config)
@@ -159,11 +167,17 @@ def child_step(spec: dict) -> dict:
     base = memory.start()
     start = time.perf_counter()
     metrics = learner.train_step(groups)
-    seconds = time.perf_counter() - start
+    seconds = time.perf_counter() - start  # new shapes: the first step of these lengths
+    peak = memory.peak()
+    start = time.perf_counter()
+    learner.train_step(groups)  # the same lengths again: shapes warm
+    warm = time.perf_counter() - start
     batch = build_batch(groups)
     tokens = sum(len(p) + len(r) for p, r in zip(batch.prompts, batch.responses))
-    return {"peak_bytes": memory.peak(), "base_bytes": base, "step_s": seconds, "tokens": tokens,
+    params = sum(p.numel() for p in learner.model.parameters())
+    return {"peak_bytes": peak, "base_bytes": base, "step_s": seconds, "warm_step_s": warm, "tokens": tokens,
             "tokens_per_s": tokens / seconds, "padding_fraction": metrics["perf/padding_fraction"],
+            "model_tflops": 8 * params * tokens / warm / 1e12,
             "longest": max(len(p) + len(r) for p, r in zip(batch.prompts, batch.responses))}
 
 
@@ -200,11 +214,12 @@ def child_throughput(spec: dict) -> dict:
     batch = build_batch(groups)
     model = load_causal_lm(spec["model"], device=spec["device"])
     lengths = [len(p) + len(r) for p, r in zip(batch.prompts, batch.responses)]
-    plan = plan_micro_batches(lengths, spec["budget"])
+    plan = plan_micro_batches(lengths, spec["budget"])  # the plain pass: padded micro-batches
+    packed_plan = plan_micro_batches(lengths, spec["budget"], packed=spec["packing"])
 
     def ours(rows):
         lp, mask = response_log_probs(model, [batch.prompts[r] for r in rows], [batch.responses[r] for r in rows],
-                                      chunk_tokens=spec["chunk"])
+                                      chunk_tokens=spec["chunk"], packed=spec["packing"])
         (-(lp * mask).sum() / mask.sum()).backward()
 
     def plain(rows):
@@ -221,15 +236,22 @@ def child_throughput(spec: dict) -> dict:
         for name, fn in (("ours", ours), ("plain", plain)):  # taking turns: load changes hit both
             model.zero_grad(set_to_none=True)
             start = time.perf_counter()
-            for rows in plan:
+            for rows in (packed_plan if name == "ours" else plan):
                 fn(rows)
             if spec["device"].startswith("cuda"):
                 torch.cuda.synchronize()
             seconds[name].append(time.perf_counter() - start)
     tokens = sum(lengths)
     best = {name: min(values) for name, values in seconds.items()}
-    return {"tokens": tokens, "micro_batches": len(plan), "ours_tokens_per_s": tokens / best["ours"],
-            "plain_tokens_per_s": tokens / best["plain"]}
+    # Packed against padded log-probs of the largest padded micro-batch, no gradients.
+    rows = max(plan, key=len)
+    with torch.no_grad():
+        args = ([batch.prompts[r] for r in rows], [batch.responses[r] for r in rows])
+        padded, _ = response_log_probs(model, *args, chunk_tokens=spec["chunk"])
+        packed, _ = response_log_probs(model, *args, chunk_tokens=spec["chunk"], packed=True)
+    return {"tokens": tokens, "micro_batches": len(plan), "packed_micro_batches": len(packed_plan),
+            "ours_tokens_per_s": tokens / best["ours"], "plain_tokens_per_s": tokens / best["plain"],
+            "packed_vs_padded_max_abs_diff": float((packed - padded).abs().max())}
 
 
 CHILDREN = {"step": child_step, "head": child_head, "throughput": child_throughput}
@@ -271,7 +293,8 @@ def measure_steps(common: dict, batch_sizes, old: bool) -> dict[int, dict]:
         r = results[batch] = run_child({"child": "step", **common, "batch": batch, "old": old})
         print(f"  {label} B={batch:4d}: " + (r.get("error") or
               f"peak {r['peak_bytes'] / GiB:6.3f} GiB (before the step {r['base_bytes'] / GiB:.3f}), "
-              f"{r['tokens_per_s']:8.0f} tokens/s, {r['tokens']} tokens, padding {r['padding_fraction']:.3f}"))
+              f"{r['tokens_per_s']:8.0f} tokens/s, {r['tokens']} tokens, padding {r['padding_fraction']:.3f}, "
+              f"warm/new shapes {r['step_s'] / r['warm_step_s']:.2f}x, model {r['model_tflops']:.3f} TFLOP/s"))
     return results
 
 
@@ -291,8 +314,10 @@ def measure_head(common: dict) -> dict:
 
 def measure_throughput(common: dict, batch: int) -> dict:
     r = run_child({"child": "throughput", **common, "batch": batch, "repeats": 2})
-    print("  " + (r.get("error") or f"forward+backward over {r['micro_batches']} micro-batches, {r['tokens']} tokens: "
-          f"learner {r['ours_tokens_per_s']:.0f} tokens/s, plain transformers {r['plain_tokens_per_s']:.0f} tokens/s"))
+    print("  " + (r.get("error") or f"forward+backward, {r['tokens']} tokens: learner {r['ours_tokens_per_s']:.0f} "
+          f"tokens/s over {r['packed_micro_batches']} micro-batches (packed: {common['packing']}), plain transformers "
+          f"{r['plain_tokens_per_s']:.0f} tokens/s over {r['micro_batches']} padded ones; packed vs padded log-probs "
+          f"of the largest micro-batch: max |diff| {r['packed_vs_padded_max_abs_diff']:.2e}"))
     return r
 
 
@@ -321,6 +346,10 @@ def summarize(setup: dict, steps: dict, old: dict, head: dict, throughput: dict)
         "old_tokens_per_s": {str(b): round(r["tokens_per_s"], 1) for b, r in old.items() if "tokens_per_s" in r},
         "padding_fraction": {str(b): round(r["padding_fraction"], 4) for b, r in steps.items()
                              if "padding_fraction" in r},
+        "new_shapes_vs_warm_speed": {str(b): round(r["warm_step_s"] / r["step_s"], 3) for b, r in steps.items()
+                                     if "warm_step_s" in r},
+        "model_tflops_warm": {str(b): round(r["model_tflops"], 4) for b, r in steps.items() if "model_tflops" in r},
+        "packed_vs_padded_max_abs_diff": throughput.get("packed_vs_padded_max_abs_diff"),
         "peak_ratio_largest_vs_smallest": peak_ratio and round(peak_ratio, 3),
         "step_increase_ratio_largest_vs_smallest": step_ratio and round(step_ratio, 3),
         "logprob_head_gib": head_bytes and gib(head_bytes),
@@ -348,6 +377,9 @@ def main() -> None:
     parser.add_argument("--budget", type=int, help="max_tokens_per_micro_batch (default: 2 x the longest sequence)")
     parser.add_argument("--chunk", type=int, help="logprob_chunk_tokens (default: budget / 16)")
     parser.add_argument("--batch-sizes", default=",".join(map(str, BATCH_SIZES)), help="sequences per step")
+    parser.add_argument("--no-packing", action="store_true", help="right-padded micro-batches (learner.packing=false)")
+    parser.add_argument("--mixed-precision", action="store_true", help="learner.mixed_precision=bfloat16")
+    parser.add_argument("--checkpointing", action="store_true", help="learner.gradient_checkpointing=true")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -363,7 +395,8 @@ def main() -> None:
              "layers": args.layers or (2 if quick else 4), "min_len": args.min_len or (32 if quick else 512),
              "max_len": max_len, "budget": budget,
              "chunk": args.chunk or max(1, budget // 16),  # the config defaults' proportion (16,384 / 1,024)
-             "batch_sizes": sorted(int(b) for b in args.batch_sizes.split(","))}
+             "batch_sizes": sorted(int(b) for b in args.batch_sizes.split(",")), "packing": not args.no_packing,
+             "mixed_precision": "bfloat16" if args.mixed_precision else None, "checkpointing": args.checkpointing}
     started = time.perf_counter()
     print(f"Qwen2 vocab {setup['vocab']}, hidden {setup['hidden']}, {setup['layers']} layers; sequences "
           f"{setup['min_len']}-{max_len} tokens; budget {budget} tokens per micro-batch, LM-head chunks of "
@@ -371,7 +404,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = str(build_policy(Path(tmp) / "policy", setup["vocab"], setup["hidden"], setup["layers"], max_len + 8))
         common = {"model": model, **{k: setup[k] for k in ("device", "vocab", "hidden", "min_len", "max_len", "budget",
-                                                           "chunk")}}
+                                                           "chunk", "packing", "mixed_precision", "checkpointing")}}
         steps = measure_steps(common, setup["batch_sizes"], old=False)
         # The old path at the smallest batch only: its cost and memory grow with B x L x V.
         old = measure_steps(common, setup["batch_sizes"][:1], old=True)
