@@ -33,6 +33,13 @@ Modes (bypass_mode and loss_type come from the `RolloutCorrectionConfig`):
   (computed on the detached π_θ vs π_rollout for every call) still mask.
 - bypass reinforce: −stopgrad(w)·A·log π_θ, w = π_θ/π_rollout with the configured IS/RS/veto,
   recomputed under no_grad for every call.
+- `loss_mode: gspo` (GSPO, verl's `compute_policy_loss_gspo`): the ratio is a sequence's, the
+  geometric mean s = exp(mean_t log(π_θ/π_anchor)) over its kept tokens, carried per token in a
+  straight-through form s_t = sg[s]·π_θ,t / sg[π_θ,t] (its value is s, its gradient flows through
+  every token's log π_θ), clipped to [1 − ε_low, 1 + ε_high] (no dual clip) and aggregated
+  seq-mean-token-mean whatever `loss_agg_mode` says. π_anchor is π_old in decoupled mode (times
+  the IS weights, as above) and π_rollout in bypass ppo_clip mode; bypass reinforce has no ratio
+  to clip and refuses it.
 """
 from __future__ import annotations
 
@@ -73,6 +80,9 @@ class PolicyLossConfig(BaseModel):
     kl_coef: float = Field(0.0, ge=0, description="weight of the KL penalty to the reference policy")
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     entropy_coeff: float = Field(0.0, ge=0, description="weight of the entropy bonus")
+    loss_mode: Literal["vanilla", "gspo"] = Field(
+        "vanilla", description="vanilla: token-level (dual-clip) PPO; gspo: sequence-level ratio (geometric mean "
+        "of the token ratios), sequence clipping, aggregated seq-mean-token-mean (verl's GSPO)")
 
 
 # ---- aggregation -------------------------------------------------------------------------------
@@ -137,6 +147,22 @@ def ppo_clip_token_loss(log_prob, anchor_log_prob, advantages, cfg: PolicyLossCo
     clipped_upper = clipped > unclipped
     clipped_lower = negative & (clip_loss > dual_bound)
     return loss, clipped_upper, clipped_lower, log_ratio
+
+
+GSPO_LOG_RATIO_MAX = 10.0  # verl's clamp of the sequence log-ratio (numerical safety)
+
+
+def gspo_token_loss(log_prob, anchor_log_prob, advantages, mask, cfg: PolicyLossConfig):
+    """GSPO's per-token loss: the clipped sequence ratio in its straight-through form (see the
+    module docstring), the mask of where the clip binds, and the token log-ratios."""
+    log_ratio = log_prob - anchor_log_prob
+    kept = mask.to(log_prob.dtype)
+    seq_log_ratio = (log_ratio * kept).sum(-1) / kept.sum(-1).clamp_min(1)
+    token_log_ratio = log_prob - log_prob.detach() + seq_log_ratio.detach().unsqueeze(-1)
+    ratio = torch.exp(token_log_ratio.clamp(max=GSPO_LOG_RATIO_MAX))
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - cfg.clip_ratio_low, 1.0 + cfg.clip_ratio_high)
+    return torch.maximum(unclipped, clipped), clipped > unclipped, log_ratio
 
 
 def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
@@ -213,7 +239,18 @@ def compute_policy_loss(
 
     stats: dict[str, torch.Tensor] = {}
     reinforce = correction_config.bypass_mode and correction_config.loss_type == "reinforce"
-    if reinforce:
+    gspo = loss_config.loss_mode == "gspo"
+    agg_mode = "seq-mean-token-mean" if gspo else loss_config.loss_agg_mode
+    if reinforce and gspo:
+        raise ValueError("loss_mode gspo clips a sequence ratio: bypass mode needs loss_type ppo_clip, not reinforce")
+    if gspo:
+        token_loss, clipped_upper, log_ratio = gspo_token_loss(log_prob, anchor, advantages, loss_mask, loss_config)
+        if weights is not None and not correction_config.bypass_mode:
+            token_loss = token_loss * weights
+        stats["actor/pg_clipfrac"] = masked_mean(clipped_upper.to(log_prob.dtype), loss_mask)
+        stats["actor/pg_clipfrac_lower"] = log_prob.new_zeros(())  # no dual clip in GSPO (verl reports 0)
+        log_ratio = log_ratio.detach()
+    elif reinforce:
         w = weights if weights is not None else torch.ones_like(log_prob)
         token_loss = -w * advantages * log_prob
         stats["actor/pg_clipfrac"] = log_prob.new_zeros(())
@@ -229,7 +266,7 @@ def compute_policy_loss(
     stats["actor/ppo_kl"] = masked_mean(-log_ratio.detach(), loss_mask)
 
     def agg(x: torch.Tensor) -> torch.Tensor:
-        return aggregate_loss(x, loss_mask, loss_config.loss_agg_mode, global_token_count, global_seq_count,
+        return aggregate_loss(x, loss_mask, agg_mode, global_token_count, global_seq_count,
                               loss_config.loss_scale_factor)
 
     pg_loss = agg(token_loss)

@@ -421,3 +421,77 @@ def test_policy_loss_config_validation():
     with pytest.raises(ValidationError, match="kl_estimator"):
         PolicyLossConfig(kl_estimator="low_var_kl")
     assert PolicyLossConfig().clip_ratio_high == 0.2 and PolicyLossConfig().clip_ratio_c == 3.0
+
+
+# ---- GSPO (verl's compute_policy_loss_gspo) ------------------------------------------------------
+GSPO = PolicyLossConfig(loss_mode="gspo")
+
+
+def verl_gspo(old_log_prob, log_prob, advantages, response_mask, clip_low=0.2, clip_high=0.2, weights=None):
+    """verl's GSPO loss, written out as verl's core_algos writes it (the reference of the parity
+    test): the sequence log-ratio, its straight-through token form, clamp at 10, the clip, the IS
+    weights, seq-mean-token-mean."""
+    negative_approx_kl = log_prob - old_log_prob
+    seq_lengths = torch.sum(response_mask, dim=-1).clamp(min=1)
+    negative_approx_kl_seq = torch.sum(negative_approx_kl * response_mask, dim=-1) / seq_lengths
+    log_seq_importance_ratio = log_prob - log_prob.detach() + negative_approx_kl_seq.detach().unsqueeze(-1)
+    seq_importance_ratio = torch.exp(torch.clamp(log_seq_importance_ratio, max=10.0))
+    pg_losses1 = -advantages * seq_importance_ratio
+    pg_losses2 = -advantages * torch.clamp(seq_importance_ratio, 1 - clip_low, 1 + clip_high)
+    pg_losses = torch.maximum(pg_losses1, pg_losses2)
+    if weights is not None:
+        pg_losses = pg_losses * weights
+    per_seq = (pg_losses * response_mask).sum(-1) / response_mask.sum(-1).clamp(min=1)
+    pg_loss = per_seq.sum() / response_mask.any(-1).sum().clamp(min=1)
+    clipfrac = ((pg_losses2 > pg_losses1).float() * response_mask).sum() / response_mask.sum()
+    ppo_kl = (-negative_approx_kl * response_mask).sum() / response_mask.sum()
+    return pg_loss, clipfrac, ppo_kl
+
+
+def test_gspo_by_hand_the_sequence_ratio_is_the_geometric_mean_and_is_clipped_per_sequence():
+    # Sequence 0: token ratios 1.5 and 1/1.5 -> geometric mean 1 (unclipped, though 1.5 alone would clip);
+    # sequence 1: ratios 1.44 and 1.44 -> 1.44, clipped at 1.2 for A > 0.
+    old = rows([-1.0, -1.0], [-2.0, -2.0])
+    log_prob = old + torch.log(rows([1.5, 1 / 1.5], [1.44, 1.44]))
+    adv = rows([1.0, 1.0], [1.0, 1.0])
+    loss, m = compute_policy_loss(log_prob, old, old, adv, torch.ones_like(adv), Cfg.disabled(), GSPO)
+    assert loss.item() == pytest.approx((-1.0 + -1.2) / 2)
+    assert m["actor/pg_clipfrac"] == pytest.approx(0.5) and m["actor/pg_clipfrac_lower"] == 0.0
+    vanilla, _ = compute_policy_loss(log_prob, old, old, adv, torch.ones_like(adv), Cfg.disabled(), LOSS)
+    assert vanilla.item() != pytest.approx(loss.item()), "token-level PPO clips token 0 of sequence 0"
+
+
+@pytest.mark.parametrize("mode", ["decoupled", "decoupled_is", "bypass"])
+def test_gspo_loss_gradient_and_metrics_equal_verls_formula(mode):
+    torch.manual_seed(3)
+    batch, tokens = 16, 7
+    mask = torch.ones(batch, tokens)
+    mask[0, 4:] = 0
+    mask[2, 1:] = 0
+    mask[4, 0] = 0  # a multi-turn row: a tool token in front
+    rollout = -torch.rand(batch, tokens, dtype=torch.float64) * 3
+    old = rollout + 0.3 * torch.randn(batch, tokens, dtype=torch.float64)
+    theta = (old + 0.8 * torch.randn(batch, tokens, dtype=torch.float64)).requires_grad_(True)
+    adv = torch.randn(batch, 1, dtype=torch.float64).expand(batch, tokens).contiguous()
+    cfg = {"decoupled": Cfg.disabled(), "decoupled_is": Cfg.decoupled_token_is(2.0),
+           "bypass": Cfg.bypass_ppo_clip()}[mode]
+    loss, m = compute_policy_loss(theta, old, rollout, adv, mask.bool(), cfg, GSPO)
+    (grad,) = torch.autograd.grad(loss, theta)
+    anchor = rollout if mode == "bypass" else old
+    weights = None
+    if mode == "decoupled_is":
+        weights, _, _ = compute_rollout_correction(old, rollout, mask.bool(), cfg)
+    theta_ref = theta.detach().clone().requires_grad_(True)
+    ref, clipfrac, ppo_kl = verl_gspo(anchor, theta_ref, adv, mask.double(), weights=weights)
+    (ref_grad,) = torch.autograd.grad(ref, theta_ref)
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-12)
+    assert torch.allclose(grad, ref_grad, rtol=1e-10, atol=1e-14)
+    assert m["actor/pg_clipfrac"] == pytest.approx(clipfrac.item())
+    assert m["actor/ppo_kl"] == pytest.approx(ppo_kl.item())
+    assert 0 < m["actor/pg_clipfrac"] < 1, "the case exercises the clip"
+
+
+def test_gspo_with_bypass_reinforce_is_refused():
+    adv = rows([1.0, -1.0])
+    with pytest.raises(ValueError, match="gspo clips a sequence ratio"):
+        compute_policy_loss(adv * 0 - 1, None, adv * 0 - 1, adv, torch.ones_like(adv), Cfg.bypass_pg_is(), GSPO)
