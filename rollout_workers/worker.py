@@ -107,6 +107,8 @@ class RolloutWorker:
         cfg = self.config
         if self.engine is None:
             self.engine = make_engine(cfg.engine, cfg.model_path, seed=cfg.sampling.seed or 0)
+        if hasattr(self.engine, "pause_mode"):  # how a weight load treats the requests in flight
+            self.engine.pause_mode = "keep" if cfg.interrupt_on_update else "wait"
         self.served_version = max(self.served_version, int(self.engine.version))
         if self.tokenizer is None:
             self.tokenizer = load_tokenizer(cfg.model_path)
@@ -316,6 +318,178 @@ class RolloutWorker:
         seed = None if params.seed is None else params.seed + params.n * (1 + len(partial.token_ids)) + index
         return prompt_ids + partial.token_ids, params.with_(n=1, max_new_tokens=left, seed=seed)
 
+    # ---------------------------------------------------------------- the streaming loop
+
+    def _streams(self) -> bool:
+        return self.config.streaming and self.agent is None and getattr(self.engine, "streams", False)
+
+    def _run_streaming(self, max_groups: int | None) -> None:
+        """Keep the engine full: a permit's group goes in as soon as there is room (at most
+        `max_requests_in_flight` responses), each group is scored as soon as its n responses end
+        (in the reward runner, on a thread of its own: generation goes on meanwhile), and the groups
+        scored so far are pushed together, the push taking the permits for the room left. New
+        weights are loaded between two turns of this loop, the engine pausing its requests in flight
+        (`interrupt_on_update`: at its next step, with mode=keep; else once they end, mode=wait):
+        each token carries the version the engine sampled it with."""
+        from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+
+        cfg = self.config
+        room_groups = max(1, cfg.max_requests_in_flight // cfg.sampling.n)
+        generating: dict = {}  # GroupRequest -> (permit, problem, prompt, started version)
+        scoring: dict = {}  # Future of a Group -> permit
+        scored: list[tuple] = []  # (permit, group) ready to push
+        waiting: list = []  # permits not submitted yet
+        pushed, asked_at = 0, 0.0
+        poll_s = max(cfg.weight_poll_s, 0.02)
+        scorer = ThreadPoolExecutor(1, thread_name_prefix=f"{self.worker_id}-rewards")
+        try:
+            tick, busy = time.perf_counter(), False
+            while not self._stop.is_set() and (max_groups is None or pushed < max_groups):
+                now = time.perf_counter()
+                self.counters["generation_s"] += (now - tick) if busy else 0.0  # wall time with requests in flight
+                tick = now
+                if self.load_weights_or_restart():
+                    log.info("%s: loaded weights version %d", self.worker_id, self.engine.version)
+                owed = len(generating) + len(scoring) + len(scored) + len(waiting)
+                wanted = room_groups - len(generating) - len(waiting)
+                if max_groups is not None:
+                    wanted = min(wanted, max_groups - pushed - owed)
+                if wanted > 0 and not scored:
+                    idle = not generating and not scoring
+                    if idle or time.monotonic() - asked_at >= poll_s:  # the gate may have opened
+                        waiting += self._acquire_streaming(wanted, wait=idle)
+                        asked_at = time.monotonic()
+                while waiting and len(generating) < room_groups and not self._stop.is_set():
+                    permit = waiting.pop(0)
+                    started = self._submit_group(permit)
+                    if started is None:
+                        continue  # set aside, or its prompt failed: the permit is ended
+                    if isinstance(started, tuple) and started[0] == "made":
+                        scored.append((permit, started[1]))
+                    else:
+                        generating[started[0]] = (permit, *started[1:])
+                busy = bool(generating)
+                for request in [r for r in generating if r.done()]:
+                    permit, problem, prompt, version = generating.pop(request)
+                    try:
+                        responses = request.result()
+                    except Exception as err:
+                        group = self._recover_group(permit, err, served_others=pushed > 0 or bool(scored))
+                        if group is not None:
+                            scored.append((permit, group))
+                        continue
+                    self._probe_prompt = prompt
+                    scoring[scorer.submit(self._make_group, permit.ticket, problem, prompt, responses,
+                                          version)] = permit
+                for future in [f for f in scoring if f.done()]:
+                    permit = scoring.pop(future)
+                    try:
+                        scored.append((permit, future.result()))
+                    except Exception as err:  # the runner scores failures itself: this is a bug's trace
+                        self._release(permit.permit_id)
+                        self.counters["failed_generations_total"] += 1
+                        self.last_error = f"scoring: {type(err).__name__}: {err}"
+                        log.warning("%s: ticket %d: %s", self.worker_id, permit.ticket, self.last_error)
+                if scored:
+                    room = room_groups - len(generating) - len(waiting)
+                    if max_groups is not None:
+                        room = min(room, max_groups - pushed - len(generating) - len(scoring) - len(scored)
+                                   - len(waiting))
+                    made, scored = scored, []
+                    done, more = self._push_streamed(made, 0 if self._stop.is_set() else max(room, 0))
+                    pushed += done
+                    waiting += more
+                    continue
+                if generating or scoring:
+                    wait([r.future for r in generating] + list(scoring), timeout=poll_s, return_when=FIRST_COMPLETED)
+        finally:
+            for request, (permit, *_) in generating.items():
+                request.cancel()  # aborts its requests
+                self._release(permit.permit_id)
+            for future, permit in scoring.items():
+                future.cancel()
+                self._release(permit.permit_id)
+            scorer.shutdown(wait=True)
+            for permit, _ in scored:
+                self._release(permit.permit_id)
+            for permit in waiting:
+                self._release(permit.permit_id)
+
+    def _acquire_streaming(self, count: int, wait: bool) -> list:
+        """Up to `count` permits: waiting for the first when nothing is in flight, else only those
+        free now (the loop has work to tend)."""
+        waited = time.perf_counter()
+        permits = self.client.acquire_permits(self.worker_id, count, timeout=self._acquire_wait_s() if wait else 0.0)
+        if wait:
+            self.counters["gate_blocked_s"] += time.perf_counter() - waited
+        return permits
+
+    def _submit_group(self, permit):
+        """Start a permit's group on the engine: (request, problem, prompt, version); ("made", group)
+        when the engine refused it at once and a retry alone made it; None when the permit is ended
+        (its prompt set aside, or failing). A permit granted at learner version v needs weights >= v
+        (as in the batch loop)."""
+        self._wait_for_weights(permit.version)
+        held = [permit]
+        self._set_aside_known_bad(held)
+        if not held:
+            return None
+        problem = self.prompts.problem(permit.ticket)
+        prompt = self.prompt_format.encode(problem)
+        try:
+            version = self.engine.version
+            return self.engine.submit(prompt, self._sampling_params(permit.ticket)), problem, prompt, version
+        except Exception as err:  # refused before it went in (a prompt past the context, ...)
+            group = self._recover_group(permit, err, served_others=self._probe_prompt is not None)
+            return None if group is None else ("made", group)
+
+    def _recover_group(self, permit, error: Exception, served_others: bool):
+        """A streamed group failed: its request was its prompt's alone, so this is the prompt's
+        first failure. It is generated again alone (batch path) up to `max_prompt_failures` failures,
+        then quarantined (or the engine, serving nothing, needs a restart). The group, or None
+        (the permit is ended)."""
+        self.counters["prompt_failures_total"] += 1
+        failures = 1
+        log.warning("%s: ticket %d failed (%s: %s); generating it alone", self.worker_id, permit.ticket,
+                    type(error).__name__, error)
+        while failures < self.config.max_prompt_failures:
+            if self._stop.is_set():
+                self._release(permit.permit_id)
+                return None
+            group, retry_error = self._generate_alone(permit)
+            if group is not None:
+                return group
+            error, failures = retry_error, failures + 1
+        try:
+            self._quarantine_or_restart(permit, error, engine_served_others=served_others)
+        except BaseException:
+            self._release(permit.permit_id)  # a restart: the permit is back first
+            raise
+        return None
+
+    def _push_streamed(self, made: list[tuple], next_count: int) -> tuple[int, list]:
+        """Push the scored groups in one request, taking up to `next_count` permits with it.
+        (groups pushed, new permits); a failed push releases their permits."""
+        try:
+            try:
+                _, next_permits = self.client.push_and_acquire([g for _, g in made], [p.permit_id for p, _ in made],
+                                                               self.worker_id, next_count)
+            except BufferError as err:
+                if err.reason not in GROUP_REFUSALS:
+                    raise
+                made, next_permits = self._push_alone(made, err), []
+        except Exception as err:
+            for permit, _ in made:
+                self._release(permit.permit_id)
+            self.counters["failed_generations_total"] += 1
+            self.last_error = f"push: {type(err).__name__}: {err}"
+            log.warning("%s: pushing tickets %s failed: %s", self.worker_id, [p.ticket for p, _ in made],
+                        self.last_error)
+            self._stop.wait(self.config.error_backoff_s)
+            return 0, []
+        self.counters["groups_total"] += len(made)
+        return len(made), next_permits
+
     # ---------------------------------------------------------------- the loop
 
     def run(self, max_groups: int | None = None) -> dict:
@@ -323,6 +497,9 @@ class RolloutWorker:
         with self._running:
             self._ensure_started()
             self._started_at = time.time()  # rates count from the first generation, not start-up
+            if self._streams():
+                self._run_streaming(max_groups)
+                return self.stats()
             pushed, permits = 0, []
             try:
                 while not self._stop.is_set() and (max_groups is None or pushed < max_groups):
@@ -499,12 +676,16 @@ class RolloutWorker:
         self.last_error = reason
 
     def _engine_serves_a_probe(self) -> bool:
-        """Whether the engine generates one token for a prompt it served before."""
-        if self._probe_prompt is None:
-            return False
+        """Whether the engine generates one token for a prompt it served before (or, before it
+        served any, for a one-token prompt: a streaming worker's first groups end in any order)."""
+        prompt = self._probe_prompt
+        if prompt is None:
+            if not self._streams():
+                return False
+            prompt = list(self.prompt_format.stop_token_ids[:1]) or [0]
         probe = SamplingParams(n=1, temperature=1.0, max_new_tokens=1, seed=0)
         try:
-            self.engine.generate_batch([(self._probe_prompt, probe)])
+            self.engine.generate_batch([(prompt, probe)])
             return True
         except Exception:
             return False

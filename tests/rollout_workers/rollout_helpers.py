@@ -69,8 +69,8 @@ def processed_log_probs(model, prompt: list[int], response: list[int], temperatu
     return torch.log_softmax(logits, dim=-1).gather(-1, torch.tensor(response)[:, None]).squeeze(-1)
 
 
-def check_multiprocess_bf16_engine(model_dir: str) -> None:
-    """Body of the multiprocess bf16 engine test (run in its own interpreter)."""
+def check_bf16_engine(model_dir: str) -> None:
+    """Body of the bf16 engine test."""
     from lm.causal_lm import load_causal_lm, load_tokenizer, response_log_probs
     from rollout_workers.engines.base import SamplingParams
     from rollout_workers.engines.vllm_engine import VLLMEngine
@@ -81,9 +81,8 @@ def check_multiprocess_bf16_engine(model_dir: str) -> None:
         return max(float((torch.tensor(c.log_probs) - lp[i, : len(c.token_ids)]).abs().max())
                    for i, c in enumerate(completions))
 
-    torch.set_num_threads(1)
     tokenizer, model = load_tokenizer(model_dir), load_causal_lm(model_dir).eval()
-    engine = VLLMEngine(model_dir, dtype="bfloat16", multiprocess=True, kv_cache_bytes=64 * 2**20)
+    engine = VLLMEngine(model_dir, dtype="bfloat16", kv_cache_bytes=64 * 2**20)
     try:
         prompt = tokenizer("347+589=", add_special_tokens=False)["input_ids"]
         params = SamplingParams(n=8, max_new_tokens=8, stop_token_ids=(tokenizer.eos_token_id,), seed=9)
@@ -98,7 +97,6 @@ def check_multiprocess_bf16_engine(model_dir: str) -> None:
         assert gap(model, prompt, after) < min(0.5, old_gap_to_new), (gap(model, prompt, after), old_gap_to_new)
     finally:
         engine.close()
-    print("multiprocess bf16 engine ok")
 
 
 # Rewards in verl's form (imported by path in the reward child process, like the ones above).

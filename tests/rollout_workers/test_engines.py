@@ -88,18 +88,19 @@ def test_vllm_weight_update_in_place(vllm_engine, hf_model, tokenizer, restore_v
 def test_vllm_interrupt_returns_partial_responses_that_can_be_continued(vllm_engine, hf_model, tokenizer):
     prompt = encode(tokenizer, PROMPT_TEXT)
     params = SamplingParams(n=4, max_new_tokens=8, stop_token_ids=(tokenizer.eos_token_id,), seed=5)
-    checks = []
+    start = vllm_engine.tokens_out_total
 
     def interrupt():
-        checks.append(1)
-        return len(checks) > 2  # two engine steps, then stop
+        return vllm_engine.tokens_out_total - start >= 4  # the first step's tokens are out, then stop
 
     (partial,) = vllm_engine.generate_batch([(prompt, params)], interrupt=interrupt)
     assert len(partial) == 4
-    assert all(c.finish_reason == "interrupted" and 1 <= len(c.token_ids) < 8 for c in partial)
+    assert all(len(c.token_ids) >= 1 and c.finish_reason != "length" for c in partial)
+    interrupted = [c for c in partial if c.finish_reason == "interrupted"]
+    assert interrupted and all(len(c.token_ids) < 8 for c in interrupted)
     # The engine is clean afterwards, and a partial response continues from where it stopped.
-    rest = vllm_engine.generate_batch([(prompt + c.token_ids, params.with_(n=1)) for c in partial])
-    for c, (more,) in zip(partial, rest):
+    rest = vllm_engine.generate_batch([(prompt + c.token_ids, params.with_(n=1)) for c in interrupted])
+    for c, (more,) in zip(interrupted, rest):
         whole = Completion(c.token_ids + more.token_ids, c.log_probs + more.log_probs, more.finish_reason)
         assert max_gap([whole], reference_log_probs(hf_model, prompt, [whole])) < 1e-4
 
@@ -152,17 +153,10 @@ def test_hf_engine_log_probs_follow_the_processed_distribution_and_new_weights(t
 
 
 @pytest.mark.slow
-def test_vllm_multiprocess_bf16_engine_generates_and_reloads_from_a_folder(tiny_model_dir):
-    """The engine core in its own process, in bfloat16: weights travel as a safetensors folder,
-    and the bf16 sampler's log-probs differ from the float32 learner's (the backend mismatch).
-    Run in a fresh interpreter: closing a multiprocess vLLM engine tears down vLLM's
-    process-global parallel state, which the shared in-process engine of this package needs."""
-    import os
-    import subprocess
-    import sys
+def test_vllm_bf16_engine_generates_and_reloads_from_a_folder(tiny_model_dir):
+    """A second engine, in bfloat16: its log-probs differ from the float32 learner's (the backend
+    mismatch) and follow new weights. Its core is a process of its own, as every AsyncLLM's is, so
+    closing it leaves the package's shared engine alone."""
+    from rollout_helpers import check_bf16_engine
 
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    code = f"import rollout_helpers; rollout_helpers.check_multiprocess_bf16_engine({str(tiny_model_dir)!r})"
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=400)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "multiprocess bf16 engine ok" in done.stdout
+    check_bf16_engine(str(tiny_model_dir))

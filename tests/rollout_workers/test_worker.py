@@ -86,8 +86,8 @@ class CountingClient:
 def test_worker_takes_the_next_permits_with_its_push(tiny_model_dir, vllm_engine, buffer):
     """While the gate is open, one request per engine batch: the push brings the next permits."""
     client = CountingClient(buffer)
-    worker = RolloutWorker(config(tiny_model_dir, groups_per_batch=2), "worker-p", client, WeightStore(),
-                           engine=vllm_engine)
+    worker = RolloutWorker(config(tiny_model_dir, groups_per_batch=2, streaming=False), "worker-p", client,
+                           WeightStore(), engine=vllm_engine)
     stats = worker.run(max_groups=6)
     assert client.requests == ["acquire_permits"] + ["push_and_acquire"] * 3
     assert stats["groups_total"] == 6 and stats["permits_released_total"] == 0
@@ -98,8 +98,8 @@ def test_worker_takes_the_next_permits_with_its_push(tiny_model_dir, vllm_engine
 
 
 def test_permits_taken_with_the_last_push_are_released_on_stop(tiny_model_dir, vllm_engine, buffer):
-    worker = RolloutWorker(config(tiny_model_dir, groups_per_batch=2), "worker-q", None, WeightStore(),
-                           engine=vllm_engine)
+    worker = RolloutWorker(config(tiny_model_dir, groups_per_batch=2, streaming=False), "worker-q", None,
+                           WeightStore(), engine=vllm_engine)
     worker.client = CountingClient(buffer, stop_after_push=worker._stop)
     stats = worker.run()
     assert stats["groups_total"] == 2 and stats["permits_released_total"] == 2
@@ -228,12 +228,14 @@ def test_a_prompt_the_engine_refuses_is_quarantined_and_the_run_goes_on(tiny_mod
 
 
 def test_a_broadcast_reaches_vllm_mid_generation_and_tokens_keep_their_versions(tiny_model_dir, vllm_engine, buffer,
-                                                                              restore_vllm_weights):
-    """The broadcast channel into the in-process vLLM engine: the learner publishes version 1 while
-    the worker is two engine steps into a generation; the worker stops at its next interrupt point,
-    takes part in the send (a gloo group of the learner and this engine) and continues. The first
-    tokens keep version 0, the rest carry version 1, each with the log-prob of the weights that
-    sampled it."""
+                                                                              restore_vllm_weights, monkeypatch):
+    """The broadcast channel into the streaming vLLM engine: the learner publishes version 1 while
+    the worker's requests are in flight (the engine paused as the first token came out, so the send
+    surely lands mid-generation); the worker takes part in the send (a gloo group of the learner
+    and this engine), the engine loads with mode=keep and resumes the same requests (no abort, no
+    re-prefill). Each response's tokens are version 0, then version 1, as vLLM reports them: the
+    version-0 tokens have the old weights' log-probs exactly, the version-1 tokens the new
+    weights' (their K/V prefix, kept, was computed by the old: close, not equal)."""
     from lm.weight_sync import BroadcastSender, ParameterGuard, Publication
 
     board = WeightStore()
@@ -244,31 +246,57 @@ def test_a_broadcast_reaches_vllm_mid_generation_and_tokens_keep_their_versions(
                              address="127.0.0.1")
     publication = Publication(sender, guard, learner.state_dict)
     cfg = config(tiny_model_dir, interrupt_on_update=True, groups_per_batch=1, reward="rollout_helpers:length_reward",
-                 sampling=SamplingConfig(n=2, max_new_tokens=8, stop_token_ids=[], seed=0))
+                 sampling=SamplingConfig(n=2, max_new_tokens=8, seed=0))
     worker = RolloutWorker(cfg, "worker-bc", buffer, board, engine=vllm_engine)
-    real_interrupt, checks = worker._interrupt, []
+    llm, paused = vllm_engine._llm, threading.Event()
+    real_generate = llm.generate
 
-    def interrupt():  # the learner's step ends after the engine's second step
-        checks.append(1)
-        if len(checks) == 3:
-            with guard.writing(), torch.no_grad():
-                learner.load_state_dict(new_weights)
-            buffer.set_version(1)
-            publication.publish(1)
-            wait_until(lambda: board.latest_version() == 1)
-        return real_interrupt()
+    async def generate(*args, **kwargs):  # pauses the engine once the first token is out
+        async for out in real_generate(*args, **kwargs):
+            yield out
+            if not paused.is_set():
+                paused.set()
+                await llm.pause_generation(mode="keep", clear_cache=False)
 
-    worker._interrupt = interrupt
+    monkeypatch.setattr(llm, "generate", generate)
+    result = {}
+    runner = threading.Thread(target=lambda: result.update(stats=worker.run(max_groups=1)))
+    runner.start()
     try:
-        stats = worker.run(max_groups=1)
+        assert paused.wait(60)
+        with guard.writing(), torch.no_grad():
+            learner.load_state_dict(new_weights)
+        buffer.set_version(1)
+        publication.publish(1)  # the worker's load resumes the engine
+        runner.join(timeout=120)
+        stats = result["stats"]
         (group,) = pull_all(buffer, 1)
-        assert stats["interrupted_generations_total"] == 1 and stats["loaded_version"] == 1
+        assert stats["loaded_version"] == 1 and vllm_engine.engine_weight_version() == "1"
         assert publication.last["engines"] == 1 and publication.last["version"] == 1
-        for s in group.samples:
-            assert s.token_versions.tolist() == [0, 0] + [1] * (len(s.response_ids) - 2)
-        assert_log_probs_follow_versions(tiny_model_dir, new_weights, group)
+        assert_versions_then_log_probs(tiny_model_dir, new_weights, group)
     finally:
         publication.close()
+
+
+def assert_versions_then_log_probs(model_dir, new_weights, group, tol=1e-4):
+    """Tokens are version 0 then version 1 (at least one of each). Each log-prob is exactly that of
+    what sampled it under mode=keep: the old weights up to the switch; after it the new weights
+    over the K/V cache the old ones computed (the prompt and the tokens before the switch but the
+    last, whose K/V the first new step computes)."""
+    old_model, new_model = load_causal_lm(model_dir).eval(), load_causal_lm(model_dir).eval()
+    new_model.load_state_dict(new_weights)
+    for s in group.samples:
+        versions, prompt, tokens = s.token_versions.tolist(), s.prompt_ids.tolist(), s.response_ids.tolist()
+        switch = versions.index(1) if 1 in versions else len(versions)
+        assert s.weight_version == 0 and 0 < switch < len(versions), versions
+        assert versions == [0] * switch + [1] * (len(versions) - switch), versions
+        with torch.no_grad():
+            old_lp, _ = response_log_probs(old_model, [prompt], [tokens])
+            cached = old_model(torch.tensor([prompt + tokens[:switch - 1]]), use_cache=True)
+            logits = new_model(torch.tensor([tokens[switch - 1:-1]]), past_key_values=cached.past_key_values).logits
+            new_lp = torch.log_softmax(logits[0].float(), -1).gather(-1, torch.tensor(tokens[switch:])[:, None])[:, 0]
+        np.testing.assert_allclose(s.rollout_log_probs[:switch], old_lp[0, :switch].numpy(), atol=tol)
+        np.testing.assert_allclose(s.rollout_log_probs[switch:], new_lp.numpy(), atol=tol)
 
 
 def wait_until(condition, timeout: float = 60.0) -> None:
@@ -288,13 +316,16 @@ class FailingEngine:
     def generate_batch(self, requests, interrupt=None):
         raise RuntimeError("engine is broken")
 
+    def submit(self, prompt_ids, params):  # the streaming loop's way in
+        raise RuntimeError("engine is broken")
+
     def __getattr__(self, name):
         return getattr(self.engine, name)
 
 
 def test_an_engine_that_serves_nothing_asks_for_a_restart_and_quarantines_nothing(tiny_model_dir, vllm_engine,
                                                                                  buffer):
-    cfg = config(tiny_model_dir, groups_per_batch=2)
+    cfg = config(tiny_model_dir, groups_per_batch=2, max_requests_in_flight=8)  # two groups of 4 at once
     worker = RolloutWorker(cfg, "worker-g", buffer, WeightStore(), engine=FailingEngine(vllm_engine))
     with pytest.raises(WorkerNeedsRestart, match="the engine fails every prompt"):
         worker.run()

@@ -1,0 +1,123 @@
+"""The streaming worker on vLLM's AsyncLLM: the engine kept full within its bound, groups pushed as
+they end (several to a push), a weight load that waits for the requests in flight (mode=wait),
+the interface check at start, and the platform defaults."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from rollout_helpers import perturbed, pull_all
+
+from lm.weight_sync import WeightStore
+from rollout_workers.config import RolloutConfig, SamplingConfig
+from rollout_workers.engines.base import SamplingParams
+from rollout_workers.engines.vllm_check import TESTED_VLLM, VLLMInterfaceMissing, check_vllm_interface
+from rollout_workers.worker import RolloutWorker
+
+pytestmark = pytest.mark.timeout(180)
+
+
+class WatchedEngine:
+    """The real engine, counting the groups in flight at once and the pushes' sizes' source."""
+
+    def __init__(self, engine):
+        self.engine, self.lock = engine, threading.Lock()
+        self.in_flight = self.most_in_flight = self.submitted = 0
+
+    def submit(self, prompt_ids, params):
+        request = self.engine.submit(prompt_ids, params)
+        with self.lock:
+            self.in_flight += 1
+            self.submitted += 1
+            self.most_in_flight = max(self.most_in_flight, self.in_flight)
+
+        def ended(_):
+            with self.lock:
+                self.in_flight -= 1
+
+        request.future.add_done_callback(ended)
+        return request
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+
+class PushSizes:
+    def __init__(self, client):
+        self.client, self.sizes = client, []
+
+    def push_and_acquire(self, groups, permit_ids, worker_id, count):
+        self.sizes.append(len(groups))
+        return self.client.push_and_acquire(groups, permit_ids, worker_id, count)
+
+    def __getattr__(self, name):
+        return getattr(self.client, name)
+
+
+def test_the_streaming_worker_keeps_its_bound_and_pushes_groups_as_they_end(tiny_model_dir, vllm_engine, buffer):
+    """Groups of 4 with room for 12 responses: 3 groups in flight at once, never more; every group
+    is tagged version 0 per token, the tickets are the data cursor, and the pushes carry what has
+    ended (one request may carry several groups)."""
+    cfg = RolloutConfig(model_path=str(tiny_model_dir), sampling=SamplingConfig(n=4, max_new_tokens=8, seed=0),
+                        weight_poll_s=0.0, acquire_timeout_s=0.2, error_backoff_s=0.0, max_requests_in_flight=12)
+    engine, client = WatchedEngine(vllm_engine), PushSizes(buffer)
+    worker = RolloutWorker(cfg, "worker-s", client, WeightStore(), engine=engine)
+    stats = worker.run(max_groups=9)
+    groups = pull_all(buffer, 9)
+    assert sorted(g.prompt_index for g in groups) == list(range(9))
+    assert all(set(s.token_versions.tolist()) == {0} and s.weight_version == 0 for g in groups for s in g.samples)
+    assert engine.most_in_flight == 3 and engine.submitted == 9
+    assert sum(client.sizes) == 9 and stats["groups_total"] == 9
+    assert stats["tokens_per_s"] > 0 and buffer.stats()["running"] == 0
+    worker.close()
+
+
+def test_a_load_with_mode_wait_lets_the_requests_in_flight_end_first(vllm_engine, tokenizer, restore_vllm_weights):
+    """interrupt_on_update=false on the streaming engine: the load waits for the requests in
+    flight, which end under the old version, and requests after it run under the new."""
+    prompt = tokenizer("12+34=", add_special_tokens=False)["input_ids"]
+    params = SamplingParams(n=2, max_new_tokens=8, stop_token_ids=(tokenizer.eos_token_id,), seed=1)
+    vllm_engine.pause_mode = "wait"
+    try:
+        start = vllm_engine.tokens_out_total
+        before = vllm_engine.submit(prompt, params)
+        wait_until(lambda: vllm_engine.tokens_out_total - start >= 2 or before.done())  # both are running
+        loader = threading.Thread(target=vllm_engine.load_weights, args=(5, perturbed(restore_vllm_weights, seed=6)))
+        loader.start()
+        first = before.result(60)
+        loader.join(60)
+        after = vllm_engine.submit(prompt, params).result(60)
+    finally:
+        vllm_engine.pause_mode = "keep"
+    assert all(set(versions) == {0} for _, versions in first), first
+    assert all(set(versions) == {5} for _, versions in after)
+    assert vllm_engine.version == 5 and vllm_engine.engine_weight_version() == "5"
+
+
+def wait_until(condition, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.001)
+
+
+def test_the_cpu_defaults_are_eager_and_seeded(vllm_engine):
+    assert vllm_engine.enforce_eager is True and vllm_engine.seed_requests is True
+
+
+def test_a_vllm_without_the_interface_is_refused_in_one_line_naming_the_version():
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    check_vllm_interface()  # the installed one has it all
+    lacking = type("OldAsyncLLM", (AsyncLLM,), {"pause_generation": None})
+
+    async def pause_without_mode(self, clear_cache=True): ...
+
+    old_signature = type("OlderAsyncLLM", (AsyncLLM,), {"pause_generation": pause_without_mode})
+    with pytest.raises(VLLMInterfaceMissing) as refused:
+        check_vllm_interface(lacking)
+    message = str(refused.value)
+    assert "\n" not in message and "AsyncLLM.pause_generation" in message and f"needs vllm {TESTED_VLLM}" in message
+    with pytest.raises(VLLMInterfaceMissing, match=r"pause_generation\(mode=\.\.\.\)"):
+        check_vllm_interface(old_signature)
