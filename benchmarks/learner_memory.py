@@ -91,9 +91,10 @@ def random_groups(batch_size: int, min_len: int, max_len: int, vocab: int, seed:
 
 
 def former_response_log_probs(model, prompts, responses, temperature=1.0, pad_id=0, with_entropy=False,
-                              entropy_grad=True, chunk_tokens=None):
+                              entropy_grad=True, chunk_tokens=None, packed=False, pack_width=None):
     """The log-probs as etarl computed them before the chunked head: float32 [B, L, V] logits of
-    every position, a log-softmax per row (the old path, for comparison; chunk_tokens is ignored)."""
+    every position, a log-softmax per row (the old path, for comparison; chunk_tokens is ignored,
+    and the old step never packs)."""
     input_ids, attention, response_mask, width = pad_sequences(prompts, responses, pad_id)
     device = next(model.parameters()).device
     logits = model(input_ids=input_ids.to(device), attention_mask=attention.to(device)).logits.float() / temperature
