@@ -1,0 +1,97 @@
+"""Evaluation on a rollout worker's engine (RolloutWorker.evaluate_heldout, driven by
+services/evaluation.py): one version for the whole evaluation. A weight load that comes while it
+runs waits for it, and a generation the worker's loop began before the first evaluation is waited
+for; the engine here is a stand-in that records who is inside it."""
+from __future__ import annotations
+
+import threading
+import time
+
+from rollout_workers.config import RolloutConfig
+from rollout_workers.engines.base import Completion, GenerationEngine
+from rollout_workers.worker import RolloutWorker
+from services.evaluation import heldout_metrics
+
+
+class GateEngine(GenerationEngine):
+    """Answers every request with EOS; a call waits on `release` while `hold` is set, and
+    `inside` counts the calls in progress (two at once would be a failure of the turns)."""
+
+    def __init__(self):
+        self.version = 0
+        self.inside = 0
+        self.overlaps = 0
+        self.hold = threading.Event()
+        self.release = threading.Event()
+        self.entered = threading.Event()
+
+    def _enter(self):
+        self.inside += 1
+        self.overlaps += self.inside > 1
+        self.entered.set()
+        if self.hold.is_set():
+            assert self.release.wait(10)
+
+    def generate_batch(self, requests, interrupt=None):
+        self._enter()
+        try:
+            return [[Completion([1], [0.0], "stop") for _ in range(params.n)] for _, params in requests]
+        finally:
+            self.inside -= 1
+
+    def load_weights(self, version, weights):
+        self._enter()
+        try:
+            self.version = version
+        finally:
+            self.inside -= 1
+
+
+def spec(**changes):
+    return {"num_prompts": 6, "seed": 0, "n_samples": 2, "temperature": 1.0, "max_new_tokens": 4,
+            "min_version": 0, "wait_s": 10.0, **changes}
+
+
+def test_an_evaluation_holds_one_version_and_waits_for_a_generation_in_flight(tiny_model_dir):
+    engine = GateEngine()
+    cfg = RolloutConfig(model_path=str(tiny_model_dir), reward="exact",
+                        task={"families": ["reverse"], "difficulties": [2], "num_prompts": 16})
+    worker = RolloutWorker(cfg, "worker-0", engine=engine)
+    worker._ensure_started()
+    try:
+        # The loop is inside a generation when the first evaluation comes: the evaluation waits for it.
+        engine.hold.set()
+        loop = threading.Thread(target=engine.generate_batch, args=([([3, 4], worker._sampling_params(0))],))
+        loop.start()
+        assert engine.entered.wait(10)
+        results = []
+        evaluation = threading.Thread(target=lambda: results.append(worker.evaluate_heldout(spec())))
+        evaluation.start()
+        time.sleep(0.3)
+        assert not results and engine.inside == 1  # still waiting for the loop's call to end
+        engine.release.set()
+        loop.join(10)
+        evaluation.join(10)
+        (out,) = results
+        assert out["version"] == 0 and len(out["greedy"]) == 6 and [len(r) for r in out["sampled"]] == [2] * 6
+        assert set(heldout_metrics(out["greedy"], out["sampled"], 2)) >= {"eval/accuracy", "eval/pass@2"}
+
+        # A weight load that comes during an evaluation waits until it has ended.
+        engine.hold.set()
+        engine.release.clear()
+        engine.entered.clear()
+        evaluation = threading.Thread(target=lambda: results.append(worker.evaluate_heldout(spec())))
+        evaluation.start()
+        assert engine.entered.wait(10)
+        load = threading.Thread(target=engine.load_weights, args=(1, {}))
+        load.start()
+        time.sleep(0.3)
+        assert engine.version == 0  # the load waits its turn
+        engine.release.set()
+        evaluation.join(10)
+        load.join(10)
+        assert results[-1]["version"] == 0 and engine.version == 1
+        assert engine.overlaps == 0
+    finally:
+        engine.release.set()
+        worker.close()
