@@ -29,9 +29,8 @@ def test_learner_memory_script_reports_every_measurement():
         assert set(printed) == sizes, text
         assert {b: float(v) for b, v in printed.items()} == summary[key]
     assert re.search(r"old step B=  16: not run, its float32 \[B, L, V\] logits alone are", text)
-    assert all(0.0 <= f < 1.0 for f in summary["padding_fraction"].values())
-    # The old path pads every row to the batch's longest; the planner sorts rows into passes.
-    assert summary["padding_fraction"]["16"] < 0.375 <= min(
+    # The old path pads every row to the batch's longest; the learner now packs.
+    assert summary["padding_fraction"]["16"] == 0.0 < 0.375 <= min(
         float(f) for f in re.findall(r"old step B=\s*\d+: .* padding ([\d.]+)", text))
     ratio = summary["peak_gib"]["16"] / summary["peak_gib"]["8"]
     assert abs(summary["peak_ratio_largest_vs_smallest"] - ratio) < 0.01
@@ -39,8 +38,12 @@ def test_learner_memory_script_reports_every_measurement():
     head = re.search(r"log-prob head, 2 x 32 tokens \(28 of them response\): chunked ([\d.]+) GiB, former ([\d.]+) "
                      r"GiB", text)
     assert head and float(head.group(1)) == summary["logprob_head_gib"]
-    speed = re.search(r"over (\d+) micro-batches, (\d+) tokens: learner (\d+) tokens/s, plain transformers (\d+)", text)
-    assert speed and int(speed.group(1)) >= 2
-    assert abs(summary["tokens_per_s_vs_plain"] - int(speed.group(3)) / int(speed.group(4))) < 0.01
+    speed = re.search(r"forward\+backward, (\d+) tokens: learner (\d+) tokens/s over (\d+) micro-batches \(packed: "
+                      r"True\), plain transformers (\d+) tokens/s over (\d+) padded ones; .* max \|diff\| (\S+)", text)
+    assert speed and int(speed.group(5)) >= 2
+    assert abs(summary["tokens_per_s_vs_plain"] - int(speed.group(2)) / int(speed.group(4))) < 0.01
+    # Packed micro-batches: no padding in the learner's steps, the same log-probs as padded ones.
+    assert summary["packing"] is True and set(summary["padding_fraction"].values()) == {0.0}
+    assert float(speed.group(6)) == summary["packed_vs_padded_max_abs_diff"] < 1e-4
     assert set(summary["goals"]) == {"peak_within_1.15x", "logprob_at_most_1/8_naive",
                                      "tokens_per_s_at_least_0.9x_plain"}
