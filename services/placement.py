@@ -335,7 +335,8 @@ def model_parameters(model: str) -> float | None:
 
 def _tensor_parallel(params: float | None, gpu_gib: float, node_gpus: int, free: int) -> tuple[int, str]:
     if params is None:
-        return 1, "model size unknown to the driver: tensor_parallel_size 1"
+        return 1, "model size unknown to the driver (run.model not readable here, or the built-in tiny model, " \
+                  "built at start): tensor_parallel_size 1"
     need = 2 * params / (ENGINE_WEIGHT_SHARE * gpu_gib * 2**30)
     tp = 1
     while tp < need and tp * 2 <= min(node_gpus, max(free, 1)):
