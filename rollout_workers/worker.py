@@ -759,15 +759,17 @@ class RolloutWorker:
         while self.engine.version < spec["min_version"] and time.monotonic() < deadline:
             time.sleep(0.05)  # the loop loads new weights between its generations
         engine, cfg = self.engine, self.config
+        # Every way in for new weights (a folder channel calls load_weights_folder) and the batch call.
+        turns = [n for n in ("generate_batch", "load_weights", "load_weights_folder") if hasattr(engine, n)]
         lock = self.__dict__.get("_eval_engine_lock")
-        if lock is None:  # from now on the engine's calls take turns (an RLock: generate may call itself)
+        if lock is None:  # from now on these calls take turns (an RLock: one may call another)
             lock = self._eval_engine_lock = threading.RLock()
-            for name in ("generate_batch", "load_weights"):
+            for name in turns:
                 def locked(*args, _inner=getattr(engine, name), **kwargs):
                     with lock:
                         return _inner(*args, **kwargs)
                 setattr(engine, name, locked)
-        codes = {getattr(type(engine), name).__code__ for name in ("generate_batch", "load_weights")}
+        codes = {getattr(type(engine), name).__code__ for name in turns}
 
         def engine_busy_elsewhere() -> bool:  # a call the loop began before the turns existed
             for thread_id, frame in sys._current_frames().items():

@@ -40,6 +40,9 @@ class GateEngine(GenerationEngine):
             self.inside -= 1
 
     def load_weights(self, version, weights):
+        self.load_weights_folder(version, None)
+
+    def load_weights_folder(self, version, folder):  # the folder channel's way in
         self._enter()
         try:
             self.version = version
@@ -91,6 +94,21 @@ def test_an_evaluation_holds_one_version_and_waits_for_a_generation_in_flight(ti
         evaluation.join(10)
         load.join(10)
         assert results[-1]["version"] == 0 and engine.version == 1
+
+        # The same for a load from a folder (the folder channel calls load_weights_folder).
+        engine.release.clear()
+        engine.entered.clear()
+        evaluation = threading.Thread(target=lambda: results.append(worker.evaluate_heldout(spec())))
+        evaluation.start()
+        assert engine.entered.wait(10)
+        load = threading.Thread(target=engine.load_weights_folder, args=(2, "/nonexistent"))
+        load.start()
+        time.sleep(0.3)
+        assert engine.version == 1
+        engine.release.set()
+        evaluation.join(10)
+        load.join(10)
+        assert results[-1]["version"] == 1 and engine.version == 2
         assert engine.overlaps == 0
     finally:
         engine.release.set()
