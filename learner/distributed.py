@@ -107,20 +107,31 @@ def shard_model(model, mixed_precision: str | None = None):
     return model
 
 
-def fill_shards(model, source, device: torch.device) -> None:
+def unique_state_names(model) -> list[str]:
+    """The model's state-dict names, a tied tensor under its first name only."""
+    seen: set[int] = set()
+    names = []
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            names.append(name)
+    return names
+
+
+def fill_shards(model, source_state, device: torch.device) -> None:
     """Give a model sharded on the meta device (`shard_model` of `lm.causal_lm.causal_lm_on_meta`)
-    its values: every rank allocates its own shards, rank 0 holds the `source` model (its single
-    read; None elsewhere) and sends each tensor once, one tensor at a time: a rank other than 0
-    never holds more than its shards and one full tensor. Every rank must call it."""
+    its values: every rank allocates its own shards; rank 0 reads each tensor from `source_state`
+    (a mapping by name: the folder's safetensors read tensor by tensor, or a loaded model's state
+    dict; None elsewhere) and sends it once, one tensor at a time: a rank never holds more than its
+    shards and one full tensor beyond what `source_state` holds. Every rank must call it."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     rank = dist.get_rank()
-    if (source is None) != (rank != 0):
-        raise ValueError(f"rank {rank}: the source model belongs to rank 0 only")
+    if (source_state is None) != (rank != 0):
+        raise ValueError(f"rank {rank}: the source belongs to rank 0 only")
     # to_empty() empties buffers too: they were computed at construction (not on meta), keep them.
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     model.to_empty(device=device)
-    source_state = source.state_dict() if source is not None else {}
     filled: set[int] = set()
     with torch.no_grad():
         for name, buffer in model.named_buffers():

@@ -53,10 +53,18 @@ from learner.checkpoint import (  # noqa: F401 (the part names: services.checkpo
 )
 from learner.config import LearnerConfig
 from learner.correction import compute_rollout_correction, is_batch_norm_sums, to_floats
-from learner.distributed import FullWeightBuckets, LocalComm, PeakRSS, fill_shards, shard_model
+from learner.distributed import (
+    FullWeightBuckets,
+    LocalComm,
+    PeakRSS,
+    fill_shards,
+    shard_model,
+    unique_state_names,
+)
 from learner.losses import compute_policy_loss, count_tokens_and_sequences, staleness_metrics
 from lm.causal_lm import (
     causal_lm_on_meta,
+    checkpoint_tensors,
     enable_gradient_checkpointing,
     load_causal_lm,
     response_log_probs,
@@ -202,21 +210,28 @@ class Learner:
         """The policy (or, not `trainable`, the frozen KL reference) on this rank. Without FSDP a
         full copy per rank. With FSDP sharded from the first byte: every rank builds it on the meta
         device and shards it, rank 0 alone reads the folder and sends each rank its shards
-        (`learner.distributed.fill_shards`): about one model copy of host memory per node, on rank
-        0, whatever the rank count, and the reference model the same way."""
+        (`learner.distributed.fill_shards`), tensor by tensor from the safetensors files when they
+        name every tensor as the model does (no rank holds the model on the host), else from the
+        model loaded whole on rank 0 (one copy per node); the reference model the same way."""
         cfg = self.config
         if not self._sharded:
             model = load_causal_lm(cfg.model_path, dtype=cfg.dtype, device=str(self.device))
             return self._prepare(model, trainable)
         model = self._prepare(causal_lm_on_meta(cfg.model_path, cfg.dtype), trainable)  # no values: ~0 bytes
+        source, whole = None, 0.0
+        if self.comm.rank == 0:
+            source = checkpoint_tensors(cfg.model_path, unique_state_names(model))
+            whole = float(source is None)
         # measured from here: the first build also imported transformers' model code (~200 MB)
         with PeakRSS() as peak:
             model = shard_model(model, cfg.mixed_precision)
-            source = load_causal_lm(cfg.model_path, dtype=cfg.dtype) if self.comm.rank == 0 else None
+            if whole:
+                source = load_causal_lm(cfg.model_path, dtype=cfg.dtype).state_dict()
             fill_shards(model, source, self.device)
             del source
         if trainable:
-            self.load_report = {"peak_host_bytes": float(peak.peak_bytes), "source_reads": float(self.comm.rank == 0)}
+            self.load_report = {"peak_host_bytes": float(peak.peak_bytes), "source_reads": float(self.comm.rank == 0),
+                                "whole_model_read": whole}
         return model
 
     def _prepare(self, model, trainable: bool):

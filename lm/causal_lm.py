@@ -64,6 +64,39 @@ def causal_lm_on_meta(path: str | os.PathLike, dtype: str = "float32"):
     return model
 
 
+class CheckpointTensors:
+    """The tensors of an HF folder's safetensors files by name, each read on its own when asked
+    (the file opened and closed around it: no mapping of the whole file stays resident)."""
+
+    def __init__(self, files_by_name: dict[str, Path]):
+        self.files_by_name = files_by_name
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.files_by_name
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        with safe_open(str(self.files_by_name[name]), framework="pt") as f:
+            return f.get_tensor(name)
+
+
+def checkpoint_tensors(path: str | os.PathLike, names) -> CheckpointTensors | None:
+    """The folder's safetensors tensors by name, if they hold every one of `names` under that
+    name (a model whose in-memory names differ, e.g. transformers 5's fused MoE experts, gets None:
+    load it whole instead)."""
+    from safetensors import safe_open
+
+    folder = check_model_dir(path)
+    files_by_name: dict[str, Path] = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            files_by_name.update(dict.fromkeys(f.keys(), file))
+    if not files_by_name or any(name not in files_by_name for name in names):
+        return None
+    return CheckpointTensors(files_by_name)
+
+
 def enable_gradient_checkpointing(model) -> None:
     """Keep only each decoder layer's input in the forward pass and recompute the layer in the
     backward pass (activation memory: one layer's worth instead of all of them). transformers
