@@ -207,8 +207,9 @@ def plan_buckets(sizes: list[int], bucket_bytes: int) -> list[list[int]]:
 class FullWeightBuckets:
     """The model's full weights, one bucket of at most `bucket_bytes` (in `dtype`) at a time.
 
-    Under FSDP2 each parameter is a DTensor shard: `full_tensor()` all-gathers it on its device and
-    the cast to `dtype` happens there, so a rank holds its shards plus one bucket, never the model.
+    Under FSDP2 each parameter is a DTensor shard: it is cast to `dtype` on its device (the gather
+    then moves bfloat16, not float32) and `full_tensor()` all-gathers it there, so a rank holds its
+    shards plus one bucket, never the model.
     Every rank must iterate to the end (each gather is a collective); only a rank with `keep` gets
     the tensors (moved to `out_device`, e.g. the CPU), the others get empty dicts. Names are the
     model's state-dict names, tied ones included (they share one tensor, gathered once, in one
@@ -250,11 +251,11 @@ class FullWeightBuckets:
             out: dict[str, torch.Tensor] = {}
             for i in bucket:
                 tensor = self._tensors[i].detach()
+                if self.dtype is not None:
+                    tensor = tensor.to(self.dtype)  # the shard, on its device: the gather moves the publish dtype
                 full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor  # a collective
                 if not self.keep:
                     continue
-                if self.dtype is not None:
-                    full = full.to(self.dtype)  # on the device, before any copy leaves it
                 if self.out_device is not None:
                     full = full.to(self.out_device)
                 for name in self._names[i]:
