@@ -5,16 +5,29 @@ Prints
     workload (prompts x n samples, temperature 1), and their ratio;
   - the behaviour log-prob gap to a float32 transformers forward pass (the learner's view) for a
     float32 and a bfloat16 vLLM sampler: the backend mismatch the learner must correct;
-  - weight-load latency: in place through an iterator (in-process engine core), through a
-    safetensors folder (engine core in its own process), and transformers load_state_dict.
+  - weight-load latency: vLLM (pause, reload from a safetensors folder the engine core reads,
+    resume; writing the folder included) and transformers load_state_dict.
+
+With --long-tail: the rollout worker's two loops on the same groups with long-tailed response
+lengths (most short, a few up to the context; no EOS, so each response runs its drawn length)
+and a reward costing ~5 ms per response (--reward-cost cpu: busy, a local verifier; wait: a
+remote one): the batch-synchronous loop (engine batches of
+--groups-per-batch groups, scored and pushed together) against the streaming worker (at most
+--in-flight responses, each group scored and pushed as it ends), each pushing to a real ZMQ
+buffer. Prints tokens/s of each, streaming_vs_batch_tokens_per_s, and the engine's idle
+fraction (wall time with no request in flight) and mean requests in flight; JSON summary last.
 
 Usage: OMP_NUM_THREADS=1 python benchmarks/generation.py [--prompts 64] [--n 8] [--repeats 3]
+       OMP_NUM_THREADS=1 python benchmarks/generation.py --long-tail [--groups 64] [--repeats 3]
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import random
 import statistics
+import sys
 import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -71,13 +84,109 @@ def load_latency(engine, state_dict, repeats: int) -> float:
     return statistics.median(times)
 
 
+class _LongTailWorker:
+    """Builds a RolloutWorker whose groups have drawn lengths: ticket t runs lengths[t] tokens."""
+
+    @staticmethod
+    def make(config, client, engine, lengths):
+        from lm.weight_sync import WeightStore
+        from rollout_workers.worker import RolloutWorker
+
+        class Worker(RolloutWorker):
+            def _sampling_params(self, ticket):
+                # no EOS: each response runs exactly its group's drawn length
+                return super()._sampling_params(ticket).with_(max_new_tokens=lengths[ticket], stop_token_ids=())
+
+        return Worker(config, "bench", client, WeightStore(), engine=engine)
+
+
+def long_tail_lengths(groups: int, longest: int, seed: int = 0) -> list[int]:
+    """Most groups short (4-8 tokens), a Pareto tail up to `longest` (the context's room)."""
+    rng = random.Random(seed)
+    return [min(longest, max(4, int(4 * rng.paretovariate(1.1)))) for _ in range(groups)]
+
+
+def one_loop(engine, model_dir, lengths, streaming: bool, args) -> dict:
+    from buffer.client import BufferClient
+    from buffer.config import BufferConfig, GateConfig
+    from buffer.server import BufferServer
+    from rollout_workers.config import RolloutConfig, SamplingConfig
+
+    server = BufferServer(BufferConfig(port=0, gate=GateConfig(batch_size=args.groups_per_batch, eta=None))).start()
+    client = BufferClient(server.endpoint)
+    reward = os.path.join(REPO, "benchmarks", "slow_reward.py") + f":slow_exact_{args.reward_cost}"
+    config = RolloutConfig(model_path=str(model_dir), reward=reward, streaming=streaming,
+                           groups_per_batch=args.groups_per_batch, max_requests_in_flight=args.in_flight,
+                           sampling=SamplingConfig(n=args.n, max_new_tokens=max(lengths), seed=0),
+                           task=TaskConfig(families=["reverse"], difficulties=[2, 3]),
+                           weight_poll_s=0.05, acquire_timeout_s=0.2)
+    worker = _LongTailWorker.make(config, client, engine, lengths)
+    try:
+        worker._ensure_started()  # the reward process starts before the clock
+        busy, request_s = engine.busy_s_total, engine.request_s_total
+        started = time.perf_counter()
+        stats = worker.run(max_groups=len(lengths))
+        wall = time.perf_counter() - started
+        busy, request_s = engine.busy_s_total - busy, engine.request_s_total - request_s
+    finally:
+        worker.close()
+        client.close()
+        server.stop()
+    assert stats["groups_total"] == len(lengths), stats
+    return {"tokens": stats["tokens_total"], "seconds": wall, "tokens_per_s": stats["tokens_total"] / wall,
+            "engine_idle_fraction": max(0.0, 1 - busy / wall), "mean_requests_in_flight": request_s / wall}
+
+
+def long_tail(args) -> None:
+    torch.set_num_threads(1)
+    model_dir = ensure_tiny_model(os.path.join(REPO, ".cache", "tiny-model"))
+    engine = VLLMEngine(model_dir, dtype="float32")
+    prompt_room = 16  # the reverse task's prompts are under 16 tokens here
+    lengths = long_tail_lengths(args.groups, engine.max_model_len - prompt_room)
+    print(f"long tail: {args.groups} groups x n={args.n}; lengths (tokens) median {statistics.median(lengths):.0f}, "
+          f"max {max(lengths)}, {sum(length > 16 for length in lengths)} groups over 16; reward ~5 ms each "
+          f"({args.reward_cost}); "
+          f"batch loop: {args.groups_per_batch} groups per engine batch; streaming: {args.in_flight} responses in flight")
+    one_loop(engine, model_dir, lengths[:args.groups_per_batch], True, args)  # warm-up
+    runs = {"batch": [], "streaming": []}
+    for _ in range(args.repeats):  # alternating, so drift on a shared machine hits both
+        for name in runs:
+            runs[name].append(one_loop(engine, model_dir, lengths, name == "streaming", args))
+            r = runs[name][-1]
+            print(f"  {name:9s} {r['tokens_per_s']:8.0f} tokens/s  {r['seconds']:6.2f} s  idle "
+                  f"{r['engine_idle_fraction']:.3f}  in flight {r['mean_requests_in_flight']:.1f}", flush=True)
+    engine.close()
+    med = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()}
+    summary = {
+        "groups": args.groups, "n": args.n, "tokens": med["batch"]["tokens"], "reward_cost": args.reward_cost,
+        "batch_tokens_per_s": round(med["batch"]["tokens_per_s"], 1),
+        "streaming_tokens_per_s": round(med["streaming"]["tokens_per_s"], 1),
+        "streaming_vs_batch_tokens_per_s": round(med["streaming"]["tokens_per_s"] / med["batch"]["tokens_per_s"], 3),
+        "batch_engine_idle_fraction": round(med["batch"]["engine_idle_fraction"], 3),
+        "streaming_engine_idle_fraction": round(med["streaming"]["engine_idle_fraction"], 3),
+        "batch_mean_requests_in_flight": round(med["batch"]["mean_requests_in_flight"], 1),
+        "streaming_mean_requests_in_flight": round(med["streaming"]["mean_requests_in_flight"], 1),
+        "repeats": args.repeats,
+    }
+    print(json.dumps(summary))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--long-tail", action="store_true", help="batch loop vs streaming worker (see above)")
+    parser.add_argument("--groups", type=int, default=64, help="--long-tail: groups per run")
+    parser.add_argument("--groups-per-batch", type=int, default=8, help="--long-tail: the batch loop's engine batch")
+    parser.add_argument("--in-flight", type=int, default=64, help="--long-tail: the streaming worker's bound")
+    parser.add_argument("--reward-cost", choices=["cpu", "wait"], default="cpu",
+                        help="--long-tail: the 5 ms of a reward are CPU (a local verifier) or waiting (a remote one)")
     args = parser.parse_args()
+    if args.long_tail:
+        sys.path.insert(0, REPO)
+        return long_tail(args)
     torch.set_num_threads(1)
 
     model_dir = ensure_tiny_model(os.path.join(REPO, ".cache", "tiny-model"))
@@ -97,7 +206,7 @@ def main() -> None:
     vllm_rate, vllm_tokens = tokens_per_second(vllm_fp32, requests, args.repeats)
     one_group_rate, _ = tokens_per_second(vllm_fp32, requests[:1], args.repeats)
     gap_fp32 = log_prob_gap(vllm_fp32, model, requests)
-    load_inproc_s = load_latency(vllm_fp32, state_dict, args.repeats)
+    load_vllm_s = load_latency(vllm_fp32, state_dict, args.repeats)
     vllm_fp32.close()
 
     hf = HFEngine(model_dir)
@@ -106,20 +215,19 @@ def main() -> None:
     load_hf_s = load_latency(hf, state_dict, args.repeats)
 
     started = time.perf_counter()
-    vllm_bf16 = VLLMEngine(model_dir, dtype="bfloat16", multiprocess=True)
+    vllm_bf16 = VLLMEngine(model_dir, dtype="bfloat16")
     bf16_start_s = time.perf_counter() - started
     bf16_rate, _ = tokens_per_second(vllm_bf16, requests, args.repeats)
     gap_bf16 = log_prob_gap(vllm_bf16, model, requests)
-    load_folder_s = load_latency(vllm_bf16, state_dict, args.repeats)
     vllm_bf16.close()
 
     print("\n== throughput (median of %d runs) ==" % args.repeats)
-    print(f"vLLM-CPU fp32 in-process, all prompts in one batch: {vllm_rate:9.0f} tokens/s ({vllm_tokens} tokens)")
-    print(f"vLLM-CPU fp32 in-process, one group of n={args.n}:      {one_group_rate:9.0f} tokens/s")
-    print(f"vLLM-CPU bf16 multiprocess, all prompts:           {bf16_rate:9.0f} tokens/s")
+    print(f"vLLM-CPU fp32, all prompts in one batch:           {vllm_rate:9.0f} tokens/s ({vllm_tokens} tokens)")
+    print(f"vLLM-CPU fp32, one group of n={args.n}:                {one_group_rate:9.0f} tokens/s")
+    print(f"vLLM-CPU bf16, all prompts:                        {bf16_rate:9.0f} tokens/s")
     print(f"transformers fp32 generate (per prompt, KV cache): {hf_rate:9.0f} tokens/s ({hf_tokens} tokens)")
     print(f"ratio vLLM fp32 / transformers:                    {vllm_rate / hf_rate:9.2f}x")
-    print(f"engine start-up: vLLM fp32 in-process {vllm_start_s:.1f}s, vLLM bf16 multiprocess {bf16_start_s:.1f}s")
+    print(f"engine start-up: vLLM fp32 {vllm_start_s:.1f}s, vLLM bf16 {bf16_start_s:.1f}s")
 
     print("\n== behaviour log-prob gap to the fp32 transformers forward (learner) ==")
     for name, gap in (("vLLM fp32", gap_fp32), ("vLLM bf16", gap_bf16), ("transformers fp32", gap_hf)):
@@ -128,10 +236,8 @@ def main() -> None:
     print(f"ratio bf16 / fp32 mean |dlogp|: {gap_bf16['mean_abs'] / max(gap_fp32['mean_abs'], 1e-12):.0f}x")
 
     print("\n== weight-load latency (median) ==")
-    print(f"vLLM in-process, reload_weights(iterator): {load_inproc_s * 1e3:8.1f} ms")
-    print(f"vLLM multiprocess, reload_weights(folder):  {load_folder_s * 1e3:8.1f} ms (includes writing the folder)")
-    print(f"transformers load_state_dict:             {load_hf_s * 1e3:8.1f} ms")
-    print(f"ratio folder / iterator: {load_folder_s / load_inproc_s:.1f}x")
+    print(f"vLLM pause, reload_weights(folder), resume: {load_vllm_s * 1e3:8.1f} ms (includes writing the folder)")
+    print(f"transformers load_state_dict:              {load_hf_s * 1e3:8.1f} ms")
 
 
 if __name__ == "__main__":

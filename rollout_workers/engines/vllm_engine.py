@@ -35,6 +35,7 @@ import logging
 import os
 import tempfile
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -181,6 +182,10 @@ class VLLMEngine(GenerationEngine):
         self.enforce_eager = cpu if enforce_eager is None else enforce_eager
         self.pause_s_total = 0.0  # time the engine was held paused by weight loads
         self.tokens_out_total = 0  # tokens streamed out, as they arrive
+        # Occupancy, on the loop thread: requests in flight now, seconds with at least one, and
+        # request-seconds (their integral): what a benchmark reads as the engine's idle share.
+        self.requests_in_flight, self.busy_s_total, self.request_s_total = 0, 0.0, 0.0
+        self._occupancy_at = time.perf_counter()
         self._ids = itertools.count()
         self._llm = None
         self._loop = _LoopThread("etarl-vllm-loop")
@@ -216,7 +221,9 @@ class VLLMEngine(GenerationEngine):
             raise
         self.vocab_size = self._llm.model_config.get_vocab_size()
         self.max_model_len = self._llm.model_config.max_model_len
-        self._weights_dir = tempfile.TemporaryDirectory(prefix="etarl-vllm-weights-")
+        # In memory where the node has it: a version is written here and read back by the core.
+        shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+        self._weights_dir = tempfile.TemporaryDirectory(prefix="etarl-vllm-weights-", dir=shm)
 
     # ---------------------------------------------------------------- generation
 
@@ -232,6 +239,7 @@ class VLLMEngine(GenerationEngine):
             top_k=params.top_k if params.top_k > 0 else -1,
             max_tokens=params.max_new_tokens,
             stop_token_ids=list(params.stop_token_ids),
+            ignore_eos=True,  # the stops are stop_token_ids (the worker puts EOS there), as in the other engines
             seed=params.seed + sample if seeded else None,
             logprobs=0,  # the sampled token's log-prob only
             detokenize=False,
@@ -245,7 +253,21 @@ class VLLMEngine(GenerationEngine):
                              f"exceeds the engine's max_model_len {self.max_model_len}")
         return prompt
 
+    def _occupancy(self, change: int) -> None:
+        now = time.perf_counter()
+        if self.requests_in_flight:
+            self.busy_s_total += now - self._occupancy_at
+            self.request_s_total += (now - self._occupancy_at) * self.requests_in_flight
+        self._occupancy_at, self.requests_in_flight = now, self.requests_in_flight + change
+
     async def _sample(self, prompt: list[int], vparams, into: _Partial, salt: str) -> None:
+        self._occupancy(+1)
+        try:
+            await self._stream(prompt, vparams, into, salt)
+        finally:
+            self._occupancy(-1)
+
+    async def _stream(self, prompt: list[int], vparams, into: _Partial, salt: str) -> None:
         request = {"prompt_token_ids": prompt, "cache_salt": salt}
         async for out in self._llm.generate(request, vparams, request_id=f"etarl-{next(self._ids)}"):
             for piece in out.outputs:
@@ -328,8 +350,6 @@ class VLLMEngine(GenerationEngine):
         self.version = -1
 
         async def swap():
-            import time
-
             paused = time.perf_counter()
             await self._llm.pause_generation(mode=self.pause_mode, clear_cache=False)
             try:
