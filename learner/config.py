@@ -176,6 +176,10 @@ class LearnerConfig(BaseModel):
         True, description="a micro-batch is its sequences concatenated (per-sequence positions, attention "
         "that never crosses a boundary) instead of right-padded to its longest: no padding, and the token "
         "budget counts real tokens; log-probs and losses equal the padded path")
+    attn_implementation: Optional[Literal["sdpa", "eager", "flash_attention_2", "flex_attention"]] = Field(
+        None, description="transformers' attention kernel for the policy and reference (None: sdpa). Packed "
+        "micro-batches: sdpa and eager take a block-diagonal mask ([tokens, tokens] per pass), "
+        "flash_attention_2 (CUDA, the flash-attn package) runs variable-length attention with no mask")
     shape_buckets: Literal["auto", "on", "off"] = Field(
         "auto", description="round a packed micro-batch's width up to one of a few sizes (4-7 x 2^k, at most "
         "25 % filler) so kernels are planned once per shape, not per step (auto: on with CUDA)")

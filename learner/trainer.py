@@ -215,9 +215,11 @@ class Learner:
         model loaded whole on rank 0 (one copy per node); the reference model the same way."""
         cfg = self.config
         if not self._sharded:
-            model = load_causal_lm(cfg.model_path, dtype=cfg.dtype, device=str(self.device))
+            model = load_causal_lm(cfg.model_path, dtype=cfg.dtype, device=str(self.device),
+                                   attn_implementation=cfg.attn_implementation)
             return self._prepare(model, trainable)
-        model = self._prepare(causal_lm_on_meta(cfg.model_path, cfg.dtype), trainable)  # no values: ~0 bytes
+        model = self._prepare(causal_lm_on_meta(cfg.model_path, cfg.dtype, cfg.attn_implementation),
+                              trainable)  # no values: ~0 bytes
         source, whole = None, 0.0
         if self.comm.rank == 0:
             source = checkpoint_tensors(cfg.model_path, unique_state_names(model))

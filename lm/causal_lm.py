@@ -30,15 +30,18 @@ def check_model_dir(path: str | os.PathLike) -> Path:
     return folder
 
 
-def load_causal_lm(path: str | os.PathLike, dtype: str = "float32", device: str = "cpu"):
+def load_causal_lm(path: str | os.PathLike, dtype: str = "float32", device: str = "cpu",
+                   attn_implementation: str | None = None):
+    """`attn_implementation`: transformers' attention kernel (None: its default, sdpa)."""
     from transformers import AutoModelForCausalLM
 
     folder = check_model_dir(path)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype(dtype))
+    extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype(dtype), **extra)
     return model.to(device)
 
 
-def causal_lm_on_meta(path: str | os.PathLike, dtype: str = "float32"):
+def causal_lm_on_meta(path: str | os.PathLike, dtype: str = "float32", attn_implementation: str | None = None):
     """The model of an HF folder with its parameters on the meta device (no memory, no values)
     and its buffers real (rotary frequencies are computed at construction and are in no
     checkpoint). For a sharded learner: shard it, then fill each rank's shards
@@ -56,7 +59,8 @@ def causal_lm_on_meta(path: str | os.PathLike, dtype: str = "float32"):
     # a torch.device("meta") context would put the buffers there too.
     handle = torch.nn.modules.module.register_module_parameter_registration_hook(to_meta)
     try:
-        model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype(dtype))
+        extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
+        model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype(dtype), **extra)
     finally:
         handle.remove()
     if any(p.device.type != "meta" for p in model.parameters()):
