@@ -117,6 +117,7 @@ def one_loop(engine, model_dir, lengths, streaming: bool, args) -> dict:
     reward = os.path.join(REPO, "benchmarks", "slow_reward.py") + f":slow_exact_{args.reward_cost}"
     config = RolloutConfig(model_path=str(model_dir), reward=reward, streaming=streaming,
                            groups_per_batch=args.groups_per_batch, max_requests_in_flight=args.in_flight,
+                           reward_processes=args.reward_processes if streaming else 1,
                            sampling=SamplingConfig(n=args.n, max_new_tokens=max(lengths), seed=0),
                            task=TaskConfig(families=["reverse"], difficulties=[2, 3]),
                            weight_poll_s=0.05, acquire_timeout_s=0.2)
@@ -137,6 +138,31 @@ def one_loop(engine, model_dir, lengths, streaming: bool, args) -> dict:
             "engine_idle_fraction": max(0.0, 1 - busy / wall), "mean_requests_in_flight": request_s / wall}
 
 
+def pause_per_update(engine, model_dir, args, updates: int = 3) -> dict[str, float]:
+    """Seconds a weight load holds the engine paused (median of `updates`), with 8 groups of 40-token
+    responses in flight: mode=keep (at the next step) and mode=wait (their end first)."""
+    state = {k: v.clone() for k, v in load_causal_lm(model_dir).state_dict().items()}
+    params = SamplingParams(n=args.n, max_new_tokens=40, seed=0)
+    out = {}
+    for mode in ("keep", "wait"):
+        engine.pause_mode, held = mode, []
+        for update in range(updates):
+            start = engine.tokens_out_total
+            requests = [engine.submit([5 + g, 6, 7, 8], params) for g in range(8)]
+            while engine.tokens_out_total - start < len(requests) * args.n:
+                time.sleep(0.001)  # every response under way (a token each, on average)
+            before = engine.pause_s_total
+            engine.load_weights(engine.version + 1, state)
+            held.append(engine.pause_s_total - before)
+            for request in requests:
+                request.result()
+        out[mode] = statistics.median(held)
+    engine.pause_mode = "keep"
+    print(f"  pause per update (8 groups in flight, median of {updates}): keep {out['keep'] * 1e3:.1f} ms, "
+          f"wait {out['wait'] * 1e3:.1f} ms")
+    return out
+
+
 def long_tail(args) -> None:
     torch.set_num_threads(1)
     model_dir = ensure_tiny_model(os.path.join(REPO, ".cache", "tiny-model"))
@@ -155,10 +181,12 @@ def long_tail(args) -> None:
             r = runs[name][-1]
             print(f"  {name:9s} {r['tokens_per_s']:8.0f} tokens/s  {r['seconds']:6.2f} s  idle "
                   f"{r['engine_idle_fraction']:.3f}  in flight {r['mean_requests_in_flight']:.1f}", flush=True)
+    pause_s = pause_per_update(engine, model_dir, args)
     engine.close()
     med = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()}
     summary = {
         "groups": args.groups, "n": args.n, "tokens": med["batch"]["tokens"], "reward_cost": args.reward_cost,
+        "streaming_reward_processes": args.reward_processes,
         "batch_tokens_per_s": round(med["batch"]["tokens_per_s"], 1),
         "streaming_tokens_per_s": round(med["streaming"]["tokens_per_s"], 1),
         "streaming_vs_batch_tokens_per_s": round(med["streaming"]["tokens_per_s"] / med["batch"]["tokens_per_s"], 3),
@@ -167,6 +195,7 @@ def long_tail(args) -> None:
         "batch_mean_requests_in_flight": round(med["batch"]["mean_requests_in_flight"], 1),
         "streaming_mean_requests_in_flight": round(med["streaming"]["mean_requests_in_flight"], 1),
         "repeats": args.repeats,
+        "pause_s_per_update_keep": round(pause_s["keep"], 4), "pause_s_per_update_wait": round(pause_s["wait"], 4),
     }
     print(json.dumps(summary))
 
@@ -181,6 +210,8 @@ def main() -> None:
     parser.add_argument("--groups", type=int, default=64, help="--long-tail: groups per run")
     parser.add_argument("--groups-per-batch", type=int, default=8, help="--long-tail: the batch loop's engine batch")
     parser.add_argument("--in-flight", type=int, default=64, help="--long-tail: the streaming worker's bound")
+    parser.add_argument("--reward-processes", type=int, default=1,
+                        help="--long-tail: the streaming worker's reward processes (the batch loop has one)")
     parser.add_argument("--reward-cost", choices=["cpu", "wait"], default="cpu",
                         help="--long-tail: the 5 ms of a reward are CPU (a local verifier) or waiting (a remote one)")
     args = parser.parse_args()

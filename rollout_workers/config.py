@@ -152,6 +152,9 @@ class RolloutConfig(_Strict):
     max_requests_in_flight: int = Field(
         64, ge=1, description="streaming: responses being generated at once at most (a group adds its n); "
         "permits bound it too")
+    reward_processes: int = Field(
+        1, ge=1, description="streaming: reward processes scoring groups at once, beside generation (each "
+        "takes a group's n responses in turn)")
     weight_poll_s: float = Field(0.2, ge=0, description="how often to ask the weight store for a new version")
     acquire_timeout_s: float = Field(1.0, gt=0, description="long-poll for a permit (the stop check runs between)")
     error_backoff_s: float = Field(1.0, ge=0, description="pause after a failed generation or push")

@@ -99,6 +99,7 @@ class RolloutWorker:
         self.prompt_format: PromptFormat | None = None
         self.prompts = None
         self.rewards: RewardRunner | None = None
+        self._more_rewards: list[RewardRunner] = []  # the streaming loop's scorers beyond the first
         self.agent: AgentLoop | None = None  # multi-turn rollouts
 
     # ---------------------------------------------------------------- set-up
@@ -119,6 +120,9 @@ class RolloutWorker:
         if self.rewards is None and not cfg.multi_turn.enabled:
             self.rewards = RewardRunner(cfg.reward, timeout_s=cfg.reward_timeout_s, cpu_s=cfg.reward_cpu_s,
                                         memory_mb=cfg.reward_memory_mb)
+        while not cfg.multi_turn.enabled and self._streams() and len(self._more_rewards) < cfg.reward_processes - 1:
+            self._more_rewards.append(RewardRunner(cfg.reward, timeout_s=cfg.reward_timeout_s, cpu_s=cfg.reward_cpu_s,
+                                                   memory_mb=cfg.reward_memory_mb))
         if self.agent is None and cfg.multi_turn.enabled:
             self.agent = AgentLoop(cfg.multi_turn, self.tokenizer, self.prompt_format)
 
@@ -238,9 +242,10 @@ class RolloutWorker:
             for ticket, problem, prompt, responses in zip(tickets, problems, prompts, generated)
         ]
 
-    def _make_group(self, ticket: int, problem: Problem, prompt_ids: list[int], responses, started_version: int) -> Group:
+    def _make_group(self, ticket: int, problem: Problem, prompt_ids: list[int], responses, started_version: int,
+                    rewards: RewardRunner | None = None) -> Group:
         texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c, _ in responses]
-        scored = self.rewards.score(texts, problem)
+        scored = (rewards or self.rewards).score(texts, problem)
         group_id = new_id()
         samples = [
             Sample(
@@ -341,7 +346,21 @@ class RolloutWorker:
         waiting: list = []  # permits not submitted yet
         pushed, asked_at = 0, 0.0
         poll_s = max(cfg.weight_poll_s, 0.02)
-        scorer = ThreadPoolExecutor(1, thread_name_prefix=f"{self.worker_id}-rewards")
+        # One scoring thread per reward process: a group takes a free process for its n responses.
+        import queue
+
+        runners: queue.SimpleQueue = queue.SimpleQueue()
+        for runner in [self.rewards, *self._more_rewards]:
+            runners.put(runner)
+
+        def score(*args):
+            runner = runners.get()
+            try:
+                return self._make_group(*args, rewards=runner)
+            finally:
+                runners.put(runner)
+
+        scorer = ThreadPoolExecutor(cfg.reward_processes, thread_name_prefix=f"{self.worker_id}-rewards")
         try:
             tick, busy = time.perf_counter(), False
             while not self._stop.is_set() and (max_groups is None or pushed < max_groups):
@@ -379,8 +398,7 @@ class RolloutWorker:
                             scored.append((permit, group))
                         continue
                     self._probe_prompt = prompt
-                    scoring[scorer.submit(self._make_group, permit.ticket, problem, prompt, responses,
-                                          version)] = permit
+                    scoring[scorer.submit(score, permit.ticket, problem, prompt, responses, version)] = permit
                 for future in [f for f in scoring if f.done()]:
                     permit = scoring.pop(future)
                     try:
@@ -708,8 +726,9 @@ class RolloutWorker:
 
     def close(self) -> None:
         self.stop()
-        if self.rewards is not None:
-            self.rewards.close()
+        for runner in [self.rewards, *self._more_rewards]:
+            if runner is not None:
+                runner.close()
         if self.agent is not None:
             self.agent.close()
         if self._owns_engine and self.engine is not None:
@@ -727,8 +746,14 @@ class RolloutWorker:
             reward_mean=float(np.mean(self._recent_rewards)) if self._recent_rewards else 0.0,
             last_error=self.last_error,
         )
+        pause_s = getattr(self.engine, "pause_s_total", None)
+        if pause_s is not None:  # time weight loads held the engine paused (vLLM)
+            c["engine_pause_s"] = float(pause_s)
         if self.rewards is not None:
             c.update(self.rewards.stats())
+            for runner in self._more_rewards:
+                for key, value in runner.stats().items():
+                    c[key] = c.get(key, 0) + value
         if self.agent is not None:
             c.update(self.agent.stats())
         return c

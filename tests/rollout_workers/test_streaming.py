@@ -57,10 +57,11 @@ class PushSizes:
 
 def test_the_streaming_worker_keeps_its_bound_and_pushes_groups_as_they_end(tiny_model_dir, vllm_engine, buffer):
     """Groups of 4 with room for 12 responses: 3 groups in flight at once, never more; every group
-    is tagged version 0 per token, the tickets are the data cursor, and the pushes carry what has
-    ended (one request may carry several groups)."""
+    is tagged version 0 per token, the tickets are the data cursor, the pushes carry what has
+    ended (one request may carry several groups), two reward processes score them."""
     cfg = RolloutConfig(model_path=str(tiny_model_dir), sampling=SamplingConfig(n=4, max_new_tokens=8, seed=0),
-                        weight_poll_s=0.0, acquire_timeout_s=0.2, error_backoff_s=0.0, max_requests_in_flight=12)
+                        weight_poll_s=0.0, acquire_timeout_s=0.2, error_backoff_s=0.0, max_requests_in_flight=12,
+                        reward_processes=2)
     engine, client = WatchedEngine(vllm_engine), PushSizes(buffer)
     worker = RolloutWorker(cfg, "worker-s", client, WeightStore(), engine=engine)
     stats = worker.run(max_groups=9)
@@ -70,6 +71,8 @@ def test_the_streaming_worker_keeps_its_bound_and_pushes_groups_as_they_end(tiny
     assert engine.most_in_flight == 3 and engine.submitted == 9
     assert sum(client.sizes) == 9 and stats["groups_total"] == 9
     assert stats["tokens_per_s"] > 0 and buffer.stats()["running"] == 0
+    assert stats["reward_calls_total"] == 9 * 4  # both reward processes' calls
+    assert stats["engine_pause_s"] == vllm_engine.pause_s_total
     worker.close()
 
 
