@@ -78,8 +78,6 @@ from lm.weight_sync import (
     Publication,
     WeightStore,
 )
-from lm.weight_sync.layout import cast
-from lm.weight_sync.payloads import to_shared_arrays
 
 # Loss-side metrics that are sums over the minibatch (each micro-batch adds its share).
 _ADDITIVE_METRICS = frozenset({"actor/pg_loss", "actor/entropy", "actor/kl_loss"})
@@ -644,32 +642,6 @@ class Learner:
         last = {k: v for k, v in self.publication.last.items() if k.endswith("_s") or k == "engines"}
         return {"version": self.version, "publish_s": time.perf_counter() - start,
                 "blocked_s": self.weight_guard.take_blocked_s(), "failures": self.publication.failures, **last}
-
-    def published(self, timeout: float = 120.0) -> dict | None:
-        """The board's live payload once the current version is out (None: not within `timeout`)."""
-        from lm.weight_sync.group import call
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            payload = call(self.publication.sender.board, "wait_live", self.version, deadline - time.monotonic())
-            if payload is not None:
-                return payload
-        return None
-
-    def weights_payload(self) -> dict | None:
-        """The current weights as one object-store payload, whatever the channel (the evaluator's
-        engine; a broadcast sends nothing it could read). Rank 0; every rank must call it."""
-        import ray
-
-        state = self._publishable()
-        if self.comm.rank != 0:
-            return None
-        dtype, release = self._publish_dtype(), self.weight_guard.read()
-        try:
-            ref = ray.put(to_shared_arrays(cast(state, dtype)))
-        finally:
-            release()
-        return {"version": self.version, "kind": "object_ref", "ref": [ref]}
 
     def close_weight_sync(self) -> None:
         if self.publication is not None:

@@ -39,12 +39,3 @@ class WeightPublisher:
             out["weight_sync/engines"] = float(t["engines"])
         return out
 
-    def latest(self, timeout: float = 300.0) -> dict | None:
-        """A payload of the current version the evaluator can resolve: the live one once it is out,
-        or, for a broadcast (which leaves nothing to read), one object-store copy made for it."""
-        if self._learner is None:
-            return None
-        payload = self._learner.published(timeout)
-        if payload is None or payload["kind"] == "broadcast":
-            return self._learner.weights_payload()
-        return payload
