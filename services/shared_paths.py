@@ -108,8 +108,10 @@ def check_shared_paths(run_dir: str | os.PathLike, readable: dict[str, str], pro
         report = "\n  ".join(f"node {nodes[node]}: {line}" for node, lines in failed.items() for line in lines)
         raise ConfigError(f"not every node sees the run's files where the driver does:\n  {report}\n"
                           f"  {_MOUNT_HINT}, or point run.run_dir / run.model / the data keys at such a folder")
-    log.info("shared paths: %d node(s) see the run folder, the model and the data (%.2fs)", len(nodes),
-             time.perf_counter() - started)
+    # One node is the common case and has nothing to report: said only where nodes were checked.
+    log.log(logging.INFO if len(nodes) > 1 else logging.DEBUG,
+            "shared paths: %d node(s) see the run folder, the model and the data (%.2fs)", len(nodes),
+            time.perf_counter() - started)
     return [nodes[n] for n in nodes]
 
 
