@@ -412,6 +412,12 @@ class LearnerGroup:
         timings. Every rank calls in: with FSDP, gathering the full weights is a collective."""
         return self._call_all("publish_weights")[0]
 
+    def published(self, timeout: float = 120.0) -> dict | None:
+        """The live payload once the current version is out (rank 0's board)."""
+        import ray
+
+        return ray.get(self.ranks[0].call.remote("published", timeout))
+
     def state_dict(self) -> dict:
         return self._call_all("state_dict")[0]
 

@@ -643,6 +643,17 @@ class Learner:
         return {"version": self.version, "publish_s": time.perf_counter() - start,
                 "blocked_s": self.weight_guard.take_blocked_s(), "failures": self.publication.failures, **last}
 
+    def published(self, timeout: float = 120.0) -> dict | None:
+        """The board's live payload once the current version is out (None: not within `timeout`)."""
+        from lm.weight_sync.group import call
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            payload = call(self.publication.sender.board, "wait_live", self.version, deadline - time.monotonic())
+            if payload is not None:
+                return payload
+        return None
+
     def close_weight_sync(self) -> None:
         if self.publication is not None:
             self.publication.close()
