@@ -42,7 +42,7 @@ def run_args(run_dir, model, port) -> list[str]:
     return [f"run.model={model}", f"run.run_dir={run_dir}", "run.steps=2000", "run.checkpoint_every=3",
             "run.eval_every=0", "eval.enabled=false", "run.progress=false", f"buffer.gate.eta={ETA}",
             f"buffer.gate.batch_size={B}", "buffer.gate.permit_lease_s=5", "rollout.sampling.n=4",
-            "rollout.groups_per_batch=2", "rollout.max_requests_in_flight=8", "ray.num_cpus=2", "ray.worker_num_cpus=0", "ray.learner_num_cpus=0",
+            "rollout.groups_per_batch=2", "rollout.streaming=false", "ray.num_cpus=2", "ray.worker_num_cpus=0", "ray.learner_num_cpus=0",
             "ray.worker_max_restarts=2", f"metrics.port={port}"]
 
 
