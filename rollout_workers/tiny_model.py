@@ -1,6 +1,8 @@
 """The tiny-model kit: a character tokenizer trained locally with `tokenizers`, a small Qwen2-style
 causal LM built from a config, and a short supervised warm start on the built-in tasks, saved as
 an ordinary HF folder (loaded by `lm.causal_lm.load_causal_lm`, by transformers and by vLLM).
+`num_experts > 0` (`run.model: tiny-moe`, `TinyModelSpec.moe`) builds a Qwen3-MoE instead: the
+same tokenizer, attention and warm start, every MLP a top-k routed mixture of experts.
 
 The tokenizer carries a small chat template (two added special tokens mark the turns; the end of
 a turn is EOS), so chat-formatted prompts work end to end with the tiny model too; the warm start
@@ -63,12 +65,29 @@ class TinyModelSpec(BaseModel):
     tool_transcripts: float = Field(
         0.0, ge=0.0, le=1.0, description="fraction of warm-start examples that are calculator tool transcripts "
         "(the rest answer directly); > 0 adds the tool tokens to the tokenizer")
+    num_experts: int = Field(0, ge=0, le=256, description="0: a dense Qwen2; > 0: a Qwen3-MoE with this many "
+                             "experts per layer (expert ids fit the routing field's uint8)")
+    experts_per_token: int = Field(2, ge=1, description="MoE: the router's top-k")
+    expert_intermediate_size: int = Field(128, ge=1, description="MoE: each expert's MLP width")
+    router_aux_loss_coef: float = Field(0.001, ge=0, description="MoE: the load-balancing loss's weight in "
+                                        "the warm start (Qwen3-MoE's default; RL adds none)")
 
     def cache_key(self) -> str:
-        # A spec without tool transcripts hashes as it did before the field existed (same folder).
-        fields = self.model_dump(exclude={"tool_transcripts"} if not self.tool_transcripts else set())
+        # A spec without tool transcripts (or experts) hashes as it did before the field existed (same folder).
+        exclude = set() if self.tool_transcripts else {"tool_transcripts"}
+        if not self.num_experts:
+            exclude |= {"num_experts", "experts_per_token", "expert_intermediate_size", "router_aux_loss_coef"}
+        fields = self.model_dump(exclude=exclude)
         blob = json.dumps({"build": BUILD_VERSION, **fields}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+    def moe(self) -> "TinyModelSpec":
+        """This spec as a mixture of experts (8 experts, top-2, unless it already has experts)."""
+        if self.num_experts:
+            return self
+        if self.experts_per_token > 8:
+            raise ValueError(f"experts_per_token={self.experts_per_token} exceeds the 8 experts of tiny-moe")
+        return self.model_copy(update={"num_experts": 8})
 
 
 def build_tokenizer(tool_tokens: bool = False):
@@ -94,6 +113,8 @@ def build_tokenizer(tool_tokens: bool = False):
 
 
 def build_model(spec: TinyModelSpec, vocab_size: int, tokenizer):
+    if spec.num_experts:
+        return _build_moe_model(spec, vocab_size, tokenizer)
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     config = Qwen2Config(
@@ -112,6 +133,35 @@ def build_model(spec: TinyModelSpec, vocab_size: int, tokenizer):
     )
     torch.manual_seed(spec.seed)
     return Qwen2ForCausalLM(config)
+
+
+def _build_moe_model(spec: TinyModelSpec, vocab_size: int, tokenizer):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    if spec.experts_per_token > spec.num_experts:
+        raise ValueError(f"experts_per_token={spec.experts_per_token} exceeds num_experts={spec.num_experts}")
+    config = Qwen3MoeConfig(
+        vocab_size=vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        moe_intermediate_size=spec.expert_intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        head_dim=spec.hidden_size // spec.num_heads,  # Qwen3 sets it apart (default 128)
+        num_experts=spec.num_experts,
+        num_experts_per_tok=spec.experts_per_token,
+        norm_topk_prob=True,  # as Qwen3-30B-A3B: the top-k gate weights sum to 1
+        router_aux_loss_coef=spec.router_aux_loss_coef,
+        max_position_embeddings=spec.max_positions,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.eos_token_id,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(spec.seed)
+    return Qwen3MoeForCausalLM(config)
 
 
 def encode_problem(tokenizer, problem: Problem) -> tuple[list[int], list[int]]:
@@ -168,7 +218,10 @@ def warm_start(model, tokenizer, spec: TinyModelSpec, log=print) -> None:
     model.train()
     for step in range(spec.warm_start_steps):
         ids, attention, labels = _sft_batch(tokenizer, [example(p) for p in rng.sample(problems, spec.batch_size)])
-        loss = model(input_ids=ids, attention_mask=attention, labels=labels).loss
+        # MoE: the load-balancing loss joins the LM loss (output_router_logits), as the architecture
+        # trains; without it the router collapses onto few experts.
+        moe = {"output_router_logits": True} if spec.num_experts else {}
+        loss = model(input_ids=ids, attention_mask=attention, labels=labels, **moe).loss
         optimizer.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -30,7 +30,8 @@ class RunConfig(BaseModel):
     steps: int = Field(40, ge=1, description="learner steps (weight versions) to run")
     seed: int = 0
     run_dir: Optional[str] = Field(None, description="where logs, plots and checkpoints go; None: runs/<time>")
-    model: str = Field("tiny", description="HF model folder, or 'tiny': the built-in warm-started tiny model")
+    model: str = Field("tiny", description="HF model folder, or 'tiny': the built-in warm-started tiny model "
+                       "('tiny-moe': the same as a Qwen3 mixture of experts, 8 experts, top-2)")
     cache_dir: str = Field(".cache", description="where the tiny model is built once and reused")
     tiny_model: TinyModelSpec = Field(default_factory=TinyModelSpec, description="the tiny model "
                                       "(model: tiny): its size and how far its supervised warm start goes")
@@ -164,6 +165,7 @@ from learner.config import LearnerConfig  # noqa: E402
 from rollout_workers.config import RolloutConfig  # noqa: E402
 
 TINY_MODEL = "tiny"
+TINY_MOE_MODEL = "tiny-moe"  # run.tiny_model as a mixture of experts (TinyModelSpec.moe)
 MODES = {"synchronous": 0, "one_step_off": 1}
 
 

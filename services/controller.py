@@ -34,7 +34,8 @@ from rollout_workers.agent_loop import multi_turn_metrics
 from rollout_workers.rewards import reward_metrics
 from services import checkpoint as ckpt
 from services.buffer_handle import BufferHandle
-from services.config import TINY_MODEL, ConfigError, EtarlConfig, build_config, fill_sample_limits, read_yaml
+from services.config import (TINY_MODEL, TINY_MOE_MODEL, ConfigError, EtarlConfig, build_config, fill_sample_limits,
+                             read_yaml)
 from services.inputs import check_run_inputs
 from services.learner_failures import LearnerFailures
 from services.placement import Placement, start_ray
@@ -69,13 +70,15 @@ class RunResult:
 
 
 def resolve_model(cfg: EtarlConfig) -> Path:
-    """run.model as an HF folder; `tiny` builds (once, cached) the warm-started tiny model."""
+    """run.model as an HF folder; `tiny` (`tiny-moe`) builds (once, cached) the warm-started tiny model
+    (as a mixture of experts)."""
     from lm.causal_lm import check_model_dir
 
-    if cfg.run.model == TINY_MODEL:
+    if cfg.run.model in (TINY_MODEL, TINY_MOE_MODEL):
         from rollout_workers.tiny_model import ensure_tiny_model
 
-        return ensure_tiny_model(Path(cfg.run.cache_dir) / "tiny-model", cfg.run.tiny_model, log=log.info)
+        spec = cfg.run.tiny_model.moe() if cfg.run.model == TINY_MOE_MODEL else cfg.run.tiny_model
+        return ensure_tiny_model(Path(cfg.run.cache_dir) / "tiny-model", spec, log=log.info)
     try:
         return check_model_dir(cfg.run.model)
     except FileNotFoundError as exc:

@@ -323,7 +323,7 @@ def model_parameters(model: str) -> float | None:
     import json
 
     folder = Path(model)
-    if model == "tiny" or not (folder / "config.json").is_file():
+    if model in ("tiny", "tiny-moe") or not (folder / "config.json").is_file():
         return None
     try:
         dtype = json.loads((folder / "config.json").read_text()).get("torch_dtype") or "bfloat16"
