@@ -6,7 +6,10 @@ token_versions, token_rewards]` (`GROUP_FRAMES` frames, whatever the group size)
 lengths; each array frame holds that field of every sample back to back, in sample order, as raw
 little-endian values (token_rewards only of the samples that have them). Field-major frames keep
 the cost of a group flat in its size: validation is a few numpy calls per field, not per sample,
-and ZMQ moves 7 frames, not 5 per sample. Encoding copies each field once (the concatenation);
+and ZMQ moves 7 frames, not 5 per sample. A group of an MoE policy carries the routing
+(`Sample.routed_experts`) too: an eighth frame with every sample's [T, layers, k] expert ids back
+to back, and a `routing` map {layers, k, dtype} in the group header (the same shape for every
+sample of the group); a dense group's bytes are unchanged. Encoding copies each field once (the concatenation);
 decoding wraps the received frames with `np.frombuffer` and hands every sample read-only views
 into them.
 
@@ -28,7 +31,7 @@ layout, checked by size), lengths that agree, token ids >= 0 and below the vocab
 (`limits.vocab_size`), prompt + response within the context (`limits.max_sequence_tokens`), a
 header within `limits.max_header_bytes` and msgpack's item bounds, finite log-probs <= 0, loss mask in
 {0, 1}, finite rewards, versions not ahead of the learner (`max_version`) and not before the
-sample's start version, and the configured size limits.
+sample's start version, expert ids in range (`limits.num_experts`) and the configured size limits.
 """
 from __future__ import annotations
 
@@ -44,11 +47,12 @@ import numpy as np
 
 from buffer.config import SampleLimits
 from buffer.errors import ProtocolError, SampleError
-from buffer.sample import ARRAY_FIELDS, Group, Sample, as_field_array
+from buffer.sample import ARRAY_FIELDS, ROUTING_DTYPES, Group, Sample, as_field_array, as_routing_array
 
 PROTOCOL_VERSION = 2
 _DEFAULT_LIMITS = SampleLimits()
 GROUP_FRAMES = 1 + len(ARRAY_FIELDS)
+ROUTED_GROUP_FRAMES = GROUP_FRAMES + 1  # an MoE group: the routing frame last
 
 _LITTLE = sys.byteorder == "little"
 _SAMPLE_KEYS = {
@@ -56,6 +60,9 @@ _SAMPLE_KEYS = {
     "metadata", "n_prompt", "n_response", "has_token_rewards",
 }
 _GROUP_KEYS = {"v", "group_id", "prompt_index", "samples"}
+_ROUTING_KEYS = {"layers", "k", "dtype"}
+_ROUTING_WIRE = {dtype.name: dtype.newbyteorder("<") for dtype in ROUTING_DTYPES}
+_MAX_ROUTING_WIDTH = 1 << 16  # layers x k of one token: far above any model, a bound on forged headers
 _PER_TOKEN = ("rollout_log_probs", "loss_mask", "token_versions", "token_rewards")
 _WIRE_DTYPES = {name: dtype.newbyteorder("<") for name, dtype in ARRAY_FIELDS.items()}
 _MAX_PACKED_FRAMES = 64
@@ -134,7 +141,41 @@ def encode_group(group: Group) -> list:
         })
     header = {"v": PROTOCOL_VERSION, "group_id": group.group_id, "prompt_index": int(group.prompt_index),
               "samples": metas}
-    return [pack(header), *(_wire_array(parts[name], dtype) for name, dtype in ARRAY_FIELDS.items())]
+    routing = _routing_frame(group.samples)
+    frames = [_wire_array(parts[name], dtype) for name, dtype in ARRAY_FIELDS.items()]
+    if routing is None:
+        return [pack(header), *frames]
+    header["routing"], frame = routing
+    return [pack(header), *frames, frame]
+
+
+def _routing_frame(samples) -> tuple[dict, np.ndarray] | None:
+    """(the header's routing map, the frame) of a group whose samples carry routing; None when none
+    does. Every sample must, with one [layers, k] shape and a row per response token."""
+    routed = [s for s in samples if s.routed_experts is not None]
+    if not routed:
+        return None
+    shape = np.shape(routed[0].routed_experts)[1:]
+    parts = []
+    for s in samples:
+        r = s.routed_experts
+        if r is None and not len(s.response_ids):  # no tokens, no routing (an episode that failed at once)
+            r = np.zeros((0, *shape), np.uint8)
+        if r is not None:
+            r = as_routing_array(r, s.sample_id)  # a field set after construction is checked here too
+        if r is None:
+            raise SampleError("routed_experts", s.sample_id, f"is missing while sample {routed[0].sample_id!r} of "
+                                                             "the group carries routing (all or none)")
+        if r.shape[1:] != shape:
+            raise SampleError("routed_experts", s.sample_id, f"has [layers, k] {list(r.shape[1:])}, sample "
+                                                             f"{routed[0].sample_id!r} of the group {list(shape)}")
+        if r.shape[0] != len(s.response_ids):
+            raise SampleError("routed_experts", s.sample_id, f"has {r.shape[0]} rows, response_ids has "
+                                                             f"{len(s.response_ids)} tokens")
+        parts.append(r)
+    dtype = max((r.dtype for r in parts), key=lambda d: d.itemsize)
+    frame = _wire_array([r.astype(dtype, copy=False).reshape(-1) for r in parts], dtype)
+    return {"layers": int(shape[0]), "k": int(shape[1]), "dtype": dtype.name}, frame
 
 
 def _wire_array(parts: list, dtype: np.dtype) -> np.ndarray:
@@ -157,6 +198,7 @@ class GroupView:
     samples: list[dict]  # the sample headers
     arrays: dict[str, np.ndarray]
     offsets: dict[str, list[int]]
+    routing: dict | None = None  # {layers, k, dtype} of an MoE group (its ids in arrays["routed_experts"])
 
     @property
     def sample_ids(self) -> list[str]:
@@ -177,6 +219,15 @@ class GroupView:
             return None
         return self.arrays[name][start:end]
 
+    def routed_experts(self, k: int) -> np.ndarray | None:
+        """Sample k's [T, layers, k] expert ids (a view), None in a dense group."""
+        if self.routing is None:
+            return None
+        width = self.routing["layers"] * self.routing["k"]
+        start, end = self.offsets["response_ids"][k], self.offsets["response_ids"][k + 1]
+        ids = self.arrays["routed_experts"][start * width:end * width]
+        return ids.reshape(end - start, self.routing["layers"], self.routing["k"])
+
 
 def check_group(frames: Sequence, limits: SampleLimits | None = None, max_version: int | None = None) -> GroupView:
     """Validate one group from its frames (bytes, memoryview or zmq.Frame) without building samples."""
@@ -185,8 +236,10 @@ def check_group(frames: Sequence, limits: SampleLimits | None = None, max_versio
         raise ProtocolError("a group needs at least a header frame", "bad_group")
     header = unpack(frames[0], limits)
     _check_group_header(header, limits)
-    if len(frames) != GROUP_FRAMES:
-        raise ProtocolError(f"group {header['group_id']!r}: expected {GROUP_FRAMES} frames, got {len(frames)}",
+    routing = header.get("routing")
+    expected = GROUP_FRAMES if routing is None else ROUTED_GROUP_FRAMES
+    if len(frames) != expected:
+        raise ProtocolError(f"group {header['group_id']!r}: expected {expected} frames, got {len(frames)}",
                             "bad_frame_count")
     metas = header["samples"]
     seen = set()
@@ -204,12 +257,38 @@ def check_group(frames: Sequence, limits: SampleLimits | None = None, max_versio
             raise SampleError(name, None, f"frame has {size} bytes, expected {n * dtype.itemsize} for {dtype}[{n}] "
                                           f"(group {header['group_id']!r})")
         arrays[name] = np.frombuffer(frame, dtype=dtype, count=n)
-    view = GroupView(header["group_id"], header["prompt_index"], metas, arrays, offsets)
+    if routing is not None:
+        dtype = _ROUTING_WIRE[routing["dtype"]]
+        n = offsets["response_ids"][-1] * routing["layers"] * routing["k"]
+        frame = frames[-1]
+        size = len(frame) if type(frame) is bytes else memoryview(frame).nbytes
+        if size != n * dtype.itemsize:
+            raise SampleError("routed_experts", None, f"frame has {size} bytes, expected {n * dtype.itemsize} for "
+                                                      f"{dtype}[{n}] (group {header['group_id']!r})")
+        arrays["routed_experts"] = np.frombuffer(frame, dtype=dtype, count=n)
+    view = GroupView(header["group_id"], header["prompt_index"], metas, arrays, offsets, routing)
     if not _arrays_valid(view, max_version, limits.vocab_size):
         for k in range(len(metas)):
             _check_sample_arrays(view, k, max_version, limits.vocab_size)
         raise SampleError("samples", None, f"group {view.group_id!r} failed an array check")  # unreachable
+    if routing is not None:
+        _check_routing(view, limits.num_experts)
     return view
+
+
+def _check_routing(view: GroupView, num_experts: int | None) -> None:
+    """Expert ids >= 0 and below `num_experts` (when known); the error names the sample."""
+    ids = view.arrays["routed_experts"]
+    if not ids.size or (ids.min() >= 0 and (num_experts is None or ids.max() < num_experts)):
+        return
+    for k, meta in enumerate(view.samples):
+        mine = view.routed_experts(k)
+        bad = np.argwhere((mine < 0) | (mine >= (num_experts if num_experts is not None else np.inf)))
+        if len(bad):
+            t, layer, slot = (int(x) for x in bad[0])
+            raise SampleError("routed_experts", meta["sample_id"],
+                              f"expert id {int(mine[t, layer, slot])} at token {t}, layer {layer} is not in "
+                              f"[0, {num_experts if num_experts is not None else 'inf'})")
 
 
 def decode_group(frames: Sequence, limits: SampleLimits | None = None, max_version: int | None = None) -> Group:
@@ -218,7 +297,7 @@ def decode_group(frames: Sequence, limits: SampleLimits | None = None, max_versi
     samples = [
         Sample(sample_id=m["sample_id"], group_id=view.group_id, reward=float(m["reward"]),
                weight_version=m["weight_version"], worker_id=m["worker_id"], created_at=float(m["created_at"]),
-               finish_reason=m["finish_reason"], metadata=m["metadata"],
+               finish_reason=m["finish_reason"], metadata=m["metadata"], routed_experts=view.routed_experts(k),
                **{name: view.field(name, k) for name in ARRAY_FIELDS})
         for k, m in enumerate(view.samples)
     ]
@@ -231,9 +310,9 @@ def pulled_limits(limits: SampleLimits) -> SampleLimits:
     did not (a log written under other limits) reaches the learner, which checks the vocabulary
     against its own model and refuses the batch naming the sample, so the run hands it back and
     the buffer drops it as poisoned, instead of a pull failing for good."""
-    if limits.vocab_size is None and limits.max_sequence_tokens is None:
+    if limits.vocab_size is None and limits.max_sequence_tokens is None and limits.num_experts is None:
         return limits
-    return limits.model_copy(update={"vocab_size": None, "max_sequence_tokens": None})
+    return limits.model_copy(update={"vocab_size": None, "max_sequence_tokens": None, "num_experts": None})
 
 
 def validate_group(group: Group, limits: SampleLimits | None = None, max_version: int | None = None) -> None:
@@ -268,8 +347,20 @@ def _check_group_header(header, limits: SampleLimits) -> None:
     if header.get("v") != PROTOCOL_VERSION:
         raise ProtocolError(f"group protocol version {header.get('v')!r}, expected {PROTOCOL_VERSION}",
                             "bad_protocol_version")
-    if set(header) != _GROUP_KEYS:
-        raise ProtocolError(f"group header keys {sorted(header, key=str)}, expected {sorted(_GROUP_KEYS)}", "bad_group")
+    if set(header) != _GROUP_KEYS and set(header) != _GROUP_KEYS | {"routing"}:
+        raise ProtocolError(f"group header keys {sorted(header, key=str)}, expected {sorted(_GROUP_KEYS)} "
+                            f"(and 'routing')", "bad_group")
+    routing = header.get("routing")
+    if routing is not None:
+        if not isinstance(routing, dict) or set(routing) != _ROUTING_KEYS:
+            raise ProtocolError(f"group routing must be a map of {sorted(_ROUTING_KEYS)}", "bad_group")
+        layers, k = routing["layers"], routing["k"]
+        if not (_is_int(layers) and _is_int(k) and layers >= 1 and k >= 1 and layers * k <= _MAX_ROUTING_WIDTH):
+            raise SampleError("routed_experts", None, f"routing of [layers, k] [{layers!r:.20}, {k!r:.20}]: both "
+                                                      f"must be ints >= 1, layers x k <= {_MAX_ROUTING_WIDTH}")
+        if routing["dtype"] not in _ROUTING_WIRE:
+            raise SampleError("routed_experts", None, f"routing dtype {routing['dtype']!r:.20} is not one of "
+                                                      f"{sorted(_ROUTING_WIRE)}")
     group_id = header["group_id"]
     if not isinstance(group_id, str) or not group_id or len(group_id) > limits.max_string_chars:
         raise SampleError("group_id", None, f"must be a non-empty string of at most {limits.max_string_chars} chars")

@@ -93,6 +93,9 @@ class SampleLimits(_Strict):
     max_sequence_tokens: int | None = Field(
         None, ge=1, description="prompt + response tokens of one sample; None: unchecked (a run fills it with the "
         "rollout engine's context: rollout.engine.max_model_len, else the model's)")
+    num_experts: int | None = Field(
+        None, ge=1, description="MoE: routed expert ids must be below this; None: unchecked (the learner checks "
+        "them against its model)")
     # msgpack decodes a header whole before any type check, and tiny items become large objects
     # (2 MB of empty maps are 144 MB of dicts): headers are small, so they are bounded in bytes.
     max_header_bytes: int = Field(

@@ -5,6 +5,12 @@ rewards float32, loss mask uint8 (1 = policy token, 0 = tool/environment token),
 int32. Lists or other numeric arrays are converted on construction when that loses nothing; a
 lossy conversion is a `SampleError`. Full validation (finite log-probs <= 0, versions not ahead
 of the learner, size limits) happens in `buffer.codec.validate_group`, which every decode runs.
+
+`routed_experts` (MoE policies only; None for dense ones) is the router's top-k expert ids of
+every MoE layer for every response token, [T, layers, k], uint8 (or int16 past 256 experts). Row
+t is the routing of the forward position that sampled token t (the one before it), the positions
+the learner replays (`learner.routing_replay`); rows of tool tokens (loss_mask 0) carry no
+routing (zeros, never replayed).
 """
 from __future__ import annotations
 
@@ -27,6 +33,26 @@ ARRAY_FIELDS: dict[str, np.dtype] = {
     "token_versions": np.dtype(np.int32),
     "token_rewards": np.dtype(np.float32),
 }
+
+ROUTING_DTYPES = (np.dtype(np.uint8), np.dtype(np.int16))  # compact expert ids; int16 past 256 experts
+
+
+def as_routing_array(value, sample_id: str | None) -> np.ndarray:
+    """`value` as a [T, layers, k] array of expert ids in uint8 (int16 when an id needs it);
+    refuses other shapes and conversions that lose data."""
+    if type(value) is np.ndarray and value.dtype in ROUTING_DTYPES and value.ndim == 3:
+        return value
+    arr = np.asarray(value)
+    if arr.ndim != 3:
+        raise SampleError("routed_experts", sample_id, f"expected a [tokens, layers, k] array, got shape {arr.shape}")
+    if arr.dtype in ROUTING_DTYPES:
+        return arr
+    if arr.size and arr.dtype.kind not in "biu":
+        raise SampleError("routed_experts", sample_id, f"expert ids must be integers, got dtype {arr.dtype}")
+    low, high = (int(arr.min()), int(arr.max())) if arr.size else (0, 0)
+    if low < 0 or high > np.iinfo(np.int16).max:
+        raise SampleError("routed_experts", sample_id, f"expert ids must lie in [0, 32767], got {low}..{high}")
+    return arr.astype(np.uint8 if high < 256 else np.int16)
 
 
 def as_field_array(value, field_name: str, sample_id: str | None) -> np.ndarray:
@@ -70,6 +96,7 @@ class Sample:
     created_at: float = field(default_factory=time.time)
     finish_reason: str = ""
     metadata: dict[str, MetadataValue] = field(default_factory=dict)
+    routed_experts: np.ndarray | None = None  # uint8/int16 [T, layers, k]: MoE routing, None for dense models
 
     def __post_init__(self):
         sid = self.sample_id
@@ -82,6 +109,8 @@ class Sample:
         self.token_versions = as_field_array(self.token_versions, "token_versions", sid)
         if self.token_rewards is not None:
             self.token_rewards = as_field_array(self.token_rewards, "token_rewards", sid)
+        if self.routed_experts is not None:
+            self.routed_experts = as_routing_array(self.routed_experts, sid)
 
     @property
     def num_response_tokens(self) -> int:
@@ -93,6 +122,8 @@ class Sample:
         arrays = [self.prompt_ids, self.response_ids, self.rollout_log_probs, self.loss_mask, self.token_versions]
         if self.token_rewards is not None:
             arrays.append(self.token_rewards)
+        if self.routed_experts is not None:
+            arrays.append(self.routed_experts)
         return sum(a.nbytes for a in arrays)
 
 

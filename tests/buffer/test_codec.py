@@ -186,3 +186,55 @@ def test_broken_packed_group_is_a_protocol_error(packed):
     with pytest.raises(ProtocolError) as info:
         unpack_frames(packed)
     assert info.value.reason == "bad_packed_group"
+
+
+# ---- MoE routing (Sample.routed_experts) ------------------------------------------------------
+
+def routed_group(experts: int = 8, layers: int = 3, k: int = 2, tokens: int = 5):
+    g = make_group(ticket=1, n=3, tokens=tokens)
+    rng = np.random.default_rng(0)
+    g.samples = [Sample(**{**s.__dict__, "routed_experts": rng.integers(0, experts, (tokens, layers, k))})
+                 for s in g.samples]  # int64 in: stored compact
+    return g
+
+
+@pytest.mark.parametrize("experts, dtype", [(8, np.uint8), (300, np.int16)])
+def test_routing_round_trips_compact_in_a_frame_of_its_own(experts, dtype):
+    g = routed_group(experts)
+    assert all(s.routed_experts.dtype == dtype for s in g.samples)
+    frames = encode_group(g)
+    assert len(frames) == GROUP_FRAMES + 1 and msgpack.unpackb(frames[0])["routing"] == {
+        "layers": 3, "k": 2, "dtype": np.dtype(dtype).name}
+    received = wire(g)
+    out = decode_group(received, SampleLimits(num_experts=experts))
+    for a, b in zip(g.samples, out.samples):
+        np.testing.assert_array_equal(a.routed_experts, b.routed_experts)
+        assert b.routed_experts.shape == (5, 3, 2) and np.shares_memory(
+            b.routed_experts, np.frombuffer(received[-1], np.uint8))
+    dense = make_group(ticket=1, n=3)
+    assert len(encode_group(dense)) == GROUP_FRAMES and decode_group(wire(dense)).samples[0].routed_experts is None
+
+
+def test_bad_routing_names_the_sample():
+    g = routed_group()
+    bad = g.samples[1]
+    with pytest.raises(SampleError, match=rf"{bad.sample_id}', field 'routed_experts': expert id 8 at token 2, layer 1"):
+        bad.routed_experts[2, 1, 0] = 8
+        decode_group(wire(g), SampleLimits(num_experts=8))
+    with pytest.raises(SampleError, match=rf"{bad.sample_id}', field 'routed_experts': has 4 rows, response_ids has 5"):
+        bad.routed_experts = bad.routed_experts[:4]
+        encode_group(g)
+    with pytest.raises(SampleError, match=rf"{bad.sample_id}', field 'routed_experts': has \[layers, k\] \[3, 1\]"):
+        bad.routed_experts = np.zeros((5, 3, 1), np.uint8)
+        encode_group(g)
+    with pytest.raises(SampleError, match=rf"{bad.sample_id}', field 'routed_experts': is missing while"):
+        bad.routed_experts = None
+        encode_group(g)
+    with pytest.raises(SampleError, match=r"'x', field 'routed_experts': expected a \[tokens, layers, k\]"):
+        Sample(sample_id="x", group_id="g", prompt_ids=[1], response_ids=[2], rollout_log_probs=[-1.0],
+               loss_mask=[1], reward=0.0, weight_version=0, routed_experts=[[1, 2]])
+    frames = wire(routed_group())
+    with pytest.raises(SampleError, match="routed_experts.*frame has 29 bytes, expected 90"):
+        check_group([*frames[:-1], frames[-1][:29]])
+    with pytest.raises(ProtocolError, match="expected 8 frames, got 7"):
+        check_group(frames[:-1])
