@@ -36,9 +36,18 @@ def load_causal_lm(path: str | os.PathLike, dtype: str = "float32", device: str 
     from transformers import AutoModelForCausalLM
 
     folder = check_model_dir(path)
-    extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    extra = _implementations(dtype, attn_implementation)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype(dtype), **extra)
     return model.to(device)
+
+
+def _implementations(dtype: str, attn_implementation: str | None) -> dict:
+    """transformers' kernel choices: the attention's if given; float64 MoE experts run eager (the
+    default grouped_mm has no float64 kernel; a dense model ignores the choice)."""
+    extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    if dtype == "float64":
+        extra["experts_implementation"] = "eager"
+    return extra
 
 
 def causal_lm_on_meta(path: str | os.PathLike, dtype: str = "float32", attn_implementation: str | None = None):
@@ -59,8 +68,8 @@ def causal_lm_on_meta(path: str | os.PathLike, dtype: str = "float32", attn_impl
     # a torch.device("meta") context would put the buffers there too.
     handle = torch.nn.modules.module.register_module_parameter_registration_hook(to_meta)
     try:
-        extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
-        model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype(dtype), **extra)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype(dtype),
+                                                 **_implementations(dtype, attn_implementation))
     finally:
         handle.remove()
     if any(p.device.type != "meta" for p in model.parameters()):

@@ -57,6 +57,7 @@ class Trajectory:
     env_seconds: float = 0.0
     info: dict[str, float] = field(default_factory=dict)
     last_action: list[int] = field(default_factory=list)  # the ids of the last turn
+    routing: list | None = field(default_factory=list)  # MoE: [tokens, layers, k] parts; None once a turn had none
 
     @property
     def ended(self) -> bool:
@@ -75,6 +76,10 @@ class Trajectory:
         self.token_rewards += [0.0] * n
         self.turns += 1
         self.last_action = list(completion.token_ids)
+        if self.routing is not None and completion.routed_experts is not None:
+            self.routing.append(completion.routed_experts)
+        else:
+            self.routing = None
 
     def add_observation(self, ids: list[int]) -> None:
         self.response_ids += ids
@@ -82,6 +87,8 @@ class Trajectory:
         self.loss_mask += [0] * len(ids)
         self.versions += [self.versions[-1] if self.versions else self.started_version] * len(ids)
         self.token_rewards += [0.0] * len(ids)
+        if self.routing and ids:  # observation tokens carry no routing: zero rows, never replayed
+            self.routing.append(np.zeros((len(ids), *self.routing[0].shape[1:]), self.routing[0].dtype))
 
     def add_step(self, outcome: EnvOutcome) -> None:
         """The environment's answer to the last turn: its reward on the turn's last token."""
@@ -109,6 +116,7 @@ class Trajectory:
             weight_version=self.weight_version,
             token_versions=np.asarray(self.versions, dtype=np.int32),
             token_rewards=np.asarray(self.token_rewards, dtype=np.float32),
+            routed_experts=np.concatenate(self.routing) if self.routing else None,
             worker_id=worker_id,
             finish_reason=self.finish_reason,
             metadata={**metadata, "turns": self.turns, "env_seconds": self.env_seconds,

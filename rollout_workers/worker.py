@@ -257,6 +257,7 @@ class RolloutWorker:
                 reward=reward.value,
                 weight_version=started_version,
                 token_versions=np.asarray(versions, dtype=np.int32),
+                routed_experts=completion.routed_experts,
                 worker_id=self.worker_id,
                 finish_reason=completion.finish_reason,
                 metadata={"ticket": int(ticket), "family": problem.family, "difficulty": int(problem.difficulty),
@@ -312,7 +313,11 @@ class RolloutWorker:
             )
             for (r, i), (extra,) in zip(unfinished, more):
                 c, versions = done[r][i]
-                merged = Completion(c.token_ids + extra.token_ids, c.log_probs + extra.log_probs, extra.finish_reason)
+                # each part keeps the routing its weights chose (the interruption path of R3)
+                routing = None if c.routed_experts is None or extra.routed_experts is None else \
+                    np.concatenate([c.routed_experts, extra.routed_experts])
+                merged = Completion(c.token_ids + extra.token_ids, c.log_probs + extra.log_probs, extra.finish_reason,
+                                    routed_experts=routing)
                 done[r][i] = (merged, versions + [version] * len(extra.token_ids))
 
     @staticmethod

@@ -11,6 +11,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
+import numpy as np
 import torch
 
 # Finish reasons: "stop" (EOS or a stop token, included in token_ids), "length" (max_new_tokens),
@@ -62,12 +63,18 @@ class Completion:
     log_probs: list[float]
     finish_reason: str
     metadata: dict = field(default_factory=dict)
+    # MoE engines that can say: [tokens, layers, k] expert ids, row t the routing of the position
+    # that sampled token t (buffer.sample.Sample.routed_experts); None otherwise.
+    routed_experts: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if len(self.token_ids) != len(self.log_probs):
             raise ValueError(
                 f"completion has {len(self.token_ids)} tokens but {len(self.log_probs)} log-probs"
             )
+        if self.routed_experts is not None and len(self.routed_experts) != len(self.token_ids):
+            raise ValueError(f"completion has {len(self.token_ids)} tokens but {len(self.routed_experts)} "
+                             f"rows of routing")
         if self.finish_reason not in FINISH_REASONS:
             raise ValueError(f"finish_reason must be one of {FINISH_REASONS}, got {self.finish_reason!r}")
 

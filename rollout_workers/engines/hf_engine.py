@@ -3,16 +3,21 @@ deliberately different backend from vLLM, so backend mismatch can be measured an
 
 Log-probs come from `output_scores`, which are the scores after the logits processors
 (temperature, top-k, top-p), i.e. the distribution actually sampled from, as in vLLM's
-`processed_logprobs`.
+`processed_logprobs`. An MoE model's completions carry its routers' top-k expert ids per sampled
+token (`Completion.routed_experts`): the routing source on CPU, where vLLM returns none.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
+import numpy as np
 import torch
 
 from lm.causal_lm import load_causal_lm
+from lm.checkpoint_names import checkpoint_items, checkpoint_shapes, load_by_checkpoint_names
 from lm.device import resolve_device
+from lm.moe import routers
 from rollout_workers.engines.base import (
     Completion,
     GenerationEngine,
@@ -36,6 +41,36 @@ class _InterruptCheck:
         return torch.full((input_ids.shape[0],), self.fired, dtype=torch.bool, device=input_ids.device)
 
 
+class _RoutingRecorder:
+    """Keeps each router's top-k ids of the last position of every row at every forward step of a
+    generate() call: step s, which sampled token s, gives [rows, layers, k]."""
+
+    def __init__(self, model) -> None:
+        self.layers = routers(model)
+        self.calls: list[list[torch.Tensor]] = [[] for _ in self.layers]
+        self.rows = 1
+
+    def __enter__(self):
+        def hook(index):
+            def keep(_module, _args, output):
+                ids = output[2]  # (logits, gate weights, expert ids) of [rows x positions] tokens
+                self.calls[index].append(ids.reshape(self.rows, -1, ids.shape[-1])[:, -1].to("cpu", torch.int16))
+            return keep
+
+        self.handles = [router.register_forward_hook(hook(i)) for i, router in enumerate(self.layers)]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+    def routing(self, steps: int) -> np.ndarray:
+        """[rows, steps, layers, k] ids of the first `steps` forward steps."""
+        per_layer = [torch.stack(calls[:steps], dim=1) for calls in self.calls]  # [rows, steps, k] each
+        ids = torch.stack(per_layer, dim=2).numpy()
+        return ids.astype(np.uint8) if ids.size == 0 or ids.max() < 256 else ids
+
+
 class HFEngine(GenerationEngine):
     def __init__(self, model_dir: str | os.PathLike, dtype: str = "float32", version: int = 0,
                  device: str = "auto") -> None:
@@ -46,6 +81,7 @@ class HFEngine(GenerationEngine):
         self.vocab_size = self.model.config.vocab_size
         pad = self.model.config.pad_token_id
         self.pad_id = 0 if pad is None else int(pad)
+        self.moe = bool(routers(self.model))
 
     def generate_batch(
         self, requests: list[tuple[list[int], SamplingParams]], interrupt: Interrupt | None = None
@@ -72,7 +108,10 @@ class HFEngine(GenerationEngine):
         )
         check = _InterruptCheck(interrupt) if interrupt is not None else None
         ids = torch.tensor([prompt], dtype=torch.long, device=self.device)
-        with torch.random.fork_rng():
+        recorder = _RoutingRecorder(self.model) if self.moe else contextlib.nullcontext()
+        with torch.random.fork_rng(), recorder:
+            if self.moe:
+                recorder.rows = params.n  # generate() expands the prompt to n rows before the first step
             if params.seed is not None:
                 torch.manual_seed(params.seed)
             out = self.model.generate(
@@ -82,6 +121,7 @@ class HFEngine(GenerationEngine):
                 stopping_criteria=StoppingCriteriaList([check]) if check else None,
             )
         new_tokens = out.sequences[:, len(prompt) :]
+        routing = recorder.routing(new_tokens.shape[1]) if self.moe else None
         # scores[t]: [n, vocab] processed scores at step t; -inf where top-k/top-p masked a token.
         if out.scores:
             scores = torch.stack(out.scores, dim=1).float()
@@ -99,32 +139,32 @@ class HFEngine(GenerationEngine):
                 reason, end = "interrupted", len(tokens)
             else:
                 reason, end = "length", len(tokens)
-            completions.append(Completion(tokens[:end], logps[row, :end].tolist(), reason))
+            completions.append(Completion(tokens[:end], logps[row, :end].tolist(), reason,
+                                          routed_experts=None if routing is None else routing[row, :end]))
         return completions
 
     def expected_weights(self) -> tuple[dict[str, tuple[int, ...]], set[str]]:
-        """Shapes by name of the weights this model takes, and those it may lack (a tied lm_head)."""
-        shapes = {k: tuple(v.shape) for k, v in self.model.state_dict().items()}
+        """Shapes by name of the weights this model takes, as a checkpoint names them (an MoE's experts
+        one by one: lm/checkpoint_names.py), and those it may lack (a tied lm_head)."""
+        shapes = checkpoint_shapes({k: tuple(v.shape) for k, v in self.model.state_dict().items()})
         return shapes, {"lm_head.weight"} if self.model.config.tie_word_embeddings else set()
 
     @torch.no_grad()
     def load_weights(self, version: int, weights: WeightsIn) -> None:
         """Copy the weights into the model as they come (a mapping, or (name, tensor) pairs from a
-        stream). A tensor that does not fit is named; a load that fails part-way leaves the
-        engine's version at -1 (its weights are a mix) until a whole version is loaded."""
+        stream), named as a checkpoint or as the model in memory. A tensor that does not fit is
+        named; a load that fails part-way leaves the engine's version at -1 (its weights are a mix)
+        until a whole version is loaded."""
         params = self.model.state_dict()
         shapes, may_lack = self.expected_weights()
         seen = set()
         self.version = -1
-        for name, tensor in named_weights(weights):
-            if name not in params:
-                raise ValueError(f"weights do not fit the model: it has no tensor {name!r}")
-            if tuple(tensor.shape) != shapes[name]:
-                raise ValueError(f"weights do not fit the model: tensor {name!r} has shape {list(tensor.shape)}, "
-                                 f"the model's is {list(shapes[name])}")
-            params[name].copy_(tensor)
-            seen.add(name)
-        missing = sorted(set(params) - seen - may_lack)
+        for name in load_by_checkpoint_names(params, named_weights(weights)):
+            if name in params:  # a fused in-memory name stands for all its experts' checkpoint names
+                seen.update(k for k, _ in checkpoint_items(name, params[name]))
+            else:
+                seen.add(name)
+        missing = sorted(set(shapes) - seen - may_lack)
         if missing:
             raise ValueError(f"weights do not fit the model: missing {missing[:5]} ({len(missing)} in all)")
         self.version = version

@@ -64,3 +64,18 @@ def test_the_kit_tokenizer_has_a_small_chat_template(tiny_model_dir):
     assert list(ids) == [user, *tokenizer("12+3=")["input_ids"], eos, assistant, *tokenizer("15")["input_ids"], eos,
                          user, *tokenizer("1+1=")["input_ids"], eos, assistant]
     assert tokenizer.decode(ids, skip_special_tokens=True) == "12+3=151+1="
+
+
+def test_tiny_moe_is_the_kit_as_a_qwen3_mixture_of_experts():
+    """run.model: tiny-moe builds TinyModelSpec.moe(): 8 experts, top-2, the kit's tokenizer and
+    sizes; the dense spec's cache key (its folder) does not depend on the MoE fields."""
+    from lm.moe import routing_shape
+    from rollout_workers.tiny_model import build_model, build_tokenizer
+
+    tokenizer = build_tokenizer()
+    spec = TinyModelSpec().moe()
+    model = build_model(spec, vocab_size=len(tokenizer), tokenizer=tokenizer)
+    assert type(model).__name__ == "Qwen3MoeForCausalLM" and model.config.norm_topk_prob
+    assert routing_shape(model) == (spec.num_layers, 2, 8)
+    assert spec.cache_key() != TinyModelSpec().cache_key() == TinyModelSpec(experts_per_token=4).cache_key()
+    assert spec.moe() is spec

@@ -1,0 +1,37 @@
+"""Mixture-of-experts routers, found the same way by the engine that records routing and the
+learner that replays it (`learner.routing_replay`).
+
+A router here is transformers 5's top-k router module of an MoE block (`Qwen3MoeTopKRouter`,
+`Qwen2MoeTopKRouter`): it maps the block's input [tokens, hidden] to (router logits [tokens, E],
+top-k gate weights [tokens, k], top-k expert ids [tokens, k]), softmax then top-k, renormalised
+when `norm_topk_prob`. Routers are listed in module order, which is layer order: index l of a
+routing array is the l-th MoE layer (dense layers of a mixed model have none).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+# Router classes whose forward is softmax -> top-k -> (renormalise): the replay recomputes their gate
+# weights over forced experts exactly as they do.
+SOFTMAX_TOPK_ROUTERS = ("Qwen3MoeTopKRouter", "Qwen2MoeTopKRouter")
+
+
+class RoutingShape(NamedTuple):
+    layers: int  # MoE layers (routers)
+    top_k: int
+    num_experts: int
+
+
+def routers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's top-k routers in layer order ([] for a dense model)."""
+    return [m for m in model.modules() if type(m).__name__.endswith("TopKRouter") and hasattr(m, "top_k")]
+
+
+def routing_shape(model: torch.nn.Module) -> RoutingShape | None:
+    """(MoE layers, k, experts) of the model, None for a dense one."""
+    found = routers(model)
+    if not found:
+        return None
+    return RoutingShape(len(found), int(found[0].top_k), int(found[0].num_experts))
