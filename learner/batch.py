@@ -3,7 +3,8 @@
 Rows are samples in the order they arrive (group by group); the response side is right-padded to
 the longest response, and every per-token tensor is zero (or the sample's version) at padding.
 The response mask is 1 on real response tokens whose `loss_mask` is 1: tool or environment
-tokens stay in the context but never in the loss.
+tokens stay in the context but never in the loss. An MoE policy's batch carries the engine's
+routing ([B, T, layers, k], `learner.routing_replay`) when every sample has it.
 
 `plan_micro_batches` groups rows into forward passes by a token budget (rows of similar length
 together, so little is padding), the same number on every rank.
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
+from typing import Optional
 
 import numpy as np
 import torch
@@ -38,6 +40,7 @@ class TrainBatch:
     group_index: torch.Tensor  # int64 [B]: position of the row's group in the pulled batch
     group_ids: list[str]  # per row
     sample_ids: list[str]  # per row
+    routed_experts: Optional[torch.Tensor] = None  # int16 [B, T, layers, k]: MoE routing, zero at padding
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -53,9 +56,11 @@ class TrainBatch:
         picked = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, list):
+            if value is None:
+                picked[f.name] = None
+            elif isinstance(value, list):
                 picked[f.name] = [value[r] for r in rows]
-            elif value.dim() == 2:
+            elif value.dim() >= 2:
                 picked[f.name] = value[rows, :width]
             else:
                 picked[f.name] = value[rows]
@@ -90,6 +95,22 @@ _NO_SIZE_LIMITS = SampleLimits(max_group_size=2**31, max_prompt_tokens=2**31, ma
                                max_frames=2**31)
 
 
+_UNCHECKED = object()
+
+
+def _check_routing(sample, shape) -> None:
+    """A sample's routing against the policy's (layers, k, experts); None: a dense policy."""
+    routing = sample.routed_experts
+    if routing is None:
+        return
+    if shape is None:
+        raise BatchError(f"sample {sample.sample_id!r}, field 'routed_experts': carries MoE routing "
+                         f"{list(routing.shape[1:])} but the policy is dense (no routers)")
+    if tuple(routing.shape[1:]) != (shape[0], shape[1]):
+        raise BatchError(f"sample {sample.sample_id!r}, field 'routed_experts': [layers, k] is "
+                         f"{list(routing.shape[1:])}, the policy routes [{shape[0]}, {shape[1]}]")
+
+
 def _check_group(group, position: int, learner_version: int | None, limits: SampleLimits) -> None:
     if not isinstance(group, Group):
         raise BatchError(f"item {position} of the batch is a {type(group).__name__}, not a Group")
@@ -112,18 +133,27 @@ def _row(sample) -> dict:
                 reward=float(sample.reward))
 
 
-def build_batch(groups, learner_version: int | None = None, vocab_size: int | None = None) -> TrainBatch:
+def build_batch(groups, learner_version: int | None = None, vocab_size: int | None = None,
+                routing_shape=_UNCHECKED) -> TrainBatch:
     """Validate pulled groups (`buffer.codec.validate_group`) and pad them into a TrainBatch.
     `learner_version` rejects samples tagged with a version the learner has not produced yet;
-    `vocab_size` (the model's embedding rows) token ids the model has no embedding for."""
+    `vocab_size` (the model's embedding rows) token ids the model has no embedding for;
+    `routing_shape` (the policy's `lm.moe.RoutingShape`, None for a dense one) routing that does
+    not fit the policy (its expert ids, shape, or any routing for a dense policy)."""
     groups = list(groups)
     if not groups:
         raise BatchError("cannot build a training batch from zero groups")
-    limits = _NO_SIZE_LIMITS if vocab_size is None else _NO_SIZE_LIMITS.model_copy(update={"vocab_size": vocab_size})
-    rows, group_index, group_ids, sample_ids = [], [], [], []
+    update = {} if vocab_size is None else {"vocab_size": vocab_size}
+    if routing_shape is not _UNCHECKED and routing_shape is not None:
+        update["num_experts"] = routing_shape[2]
+    limits = _NO_SIZE_LIMITS.model_copy(update=update) if update else _NO_SIZE_LIMITS
+    rows, group_index, group_ids, sample_ids, routing = [], [], [], [], []
     for position, group in enumerate(groups):
         _check_group(group, position, learner_version, limits)
         for sample in group.samples:
+            if routing_shape is not _UNCHECKED:
+                _check_routing(sample, routing_shape)
+            routing.append(sample.routed_experts)
             rows.append(_row(sample))
             group_index.append(position)
             group_ids.append(str(group.group_id))
@@ -156,7 +186,19 @@ def build_batch(groups, learner_version: int | None = None, vocab_size: int | No
         group_index=torch.tensor(group_index, dtype=torch.long),
         group_ids=group_ids,
         sample_ids=sample_ids,
+        routed_experts=_padded_routing(routing, real),
     )
+
+
+def _padded_routing(routing: list, real: torch.Tensor) -> torch.Tensor | None:
+    """The rows' routing as int16 [B, T, layers, k] (zero at padding), None unless every row has it."""
+    lengths = real.sum(1).tolist()
+    carried = [r for r in routing if r is not None]
+    if not carried or any(r is None and n for r, n in zip(routing, lengths)):  # no tokens, no routing needed
+        return None
+    out = torch.zeros(*real.shape, *carried[0].shape[1:], dtype=torch.int16)
+    out[real] = torch.from_numpy(np.concatenate([r.astype(np.int16) for r in carried]))
+    return out
 
 
 def plan_micro_batches(lengths, max_tokens: int | None, comm=None, max_rows: int | None = None,

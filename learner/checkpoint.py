@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from learner.distributed import FullWeightBuckets
+from lm.checkpoint_names import to_checkpoint_names
 
 TRAINER_STATE_FILE = "trainer.pt"
 SHARDS_DIR = "trainer_shards"
@@ -102,7 +103,8 @@ def write_policy(folder: Path, model, source_dir: str, rank: int, sharded: bool,
     for i, tensors in enumerate(buckets):
         if rank != 0:
             continue
-        stored = {name: tensors[name].contiguous() for name in buckets.first_names(i)}
+        # named as checkpoints and engines name them (an MoE's experts one by one)
+        stored = to_checkpoint_names({name: tensors[name].contiguous() for name in buckets.first_names(i)}, copy=True)
         save_file(stored, str(folder / files[i]), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(stored, files[i]))
         del tensors, stored  # the next file's gather reuses the memory

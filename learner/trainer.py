@@ -62,6 +62,7 @@ from learner.distributed import (
     unique_state_names,
 )
 from learner.losses import compute_policy_loss, count_tokens_and_sequences, staleness_metrics
+from learner.routing_replay import MismatchCounts, RoutingReplay, require_routing, scatter_routing
 from lm.causal_lm import (
     causal_lm_on_meta,
     checkpoint_tensors,
@@ -70,6 +71,7 @@ from lm.causal_lm import (
     response_log_probs,
     torch_dtype,
 )
+from lm.checkpoint_names import to_checkpoint_names
 from lm.weight_sync import (
     BroadcastSender,
     FolderSender,
@@ -160,6 +162,8 @@ class Learner:
         torch.manual_seed(config.seed)
         self.load_report: dict[str, float] = {}  # host memory the policy's load added (sharded: per rank)
         self.model = self._build_model(trainable=True)
+        # MoE: hooks on the policy's routers (learner.routing_replay), idle unless a pass plans replay
+        self.routing = RoutingReplay(self.model, config.routing_replay)
         self._vocab_size = self.model.get_input_embeddings().num_embeddings  # build_batch refuses ids beyond it
         self._log_prob_dtype = torch.promote_types(torch_dtype(config.dtype), torch.float32)
         self._slots = torch.zeros(2, dtype=torch.float64)
@@ -256,7 +260,10 @@ class Learner:
         self._slots = torch.zeros(2, dtype=torch.float64)  # (real tokens, padded slots) of this step's passes
 
         # 1. Validate and pad the groups; advantages over the whole batch.
-        batch = build_batch(groups, learner_version=self.version, vocab_size=self._vocab_size)
+        groups = list(groups)
+        require_routing(groups, cfg.routing_replay)
+        batch = build_batch(groups, learner_version=self.version, vocab_size=self._vocab_size,
+                            routing_shape=self.routing.shape)
         self._check_budget(batch)
         self._group_tokens = batch.group_tokens()  # balances the ranks' shares (_my_part)
         advantages = compute_advantages(batch.rewards, batch.group_index, batch.response_mask, cfg.advantage)
@@ -275,9 +282,13 @@ class Learner:
         # the gap between μ and π_old by staleness (learner/drift.py) from the same numbers.
         shard_stats: dict[str, float] = {}
         drift: dict[str, float] = {}
+        routing: dict[str, float] = {}
         with _timed(timing, "timing_s/old_log_prob"):
+            if cfg.prox_mode == "recompute" or cfg.routing_replay == "r2":
+                # the proximal pass; r2 runs it without recompute too: it records the routing to replay
+                old_log_prob, routing = self._proximal_pass(shard, owned)
             if cfg.prox_mode == "recompute":
-                inputs.old_log_prob = self._no_grad_log_probs(shard)
+                inputs.old_log_prob = old_log_prob
                 inputs.is_weights, inputs.loss_mask, shard_stats = self._step_correction(
                     shard, inputs.old_log_prob, owned)
                 drift = self._drift(shard, inputs.old_log_prob, owned)
@@ -304,6 +315,7 @@ class Learner:
         metrics = self._combine(partial, len(grad_norms), shard_stats, timing)
         metrics.update(self._batch_metrics(batch))
         metrics.update(drift)
+        metrics.update(routing)
         tokens = self._reduce({"real": float(self._slots[0]), "slots": float(self._slots[1])}, "sum")
         metrics["perf/padding_fraction"] = 1.0 - tokens["real"] / tokens["slots"] if tokens["slots"] else 0.0
         metrics["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
@@ -377,6 +389,43 @@ class Learner:
                            self.version, shard.response_mask[owned])
         return drift_metrics(self.comm.all_reduce_sum(sums))
 
+    def _proximal_pass(self, shard: TrainBatch, owned: list[int]) -> tuple[torch.Tensor, dict[str, float]]:
+        """π_old of every shard row (no grad), and the MoE routing's part of it: the engine's routing
+        replayed (r3), the learner's own recorded into the shard for the update passes (r2), and
+        the mismatch between the engine's routing and the learner's router (when the samples carry
+        routing), summed over the rows this rank answers for."""
+        mode, shape = self.config.routing_replay, self.routing.shape
+        engine = shard.routed_experts
+        mismatch = None if engine is None or shape is None else MismatchCounts(len(shard), shape.layers)
+        recorded = None
+        if mode == "r2":
+            recorded = torch.zeros(*shard.response_mask.shape, shape.layers, shape.top_k, dtype=torch.int16)
+
+        def seen(rows: list[int], mb: TrainBatch, plan) -> None:
+            if plan is None:
+                return
+            lengths = [len(r) for r in mb.responses]
+            if mismatch is not None:
+                mismatch.add(rows, mb.routed_experts, mb.response_mask, plan, lengths)
+            if recorded is not None:
+                recorded[rows, : mb.response_mask.shape[1]] = scatter_routing(plan.own_routing(), lengths,
+                                                                             mb.response_mask.shape[1])
+
+        old_log_prob = self._no_grad_log_probs(shard, record=mismatch is not None or recorded is not None,
+                                               seen=seen)
+        if recorded is not None:
+            shard.routed_experts = recorded.to(shard.response_mask.device)  # the update passes replay it
+        return old_log_prob, {} if mismatch is None else mismatch.metrics(owned, self.comm.all_reduce_sum)
+
+    def _replay(self, mb: TrainBatch, record: bool = False, proximal: bool = False):
+        """The routing plan of one policy pass over `mb` (a no-op context for a dense policy or none):
+        r3 forces the engine's experts at the positions that sampled policy tokens, r2 (after its
+        proximal pass, which records) the recorded ones at every response position."""
+        mode = self.config.routing_replay
+        forced = mb.routed_experts if mode == "r3" or (mode == "r2" and not proximal) else None
+        mask = mb.response_mask if mode == "r3" else torch.ones_like(mb.response_mask)
+        return self.routing.plan(mb.prompts, mb.responses, self.config.packing, self.device, forced, mask, record)
+
     def _step_correction(self, shard: TrainBatch, old_log_prob: torch.Tensor, owned: list[int]):
         """IS weights, rejection mask and metrics of the shard against the recomputed π_old; batch
         normalisation divides by the factor of the whole batch, summed over the ranks."""
@@ -408,26 +457,11 @@ class Learner:
                 continue
             mb = inputs.shard.select(rows)
             width = mb.response_mask.shape[1]
-            log_prob, entropy = self._forward(mb, with_entropy=want_entropy, entropy_grad=entropy_grad)
-            recomputed = None if inputs.old_log_prob is None else inputs.old_log_prob[rows, :width]
-            old = proximal_log_prob(cfg.prox_mode, log_prob, mb.rollout_log_probs, mb.token_versions, self.version,
-                                    recomputed)
-            extra = {}
-            if inputs.ref_log_prob is not None:
-                extra["ref_log_prob"] = inputs.ref_log_prob[rows, :width]
-            if cfg.prox_mode == "recompute":
-                weights = None if inputs.is_weights is None else inputs.is_weights[rows, :width]
-                extra["precomputed_correction"] = (weights, inputs.loss_mask[rows, :width])
-            else:
-                extra["batch_norm_sums"] = norm_sums
-            loss, loss_metrics = compute_policy_loss(
-                log_prob, old, mb.rollout_log_probs, inputs.advantages[rows, :width], mb.response_mask,
-                cfg.rollout_correction, cfg.policy_loss,
-                global_token_count=global_tokens, global_seq_count=global_seqs, entropy=entropy, **extra,
-            )
-            if cfg.distributed.strategy == "fsdp":
-                loss = loss * self.comm.world_size  # FSDP averages gradients over ranks; we sum
-            loss.backward()
+            with self._replay(mb):  # open through backward: checkpointed layers re-run their routers there
+                log_prob, entropy = self._forward(mb, with_entropy=want_entropy, entropy_grad=entropy_grad)
+                loss, loss_metrics = self._micro_batch_loss(inputs, mb, rows, width, log_prob, entropy, norm_sums,
+                                                            global_tokens, global_seqs)
+                loss.backward()
             share = count_tokens_and_sequences(inputs.loss_mask[rows, :width])[0] / max(global_tokens, 1.0)
             for key, value in loss_metrics.items():
                 # Aggregated losses are already this micro-batch's share of the minibatch's;
@@ -437,6 +471,30 @@ class Learner:
         for key, value in sums.items():
             partial[key].append(value)
         return self._clip_and_step()
+
+    def _micro_batch_loss(self, inputs: StepInputs, mb: TrainBatch, rows: list[int], width: int, log_prob, entropy,
+                          norm_sums, global_tokens: float, global_seqs: float):
+        """The loss of one micro-batch (already this micro-batch's share of the minibatch's) and its metrics."""
+        cfg = self.config
+        recomputed = None if inputs.old_log_prob is None else inputs.old_log_prob[rows, :width]
+        old = proximal_log_prob(cfg.prox_mode, log_prob, mb.rollout_log_probs, mb.token_versions, self.version,
+                                recomputed)
+        extra = {}
+        if inputs.ref_log_prob is not None:
+            extra["ref_log_prob"] = inputs.ref_log_prob[rows, :width]
+        if cfg.prox_mode == "recompute":
+            weights = None if inputs.is_weights is None else inputs.is_weights[rows, :width]
+            extra["precomputed_correction"] = (weights, inputs.loss_mask[rows, :width])
+        else:
+            extra["batch_norm_sums"] = norm_sums
+        loss, loss_metrics = compute_policy_loss(
+            log_prob, old, mb.rollout_log_probs, inputs.advantages[rows, :width], mb.response_mask,
+            cfg.rollout_correction, cfg.policy_loss,
+            global_token_count=global_tokens, global_seq_count=global_seqs, entropy=entropy, **extra,
+        )
+        if cfg.distributed.strategy == "fsdp":
+            loss = loss * self.comm.world_size  # FSDP averages gradients over ranks; we sum
+        return loss, loss_metrics
 
     def _minibatch_norm_sums(self, inputs: StepInputs, local: list[int]) -> torch.Tensor | None:
         """The minibatch's batch-normalisation sums over all ranks, when the IS weights depend on
@@ -453,7 +511,8 @@ class Learner:
                     self._idle_pass(grad=False)
                     continue
                 mb = inputs.shard.select(rows)
-                log_prob, _ = self._forward(mb)
+                with self._replay(mb):
+                    log_prob, _ = self._forward(mb)
                 old = proximal_log_prob(self.config.prox_mode, log_prob, mb.rollout_log_probs, mb.token_versions,
                                         self.version, None)
                 sums += is_batch_norm_sums(log_prob if old is None else old, mb.rollout_log_probs,
@@ -499,15 +558,22 @@ class Learner:
                                      chunk_tokens=cfg.logprob_chunk_tokens, packed=cfg.packing, pack_width=width)
         return out[0], (out[2] if with_entropy else None)
 
-    def _no_grad_log_probs(self, batch: TrainBatch, model=None) -> torch.Tensor:
-        """[rows, T] log-probs of every row of `batch` without gradients, micro-batch by micro-batch."""
+    def _no_grad_log_probs(self, batch: TrainBatch, model=None, record: bool = False, seen=None) -> torch.Tensor:
+        """[rows, T] log-probs of every row of `batch` without gradients, micro-batch by micro-batch.
+        The policy's pass replays routing as the step's mode says (`_replay`), recording the routers'
+        own top-k with `record` and handing each micro-batch's plan to `seen(rows, mb, plan)`."""
         out = torch.zeros(batch.response_mask.shape, dtype=self._log_prob_dtype, device=self.device)
         with torch.no_grad():
             for rows in self._micro_batches(batch, list(range(len(batch)))):
                 if not rows:
                     self._idle_pass(grad=False, model=model)  # the reference is sharded too
                     continue
-                log_prob, _ = self._forward(batch.select(rows), model=model)
+                mb = batch.select(rows)
+                replay = self._replay(mb, record, proximal=True) if model is None else contextlib.nullcontext()
+                with replay as plan:
+                    log_prob, _ = self._forward(mb, model=model)
+                if seen is not None:
+                    seen(rows, mb, plan)
                 out[rows, : log_prob.shape[1]] = log_prob
         return out
 
@@ -584,12 +650,13 @@ class Learner:
 
     def _publishable(self) -> dict[str, torch.Tensor]:
         """The weights to send, every name (a tied lm_head too: vLLM's in-place reload keeps its
-        old lm_head if the stream lacks it; the channels send a shared storage's bytes once).
-        Views of the live parameters, or under FSDP gathered copies in the publish dtype
-        (`_gathered`; rank 0's, empty elsewhere)."""
-        if self._sharded:
-            return self._gathered()
-        return self.full_state_dict()
+        old lm_head if the stream lacks it; the channels send a shared storage's bytes once), named
+        as the checkpoint names them (an MoE's fused experts cut per expert, as copies: the folder
+        channel's safetensors refuses views of one storage; lm/checkpoint_names.py). Views of the
+        live parameters, or under FSDP gathered copies in the publish dtype (`_gathered`; rank 0's,
+        empty elsewhere)."""
+        state = self._gathered() if self._sharded else self.full_state_dict()
+        return to_checkpoint_names(state, copy=True)
 
     def _gathered(self) -> dict[str, torch.Tensor]:
         """FSDP: the full weights on rank 0's host, gathered one bucket at a time with each

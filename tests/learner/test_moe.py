@@ -1,0 +1,269 @@
+"""MoE policies in the learner: routing replay (none, r2, r3) and the routing-mismatch metric on
+samples the transformers engine generated with its routing, and weight names as checkpoints and
+engines have them (the learner's published version loaded into an engine gives its log-probs).
+
+One random Qwen3-MoE (8 experts, top-2, built from a config) serves the whole module; its
+routers are initialised wide so tokens spread over the experts."""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from buffer.sample import Group, Sample
+from learner.batch import BatchError
+from learner.config import LearnerConfig
+from learner.routing_replay import RoutingReplay
+from learner.trainer import Learner
+from learner_helpers import build_tiny_policy
+from lm.causal_lm import load_causal_lm, response_log_probs
+from rollout_workers.agent_loop import Trajectory
+from rollout_workers.data import Problem
+from rollout_workers.engines.base import SamplingParams
+from rollout_workers.engines.hf_engine import HFEngine
+
+VOCAB, EXPERTS, TOP_K, LAYERS = 48, 8, 2, 2
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=LAYERS,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=EXPERTS, num_experts_per_tok=TOP_K,
+        norm_topk_prob=True, max_position_embeddings=64, tie_word_embeddings=True, initializer_range=0.2)
+    folder = tmp_path_factory.mktemp("moe")
+    Qwen3MoeForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def engine(moe_dir):
+    return HFEngine(moe_dir, dtype="float32", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def groups(engine):
+    """4 groups of 3 samples from the engine, with its routing; the last sample is a two-turn
+    trajectory (the agent loop's record) whose tool tokens carry no routing, the one before it
+    a generation interrupted and continued."""
+    out = []
+    for g in range(4):
+        prompt = [3 + g + i for i in range(4 + g % 2)]
+        completions = engine.generate(prompt, SamplingParams(n=3, max_new_tokens=6, seed=g))
+        samples = [Sample(sample_id=f"s{g}-{i}", group_id=f"g{g}", prompt_ids=prompt, response_ids=c.token_ids,
+                          rollout_log_probs=np.asarray(c.log_probs), loss_mask=np.ones(len(c.token_ids), np.uint8),
+                          reward=float(i == g % 3), weight_version=0, routed_experts=c.routed_experts)
+                   for i, c in enumerate(completions)]
+        out.append(Group(group_id=f"g{g}", samples=samples, prompt_index=g))
+    params = SamplingParams(n=1, max_new_tokens=4, seed=9)
+    episode = Trajectory(problem=Problem(prompt="", answer=""), params=params, started_version=0,
+                         prompt_ids=[5, 6, 7])
+    episode.add_turn(engine.generate(episode.context, params)[0], [0] * 4)
+    episode.add_observation([40, 41, 42])  # a tool's reply
+    episode.add_turn(engine.generate(episode.context, params)[0], [0] * 4)
+    episode.reward = 1.0
+    multi_turn = episode.to_sample("g3", "w", {})
+    assert multi_turn.loss_mask.tolist().count(0) == 3 and multi_turn.routed_experts.shape[1:] == (LAYERS, TOP_K)
+    out[3].samples[-1] = multi_turn
+    # interrupted after 2 tokens and continued (the worker's path when new weights arrive): each
+    # part keeps the routing its generation had
+    checks = iter(range(100))
+    partial = engine.generate_batch([([9, 8, 7], params)], interrupt=lambda: next(checks) >= 1)[0][0]
+    rest = engine.generate([9, 8, 7, *partial.token_ids], params)[0]
+    assert partial.finish_reason == "interrupted" and len(partial.token_ids) == 2
+    out[2].samples[-1] = Sample(
+        sample_id="s2-2", group_id="g2", prompt_ids=[9, 8, 7], response_ids=partial.token_ids + rest.token_ids,
+        rollout_log_probs=np.asarray(partial.log_probs + rest.log_probs), reward=1.0, weight_version=0,
+        loss_mask=np.ones(len(partial.token_ids) + len(rest.token_ids), np.uint8),
+        routed_experts=np.concatenate([partial.routed_experts, rest.routed_experts]))
+    return out
+
+
+def regroup(groups, change):
+    """Copies of the groups with each sample's routing replaced by change(routing)."""
+    return [Group(g.group_id, [Sample(**{**s.__dict__, "routed_experts": change(s.routed_experts)})
+                               for s in g.samples], g.prompt_index) for g in groups]
+
+
+def shifted(routing):
+    """The routing of the next position: what an off-by-one replay would force."""
+    return np.roll(routing, 1, axis=0)
+
+
+def other_experts(routing):
+    return ((routing.astype(np.int64) + 1) % EXPERTS).astype(np.uint8)
+
+
+def learner(moe_dir, **overrides) -> Learner:
+    return Learner(LearnerConfig(**{"model_path": str(moe_dir), "lr": 1e-2, **overrides}))
+
+
+@pytest.mark.parametrize("packing", [True, False], ids=["packed", "padded"])
+def test_the_engine_routing_is_the_learners_at_the_positions_that_sampled_each_token(moe_dir, groups, packing):
+    """Same weights, same backend: at the proximal pass the learner's router picks the engine's
+    experts for every policy token, multi-turn included, packed or padded (0 mismatch, and the
+    log-probs agree); the routing of the neighbouring position is mostly another one."""
+    metrics = learner(moe_dir, packing=packing, micro_batch_size=3).train_step(groups)
+    assert metrics["moe/routing_mismatch"] == 0.0 and metrics["moe/routing_mismatch_any"] == 0.0
+    assert [metrics[f"moe/routing_mismatch/layer_{i}"] for i in range(LAYERS)] == [0.0] * LAYERS
+    assert abs(metrics["rollout_corr/kl"]) < 1e-6
+    off = learner(moe_dir, packing=packing).train_step(regroup(groups, shifted))
+    assert off["moe/routing_mismatch_any"] > 0.5
+
+
+def test_r3_sends_response_tokens_through_the_engine_experts_with_the_learner_gate(moe_dir, groups):
+    """Forced experts reach the expert MLPs at the positions that sampled policy tokens (the
+    prompt's keep the router's own); their gate weights are the router's softmax at those experts,
+    renormalised; the router still gets a gradient."""
+    model = load_causal_lm(moe_dir)
+    replay = RoutingReplay(model, "r3")
+    seen = []
+    handles = [block.experts.register_forward_pre_hook(lambda _m, args: seen.append(args[1:]))
+               for block in (layer.mlp for layer in model.model.layers)]
+    logits = []
+    handles += [r.register_forward_hook(lambda _m, _a, out: logits.append(out[0]), prepend=True)
+                for r in replay.routers]
+    sample = groups[0].samples[0]
+    prompt, response = sample.prompt_ids, sample.response_ids
+    forced = torch.from_numpy(other_experts(sample.routed_experts).astype(np.int16))[None]
+    with replay.plan([prompt], [response], packed=True, device="cpu", forced=forced,
+                     force_mask=torch.ones(1, len(response))):
+        log_probs, _ = response_log_probs(model, [prompt], [response])
+        log_probs.sum().backward()
+    for h in handles:
+        h.remove()
+    at = torch.arange(len(response)) + len(prompt) - 1  # the positions that sampled the tokens
+    for layer, ((ids, gates), z) in enumerate(zip(seen[:LAYERS], logits[:LAYERS])):
+        assert torch.equal(ids[at], forced[0, :, layer].long())
+        probs = torch.softmax(z[at].float(), -1).gather(-1, ids[at])
+        torch.testing.assert_close(gates[at], probs / probs.sum(-1, keepdim=True))
+        own = torch.topk(z[: len(prompt) - 1], TOP_K, -1).indices
+        assert torch.equal(ids[: len(prompt) - 1], own)  # prompt positions route freely
+    assert all(r.weight.grad is not None and r.weight.grad.abs().sum() > 0 for r in replay.routers)
+
+
+def test_r2_replays_the_learners_own_proximal_routing_and_r3_the_engines(moe_dir, groups):
+    """Two minibatches (the second sees weights the first moved): r2 replays the routing the
+    proximal pass recorded, whatever the engine reported; r3 replays the engine's, which here is
+    the proximal routing too; none lets the second minibatch reroute."""
+    def step(mode, batch):
+        return learner(moe_dir, routing_replay=mode, ppo_mini_batch_size=2).train_step(batch)["actor/pg_loss"]
+
+    single_turn = groups[:3]  # r2 replays tool-token positions too, r3 has no engine routing there
+    r2, r3, free = step("r2", single_turn), step("r3", single_turn), step("none", single_turn)
+    assert r2 == pytest.approx(r3, rel=1e-6) and abs(r2 - free) > 1e-4
+    assert step("r2", regroup(single_turn, other_experts)) == pytest.approx(r2, rel=1e-6)
+    assert abs(step("r3", regroup(single_turn, other_experts)) - r3) > 1e-3
+
+
+class ThreadComm:
+    """Two learner ranks in one process (threads): the collectives of learner.distributed's
+    ProcessGroupComm over a shared slot per rank."""
+
+    def __init__(self, rank: int, shared: dict):
+        self.rank, self.world_size, self.shared = rank, 2, shared
+
+    def all_reduce(self, tensor, op):
+        slots, barrier = self.shared["slots"], self.shared["barrier"]
+        slots[self.rank] = tensor.detach().clone()
+        barrier.wait()
+        both = torch.stack(slots)
+        reduced = {"sum": both.sum(0), "max": both.max(0).values, "min": both.min(0).values}[op]
+        barrier.wait()
+        return tensor.copy_(reduced)
+
+    def all_reduce_sum(self, tensor):
+        return self.all_reduce(tensor, "sum")
+
+    def sum_gradients(self, params):
+        params = [p for p in params if p.requires_grad]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        flat = self.all_reduce(torch.cat([p.grad.reshape(-1) for p in params]), "sum")
+        offset = 0
+        for p in params:
+            p.grad.copy_(flat[offset: offset + p.numel()].view_as(p.grad))
+            offset += p.numel()
+
+
+@pytest.mark.parametrize("mode", ["r3", "r2"])
+def test_two_ranks_replay_as_one_rank_does(moe_dir, groups, mode):
+    """Each rank replays its own rows' routing and answers for its share of the mismatch: two
+    ranks make one rank's update and report its metrics (the engine's routing is off, so the
+    replay matters). float64: the comparison checks the algorithm, not float32 sum orders."""
+    batch = regroup(groups, other_experts)
+    config = dict(routing_replay=mode, ppo_mini_batch_size=2, max_tokens_per_micro_batch=24, dtype="float64")
+    want = learner(moe_dir, **config)
+    want_metrics = want.train_step(batch)
+    shared = {"slots": [None, None], "barrier": threading.Barrier(2)}
+    ranks = [Learner(LearnerConfig(model_path=str(moe_dir), lr=1e-2, **config), comm=ThreadComm(r, shared))
+             for r in range(2)]
+    got = [None, None]
+    threads = [threading.Thread(target=lambda r=r: got.__setitem__(r, ranks[r].train_step(batch))) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert got[0] is not None and got[1] is not None
+    for key in ("actor/pg_loss", "actor/grad_norm", "moe/routing_mismatch", "moe/routing_mismatch_any"):
+        assert got[0][key] == pytest.approx(want_metrics[key], rel=1e-9, abs=1e-12), key
+    assert got[0]["moe/routing_mismatch"] == 1.0  # every engine expert set moved by one
+    for name, p in want.model.state_dict().items():
+        torch.testing.assert_close(ranks[1].model.state_dict()[name], p, rtol=1e-9, atol=1e-10)
+
+
+def test_bad_routing_is_refused_naming_the_sample(moe_dir, groups, tmp_path):
+    moe = learner(moe_dir)
+    too_many = regroup(groups[:1], lambda r: np.concatenate([r, r], axis=2))  # [T, layers, 2k]
+    with pytest.raises(BatchError, match=r"sample 's0-0', field 'routed_experts': \[layers, k\] is \[2, 4\]"):
+        moe.train_step(too_many)
+    beyond = regroup(groups[:1], lambda r: np.full_like(r, EXPERTS))
+    with pytest.raises(BatchError, match=r"sample 's0-0'.*expert id 8 at token 0, layer 0 is not in \[0, 8\)"):
+        moe.train_step(beyond)
+    with pytest.raises(ValueError, match=r"sample 's0-0' carries no routing"):
+        learner(moe_dir, routing_replay="r3").train_step(regroup(groups[:1], lambda r: None))
+    dense_dir = build_tiny_policy(tmp_path / "dense")
+    dense_groups = [Group(g.group_id, [Sample(**{**s.__dict__, "routed_experts": s.routed_experts[:, :1]})
+                                       for s in g.samples], g.prompt_index) for g in groups[:1]]
+    with pytest.raises(BatchError, match=r"sample 's0-0', field 'routed_experts': carries MoE routing .* dense"):
+        Learner(LearnerConfig(model_path=str(dense_dir))).train_step(dense_groups)
+    with pytest.raises(ValueError, match="routing_replay='r2' needs a mixture-of-experts policy"):
+        Learner(LearnerConfig(model_path=str(dense_dir), routing_replay="r2"))
+
+
+def test_a_published_moe_version_loads_into_an_engine_with_the_learners_log_probs(moe_dir, groups, tmp_path):
+    """The learner publishes (and saves) the experts one by one under the checkpoint's names, the
+    names engines expect (vLLM's `expected_weights` are the checkpoint's); the transformers engine
+    loads them into its fused experts and scores as the learner does."""
+    from lm.weight_sync import resolve_weights
+    from lm.weight_sync.payloads import checkpoint_shapes
+
+    moe = learner(moe_dir, weight_sync={"channel": "folder", "folder": str(tmp_path / "versions")})
+    moe.train_step(groups)
+    moe.publish_weights()
+    payload = moe.published(timeout=60)
+    moe.close_weight_sync()
+    weights = resolve_weights(payload)
+    names, _ = checkpoint_shapes(moe_dir)
+    assert set(weights) == set(names) | {"lm_head.weight"}
+    assert {k: tuple(v.shape) for k, v in weights.items() if k in names} == names
+
+    engine = HFEngine(moe_dir, dtype="float32", device="cpu")
+    assert set(engine.expected_weights()[0]) == set(names) | {"lm_head.weight"}
+    engine.load_weights(payload["version"], weights)
+    prompts = [s.prompt_ids for g in groups for s in g.samples]
+    responses = [s.response_ids for g in groups for s in g.samples]
+    with torch.no_grad():
+        want, _ = response_log_probs(moe.model, prompts, responses)
+        got, _ = response_log_probs(engine.model, prompts, responses)
+        saved = load_causal_lm(moe.save_policy(tmp_path / "policy"))
+        from_folder, _ = response_log_probs(saved, prompts, responses)
+    assert float((want - got).abs().max()) < 1e-6
+    assert float((want - from_folder).abs().max()) < 1e-6
+    assert set(checkpoint_shapes(tmp_path / "policy")[0]) == set(names)
