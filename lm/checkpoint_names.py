@@ -33,7 +33,8 @@ def checkpoint_items(name: str, tensor: torch.Tensor, copy: bool = False) -> lis
             out.append((f"{prefix}.{expert}.down_proj.weight", take(tensor[expert])))
         else:
             gate, up = tensor[expert].chunk(2, dim=0)  # the forward's chunk(2, dim=-1) of the output
-            out += [(f"{prefix}.{expert}.gate_proj.weight", take(gate)), (f"{prefix}.{expert}.up_proj.weight", take(up))]
+            out += [(f"{prefix}.{expert}.gate_proj.weight", take(gate)),
+                    (f"{prefix}.{expert}.up_proj.weight", take(up))]
     return out
 
 
