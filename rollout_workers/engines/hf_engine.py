@@ -168,3 +168,27 @@ class HFEngine(GenerationEngine):
         if missing:
             raise ValueError(f"weights do not fit the model: missing {missing[:5]} ({len(missing)} in all)")
         self.version = version
+
+    def weight_transfer(self, op: str, args: dict) -> None:
+        """The broadcast's weight-update calls (`lm.weight_sync.subscription`), received in this
+        process by the same gloo receiver vLLM's workers run (`lm.weight_sync.gloo_transfer`)."""
+        if op == "init":
+            if "prefix" not in args:
+                raise ValueError("the transformers engine receives weights over gloo only (weight_sync.backend: gloo)")
+            from lm.weight_sync.gloo_transfer import GlooReceiver
+
+            self._receiver = getattr(self, "_receiver", None) or GlooReceiver()
+            self._receiver.init(args, int(args["rank_offset"]))
+        elif op == "update":
+            weights = self._receiver.receive(args)
+            self._received = int(args["version"])
+            try:
+                self.load_weights(self._received, iter(weights))
+            finally:
+                del weights
+                self._receiver.recycle()
+        elif op == "finish":
+            if getattr(self, "_received", None) != int(args["version"]):
+                raise RuntimeError(f"weights v{args['version']}: finished before it was received")
+        elif op not in ("start", "abort"):
+            raise ValueError(f"unknown weight-update call {op!r}")
