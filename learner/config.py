@@ -65,16 +65,20 @@ class FolderSync(_WeightChannel):
 
 
 class BroadcastSync(_WeightChannel):
-    """A weight group of the learner (rank 0) and every engine: each version is sent once, in
-    chunks, while the learner trains on (see lm/weight_sync). For models past a few hundred MB."""
+    """vLLM's weight transfer: the learner (rank 0) drives each engine's weight update and sends
+    each version once, while it trains on (see lm/weight_sync). For models past a few hundred MB.
+    Needs vLLM on the learner too (its trainer side) and, for nccl/ipc, vLLM engines."""
 
     channel: Literal["broadcast"] = "broadcast"
-    backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="auto: nccl on GPU, gloo on CPU")
+    backend: Literal["auto", "gloo", "nccl", "ipc"] = Field(
+        "auto", description="vLLM's weight-transfer backend. nccl: engines on other GPUs; ipc: an engine on "
+        "the learner's GPU (ray.layout colocated); gloo: etarl's, on CPUs (a vLLM plugin; the transformers "
+        "engine takes it too); auto: nccl on GPU, gloo on CPU. rollout.engine.weight_transfer follows it")
     topology: Literal["auto", "chain", "star"] = Field(
-        "auto", description="chain: each engine forwards chunks to the next, the learner sends each byte once "
-        "(gloo's broadcast is a binomial tree: the root sends each byte about log2(engines + 1) times); "
-        "star: the backend's broadcast (NCCL pipelines it itself); auto: chain on gloo, star on nccl")
-    bucket_mb: float = Field(32.0, gt=0, description="chunk size of the send")
+        "auto", description="gloo only. chain: each receiving process forwards chunks to the next, the learner "
+        "sends each byte once (gloo's broadcast is a binomial tree: the root sends each byte about "
+        "log2(engines + 1) times); star: gloo's broadcast; auto: chain")
+    bucket_mb: float = Field(32.0, gt=0, description="gloo: chunk size of the send")
     receive_ahead_mb: Optional[float] = Field(
         None, gt=0, description="how much of a version an engine may hold received but not yet forwarded "
         "and loaded (at least one chunk): the learner's send waits for a slower rank further down the chain "
@@ -96,7 +100,7 @@ class BroadcastSync(_WeightChannel):
         """(backend, topology, snapshot, receive-ahead bytes) with `auto`/None decided for a learner
         on `device`; None bytes: a whole version."""
         backend = self.backend if self.backend != "auto" else ("nccl" if device.startswith("cuda") else "gloo")
-        topology = self.topology if self.topology != "auto" else ("star" if backend == "nccl" else "chain")
+        topology = self.topology if self.topology != "auto" else ("chain" if backend == "gloo" else "star")
         snapshot = self.snapshot if self.snapshot is not None else backend == "gloo"
         ahead_mb = self.receive_ahead_mb if self.receive_ahead_mb is not None else (
             None if backend == "gloo" else 4 * self.bucket_mb)

@@ -31,6 +31,9 @@ class EngineConfig(_Strict):
         "engine has no KV cache to size: it takes what its weights and generation need")
     tensor_parallel_size: int = Field(
         1, ge=1, description="GPUs one vLLM engine spreads over (on one node); the worker asks Ray for that many")
+    weight_transfer: Literal["auto", "gloo", "nccl", "ipc"] = Field(
+        "auto", description="vLLM: the weight-transfer backend the engine is started with (the broadcast "
+        "channel's; set from learner.weight_sync.backend when that is set); auto: gloo on CPUs, nccl on GPUs")
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="auto: the GPUs Ray assigned to the worker if CUDA works there, else the CPU "
         "(vLLM: the device its build supports; lm/device.py)")

@@ -246,6 +246,12 @@ class EtarlConfig(BaseModel):
             raise ValueError(
                 f"learner.temperature ({self.learner.temperature}) must equal rollout.sampling.temperature "
                 f"({self.rollout.sampling.temperature}): the learner's log-probs must describe the sampler")
+        sync, engine = self.learner.weight_sync, self.rollout.engine
+        if sync.channel == "broadcast" and sync.backend != "auto":
+            if engine.weight_transfer not in ("auto", sync.backend):
+                raise ValueError(f"learner.weight_sync.backend={sync.backend} but rollout.engine.weight_transfer="
+                                 f"{engine.weight_transfer}: both ends of vLLM's weight transfer use one backend")
+            engine.weight_transfer = sync.backend
         sampling = self.rollout.sampling
         if sampling.top_p < 1.0 or sampling.top_k > 0:
             raise ValueError(

@@ -8,7 +8,7 @@ interrupt points (`lm.weight_sync.WeightSubscription`); a restarted worker gets 
 """
 from __future__ import annotations
 
-_BOARD_THREADS_PER_WORKER = 3  # a worker's wait for its go, its rendezvous key, a stats call
+_BOARD_THREADS_PER_WORKER = 3  # a worker's wait for its go or next weight-update call, its answer, a stats call
 # The last finished send's timings (it may end after the step that published it):
 _LAST_SEND = {"own_s": "timing_s/weight_sync_send",  # the learner's own time sending (or putting, writing)
               "served_s": "timing_s/weight_sync_served",  # from the announcement until every engine has it

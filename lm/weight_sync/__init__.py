@@ -3,8 +3,10 @@
 Three channels (`learner.weight_sync.channel`), one protocol around the board (`WeightStore`):
   object_store  one shared object per version in the Ray object store (small models);
   folder        a safetensors folder per version, kept while a reader may still read it;
-  broadcast     a weight group (gloo or NCCL) of the learner and every engine; the learner sends
-                each version once, in chunks, down a chain (or NCCL's own broadcast).
+  broadcast     vLLM's weight transfer: the learner drives each engine's weight update through the
+                board (`board_client`) and sends each version once, into vLLM's own worker
+                processes: nccl, ipc (vLLM's), or gloo (etarl's, `vllm_plugin`, `gloo_transfer`:
+                in chunks down a chain).
 The learner side: `Publication` (a thread on rank 0; the next step starts while it sends) around
 a sender of `senders`. The worker side: `WeightSubscription.receive(engine, ...)` at the worker's
 interrupt point. The wire: `layout.Layout` (the metadata header) and `stream` (chunks).

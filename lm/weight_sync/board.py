@@ -6,13 +6,14 @@ its interrupt point and says when it has loaded it. A reader's claim on a versio
 version's folder on disk until the reader is done (or its claim is older than the caller allows).
 
 Broadcast: the learner announces version v with its layout (the metadata header); a worker that
-sees it at its interrupt point checks the layout against its model, says it is ready and waits
-for its go; the learner waits (bounded) until every member is ready, then starts the send to the
-ready ones: they form the weight group of this send (rank 0 the learner, 1..n the workers). The
-same members as last time keep their group; any change (a restart, a late joiner, one left out)
-forms a new generation. A member that is not ready in time is left out and named; it rejoins when
-it next asks. The board also holds the groups' rendezvous keys (`BoardStore`), so forming a group
-opens no listening socket besides gloo's own, bound to each node's address.
+sees it at its interrupt point checks the layout against its model, says it is ready (with the
+number of its engine's receiving processes: its width) and waits for its go; the learner waits
+(bounded) until every member is ready, then starts the send to the ready ones: they form the
+weight group of this send (rank 0 the learner, then each member's ranks from its rank offset).
+The same members as last time keep their group; any change (a restart, a late joiner, one left
+out) forms a new generation. A member that is not ready in time is left out and named; it rejoins
+when it next asks. Then the learner drives vLLM's weight-update calls on the members through the
+board (`post_op` / `wait_op` / `op_done` / `wait_acks`: `board_client.BoardWeightSyncClient`).
 """
 from __future__ import annotations
 
@@ -28,7 +29,10 @@ class _Member:
     session: str  # one per worker process: a restarted worker is a new member
     have: int  # the version its engine holds (-1: unknown, after a failed load)
     waiting: bool = False  # at its interrupt point, asking for a version newer than `have`
+    width: int = 1  # its engine's receiving processes (a tensor-parallel engine's ranks)
     go: dict | None = None  # its part in the send it was let into
+    ops: list[dict] = field(default_factory=list)  # weight-update calls posted to it, not yet taken
+    acks: dict[int, str] = field(default_factory=dict)  # op seq -> its error ("" if it went well)
     done: dict | None = None  # how its last receive ended: {"version", "error", "at"}
     refused: str = ""  # why it withdrew (its model does not fit the layout), for the sender's log
 
@@ -48,7 +52,7 @@ class WeightStore:
         self._claims: dict[str, tuple[int, float]] = {}  # reader -> (version, since)
         self._members: dict[str, _Member] = {}
         self._generation = _Generation()
-        self._kv: dict[str, bytes] = {}
+        self._op_seq = 0
 
     # ------------------------------------------------------------ live version (every channel)
 
@@ -111,11 +115,12 @@ class WeightStore:
         with self._cond:
             return self._layout
 
-    def ready(self, worker: str, session: str, have: int) -> None:
+    def ready(self, worker: str, session: str, have: int, width: int = 1) -> None:
         """A worker at its interrupt point asks for a version newer than `have`."""
         with self._cond:
             member = self._member(worker, session)
             member.have, member.waiting, member.go, member.refused = have, True, None, ""
+            member.width, member.ops = max(1, int(width)), []
             self._cond.notify_all()
 
     def _member(self, worker: str, session: str) -> _Member:
@@ -192,7 +197,7 @@ class WeightStore:
         """Let the members waiting for `version` into its send. Ranks follow the current
         generation when the members are the same, else a new generation is formed. Members not
         waiting are left out (`leave_out_missing`: removed, named in the reply, until they ask
-        again). Returns {"generation", "world", "members": {worker: rank}, "left_out": {worker: why}}."""
+        again). Returns {"generation", "world", "members": {worker: rank offset}, "left_out": {worker: why}}."""
         with self._cond:
             chosen = sorted((w, m.session) for w, m in self._members.items() if m.waiting and m.have < version)
             left_out = {}
@@ -202,21 +207,71 @@ class WeightStore:
                     left_out[worker] = member.refused or f"not at an interrupt point in time (its engine holds " \
                                                          f"v{member.have})"
             generation = self._generation_for(chosen)
+            world = 1 + sum(self._members[w].width for w, _ in chosen)
             for key in chosen:
                 go = {**common, "version": version, "generation": generation.id, "rank": generation.ranks[key],
-                      "world": len(chosen) + 1}
+                      "world": world}
                 member = self._members[key[0]]
-                member.waiting, member.go, member.done = False, go, None
+                member.waiting, member.go, member.done, member.ops = False, go, None, []
             self._cond.notify_all()
-            return {"generation": generation.id, "world": len(chosen) + 1,
+            return {"generation": generation.id, "world": world,
                     "members": {w: generation.ranks[(w, s)] for w, s in chosen}, "left_out": left_out}
 
     def _generation_for(self, chosen: list[tuple[str, str]]) -> _Generation:
         if set(chosen) != set(self._generation.ranks):
-            old = self._generation.id
-            self._generation = _Generation(old + 1, {key: rank for rank, key in enumerate(chosen, start=1)})
-            self._kv = {k: v for k, v in self._kv.items() if not k.startswith(group_prefix(old))}
+            ranks, offset = {}, 1
+            for key in chosen:
+                ranks[key], offset = offset, offset + self._members[key[0]].width
+            self._generation = _Generation(self._generation.id + 1, ranks)
         return self._generation
+
+    # ------------------------------------------------------------ broadcast: weight-update calls
+
+    def post_op(self, workers_args: dict[str, dict], op: str) -> int:
+        """Post the weight-update call `op` to each worker with its arguments; its sequence number."""
+        with self._cond:
+            self._op_seq += 1
+            for worker, args in workers_args.items():
+                member = self._members.get(worker)
+                if member is not None:
+                    member.ops.append({"seq": self._op_seq, "op": op, "args": args})
+            self._cond.notify_all()
+            return self._op_seq
+
+    def wait_op(self, worker: str, session: str, timeout: float) -> dict | None:
+        """The next call posted to this worker (None: none yet; ask again)."""
+        with self._cond:
+            def posted():
+                member = self._members.get(worker)
+                return member is not None and member.session == session and bool(member.ops)
+
+            if not self._cond.wait_for(posted, timeout=min(timeout, _MAX_POLL_S)):
+                return None
+            return self._members[worker].ops.pop(0)
+
+    def op_done(self, worker: str, session: str, seq: int, error: str = "") -> None:
+        with self._cond:
+            member = self._members.get(worker)
+            if member is not None and member.session == session:
+                member.acks = {k: e for k, e in member.acks.items() if k > seq - 16}  # the recent ones
+                member.acks[seq] = error
+                self._cond.notify_all()
+
+    def wait_acks(self, seq: int, workers: list[str], timeout: float) -> dict[str, str]:
+        """{worker: error ("" if it went well)} of those that have answered call `seq` (a worker
+        missing from the reply has not answered yet: ask again, or name it after the deadline)."""
+        with self._cond:
+            self._cond.wait_for(lambda: len(self._acks_of(seq, workers)) == len(workers),
+                                timeout=min(timeout, _MAX_POLL_S))
+            return self._acks_of(seq, workers)
+
+    def _acks_of(self, seq: int, workers: list[str]) -> dict[str, str]:
+        out = {}
+        for worker in workers:
+            member = self._members.get(worker)
+            if member is not None and seq in member.acks:
+                out[worker] = member.acks[seq]
+        return out
 
     def wait_done(self, version: int, workers: list[str], timeout: float) -> dict:
         """How each worker's receive of `version` ended: {worker: {"error", "at"}}; a worker
@@ -248,47 +303,3 @@ class WeightStore:
         with self._cond:
             return {w: {"have": m.have, "waiting": m.waiting, "session": m.session}
                     for w, m in self._members.items()}
-
-    # ------------------------------------------------------------ rendezvous keys (BoardStore)
-
-    def kv_set(self, key: str, value: bytes) -> None:
-        with self._cond:
-            self._kv[key] = bytes(value)
-            self._cond.notify_all()
-
-    def kv_get(self, key: str, timeout: float) -> bytes | None:
-        with self._cond:
-            self._cond.wait_for(lambda: key in self._kv, timeout=min(timeout, _MAX_POLL_S))
-            return self._kv.get(key)
-
-    def kv_wait(self, keys: list[str], timeout: float) -> bool:
-        with self._cond:
-            return self._cond.wait_for(lambda: all(k in self._kv for k in keys), timeout=min(timeout, _MAX_POLL_S))
-
-    def kv_add(self, key: str, amount: int) -> int:
-        with self._cond:
-            value = int(self._kv.get(key, b"0")) + amount
-            self._kv[key] = str(value).encode()
-            self._cond.notify_all()
-            return value
-
-    def kv_compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
-        with self._cond:
-            current = self._kv.get(key)
-            if (current is None and not expected) or current == expected:
-                self._kv[key] = bytes(desired)
-                self._cond.notify_all()
-                return bytes(desired)
-            return expected if current is None else current
-
-    def kv_delete(self, key: str) -> bool:
-        with self._cond:
-            return self._kv.pop(key, None) is not None
-
-    def kv_num_keys(self) -> int:
-        with self._cond:
-            return len(self._kv)
-
-
-def group_prefix(generation: int) -> str:
-    return f"weights/g{generation}/"

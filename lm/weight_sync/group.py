@@ -1,19 +1,19 @@
-"""The weight group of one generation: a standalone torch process group (gloo on CPU, NCCL on
-GPU) of the learner (rank 0) and the engines (1..n), apart from the learner's data-parallel group.
+"""The weight group of one generation: a standalone gloo process group of the learner (rank 0) and
+every receiving process of the engines (1..n; a tensor-parallel engine has one per rank), apart
+from the learner's data-parallel group. vLLM's own backends (NCCL, IPC) form theirs themselves.
 
-Its ranks meet through `BoardStore`, a torch `Store` kept in the board actor: torch's TCPStore
-listens on every interface whatever address it is given, and this one opens no socket at all.
-gloo's own pair sockets are bound to the node's address (127.0.0.1 in a local run).
+Rendezvous: the sender opens a `TCPStore` (vLLM's NCCL engine does the same) and every receiver,
+inside vLLM's worker processes too, joins it with the address, port and key prefix of the init
+info. torch's TCPStore listens on every interface whatever address it is given: the keys live
+under a 128-bit random prefix per generation, so a process that did not get the init info over
+the board cannot join or disturb the group; the gloo pair sockets bind to the node's address.
 """
 from __future__ import annotations
 
 import datetime
-import time
-from datetime import timedelta
+import secrets
 
 import torch.distributed as dist
-
-from lm.weight_sync.board import group_prefix
 
 
 def call(handle, method: str, *args):
@@ -38,69 +38,36 @@ def node_address() -> str:
     return "127.0.0.1"
 
 
-class BoardStore(dist.Store):
-    """A torch Store whose keys live in the board (`WeightStore.kv_*`)."""
+class Rendezvous:
+    """The sender's end: a store the receivers join (`init_info()` tells them where and how)."""
 
-    def __init__(self, board, timeout_s: float):
-        super().__init__()
-        self.board = board
-        self.timeout_s = timeout_s
+    def __init__(self, address: str, world: int, timeout_s: float):
+        self.address, self.world, self.timeout_s = address, world, timeout_s
+        self.store = dist.TCPStore(address, 0, world, True, timeout=datetime.timedelta(seconds=timeout_s),
+                                   wait_for_workers=False)
+        self.prefix = secrets.token_hex(16)
 
-    def _deadline_loop(self, method: str, *args):
-        deadline = time.monotonic() + self.timeout_s
-        while True:
-            result = call(self.board, method, *args, max(0.01, deadline - time.monotonic()))
-            if (result is not None and result is not False) or time.monotonic() >= deadline:
-                return result
+    def init_info(self) -> dict:
+        return {"master_address": self.address, "master_port": int(self.store.port), "prefix": self.prefix,
+                "world_size": self.world, "timeout_s": self.timeout_s, "rank_offset": 1}
 
-    def set(self, key, value):
-        call(self.board, "kv_set", key, value if isinstance(value, bytes) else bytes(value, "utf-8"))
-
-    def get(self, key):
-        value = self._deadline_loop("kv_get", key)
-        if value is None:
-            raise TimeoutError(f"weight group rendezvous: no rank set {key!r} within {self.timeout_s:.0f}s")
-        return value
-
-    def wait(self, keys, timeout=None):
-        if not self._deadline_loop("kv_wait", list(keys)):
-            raise TimeoutError(f"weight group rendezvous: keys {list(keys)} not set within {self.timeout_s:.0f}s")
-
-    def add(self, key, amount):
-        return call(self.board, "kv_add", key, amount)
-
-    def check(self, keys):
-        return all(call(self.board, "kv_get", k, 0.0) is not None for k in keys)
-
-    def compare_set(self, key, expected, desired):
-        return call(self.board, "kv_compare_set", key, bytes(expected), bytes(desired))
-
-    def delete_key(self, key):
-        return call(self.board, "kv_delete", key)
-
-    def num_keys(self):
-        return call(self.board, "kv_num_keys")
-
-    def set_timeout(self, timeout):
-        self.timeout_s = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+    def join(self) -> dist.ProcessGroup:
+        """Rank 0's group (blocks until every rank has joined, or the timeout)."""
+        return gloo_group(dist.PrefixStore(self.prefix, self.store), 0, self.world, self.timeout_s, self.address)
 
 
-class WeightGroup:
-    """This process's member of the weight group described by a go (generation, world, backend,
-    timeout_s). Forming it blocks until every rank has joined (or the timeout)."""
+def join_group(init_info: dict, rank: int, address: str | None = None) -> tuple[dist.ProcessGroup, dist.Store]:
+    """A receiver's group and the store it keeps alive (torch holds only the C++ half of a store)."""
+    timeout = datetime.timedelta(seconds=init_info["timeout_s"])
+    store = dist.TCPStore(init_info["master_address"], int(init_info["master_port"]), int(init_info["world_size"]),
+                          False, timeout=timeout)
+    group = gloo_group(dist.PrefixStore(init_info["prefix"], store), rank, int(init_info["world_size"]),
+                       init_info["timeout_s"], address or node_address())
+    return group, store
 
-    def __init__(self, board, go: dict, rank: int, address: str):
-        self.generation = go["generation"]
-        # Kept here: torch holds only the C++ half of a Python store, which must outlive the group.
-        self.store = BoardStore(board, go["timeout_s"])
-        prefixed = dist.PrefixStore(group_prefix(self.generation), self.store)
-        timeout = datetime.timedelta(seconds=go["timeout_s"])
-        if go["backend"] == "nccl":
-            options = dist.ProcessGroupNCCL.Options()
-            options._timeout = timeout
-            self.group = dist.ProcessGroupNCCL(prefixed, rank, go["world"], options)
-        else:
-            options = dist.ProcessGroupGloo._Options()
-            options._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
-            options._timeout = timeout
-            self.group = dist.ProcessGroupGloo(prefixed, rank, go["world"], options)
+
+def gloo_group(store: dist.Store, rank: int, world: int, timeout_s: float, address: str) -> dist.ProcessGroup:
+    options = dist.ProcessGroupGloo._Options()
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
+    options._timeout = datetime.timedelta(seconds=timeout_s)
+    return dist.ProcessGroupGloo(store, rank, world, options)

@@ -17,10 +17,10 @@ from pathlib import Path
 import torch
 
 from lm.weight_sync import integrity
-from lm.weight_sync.group import WeightGroup, call, node_address
+from lm.weight_sync.board_client import BoardWeightSyncClient, WeightUpdateFailed
+from lm.weight_sync.group import call, node_address
 from lm.weight_sync.layout import Layout, cast
 from lm.weight_sync.payloads import save_weights_folder, to_shared_arrays
-from lm.weight_sync.stream import send_stream
 
 log = logging.getLogger(__name__)
 
@@ -89,26 +89,31 @@ class FolderSender:
 
 
 class BroadcastSender:
-    """Rank 0 of the weight group: announce, wait for the members (bounded), send in chunks.
+    """Rank 0 of the weight group, through vLLM's weight transfer: announce, wait for the members
+    (bounded), then drive a trainer engine of vLLM's factory (`gloo`: etarl's, registered by
+    `vllm_plugin`; `nccl`, `ipc`: vLLM's own) whose client is the board (`BoardWeightSyncClient`).
 
-    Settings: backend (gloo|nccl), topology (chain|star), chunk_bytes, ready_timeout_s (how long a
-    member may take to reach its interrupt point), timeout_s (the group's collective timeout: a
-    member that dies mid-send fails the send after this), address (this node's, for gloo),
-    ahead_bytes (what a member may hold received but not yet forwarded and loaded; None: a whole
-    version, so a slow member holds up neither the learner nor the members before it)."""
+    Settings: backend (gloo|nccl|ipc), topology (gloo: chain|star), chunk_bytes, ready_timeout_s (how
+    long a member may take to reach its interrupt point), timeout_s (the group's collective timeout,
+    and how long a member may take to answer a call), address (this node's), ahead_bytes (gloo: what
+    a member may hold received but not yet forwarded; None: a whole version)."""
 
     catch_up_poll_s = 0.5
 
     def __init__(self, board, backend: str, topology: str, chunk_bytes: int, ready_timeout_s: float,
                  timeout_s: float, address: str | None = None, dtype: torch.dtype | None = None,
                  device: torch.device | str = "cpu", ahead_bytes: int | None = None):
+        from lm.weight_sync import vllm_plugin
+
+        vllm_plugin.register()  # the learner's process loads no vLLM plugins by itself
         self.board, self.dtype, self.device = board, dtype, device
-        self.ready_timeout_s = ready_timeout_s
-        self.common = {"backend": backend, "topology": topology, "chunk_bytes": int(chunk_bytes),
-                       "timeout_s": float(timeout_s)}
+        self.backend, self.topology, self.chunk_bytes = backend, topology, int(chunk_bytes)
+        self.ready_timeout_s, self.timeout_s = ready_timeout_s, float(timeout_s)
         self.ahead_bytes = ahead_bytes
         self.address = address or node_address()
-        self._group: WeightGroup | None = None
+        self.source = vllm_plugin.TensorsSource({}, dtype)
+        self._trainer = None  # the trainer engine of the current generation
+        self._generation = None
 
     def send(self, version: int, tensors: dict[str, torch.Tensor], release, catch_up: bool = False) -> dict:
         """Send `version` to every member (a new version: waiting for them, bounded) or to the
@@ -119,24 +124,28 @@ class BroadcastSender:
             if not catch_up:
                 call(self.board, "announce", version, layout.to_wire())
                 self._wait_ready(version)
-            ahead = self.ahead_bytes if self.ahead_bytes is not None else layout.total_bytes
-            send = call(self.board, "start_send", version,
-                        {**self.common, "layout": layout.to_wire(), "ahead_bytes": ahead}, not catch_up)
+            send = call(self.board, "start_send", version, {"backend": self.backend, "timeout_s": self.timeout_s},
+                        not catch_up)
             for worker, why in send["left_out"].items():
                 log.warning("weights v%d: %s left out of this send (weight_sync.ready_timeout_s=%.0fs): %s; it "
                             "rejoins when it next asks", version, worker, self.ready_timeout_s, why)
-            own_start = time.perf_counter()
-            if send["world"] > 1:
-                self._send(send, layout, tensors, version)
-            own_s = time.perf_counter() - own_start
-            release()
-            served_s = self._wait_served(version, send) - started if send["world"] > 1 else 0.0
+            own_start = read_at = time.perf_counter()
+            if send["members"]:
+                read = []  # when the tensors were read: the sender's own part ends there
+
+                def released():
+                    read.append(time.perf_counter())
+                    release()
+
+                self._send(send, version, tensors, released)
+                read_at = read[0] if read else time.perf_counter()
+            own_s = read_at - own_start
         finally:
             release()
             if not catch_up:  # live even after a failed send: the members that missed it catch up
                 call(self.board, "publish", {"version": version, "kind": "broadcast"})
-        return {"own_s": own_s, "served_s": served_s, "ready_wait_s": own_start - started,
-                "engines": send["world"] - 1}
+        return {"own_s": own_s, "served_s": time.perf_counter() - started if send["members"] else 0.0,
+                "ready_wait_s": own_start - started, "engines": len(send["members"])}
 
     def _wait_ready(self, version: int) -> None:
         deadline = time.monotonic() + self.ready_timeout_s
@@ -144,38 +153,76 @@ class BroadcastSender:
             if time.monotonic() >= deadline:
                 return
 
-    def _send(self, send: dict, layout: Layout, tensors, version: int) -> None:
+    def _send(self, send: dict, version: int, tensors, release) -> None:
+        """Every call of the round goes to the members; the round ends when all have finished (the
+        version is served) or, after a failure, once the others are finished or aborted."""
+        client = BoardWeightSyncClient(self.board, version, send["members"], self.timeout_s)
+        self.source.tensors, self.source.release = tensors, release
         try:
-            group = self._group_of(send)
-            send_stream(group, layout, tensors, self.common["chunk_bytes"], self.common["topology"], self.device)
+            trainer = self._trainer_of(send, client)
+            trainer.client, trainer.version = client, version
+            trainer.send_weights()
+        except WeightUpdateFailed as err:
+            if err.op not in ("update", "finish") or err.unanswered:  # a member may be gone: so is the group
+                self._failed(err, version, send, client)
+            # The stream went through: the others finish, the group stays; those named keep their
+            # weights and get the next version.
+            client.end()
+            for worker, why in err.errors.items():
+                log.warning("weights v%d: %s failed to load it: %s", version, worker, why)
         except Exception as err:
-            self._group = None
-            call(self.board, "forget_generation")
-            raise RuntimeError(f"weights v{version}: the send to {sorted(send['members'])} failed "
-                               f"({type(err).__name__}: {err})") from err
+            self._failed(err, version, send, client)
+        finally:
+            self.source.tensors, self.source.release = {}, None
 
-    def _group_of(self, send: dict):
-        if self._group is None or self._group.generation != send["generation"]:
-            self._group = None  # the old generation's group is dropped before the new one forms
-            go = {**self.common, "generation": send["generation"], "world": send["world"]}
-            self._group = WeightGroup(self.board, go, 0, self.address)
-        return self._group.group
+    def _failed(self, err: Exception, version: int, send: dict, client: BoardWeightSyncClient):
+        """The group itself failed (a member died, the rendezvous timed out): a new one next time."""
+        self._drop_trainer()
+        call(self.board, "forget_generation")
+        client.end()
+        raise RuntimeError(f"weights v{version}: the send to {sorted(send['members'])} failed "
+                           f"({type(err).__name__}: {err})") from err
 
-    def _wait_served(self, version: int, send: dict) -> float:
-        """Wait (bounded) until every member reports its engine has the version; name any that
-        failed or never reported. The perf_counter time at which the last one had reported."""
-        workers = sorted(send["members"])
-        deadline = time.monotonic() + self.common["timeout_s"]
-        reports = {}
-        while len(reports) < len(workers) and time.monotonic() < deadline:
-            reports = call(self.board, "wait_done", version, workers, max(0.0, deadline - time.monotonic()))
-        for worker in workers:
-            if worker not in reports:
-                log.warning("weights v%d: %s never reported loading it within %.0fs", version, worker,
-                            self.common["timeout_s"])
-            elif reports[worker]["error"]:
-                log.warning("weights v%d: %s failed to load it: %s", version, worker, reports[worker]["error"])
-        return time.perf_counter()
+    def _trainer_of(self, send: dict, client: BoardWeightSyncClient):
+        """The trainer engine of this send's generation (a new generation: a new group)."""
+        if self._trainer is not None and self._generation == send["generation"]:
+            return self._trainer
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+        self._drop_trainer()  # the old generation's group goes before the new one forms
+        self._trainer = WeightTransferTrainerFactory.trainer_init(self._init_info(send["world"]), client=client,
+                                                                  source=self.source)
+        self._generation = send["generation"]
+        return self._trainer
+
+    def _init_info(self, world: int):
+        if self.backend == "ipc":  # an engine on the learner's GPU: CUDA IPC handles, no group
+            from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
+
+            return IPCTrainerInitInfo(rank=0)
+        if self.backend == "nccl":
+            from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+
+            return NCCLTrainerInitInfo(master_address=self.address, master_port=_free_port(self.address),
+                                       world_size=world, rank=0)
+        from lm.weight_sync.vllm_plugin import GlooTrainerInitInfo
+
+        return GlooTrainerInitInfo(rank=0, address=self.address, world_size=world, timeout_s=self.timeout_s,
+                                   chunk_bytes=self.chunk_bytes, topology=self.topology,
+                                   ahead_bytes=self.ahead_bytes)
+
+    def _drop_trainer(self) -> None:
+        trainer, self._trainer, self._generation = self._trainer, None, None
+        if trainer is not None:
+            trainer.shutdown()
 
     def close(self) -> None:
-        self._group = None
+        self._drop_trainer()
+
+
+def _free_port(address: str) -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind((address, 0))
+        return probe.getsockname()[1]

@@ -4,28 +4,28 @@ points (between engine steps or generations), so the tokens after a load carry t
 An engine here is anything with `version`, `load_weights(version, weights)` (a mapping or an
 iterable of (name, tensor) pairs), and optionally `load_weights_folder(version, path)` (read a
 folder itself), `expected_weights()` ((shapes by name, names it may lack) to check a layout
-against before joining a send) and `weights_device` (where received chunks go).
+against before joining a send). For the broadcast: `transfer_width` (its receiving processes) and
+`weight_transfer(op, args)`, which runs vLLM's weight-update calls (init, start, update, finish,
+and abort: resume on the weights it had) as the learner drives them through the board.
 
 Nothing reaches the engine before the whole version has passed its content check (`integrity`:
 the digests the sender published or sent, and no NaN/inf): a version that fails raises
-`WeightsRejected` and the engine keeps the weights it has. A broadcast is therefore received
-whole into the receive buffers (which hold a whole version anyway) before the engine loads it.
+`WeightsRejected` and the engine keeps the weights it has (a broadcast is checked where it is
+received, inside the engine's processes, before the model takes any of it).
 """
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 import uuid
 
-import torch
-
 from lm.weight_sync import integrity
-from lm.weight_sync.group import WeightGroup, call, node_address
+from lm.weight_sync.group import call, node_address
 from lm.weight_sync.integrity import WeightsRejected
 from lm.weight_sync.layout import Layout
 from lm.weight_sync.payloads import resolve_weights
-from lm.weight_sync.stream import ReceiveStream
 
 _POLL_S = 1.0  # the longest a wait for a go goes without checking the stop flag
 
@@ -37,9 +37,8 @@ class WeightSubscription:
         self.board, self.worker_id = board, worker_id
         self.session = uuid.uuid4().hex  # this process: a restarted worker is a new member
         self.address = address
-        self._group: WeightGroup | None = None  # of the last send this worker took part in
+        self._generation = None  # of the last send this worker's engine joined
         self._pushed: bool | None = None  # unknown until a version is live
-        self._spare = {"chunks": [], "assembly": {}}  # receive buffers kept from the last version (host memory)
         # Versions refused for good (a stored object or folder that does not match its digest, a
         # NaN the learner sent): not asked for again; a newer version is.
         self.refused: dict[int, WeightsRejected] = {}
@@ -113,7 +112,8 @@ class WeightSubscription:
             except ValueError as err:
                 call(self.board, "withdraw", self.worker_id, self.session, str(err))
                 raise
-        call(self.board, "ready", self.worker_id, self.session, int(engine.version))
+        call(self.board, "ready", self.worker_id, self.session, int(engine.version),
+             int(getattr(engine, "transfer_width", 1)))
         go = self._wait_go(wait_s, stop)
         return None if go is None else self._take_part(engine, go)
 
@@ -128,53 +128,73 @@ class WeightSubscription:
                 return call(self.board, "withdraw", self.worker_id, self.session)
 
     def _take_part(self, engine, go: dict) -> int:
-        """Receive the send `go` describes into the engine. A failure part-way still forwards the
-        rest of the stream (the ranks after this one get their version) and is reported."""
-        version, layout, stream = int(go["version"]), Layout.from_wire(go["layout"]), None
-        try:
-            device = getattr(engine, "weights_device", "cpu")
-            host = torch.device(device).type == "cpu"  # device memory is reused by its own allocator
-            stream = ReceiveStream(self._group_of(go), go["rank"], go["world"], layout, go["chunk_bytes"],
-                                   go["topology"], device,
-                                   ahead=max(1, go.get("ahead_bytes", 4 * go["chunk_bytes"]) // go["chunk_bytes"]),
-                                   spare=self._spare if host else None)
-            check_fits(engine, layout)
-            weights = list(stream)  # the whole version, checked before the engine takes any of it
-            if not stream.complete:
-                raise RuntimeError(f"the stream of weights v{version} ended part-way")
-            integrity.check_chunks(version, layout, stream.spans, stream.digests, stream.sent_digests)
-            bad = integrity.first_nonfinite(weights)
-            if bad is not None:
-                raise WeightsRejected(version, "broadcast", bad, "holds a NaN or an inf")
-            engine.load_weights(version, iter(weights))
-            del weights
-            if host:
-                stream.recycle()
-        except WeightsRejected as err:
-            self._rejected(err)
-            if host:
-                stream.recycle()  # the engine took nothing: the buffers serve the next version
-            call(self.board, "done", self.worker_id, self.session, version, str(err), int(engine.version))
-            raise
-        except Exception as err:
-            self._drain(stream)
-            call(self.board, "done", self.worker_id, self.session, version, f"{type(err).__name__}: {err}")
-            raise
-        call(self.board, "done", self.worker_id, self.session, version)
-        return version
+        """Run the learner's weight-update calls of the send `go` let this worker into, until the
+        version is finished (loaded) or the send ends without it."""
+        version = int(go["version"])
+        deadline = time.monotonic() + float(go.get("timeout_s", 120.0))
+        error = rejected = None
+        while True:
+            op = call(self.board, "wait_op", self.worker_id, self.session,
+                      max(0.0, min(_POLL_S, deadline - time.monotonic())))
+            if op is None:
+                if time.monotonic() < deadline:
+                    continue
+                error = RuntimeError(f"weights v{version}: the learner's calls stopped coming")
+                engine.weight_transfer("abort", {"version": version})
+                break
+            deadline = time.monotonic() + float(go.get("timeout_s", 120.0))
+            name, args = op["op"], dict(op["args"])
+            if name == "init":
+                if "prefix" in args:  # gloo: its sockets bind to this node's address
+                    args["address"] = self.address or node_address()
+                if self._generation == go["generation"]:
+                    name = None  # joined this generation's group already
+                self._generation = go["generation"]
+            try:
+                if name is not None:
+                    engine.weight_transfer(name, args)
+            except Exception as err:
+                rejected = _rejection(err, version)
+                error = rejected or err
+                call(self.board, "op_done", self.worker_id, self.session, op["seq"], str(error))
+                if name == "init":
+                    self._generation = None
+                if name != "abort":
+                    _quietly(engine.weight_transfer, "abort", {"version": version})
+                break
+            call(self.board, "op_done", self.worker_id, self.session, op["seq"], "")
+            if name in ("finish", "abort"):
+                break
+        if error is None and int(engine.version) == version:
+            call(self.board, "done", self.worker_id, self.session, version)
+            return version
+        why = str(error) if error is not None else "the send ended without it"
+        call(self.board, "done", self.worker_id, self.session, version, why, int(engine.version))
+        if rejected is not None:
+            self._rejected(rejected)
+            raise rejected
+        raise error if error is not None else RuntimeError(f"weights v{version}: {why}")
 
-    def _group_of(self, go: dict):
-        if self._group is None or self._group.generation != go["generation"]:
-            self._group = None  # leave the old generation before joining the new one
-            self._group = WeightGroup(self.board, go, go["rank"], self.address or node_address())
-        return self._group.group
 
-    def _drain(self, stream: ReceiveStream | None) -> None:
-        try:
-            if stream is not None:
-                stream.drain()
-        except Exception:
-            self._group = None  # the group itself failed: the next send forms a new one
+_REFUSED = re.compile(r"weights v(\d+) \((\w+)\) refused: tensor '([^']*)' (.*?); the engine keeps its weights")
+
+
+def _rejection(err: Exception, version: int) -> WeightsRejected | None:
+    """A refusal by content raised inside the engine's own processes reaches this one as text."""
+    if isinstance(err, WeightsRejected):
+        return err
+    found = _REFUSED.search(str(err))
+    if found is None:
+        return None
+    return WeightsRejected(int(found[1]), found[2], found[3], found[4], retry="does not match the digest" in found[4])
+
+
+def _quietly(fn, *args) -> None:
+    try:
+        fn(*args)
+    except Exception as err:
+        log.warning("weights: %s(%s) after a failed update: %s: %s", getattr(fn, "__name__", fn), args[0],
+                    type(err).__name__, err)
 
 
 def check_fits(engine, layout: Layout) -> None:

@@ -24,6 +24,7 @@ def make_engine(engine_config, model_dir: str | os.PathLike, seed: int = 0, vers
             enforce_eager=engine_config.enforce_eager,
             seed_requests=engine_config.seed_requests,
             max_num_seqs=max_num_seqs,
+            weight_transfer=engine_config.weight_transfer,
         )
     if engine_config.kind == "hf":
         from rollout_workers.engines.hf_engine import HFEngine

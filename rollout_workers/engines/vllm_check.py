@@ -21,7 +21,9 @@ NEEDED = {
     "start_weight_update": (),
     "update_weights": ("request",),
     "finish_weight_update": ("weight_version",),
+    "shutdown_weight_transfer_engine": (),
 }
+PLUGIN = "lm.weight_sync.vllm_plugin:register"  # etarl's gloo weight transfer (pyproject's entry point)
 
 
 class VLLMInterfaceMissing(RuntimeError):
@@ -47,6 +49,14 @@ def interface_problems(async_llm_cls=None) -> list[str]:
     if "weight_versions" not in getattr(CompletionOutput, "__dataclass_fields__", {}):
         problems.append("CompletionOutput.weight_versions")
     return problems
+
+
+def plugin_installed() -> bool:
+    """Whether vLLM's processes will register etarl's gloo weight transfer (the entry point is
+    written when etarl is installed: `pip install -e .`)."""
+    from importlib.metadata import entry_points
+
+    return any(ep.value == PLUGIN for ep in entry_points(group="vllm.general_plugins"))
 
 
 def check_vllm_interface(async_llm_cls=None) -> None:

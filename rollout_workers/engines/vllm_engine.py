@@ -7,11 +7,16 @@ same engine. The engine core is a process of its own (vLLM spawns it); its async
 a thread of this engine with its own event loop, so the caller (a Ray actor's method, a test) stays
 synchronous.
 
-Weights: `load_weights()` pauses generation (`pause_generation(mode=pause_mode)`: "keep" freezes the
-requests in flight, which go on under the new weights with their K/V kept, no re-prefill; "wait"
-lets them end first), reloads in place (`collective_rpc("reload_weights")` from a safetensors
-folder: tensors do not cross the pipe to the core process), records the version in the engine
-(`update_weight_version`) and resumes. Every output token carries the version it was sampled
+Weights, two ways. The broadcast channel is vLLM's weight transfer (`weight_transfer`): the
+learner drives `init_weight_transfer_engine`, `start_weight_update`, `update_weights` and
+`finish_weight_update(weight_version=...)`, and the bytes arrive inside vLLM's worker processes
+(each tensor-parallel rank its own), over `nccl` on GPUs or etarl's `gloo` engine on CPUs
+(`lm/weight_sync/vllm_plugin.py`, a vLLM plugin). The pull channels (object store, folder) go
+through `load_weights()`: a safetensors folder the workers reload in place
+(`collective_rpc("reload_weights")`). Either way generation pauses around the swap
+(`pause_generation(mode=pause_mode)`: "keep" freezes the requests in flight, which go on under
+the new weights with their K/V kept, no re-prefill; "wait" lets them end first), the engine
+records the version (`update_weight_version`) and resumes. Every output token carries the version it was sampled
 with (vLLM's `weight_versions` spans), which is what samples are tagged with. Prefix-cache
 blocks computed under an older version are never reused by a request of a newer one: a request's
 `cache_salt` is the version it was submitted under.
@@ -52,7 +57,7 @@ from rollout_workers.engines.base import (
     check_prompt,
     named_weights,
 )
-from rollout_workers.engines.vllm_check import check_vllm_interface
+from rollout_workers.engines.vllm_check import PLUGIN, VLLMInterfaceMissing, check_vllm_interface, plugin_installed
 
 log = logging.getLogger(__name__)
 PAUSE_MODES = ("keep", "wait")
@@ -164,10 +169,12 @@ class VLLMEngine(GenerationEngine):
         seed_requests: bool | None = None,
         max_num_seqs: int | None = None,
         pause_mode: str = "keep",
+        weight_transfer: str | None = "auto",
     ) -> None:
         model_dir = check_model_dir(model_dir)
         _vllm_env()
         check_vllm_interface()
+        from vllm.config import WeightTransferConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -178,6 +185,15 @@ class VLLMEngine(GenerationEngine):
         self.dtype = dtype
         self.version = version
         self.pause_mode = pause_mode
+        # The backend of vLLM's weight transfer (auto: gloo on CPUs, nccl on GPUs; None: pull only).
+        self.weight_transfer_backend = ("gloo" if cpu else "nccl") if weight_transfer == "auto" else weight_transfer
+        if self.weight_transfer_backend == "gloo" and not plugin_installed():
+            raise VLLMInterfaceMissing(f"vLLM's processes cannot find etarl's gloo weight transfer (entry point "
+                                       f"{PLUGIN} in vllm.general_plugins): reinstall etarl (pip install -e .)")
+        self.transfer_width = tensor_parallel_size  # the engine's receiving processes
+        self._transfer_joined = False
+        self._paused_at = None  # while a weight update holds generation paused
+        self._update_failed = False
         self.seed_requests = cpu if seed_requests is None else seed_requests
         self.enforce_eager = cpu if enforce_eager is None else enforce_eager
         self.pause_s_total = 0.0  # time the engine was held paused by weight loads
@@ -207,6 +223,8 @@ class VLLMEngine(GenerationEngine):
             tensor_parallel_size=tensor_parallel_size,
             **({"max_num_seqs": max_num_seqs} if max_num_seqs else {}),
             **({"distributed_executor_backend": "mp"} if tensor_parallel_size > 1 else {}),
+            **({"weight_transfer_config": WeightTransferConfig(backend=self.weight_transfer_backend)}
+               if self.weight_transfer_backend else {}),
         )
 
         async def start():
@@ -361,6 +379,65 @@ class VLLMEngine(GenerationEngine):
 
         self._loop.run(swap())
         self.version = version
+
+    def weight_transfer(self, op: str, args: dict) -> None:
+        """One of vLLM's weight-update calls, as the learner drives them (`lm.weight_sync.subscription`):
+        init (join the learner's group), start (pause, then start), update (receive into vLLM's
+        workers), finish (record the version, resume), abort (end a started update on the weights
+        it had, resume)."""
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest, WeightTransferUpdateRequest
+
+        if self.weight_transfer_backend is None:
+            raise RuntimeError("this engine was started without weight transfer (weight_transfer=None)")
+        llm = self._llm
+
+        async def run():
+            if op == "init":
+                if self._transfer_joined:
+                    self._transfer_joined = False
+                    await llm.shutdown_weight_transfer_engine()
+                await llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=args))
+                self._transfer_joined = True
+            elif op == "start":
+                if self.pause_mode not in PAUSE_MODES:
+                    raise ValueError(f"pause_mode must be one of {PAUSE_MODES}, got {self.pause_mode!r}")
+                self._paused_at = time.perf_counter()
+                await llm.pause_generation(mode=self.pause_mode, clear_cache=False)
+                await llm.start_weight_update()
+            elif op == "update":
+                before, self.version = self.version, -1  # a mix until finished
+                try:
+                    await llm.update_weights(WeightTransferUpdateRequest(update_info=args))
+                except BaseException:
+                    self._update_failed = True
+                    if self.weight_transfer_backend == "gloo":
+                        self.version = before  # it loads only a whole, checked version: nothing changed
+                    raise
+            elif op == "finish":
+                try:
+                    await llm.finish_weight_update(weight_version=str(args["version"]))
+                    self.version = int(args["version"])
+                finally:
+                    await self._resume()
+            elif op == "abort":
+                try:
+                    if not self._update_failed and self._paused_at is not None:
+                        await llm.finish_weight_update()  # nothing received: the weights it had stay
+                except Exception as err:
+                    log.warning("weight update abort: %s: %s", type(err).__name__, err)
+                finally:
+                    await self._resume()
+            else:
+                raise ValueError(f"unknown weight-update call {op!r}")
+
+        self._loop.run(run())
+
+    async def _resume(self) -> None:
+        self._update_failed = False
+        if self._paused_at is not None:
+            await self._llm.resume_generation()
+            self.pause_s_total += time.perf_counter() - self._paused_at
+            self._paused_at = None
 
     async def _weight_version(self) -> str:
         return await self._llm.get_weight_version()

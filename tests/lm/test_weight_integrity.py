@@ -128,11 +128,11 @@ def test_a_pull_version_damaged_in_store_or_holding_a_nan_is_refused(channel, mo
 def flip_received_chunk(monkeypatch, chunk: int, armed) -> list[int]:
     """Damage chunk `chunk` of a broadcast on its way into rank 1 while `armed()` (rank 1 then
     forwards the damaged bytes down the chain). Returns the ranks that got damaged bytes."""
-    from lm.weight_sync import subscription
+    from lm.weight_sync import gloo_transfer
 
     hits = []
 
-    class DamagingStream(subscription.ReceiveStream):
+    class DamagingStream(gloo_transfer.ReceiveStream):
         def _post(self, k):
             buf, work = super()._post(k)
             if k != chunk or self.rank != 1 or not armed():
@@ -146,7 +146,7 @@ def flip_received_chunk(monkeypatch, chunk: int, armed) -> list[int]:
 
             return buf, Damaged()
 
-    monkeypatch.setattr(subscription, "ReceiveStream", DamagingStream)
+    monkeypatch.setattr(gloo_transfer, "ReceiveStream", DamagingStream)
     return hits
 
 

@@ -204,7 +204,7 @@ def test_broadcast_brings_every_engine_to_each_version(model_dir, topology):
                 for engine in engines.values():
                     assert engine.version == learner.version
                     assert_engine_has(engine, learner, torch.bfloat16)
-                buffers.append({name: spare_buffers(s) for name, s in threads.subscriptions.items()})
+                buffers.append({name: spare_buffers(e) for name, e in engines.items()})
             for name in engines:
                 assert buffers[0][name] and buffers[1][name] == buffers[0][name], "the same buffers, none new"
             stats = learner.publication.last
@@ -215,10 +215,10 @@ def test_broadcast_brings_every_engine_to_each_version(model_dir, topology):
         learner.close()
 
 
-def spare_buffers(subscription: WeightSubscription) -> set[int]:
-    """Where the receive buffers a subscription keeps between versions live (chunks and the
+def spare_buffers(engine: HFEngine) -> set[int]:
+    """Where the receive buffers an engine's receiver keeps between versions live (chunks and the
     assembly of tensors that span chunks)."""
-    spare = subscription._spare
+    spare = engine._receiver._spare
     return {b.data_ptr() for b in spare["chunks"]} | {b.data_ptr() for bs in spare["assembly"].values() for b in bs}
 
 
@@ -275,18 +275,18 @@ def test_an_engine_whose_model_does_not_fit_is_refused_by_tensor_name(model_dir,
 def gate_receivers(monkeypatch, gate: threading.Event, ranks: set[int] | None = None) -> threading.Event:
     """Make the receivers of these ranks (None: all) slow: each takes the first chunk of a
     version, then waits until `gate` opens. Returns the event set when one is waiting."""
-    from lm.weight_sync import subscription
+    from lm.weight_sync import gloo_transfer
 
     reading = threading.Event()
 
-    class GatedStream(subscription.ReceiveStream):
+    class GatedStream(gloo_transfer.ReceiveStream):
         def _take_chunk(self):
             if self._taken == 1 and (ranks is None or self.rank in ranks):
                 reading.set()
                 assert gate.wait(60)
             return super()._take_chunk()
 
-    monkeypatch.setattr(subscription, "ReceiveStream", GatedStream)
+    monkeypatch.setattr(gloo_transfer, "ReceiveStream", GatedStream)
     return reading
 
 

@@ -273,7 +273,46 @@ def test_a_broadcast_reaches_vllm_mid_generation_and_tokens_keep_their_versions(
         (group,) = pull_all(buffer, 1)
         assert stats["loaded_version"] == 1 and vllm_engine.engine_weight_version() == "1"
         assert publication.last["engines"] == 1 and publication.last["version"] == 1
+        # Through vLLM's weight transfer (the gloo plugin in its worker process), not a folder.
+        assert vllm_engine._transfer_joined and not (Path(vllm_engine._weights_dir.name) / "current").exists()
         assert_versions_then_log_probs(tiny_model_dir, new_weights, group)
+    finally:
+        publication.close()
+
+
+def test_a_version_vllm_refuses_leaves_its_weights_and_the_next_one_loads(tiny_model_dir, vllm_engine,
+                                                                        restore_vllm_weights):
+    """A version holding a NaN reaches vLLM's worker through the gloo weight transfer: the worker
+    process refuses it before the model takes any of it (the refusal, raised there, reaches the
+    subscription as WeightsRejected), the engine keeps its weights, version and outputs; the next
+    version loads and the engine reports it."""
+    from lm.weight_sync import BroadcastSender, ParameterGuard, Publication, WeightsRejected, WeightSubscription
+    from rollout_workers.engines.base import SamplingParams
+
+    board, learner, guard = WeightStore(), load_causal_lm(tiny_model_dir).eval(), ParameterGuard()
+    publication = Publication(BroadcastSender(board, "gloo", "chain", chunk_bytes=64 * 1024, ready_timeout_s=60,
+                                              timeout_s=60, address="127.0.0.1"), guard, learner.state_dict)
+    greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=6, seed=0)
+    before, have = vllm_engine.generate([5, 6, 7], greedy), vllm_engine.version
+    subscription = WeightSubscription(board, "worker-nan", have)
+    try:
+        with guard.writing(), torch.no_grad():
+            learner.model.layers[0].mlp.up_proj.weight[0, 0] = float("nan")
+        publication.publish(have + 1)
+        with pytest.raises(WeightsRejected, match="'model.layers.0.mlp.up_proj.weight' holds a NaN") as err:
+            subscription.receive(vllm_engine, wait_s=60)
+        assert not err.value.retry and subscription.refused_newest().version == have + 1
+        assert vllm_engine.version == have and vllm_engine.engine_weight_version() == str(have)
+        assert vllm_engine.generate([5, 6, 7], greedy)[0].token_ids == before[0].token_ids
+        new_weights = perturbed(restore_vllm_weights, scale=0.05, seed=4)
+        with guard.writing(), torch.no_grad():
+            learner.load_state_dict(new_weights)
+        publication.publish(have + 2)
+        deadline = time.monotonic() + 60
+        while board.latest_version() < have + 2 and time.monotonic() < deadline:  # announced by its thread
+            time.sleep(0.01)
+        assert subscription.receive(vllm_engine, wait_s=60) == have + 2
+        assert vllm_engine.engine_weight_version() == str(have + 2)
     finally:
         publication.close()
 
