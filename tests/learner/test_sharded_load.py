@@ -49,8 +49,9 @@ def test_ranks_other_than_0_never_hold_the_full_model(layered_policy, ray_cluste
         group.shutdown()
     assert [r["source_reads"] for r in reports] == [1.0, 0.0]
     assert [r["whole_model_read"] for r in reports] == [0.0, 0.0]  # the file names every tensor as the model
-    # Every rank: its half of the shards and one tensor at a time, never the model (0.58, 0.64 measured).
-    assert all(r["peak_host_bytes"] < 0.75 * model_bytes for r in reports), (reports, model_bytes)
+    # Every rank: its half of the shards and one tensor at a time, never the model (0.58 and 0.64
+    # measured on a quiet machine, 0.77 and 0.68 with the allocator under load; a whole model is > 0.9 below).
+    assert all(r["peak_host_bytes"] < 0.9 * model_bytes for r in reports), (reports, model_bytes)
     assert max_param_diff(loaded, source) == 0.0
     # The same measurement sees a whole model once one is in memory (as every rank held one before);
     # the heap's free pages go back first, or the copy would reuse what earlier models left.
