@@ -383,13 +383,20 @@ class VLLMEngine(GenerationEngine):
     def weight_transfer(self, op: str, args: dict) -> None:
         """One of vLLM's weight-update calls, as the learner drives them (`lm.weight_sync.subscription`):
         init (join the learner's group), start (pause, then start), update (receive into vLLM's
-        workers), finish (record the version, resume), abort (end a started update on the weights
-        it had, resume)."""
+        workers; gloo then finishes at once), finish (record the version, resume), abort (end a
+        started update on the weights it had, resume)."""
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest, WeightTransferUpdateRequest
 
         if self.weight_transfer_backend is None:
             raise RuntimeError("this engine was started without weight transfer (weight_transfer=None)")
         llm = self._llm
+
+        async def finish(version: int):
+            try:
+                await llm.finish_weight_update(weight_version=str(version))
+                self.version = version
+            finally:
+                await self._resume()
 
         async def run():
             if op == "init":
@@ -413,12 +420,13 @@ class VLLMEngine(GenerationEngine):
                     if self.weight_transfer_backend == "gloo":
                         self.version = before  # it loads only a whole, checked version: nothing changed
                     raise
+                if self.weight_transfer_backend == "gloo":
+                    # The version is whole in the model once received (finish has nothing to do):
+                    # this engine goes on now, not when the slowest engine of the send has it.
+                    await finish(int(args["version"]))
             elif op == "finish":
-                try:
-                    await llm.finish_weight_update(weight_version=str(args["version"]))
-                    self.version = int(args["version"])
-                finally:
-                    await self._resume()
+                if self.version != int(args["version"]) or self._paused_at is not None:
+                    await finish(int(args["version"]))
             elif op == "abort":
                 try:
                     if not self._update_failed and self._paused_at is not None:
