@@ -75,6 +75,10 @@ class RolloutWorker:
         self._owns_engine = engine is None
         self._stop = threading.Event()
         self._running = threading.Lock()
+        # The loop's engine calls (a batch, a weight load) and an evaluation take turns: weights
+        # never change in the middle of an evaluation, and an engine that runs one batch at a time
+        # (transformers) is never called from two threads. Streaming requests need no turn.
+        self._engine_turn = threading.RLock()
         self._known_version = -1
         # The last version the engine finished loading: what the worker's gauge shows, also while a
         # load is in flight (the engine says -1 then: its weights are a mix) and after it closed.
@@ -165,8 +169,9 @@ class RolloutWorker:
             return False
         started = time.perf_counter()
         try:
-            if self._subscription.receive(self.engine, self.config.weight_wait_s, self._stop) is None:
-                return False
+            with self._engine_turn:
+                if self._subscription.receive(self.engine, self.config.weight_wait_s, self._stop) is None:
+                    return False
         except WeightsRejected as err:
             # Refused by content (digest, NaN): the engine kept its weights, and its samples keep
             # the version it has. No retry here and no restart: a new process would load the same bytes.
@@ -296,7 +301,8 @@ class RolloutWorker:
         """For each request, its n completions with per-token weight versions. A generation
         interrupted by new weights (interrupt_on_update) is continued under the new weights."""
         version = self.engine.version
-        outputs = self.engine.generate_batch(requests, interrupt=self._interrupt)
+        with self._engine_turn:
+            outputs = self.engine.generate_batch(requests, interrupt=self._interrupt)
         done = [[(c, [version] * len(c.token_ids)) for c in completions] for completions in outputs]
         while True:
             unfinished = [(r, i) for r, row in enumerate(done) for i, (c, _) in enumerate(row)
@@ -308,9 +314,10 @@ class RolloutWorker:
             self.counters["interrupted_generations_total"] += 1
             self.load_weights_or_restart()
             version = self.engine.version
-            more = self.engine.generate_batch(
-                [self._continuation(requests[r], done[r][i][0], i) for r, i in unfinished], interrupt=self._interrupt
-            )
+            with self._engine_turn:
+                more = self.engine.generate_batch(
+                    [self._continuation(requests[r], done[r][i][0], i) for r, i in unfinished],
+                    interrupt=self._interrupt)
             for (r, i), (extra,) in zip(unfinished, more):
                 c, versions = done[r][i]
                 # each part keeps the routing its weights chose (the interruption path of R3)
@@ -708,7 +715,8 @@ class RolloutWorker:
             prompt = list(self.prompt_format.stop_token_ids[:1]) or [0]
         probe = SamplingParams(n=1, temperature=1.0, max_new_tokens=1, seed=0)
         try:
-            self.engine.generate_batch([(prompt, probe)])
+            with self._engine_turn:
+                self.engine.generate_batch([(prompt, probe)])
             return True
         except Exception:
             return False
@@ -769,16 +777,13 @@ class RolloutWorker:
 
     def evaluate_heldout(self, spec: dict) -> dict:
         """Greedy and sampled answers to the run's held-out prompts on this worker's engine, scored,
-        at one weight version: the engine's calls (this loop's generations and weight loads, and
-        the evaluation's) take turns from the first evaluation on, and the whole evaluation holds
-        the turn, so no new weights arrive in the middle of it. Waits (at most spec["wait_s"]) for
+        at one weight version: the whole evaluation holds the engine's turn (`_engine_turn`), so no
+        new weights arrive in the middle of it. Waits (at most spec["wait_s"]) for
         the engine to exist and to have loaded spec["min_version"]; an engine still behind then is
         evaluated as it is (the version is reported). `spec`: num_prompts, seed, n_samples,
         temperature, max_new_tokens, min_version, wait_s. Returns the version, per-prompt rewards
         (greedy; n_samples sampled), reward failures and timeouts, seconds, and for multi-turn
         tasks the greedy episodes' environment info and turns."""
-        import sys
-
         from rollout_workers.data import heldout_problems
 
         deadline = time.monotonic() + spec["wait_s"]
@@ -789,29 +794,7 @@ class RolloutWorker:
         while self.engine.version < spec["min_version"] and time.monotonic() < deadline:
             time.sleep(0.05)  # the loop loads new weights between its generations
         engine, cfg = self.engine, self.config
-        # Every way in for new weights (a folder channel calls load_weights_folder) and the batch call.
-        turns = [n for n in ("generate_batch", "load_weights", "load_weights_folder") if hasattr(engine, n)]
-        lock = self.__dict__.get("_eval_engine_lock")
-        if lock is None:  # from now on these calls take turns (an RLock: one may call another)
-            lock = self._eval_engine_lock = threading.RLock()
-            for name in turns:
-                def locked(*args, _inner=getattr(engine, name), **kwargs):
-                    with lock:
-                        return _inner(*args, **kwargs)
-                setattr(engine, name, locked)
-        codes = {getattr(type(engine), name).__code__ for name in turns}
-
-        def engine_busy_elsewhere() -> bool:  # a call the loop began before the turns existed
-            for thread_id, frame in sys._current_frames().items():
-                while thread_id != threading.get_ident() and frame is not None:
-                    if frame.f_code in codes:
-                        return True
-                    frame = frame.f_back
-            return False
-
-        with lock:
-            while engine_busy_elsewhere() and time.monotonic() < deadline:
-                time.sleep(0.01)
+        with self._engine_turn:
             started, version = time.perf_counter(), int(engine.version)
             key = (spec["num_prompts"], spec["seed"], spec["max_new_tokens"])
             if self.__dict__.get("_eval_prompts_key") != key:

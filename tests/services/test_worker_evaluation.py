@@ -1,12 +1,15 @@
 """Evaluation on a rollout worker's engine (RolloutWorker.evaluate_heldout, driven by
-services/evaluation.py): one version for the whole evaluation. A weight load that comes while it
-runs waits for it, and a generation the worker's loop began before the first evaluation is waited
-for; the engine here is a stand-in that records who is inside it."""
+services/evaluation.py): one version for the whole evaluation. The worker's own weight load that
+comes while it runs waits for it, and a batch the worker's loop is generating is waited for; the
+engine here is a stand-in that records who is inside it."""
 from __future__ import annotations
 
 import threading
 import time
 
+import torch
+
+from lm.weight_sync import WeightStore, save_weights_folder
 from rollout_workers.config import RolloutConfig
 from rollout_workers.engines.base import Completion, GenerationEngine
 from rollout_workers.worker import RolloutWorker
@@ -55,16 +58,16 @@ def spec(**changes):
             "min_version": 0, "wait_s": 10.0, **changes}
 
 
-def test_an_evaluation_holds_one_version_and_waits_for_a_generation_in_flight(tiny_model_dir):
-    engine = GateEngine()
-    cfg = RolloutConfig(model_path=str(tiny_model_dir), reward="exact",
+def test_an_evaluation_holds_one_version_and_waits_for_a_generation_in_flight(tiny_model_dir, tmp_path):
+    engine, board = GateEngine(), WeightStore()
+    cfg = RolloutConfig(model_path=str(tiny_model_dir), reward="exact", weight_poll_s=0.0,
                         task={"families": ["reverse"], "difficulties": [2], "num_prompts": 16})
-    worker = RolloutWorker(cfg, "worker-0", engine=engine)
+    worker = RolloutWorker(cfg, "worker-0", weight_store=board, engine=engine)
     worker._ensure_started()
     try:
-        # The loop is inside a generation when the first evaluation comes: the evaluation waits for it.
+        # The loop is inside a batch when the evaluation comes: the evaluation waits for it.
         engine.hold.set()
-        loop = threading.Thread(target=engine.generate_batch, args=([([3, 4], worker._sampling_params(0))],))
+        loop = threading.Thread(target=worker._generate_with_updates, args=([([3, 4], worker._sampling_params(0))],))
         loop.start()
         assert engine.entered.wait(10)
         results = []
@@ -79,14 +82,16 @@ def test_an_evaluation_holds_one_version_and_waits_for_a_generation_in_flight(ti
         assert out["version"] == 0 and len(out["greedy"]) == 6 and [len(r) for r in out["sampled"]] == [2] * 6
         assert set(heldout_metrics(out["greedy"], out["sampled"], 2)) >= {"eval/accuracy", "eval/pass@2"}
 
-        # A weight load that comes during an evaluation waits until it has ended.
+        # The loop's weight load (here from a folder) that comes during an evaluation waits until it has ended.
+        folder = save_weights_folder({"w": torch.zeros(2)}, tmp_path / "v1", 1)
+        board.publish({"version": 1, "kind": "folder", "path": str(folder)})
         engine.hold.set()
         engine.release.clear()
         engine.entered.clear()
         evaluation = threading.Thread(target=lambda: results.append(worker.evaluate_heldout(spec())))
         evaluation.start()
         assert engine.entered.wait(10)
-        load = threading.Thread(target=engine.load_weights, args=(1, {}))
+        load = threading.Thread(target=worker.load_latest_weights)
         load.start()
         time.sleep(0.3)
         assert engine.version == 0  # the load waits its turn
@@ -94,21 +99,6 @@ def test_an_evaluation_holds_one_version_and_waits_for_a_generation_in_flight(ti
         evaluation.join(10)
         load.join(10)
         assert results[-1]["version"] == 0 and engine.version == 1
-
-        # The same for a load from a folder (the folder channel calls load_weights_folder).
-        engine.release.clear()
-        engine.entered.clear()
-        evaluation = threading.Thread(target=lambda: results.append(worker.evaluate_heldout(spec())))
-        evaluation.start()
-        assert engine.entered.wait(10)
-        load = threading.Thread(target=engine.load_weights_folder, args=(2, "/nonexistent"))
-        load.start()
-        time.sleep(0.3)
-        assert engine.version == 1
-        engine.release.set()
-        evaluation.join(10)
-        load.join(10)
-        assert results[-1]["version"] == 1 and engine.version == 2
         assert engine.overlaps == 0
     finally:
         engine.release.set()
