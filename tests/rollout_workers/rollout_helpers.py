@@ -82,7 +82,7 @@ def check_bf16_engine(model_dir: str) -> None:
                    for i, c in enumerate(completions))
 
     tokenizer, model = load_tokenizer(model_dir), load_causal_lm(model_dir).eval()
-    engine = VLLMEngine(model_dir, dtype="bfloat16", kv_cache_bytes=64 * 2**20)
+    engine = VLLMEngine(model_dir, dtype="bfloat16", kv_cache_bytes=64 * 2**20, tensor_parallel_size=2)
     try:
         prompt = tokenizer("347+589=", add_special_tokens=False)["input_ids"]
         params = SamplingParams(n=8, max_new_tokens=8, stop_token_ids=(tokenizer.eos_token_id,), seed=9)
@@ -95,6 +95,29 @@ def check_bf16_engine(model_dir: str) -> None:
         assert engine.version == 2
         after = engine.generate(prompt, params)
         assert gap(model, prompt, after) < min(0.5, old_gap_to_new), (gap(model, prompt, after), old_gap_to_new)
+
+        # vLLM's weight transfer (etarl's gloo engine): both tensor-parallel ranks receive inside
+        # vLLM's worker processes, in a group of the learner and the engine's two ranks.
+        from lm.weight_sync import BroadcastSender, ParameterGuard, Publication, WeightSubscription
+
+        board, guard = WeightStore(), ParameterGuard()
+        sender = BroadcastSender(board, "gloo", "chain", 64 * 1024, 60, 60, "127.0.0.1", dtype=torch.bfloat16)
+        publication = Publication(sender, guard, model.state_dict, dtype=torch.bfloat16)
+        subscription = WeightSubscription(board, "worker-tp", engine.version)
+        try:
+            model.load_state_dict(perturbed(new_weights, scale=0.2, seed=9))
+            old_gap_to_new = gap(model, prompt, after)
+            publication.publish(3)
+            deadline = time.monotonic() + 60
+            while board.latest_version() < 3 and time.monotonic() < deadline:  # announced by its thread
+                time.sleep(0.01)
+            assert subscription.receive(engine, wait_s=60) == 3 and engine.engine_weight_version() == "3"
+            assert publication.last["engines"] == 1 and board.members()["worker-tp"]["have"] == 3
+            received = engine.generate(prompt, params)
+            assert gap(model, prompt, received) < min(0.5, old_gap_to_new), (gap(model, prompt, received),
+                                                                             old_gap_to_new)
+        finally:
+            publication.close()
     finally:
         engine.close()
 

@@ -153,10 +153,11 @@ def test_hf_engine_log_probs_follow_the_processed_distribution_and_new_weights(t
 
 
 @pytest.mark.slow
-def test_vllm_bf16_engine_generates_and_reloads_from_a_folder(tiny_model_dir):
-    """A second engine, in bfloat16: its log-probs differ from the float32 learner's (the backend
-    mismatch) and follow new weights. Its core is a process of its own, as every AsyncLLM's is, so
-    closing it leaves the package's shared engine alone."""
+def test_vllm_bf16_tensor_parallel_engine_reloads_from_a_folder_and_receives_in_each_rank(tiny_model_dir):
+    """A second engine, in bfloat16 over two tensor-parallel ranks: its log-probs differ from the
+    float32 learner's (the backend mismatch) and follow new weights, loaded from a folder and then
+    received through vLLM's weight transfer into both ranks' processes. Its core is a process of
+    its own, as every AsyncLLM's is, so closing it leaves the package's shared engine alone."""
     from rollout_helpers import check_bf16_engine
 
     check_bf16_engine(str(tiny_model_dir))
