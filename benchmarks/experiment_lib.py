@@ -177,7 +177,8 @@ class Rollouts:
                        loss_mask=np.ones(len(c.token_ids), np.uint8),
                        reward=float(self.reward(self.tokenizer.decode(c.token_ids, skip_special_tokens=True),
                                                 problem.answer)),
-                       weight_version=version, finish_reason=c.finish_reason)
+                       weight_version=version, finish_reason=c.finish_reason,
+                       routed_experts=c.routed_experts)  # an MoE engine's routing, as a worker carries it
                 for i, c in enumerate(completions)
             ]
             groups.append(Group(group_id=gid, samples=samples, prompt_index=ticket))
