@@ -1,7 +1,8 @@
 """The broadcast weight channel end to end: the same short synchronous run (2 vLLM-CPU workers,
 η = 0, seeded) once with the object-store channel and once with `learner.weight_sync.channel:
-broadcast` (a gloo group of the learner and both engines, weights sent in chunks down a chain
-while the learner starts its next step). Samples are seeded by ticket, so if every engine serves
+broadcast` (vLLM's weight transfer: the learner drives both engines' weight updates and etarl's
+gloo engine, a vLLM plugin, receives the chunks inside each engine's vLLM worker process, down a
+chain, while the learner starts its next step). Samples are seeded by ticket, so if every engine serves
 exactly the learner's weights of each version, both runs train on the same groups and learn the
 same policy, step for step."""
 from __future__ import annotations
