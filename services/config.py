@@ -312,8 +312,9 @@ def _move_diagnostics(data: dict, learner) -> None:
 def fill_sample_limits(cfg: EtarlConfig, model_dir: str | os.PathLike) -> None:
     """The buffer's sample limits that depend on the model, once its folder is known (a tiny model
     is built at start): `buffer.limits.vocab_size` from its config's vocabulary (a token id beyond
-    it is a device-side assert in the learner) and `buffer.limits.max_sequence_tokens` from the
-    rollout engine's context (`rollout.engine.max_model_len`, else the model's). A value set in
+    it is a device-side assert in the learner), `buffer.limits.max_sequence_tokens` from the
+    rollout engine's context (`rollout.engine.max_model_len`, else the model's) and, for an MoE
+    policy, `buffer.limits.num_experts` (an expert id in a sample's routing must be below it). A value set in
     the config stays if it is within the model's (stricter on purpose); beyond it is an error
     naming both."""
     from rollout_workers.data import model_context_len
@@ -325,11 +326,13 @@ def fill_sample_limits(cfg: EtarlConfig, model_dir: str | os.PathLike) -> None:
         raise ConfigError(f"run.model: cannot read the model's vocabulary size from {path}: {exc}") from None
     text = model.get("text_config") if isinstance(model.get("text_config"), dict) else {}
     vocab = model.get("vocab_size", text.get("vocab_size"))
+    experts = model.get("num_experts", text.get("num_experts"))  # an MoE policy's routed experts
     context = cfg.rollout.engine.max_model_len or model_context_len(model_dir)
     limits = cfg.buffer.limits
     update = {}
     for key, model_value, source in (("vocab_size", vocab, f"the vocabulary of {path}"),
-                                     ("max_sequence_tokens", context, "the rollout engine's context")):
+                                     ("max_sequence_tokens", context, "the rollout engine's context"),
+                                     ("num_experts", experts, f"the experts of {path}")):
         if not isinstance(model_value, int) or model_value < 1:
             continue  # the model does not say: the configured value (or none) stands
         set_value = getattr(limits, key)
