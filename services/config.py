@@ -246,6 +246,10 @@ class EtarlConfig(BaseModel):
             raise ValueError(
                 f"learner.temperature ({self.learner.temperature}) must equal rollout.sampling.temperature "
                 f"({self.rollout.sampling.temperature}): the learner's log-probs must describe the sampler")
+        if self.learner.routing_replay == "r3" and self.rollout.engine.kind == "vllm":
+            raise ValueError("learner.routing_replay=r3 replays the engine's experts, which etarl takes from the "
+                             "transformers engine only: vLLM returns them (enable_return_routed_experts) on GPUs "
+                             "only and etarl does not ask it yet; use rollout.engine.kind=hf, or r2")
         sync, engine = self.learner.weight_sync, self.rollout.engine
         if sync.channel == "broadcast" and sync.backend != "auto":
             if engine.weight_transfer not in ("auto", sync.backend):

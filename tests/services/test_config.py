@@ -123,3 +123,15 @@ def test_the_buffer_service_reads_a_saved_run_config(tmp_path):
     own.write_text("max_restarts: 5\n")  # in a buffer's own file it means nothing: an error, as any unknown key
     with pytest.raises(ValueError, match="max_restarts"):
         BufferConfig.from_yaml(own)
+
+
+def test_the_two_ends_of_vllms_weight_transfer_and_routing_replay_are_checked_together():
+    cfg = load_config(None, ["learner.weight_sync.channel=broadcast", "learner.weight_sync.backend=nccl"])
+    assert cfg.rollout.engine.weight_transfer == "nccl", "the engine starts with the learner's backend"
+    assert load_config(None, ["learner.weight_sync.channel=broadcast"]).rollout.engine.weight_transfer == "auto"
+    with pytest.raises(ConfigError, match="both ends of vLLM's weight transfer use one backend"):
+        load_config(None, ["learner.weight_sync.channel=broadcast", "learner.weight_sync.backend=gloo",
+                           "rollout.engine.weight_transfer=nccl"])
+    with pytest.raises(ConfigError, match="routing_replay=r3 replays the engine's experts"):
+        load_config(None, ["learner.routing_replay=r3"])
+    assert load_config(None, ["learner.routing_replay=r3", "rollout.engine.kind=hf"]).learner.routing_replay == "r3"
