@@ -6,8 +6,6 @@ One random Qwen3-MoE (8 experts, top-2, built from a config) serves the whole mo
 routers are initialised wide so tokens spread over the experts."""
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
 import torch
@@ -161,61 +159,32 @@ def test_r2_replays_the_learners_own_proximal_routing_and_r3_the_engines(moe_dir
     assert abs(step("r3", regroup(single_turn, other_experts)) - r3) > 1e-3
 
 
-class ThreadComm:
-    """Two learner ranks in one process (threads): the collectives of learner.distributed's
-    ProcessGroupComm over a shared slot per rank."""
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["allreduce", "fsdp"])
+def test_two_gloo_ranks_replay_as_one_rank_does(moe_dir, groups, ray_cluster, strategy):
+    """Two learner ranks (Ray actors, gloo), replicated or FSDP-sharded: each rank replays its own
+    rows' routing (r3) and answers for its share of the mismatch, and together they make one
+    rank's update and report its metrics (the engine's routing is off, so the replay matters).
+    float64: the comparison checks the algorithm, not float32 sum orders."""
+    from learner.distributed import LearnerGroup
 
-    def __init__(self, rank: int, shared: dict):
-        self.rank, self.world_size, self.shared = rank, 2, shared
-
-    def all_reduce(self, tensor, op):
-        slots, barrier = self.shared["slots"], self.shared["barrier"]
-        slots[self.rank] = tensor.detach().clone()
-        barrier.wait()
-        both = torch.stack(slots)
-        reduced = {"sum": both.sum(0), "max": both.max(0).values, "min": both.min(0).values}[op]
-        barrier.wait()
-        return tensor.copy_(reduced)
-
-    def all_reduce_sum(self, tensor):
-        return self.all_reduce(tensor, "sum")
-
-    def sum_gradients(self, params):
-        params = [p for p in params if p.requires_grad]
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        flat = self.all_reduce(torch.cat([p.grad.reshape(-1) for p in params]), "sum")
-        offset = 0
-        for p in params:
-            p.grad.copy_(flat[offset: offset + p.numel()].view_as(p.grad))
-            offset += p.numel()
-
-
-@pytest.mark.parametrize("mode", ["r3", "r2"])
-def test_two_ranks_replay_as_one_rank_does(moe_dir, groups, mode):
-    """Each rank replays its own rows' routing and answers for its share of the mismatch: two
-    ranks make one rank's update and report its metrics (the engine's routing is off, so the
-    replay matters). float64: the comparison checks the algorithm, not float32 sum orders."""
     batch = regroup(groups, other_experts)
-    config = dict(routing_replay=mode, ppo_mini_batch_size=2, max_tokens_per_micro_batch=24, dtype="float64")
-    want = learner(moe_dir, **config)
+    config = dict(model_path=str(moe_dir), lr=1e-2, routing_replay="r3", ppo_mini_batch_size=2,
+                  max_tokens_per_micro_batch=24, dtype="float64")
+    want = Learner(LearnerConfig(**config))
     want_metrics = want.train_step(batch)
-    shared = {"slots": [None, None], "barrier": threading.Barrier(2)}
-    ranks = [Learner(LearnerConfig(model_path=str(moe_dir), lr=1e-2, **config), comm=ThreadComm(r, shared))
-             for r in range(2)]
-    got = [None, None]
-    threads = [threading.Thread(target=lambda r=r: got.__setitem__(r, ranks[r].train_step(batch))) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    assert got[0] is not None and got[1] is not None
+    group = LearnerGroup(LearnerConfig(**config, distributed={"world_size": 2, "strategy": strategy,
+                                                             "timeout_s": 60}), ray_options={"num_cpus": 0})
+    try:
+        got = group.train_step(batch)
+        state = group.state_dict()["model"]
+    finally:
+        group.shutdown()
     for key in ("actor/pg_loss", "actor/grad_norm", "moe/routing_mismatch", "moe/routing_mismatch_any"):
-        assert got[0][key] == pytest.approx(want_metrics[key], rel=1e-9, abs=1e-12), key
-    assert got[0]["moe/routing_mismatch"] == 1.0  # every engine expert set moved by one
+        assert got[key] == pytest.approx(want_metrics[key], rel=1e-9, abs=1e-12), key
+    assert got["moe/routing_mismatch"] == 1.0  # every engine expert set moved by one
     for name, p in want.model.state_dict().items():
-        torch.testing.assert_close(ranks[1].model.state_dict()[name], p, rtol=1e-9, atol=1e-10)
+        torch.testing.assert_close(state[name], p, rtol=1e-9, atol=1e-10)
 
 
 def test_bad_routing_is_refused_naming_the_sample(moe_dir, groups, tmp_path):
