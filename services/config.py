@@ -321,6 +321,7 @@ def fill_sample_limits(cfg: EtarlConfig, model_dir: str | os.PathLike) -> None:
     policy, `buffer.limits.num_experts` (an expert id in a sample's routing must be below it). A value set in
     the config stays if it is within the model's (stricter on purpose); beyond it is an error
     naming both."""
+    from lm.moe import config_experts
     from rollout_workers.data import model_context_len
 
     path = Path(model_dir) / "config.json"
@@ -330,7 +331,7 @@ def fill_sample_limits(cfg: EtarlConfig, model_dir: str | os.PathLike) -> None:
         raise ConfigError(f"run.model: cannot read the model's vocabulary size from {path}: {exc}") from None
     text = model.get("text_config") if isinstance(model.get("text_config"), dict) else {}
     vocab = model.get("vocab_size", text.get("vocab_size"))
-    experts = model.get("num_experts", text.get("num_experts"))  # an MoE policy's routed experts
+    experts = config_experts(model)  # an MoE policy's routed experts (None: dense)
     context = cfg.rollout.engine.max_model_len or model_context_len(model_dir)
     limits = cfg.buffer.limits
     update = {}

@@ -311,7 +311,7 @@ def test_the_run_fills_the_sample_limits_from_its_model(tmp_path):
     with pytest.raises(ConfigError, match="buffer.limits.vocab_size=200000 exceeds the vocabulary"):
         fill_sample_limits(build_config({}, ["buffer.limits.vocab_size=200000"]), tmp_path)
     assert cfg.buffer.limits.num_experts is None, "a dense model: no routing limit"
-    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 512, "num_experts": 8}))
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 512, "num_local_experts": 8}))  # transformers 5
     cfg = build_config({})
     fill_sample_limits(cfg, tmp_path)
     assert cfg.buffer.limits.num_experts == 8, "an MoE policy: expert ids in routing below 8"

