@@ -113,55 +113,41 @@ def build_tokenizer(tool_tokens: bool = False):
 
 
 def build_model(spec: TinyModelSpec, vocab_size: int, tokenizer):
+    """The random policy of `spec`: Qwen2, or Qwen3-MoE when the spec has experts."""
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        max_position_embeddings=spec.max_positions,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.eos_token_id,
+        torch_dtype="float32",
+    )
     if spec.num_experts:
-        return _build_moe_model(spec, vocab_size, tokenizer)
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+        from transformers import Qwen3MoeConfig as Config, Qwen3MoeForCausalLM as Model
 
-    config = Qwen2Config(
-        vocab_size=vocab_size,
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_layers,
-        num_attention_heads=spec.num_heads,
-        num_key_value_heads=spec.num_kv_heads,
-        max_position_embeddings=spec.max_positions,
-        tie_word_embeddings=True,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.eos_token_id,
-        torch_dtype="float32",
-    )
+        if spec.experts_per_token > spec.num_experts:
+            raise ValueError(f"experts_per_token={spec.experts_per_token} exceeds num_experts={spec.num_experts}")
+        config = Config(
+            **common,
+            moe_intermediate_size=spec.expert_intermediate_size,
+            head_dim=spec.hidden_size // spec.num_heads,  # Qwen3 sets it apart (default 128)
+            num_experts=spec.num_experts,
+            num_experts_per_tok=spec.experts_per_token,
+            norm_topk_prob=True,  # as Qwen3-30B-A3B: the top-k gate weights sum to 1
+            router_aux_loss_coef=spec.router_aux_loss_coef,
+        )
+    else:
+        from transformers import Qwen2Config as Config, Qwen2ForCausalLM as Model
+
+        config = Config(**common)
     torch.manual_seed(spec.seed)
-    return Qwen2ForCausalLM(config)
-
-
-def _build_moe_model(spec: TinyModelSpec, vocab_size: int, tokenizer):
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    if spec.experts_per_token > spec.num_experts:
-        raise ValueError(f"experts_per_token={spec.experts_per_token} exceeds num_experts={spec.num_experts}")
-    config = Qwen3MoeConfig(
-        vocab_size=vocab_size,
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        moe_intermediate_size=spec.expert_intermediate_size,
-        num_hidden_layers=spec.num_layers,
-        num_attention_heads=spec.num_heads,
-        num_key_value_heads=spec.num_kv_heads,
-        head_dim=spec.hidden_size // spec.num_heads,  # Qwen3 sets it apart (default 128)
-        num_experts=spec.num_experts,
-        num_experts_per_tok=spec.experts_per_token,
-        norm_topk_prob=True,  # as Qwen3-30B-A3B: the top-k gate weights sum to 1
-        router_aux_loss_coef=spec.router_aux_loss_coef,
-        max_position_embeddings=spec.max_positions,
-        tie_word_embeddings=True,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.eos_token_id,
-        torch_dtype="float32",
-    )
-    torch.manual_seed(spec.seed)
-    return Qwen3MoeForCausalLM(config)
+    return Model(config)
 
 
 def encode_problem(tokenizer, problem: Problem) -> tuple[list[int], list[int]]:
