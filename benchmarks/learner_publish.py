@@ -1,7 +1,9 @@
 """What publishing a version costs an FSDP learner: rank 0's peak extra host memory and the time
 every rank waits, before (a float32 full state dict gathered to rank 0's CPU, then cast to the
-publish dtype on one thread) and after (one bucket at a time, each parameter cast on its device:
-`Learner._gathered`).
+publish dtype on one thread), after (one bucket at a time, each parameter cast on its device, into
+a whole version on rank 0's host: `Learner._gathered`, what the pull channels take) and streamed
+(the broadcast channel: the send's chunks filled from buckets gathered as it reaches them,
+`Learner._publish_streamed`; the socket left out).
 
     .venv/bin/python benchmarks/learner_publish.py [--quick] [--ranks 2] [--rounds 3]
 
@@ -33,6 +35,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 MB = 2**20
+PATHS = ("before", "after", "streamed")
+CHUNK_MB = 32  # the gloo send's chunk (learner.weight_sync.bucket_mb's default)
+PUBLISH_BUCKET_MB = 64  # learner.distributed.publish_bucket_mb's default: what a gather holds at once
 
 
 def _trim() -> None:
@@ -53,7 +58,8 @@ def _rank(rank: int, world: int, folder: str, rendezvous: str, rounds: int, out_
     from lm.weight_sync.layout import cast
 
     dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world)
-    config = LearnerConfig(model_path=folder, distributed={"world_size": world, "strategy": "fsdp"},
+    config = LearnerConfig(model_path=folder, distributed={"world_size": world, "strategy": "fsdp",
+                                                           "publish_bucket_mb": PUBLISH_BUCKET_MB},
                            weight_sync={"dtype": "bfloat16"})
     learner = Learner(config, comm=ProcessGroupComm(rank, world, sum_grads=False))
 
@@ -67,9 +73,30 @@ def _rank(rank: int, world: int, folder: str, rendezvous: str, rounds: int, out_
     def after():
         return learner._gathered(), None
 
+    def streamed():
+        """The broadcast channel's path under FSDP (`Learner._publish_streamed`): rank 0 fills the
+        send's chunks in layout order from a BucketStream (gathered as the chunks reach each bucket);
+        the socket left out, the memory is the send's."""
+        from learner.distributed import FullWeightBuckets
+        from lm.weight_sync.layout import BucketStream, Layout, fill_chunk
+
+        buckets = FullWeightBuckets(learner.model, int(config.distributed.publish_bucket_mb * MB),
+                                    dtype=torch.bfloat16, keep=rank == 0, out_device="cpu")
+        if rank != 0:
+            for _ in buckets:
+                pass
+            return {}, None
+        layout, stream = Layout.of(buckets.meta().items()), BucketStream(buckets)
+        chunk = torch.empty(CHUNK_MB * MB, dtype=torch.uint8)
+        for span in layout.chunks(CHUNK_MB * MB):
+            fill_chunk(chunk, layout, span, stream)
+        stream.drain()
+        return {}, None
+
     rows = []
     for r in range(rounds):
-        for name, fn in ((("before", before), ("after", after)) if r % 2 == 0 else (("after", after), ("before", before))):
+        phases = [("before", before), ("after", after), ("streamed", streamed)]
+        for name, fn in (phases if r % 2 == 0 else phases[::-1]):
             _trim()
             dist.barrier()
             start = time.perf_counter()
@@ -125,7 +152,7 @@ def main() -> None:
         rows = [row for f in outs for row in json.loads(Path(f).read_text())]
 
     summary = {"params": params, "ranks": args.ranks, "rounds": args.rounds}
-    for path in ("before", "after"):
+    for path in PATHS:
         for rank in (0, 1):
             mine = [r for r in rows if r["path"] == path and r["rank"] == rank]
             peak = statistics.median(r["peak_extra_mb"] for r in mine)
@@ -140,6 +167,9 @@ def main() -> None:
                                                      / max(summary["before_rank0_peak_extra_mb"], 1e-9), 3)
     summary["rank0_total_ratio_after_before"] = round(summary["after_rank0_total_s"]
                                                       / max(summary["before_rank0_total_s"], 1e-9), 3)
+    summary["rank0_peak_ratio_streamed_before"] = round(summary["streamed_rank0_peak_extra_mb"]
+                                                        / max(summary["before_rank0_peak_extra_mb"], 1e-9), 3)
+    summary["streamed_rank0_peak_in_buckets"] = round(summary["streamed_rank0_peak_extra_mb"] / PUBLISH_BUCKET_MB, 2)
     print(json.dumps(summary))
 
 

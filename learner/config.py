@@ -91,6 +91,11 @@ class BroadcastSync(_WeightChannel):
         30.0, gt=0, description="how long the learner waits for every engine to reach an interrupt point; "
         "one that does not is left out of that send, named, and catches up later")
     timeout_s: float = Field(120.0, gt=0, description="the group's collective timeout (a member dying mid-send)")
+    stream_buckets: Optional[bool] = Field(
+        None, description="FSDP: gather and send one bucket at a time while every rank waits (rank 0 holds "
+        "two buckets, not a model; the send is on the step path, short with NCCL; a restarted engine gets the "
+        "next version) instead of gathering a whole version to rank 0's host and sending it in the background "
+        "(one model copy in the publish dtype on rank 0). None: on under FSDP")
     snapshot: Optional[bool] = Field(
         None, description="copy the weights (in the publish dtype) before sending, so the next optimizer "
         "step waits only for the copy, not the send: one more model copy in memory. None: on with gloo "

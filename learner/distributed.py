@@ -229,6 +229,7 @@ class FullWeightBuckets:
             index_of[id(tensor)] = len(self._tensors)
             self._tensors.append(tensor)
             self._names.append([name])
+        self._state_order = list(state)
         self.dtype, self.keep, self.out_device = dtype, keep, out_device
         sizes = [t.numel() * (dtype or t.dtype).itemsize for t in self._tensors]
         self.buckets = plan_buckets(sizes, bucket_bytes)
@@ -236,6 +237,13 @@ class FullWeightBuckets:
 
     def __len__(self) -> int:
         return len(self.buckets)
+
+    def meta(self) -> dict[str, torch.Tensor]:
+        """Every name's full shape and dtype as meta tensors, nothing gathered (tied names share
+        one object): what a send declares before the first bucket exists."""
+        metas = [torch.empty(tuple(t.shape), dtype=self.dtype or t.dtype, device="meta") for t in self._tensors]
+        by_name = {name: metas[i] for i, names in enumerate(self._names) for name in names}
+        return {name: by_name[name] for name in self._state_order}
 
     def names(self, bucket: int) -> list[str]:
         return [n for i in self.buckets[bucket] for n in self._names[i]]

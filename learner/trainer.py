@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import math
 import time
 from collections import defaultdict
@@ -80,6 +81,9 @@ from lm.weight_sync import (
     Publication,
     WeightStore,
 )
+from lm.weight_sync.layout import BucketStream, Layout
+
+log = logging.getLogger(__name__)
 
 # Loss-side metrics that are sums over the minibatch (each micro-batch adds its share).
 _ADDITIVE_METRICS = frozenset({"actor/pg_loss", "actor/entropy", "actor/kl_loss"})
@@ -675,6 +679,36 @@ class Learner:
     def _publish_dtype(self) -> torch.dtype | None:
         return torch_dtype(self.config.weight_sync.dtype) if self.config.weight_sync.dtype else None
 
+    def _streams_buckets(self) -> bool:
+        """FSDP with the broadcast channel: each version is gathered and sent a bucket at a time."""
+        sync = self.config.weight_sync
+        return self._sharded and sync.channel == "broadcast" and sync.stream_buckets is not False
+
+    def _publish_streamed(self) -> dict | None:
+        """Every rank gathers the version a bucket at a time (each parameter cast to the publish
+        dtype on its device) while rank 0 sends each bucket as its send reaches it: rank 0 holds two
+        buckets, never a model, and the step waits for the send. Every rank runs every gather, also
+        when rank 0's send fails part-way."""
+        size = int(self.config.distributed.publish_bucket_mb * 2**20)
+        on_host = self.config.weight_sync.resolved(self.config.device)[0] == "gloo"  # gloo sends host memory
+        buckets = FullWeightBuckets(self.model, size, dtype=self._publish_dtype(), keep=self.comm.rank == 0,
+                                    out_device="cpu" if on_host else None)
+        if self.comm.rank != 0:
+            for _ in buckets:
+                pass
+            return None
+        stream = BucketStream(to_checkpoint_names(bucket, copy=True) for bucket in buckets)
+        layout = Layout.of(to_checkpoint_names(buckets.meta()).items())
+        try:
+            return self.publication.send_now(self.version, stream, layout)
+        except Exception:
+            self.publication.failures += 1
+            log.exception("weight publication of v%d failed (the run goes on; engines that missed it get the "
+                          "next one)", self.version)
+            return None
+        finally:
+            stream.drain()
+
     def attach_weight_board(self, board) -> None:
         """Rank 0 publishes through the channel of `weight_sync` around `board` (a `WeightStore`
         or its Ray actor handle), in a thread of its own."""
@@ -691,7 +725,8 @@ class Learner:
             backend, topology, snapshot, ahead_bytes = sync.resolved(self.config.device)
             sender = BroadcastSender(board, backend, topology, int(sync.bucket_mb * 2**20), sync.ready_timeout_s,
                                      sync.timeout_s, sync.address, dtype, self.device, ahead_bytes)
-        self.publication = Publication(sender, self.weight_guard, self._publishable, snapshot, dtype)
+        self.publication = Publication(sender, self.weight_guard, self._publishable, snapshot, dtype,
+                                       catch_ups=not self._streams_buckets())
 
     def publish_weights(self) -> dict | None:
         """Hand the current version to the publication thread and return: the learner's next step
@@ -700,11 +735,19 @@ class Learner:
         send since the last call), and the last finished send's own_s, served_s, sync_s (and, for
         a broadcast, the engines it reached)."""
         start = time.perf_counter()
+        if self.comm.rank == 0 and self.publication is None:
+            self.attach_weight_board(WeightStore())  # a board of its own (tests, benchmarks)
+        if self._streams_buckets():
+            self._publish_streamed()  # every rank, the send on the step path
+            if self.comm.rank != 0:
+                return None
+            blocked = time.perf_counter() - start
+            last = {k: v for k, v in self.publication.last.items() if k.endswith("_s") or k == "engines"}
+            return {"version": self.version, "publish_s": blocked, "blocked_s": blocked,
+                    "failures": self.publication.failures, **last}
         gathered = self._publishable() if self.config.distributed.strategy == "fsdp" else None  # a collective
         if self.comm.rank != 0:
             return None
-        if self.publication is None:
-            self.attach_weight_board(WeightStore())  # a board of its own (tests, benchmarks)
         self.publication.publish(self.version, gathered)
         last = {k: v for k, v in self.publication.last.items() if k.endswith("_s") or k == "engines"}
         return {"version": self.version, "publish_s": time.perf_counter() - start,

@@ -51,11 +51,13 @@ class Layout:
     @classmethod
     def of(cls, named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None) -> "Layout":
         """The layout of these tensors, cast to `dtype` (None: each keeps its own). Names that
-        share one storage (tied weights) are aliases of the first: their bytes go once."""
+        share one storage (tied weights) are aliases of the first: their bytes go once. Meta
+        tensors (shapes only: a layout declared before the bytes exist) alias when they are one object."""
         metas, offset, first = [], 0, {}
         for name, tensor in named:
             out = dtype or tensor.dtype
-            key = (tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
+            where = id(tensor) if tensor.is_meta else tensor.data_ptr()
+            key = (where, tuple(tensor.shape), tensor.stride(), tensor.dtype)
             if key in first and tensor.numel():
                 metas.append(TensorMeta(**{**vars(first[key]), "name": name, "alias_of": first[key].name}))
                 continue
@@ -200,3 +202,37 @@ class ChunkAssembler:
     @property
     def complete(self) -> bool:
         return self._next == len(self._stored)
+
+
+class BucketStream(Mapping):
+    """Name -> tensor of a version that arrives a bucket at a time (an FSDP learner gathers each
+    bucket when the send first asks for one of its tensors). A send reads tensors in layout order,
+    so only the newest two buckets are kept: peak memory two buckets, not a model. `drain()` takes
+    the buckets nobody asked for (each is a collective every rank runs to the end)."""
+
+    def __init__(self, buckets: Iterable[Mapping[str, torch.Tensor]]):
+        self._buckets = iter(buckets)
+        self._held: list[Mapping[str, torch.Tensor]] = []
+        self.gathered = 0
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        while not any(name in bucket for bucket in self._held):
+            try:
+                bucket = next(self._buckets)
+            except StopIteration:
+                raise KeyError(name) from None
+            self.gathered += 1
+            self._held = [*self._held[-1:], bucket]
+        return next(bucket[name] for bucket in self._held if name in bucket)
+
+    def __iter__(self) -> Iterator[str]:
+        raise TypeError("a BucketStream is read by name, in layout order (its layout comes with it)")
+
+    def __len__(self) -> int:
+        raise TypeError("a BucketStream is read by name, in layout order (its layout comes with it)")
+
+    def drain(self) -> None:
+        for _ in self._buckets:
+            self.gathered += 1
+        self._held = []
+

@@ -104,9 +104,11 @@ class Publication:
     (being copied, or waiting for the sender)."""
 
     def __init__(self, sender, guard: ParameterGuard, named_tensors: Callable[[], dict],
-                 snapshot: bool = False, dtype: torch.dtype | None = None):
+                 snapshot: bool = False, dtype: torch.dtype | None = None, catch_ups: bool = True):
         self.sender, self.guard, self.named_tensors = sender, guard, named_tensors
         self.snapshot, self.dtype = snapshot, dtype
+        self.catch_ups = catch_ups  # off where the weights exist only while a send gathers them
+        self._sending = threading.Lock()  # one send at a time on the channel: the thread's or send_now's
         self._cond = threading.Condition()
         self._to_copy: _Job | None = None  # handed over, to be copied (snapshot)
         self._to_send: _Job | None = None  # the next version to send
@@ -186,7 +188,7 @@ class Publication:
             try:
                 if job is not None:
                     self._send(job, catch_up=False)
-                elif self.sender.catch_up_poll_s is not None:
+                elif self.sender.catch_up_poll_s is not None and self.catch_ups:
                     self._catch_up()
             except Exception:
                 self.failures += 1
@@ -202,17 +204,32 @@ class Publication:
 
     def _send(self, job: _Job, catch_up: bool) -> None:
         try:
-            if catch_up:
-                self.sender.send(job.version, job.tensors, job.release, catch_up=True)
-            else:
-                stats = self.sender.send(job.version, job.tensors, job.release)
-                self.last = {**stats, "copy_s": job.copy_s, "sync_s": time.perf_counter() - job.published_at,
-                             "version": job.version}
-                self.recent.append(self.last)
+            with self._sending:
+                if catch_up:
+                    self.sender.send(job.version, job.tensors, job.release, catch_up=True)
+                else:
+                    stats = self.sender.send(job.version, job.tensors, job.release)
+                    self._record(stats, job.version, job.published_at, job.copy_s)
         finally:
             job.release()
             if not job.owned:
                 job.tensors = None  # views of the parameters: a catch-up reads them afresh
+
+    def _record(self, stats: dict, version: int, published_at: float, copy_s: float = 0.0) -> None:
+        self.last = {**stats, "copy_s": copy_s, "sync_s": time.perf_counter() - published_at, "version": version}
+        self.recent.append(self.last)
+
+    def send_now(self, version: int, tensors, layout) -> dict:
+        """Send `version` in the caller's thread and return when it is served: for weights that
+        exist only while the send reads them (an FSDP learner's buckets, gathered as the send asks:
+        `layout.BucketStream`). Its timings are the last send's."""
+        started = time.perf_counter()
+        with self._cond:
+            self._supersede_waiting()  # an older version still waiting would go out after this one
+        with self._sending:
+            stats = self.sender.send(version, tensors, lambda: None, layout=layout)
+            self._record(stats, version, started)
+        return self.last
 
     def _catch_up(self) -> None:
         live = self._live

@@ -115,10 +115,11 @@ class BroadcastSender:
         self._trainer = None  # the trainer engine of the current generation
         self._generation = None
 
-    def send(self, version: int, tensors: dict[str, torch.Tensor], release, catch_up: bool = False) -> dict:
+    def send(self, version: int, tensors, release, catch_up: bool = False, layout: Layout | None = None) -> dict:
         """Send `version` to every member (a new version: waiting for them, bounded) or to the
-        members behind it (`catch_up`: a restarted or late engine, no waiting)."""
-        layout = Layout.of(tensors.items(), self.dtype)
+        members behind it (`catch_up`: a restarted or late engine, no waiting). `tensors`: a
+        mapping, or a `layout.BucketStream` read by name with its `layout` given."""
+        layout = layout or Layout.of(tensors.items(), self.dtype)
         started = time.perf_counter()
         try:
             if not catch_up:
@@ -137,7 +138,7 @@ class BroadcastSender:
                     read.append(time.perf_counter())
                     release()
 
-                self._send(send, version, tensors, released)
+                self._send(send, version, tensors, released, layout)
                 read_at = read[0] if read else time.perf_counter()
             own_s = read_at - own_start
         finally:
@@ -153,11 +154,11 @@ class BroadcastSender:
             if time.monotonic() >= deadline:
                 return
 
-    def _send(self, send: dict, version: int, tensors, release) -> None:
+    def _send(self, send: dict, version: int, tensors, release, layout: Layout) -> None:
         """Every call of the round goes to the members; the round ends when all have finished (the
         version is served) or, after a failure, once the others are finished or aborted."""
         client = BoardWeightSyncClient(self.board, version, send["members"], self.timeout_s)
-        self.source.tensors, self.source.release = tensors, release
+        self.source.tensors, self.source.release, self.source.layout = tensors, release, layout
         try:
             trainer = self._trainer_of(send, client)
             trainer.client, trainer.version = client, version
@@ -173,7 +174,7 @@ class BroadcastSender:
         except Exception as err:
             self._failed(err, version, send, client)
         finally:
-            self.source.tensors, self.source.release = {}, None
+            self.source.tensors, self.source.release, self.source.layout = {}, None, None
 
     def _failed(self, err: Exception, version: int, send: dict, client: BoardWeightSyncClient):
         """The group itself failed (a member died, the rendezvous timed out): a new one next time."""

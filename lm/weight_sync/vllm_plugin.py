@@ -40,13 +40,18 @@ class TensorsSource(WeightSource):
     def __init__(self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None, release=None):
         self.tensors, self.dtype = tensors, dtype
         self.release = release  # called once the tensors are read: the learner's parameters may change
+        self.layout: Layout | None = None  # given with tensors read by name only (`layout.BucketStream`)
+
+    def wire_layout(self) -> Layout:
+        return self.layout or Layout.of(self.tensors.items(), self.dtype)
 
     def metadata(self) -> list[ParamMeta]:
-        return [ParamMeta(name, self.dtype or t.dtype, tuple(t.shape)) for name, t in self.tensors.items()]
+        return [ParamMeta(m.name, m.torch_dtype, m.shape) for m in self.wire_layout().stored]
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in self.tensors.items():
-            yield name, tensor if self.dtype is None else tensor.to(self.dtype)
+        for meta in self.wire_layout().stored:
+            tensor = self.tensors[meta.name]
+            yield meta.name, tensor if tensor.dtype == meta.torch_dtype else tensor.to(meta.torch_dtype)
         self.read()
 
     def read(self) -> None:
@@ -163,7 +168,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         if not self.is_sender:
             return
         s, source = self.settings, self.source
-        layout = Layout.of(source.tensors.items(), source.dtype)
+        layout = source.wire_layout()
         self.client.start_weight_update()
         with ThreadPoolExecutor(max_workers=1) as pool:  # the engines receive while this sends
             received = pool.submit(self.client.update_weights,
