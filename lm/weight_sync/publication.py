@@ -216,8 +216,18 @@ class Publication:
                 job.tensors = None  # views of the parameters: a catch-up reads them afresh
 
     def _record(self, stats: dict, version: int, published_at: float, copy_s: float = 0.0) -> None:
-        self.last = {**stats, "copy_s": copy_s, "sync_s": time.perf_counter() - published_at, "version": version}
-        self.recent.append(self.last)
+        with self._cond:
+            self.last = {**stats, "copy_s": copy_s, "sync_s": time.perf_counter() - published_at, "version": version}
+            self.recent.append(self.last)
+            self._cond.notify_all()
+
+    def wait_sent(self, version: int, timeout: float = 60.0) -> dict:
+        """The timings of the send of `version` (or a newer one) once it has finished: the board
+        shows a version live as the send ends, a moment before its timings are recorded here."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self.last.get("version", -1) >= version, timeout=timeout):
+                raise TimeoutError(f"weights v{version} not sent within {timeout:.0f}s (last: {self.last})")
+            return self.last
 
     def send_now(self, version: int, tensors, layout) -> dict:
         """Send `version` in the caller's thread and return when it is served: for weights that

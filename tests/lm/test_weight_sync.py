@@ -68,6 +68,7 @@ class Learner:
     def publish_and_wait(self, board, timeout: float = 60.0) -> None:
         self.publication.publish(self.version)
         wait_live(board, self.version, timeout)
+        self.publication.wait_sent(self.version, timeout)
 
     def close(self) -> None:
         self.publication.close()
@@ -318,7 +319,7 @@ def test_the_parameters_stay_still_under_a_send(model_dir, snapshot, monkeypatch
             stepped.join(60)
             wait_live(board, 1)
             got = engine.model.state_dict()
-            assert engine.version == 1 and learner.publication.last["engines"] == 1
+            assert engine.version == 1 and learner.publication.wait_sent(1)["engines"] == 1
             assert all(torch.equal(got[k], want[k]) for k in want), "the engine got the weights of version 1"
             assert not torch.equal(learner.model.model.norm.weight, want["model.norm.weight"])
             assert (learner.guard.take_blocked_s() > 0) != snapshot

@@ -112,7 +112,7 @@ def check_bf16_engine(model_dir: str) -> None:
             while board.latest_version() < 3 and time.monotonic() < deadline:  # announced by its thread
                 time.sleep(0.01)
             assert subscription.receive(engine, wait_s=60) == 3 and engine.engine_weight_version() == "3"
-            assert publication.last["engines"] == 1 and board.members()["worker-tp"]["have"] == 3
+            assert publication.wait_sent(3)["engines"] == 1 and board.members()["worker-tp"]["have"] == 3
             received = engine.generate(prompt, params)
             assert gap(model, prompt, received) < min(0.5, old_gap_to_new), (gap(model, prompt, received),
                                                                              old_gap_to_new)

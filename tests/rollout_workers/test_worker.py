@@ -274,7 +274,7 @@ def test_a_broadcast_reaches_vllm_mid_generation_and_tokens_keep_their_versions(
         stats = result["stats"]
         (group,) = pull_all(buffer, 1)
         assert stats["loaded_version"] == 1 and vllm_engine.engine_weight_version() == "1"
-        assert publication.last["engines"] == 1 and publication.last["version"] == 1
+        assert publication.wait_sent(1)["engines"] == 1
         # Through vLLM's weight transfer (the gloo plugin in its worker process), not a folder.
         assert vllm_engine._transfer_joined and folder_loads == []
         assert_versions_then_log_probs(tiny_model_dir, new_weights, group)
