@@ -659,18 +659,28 @@ class Learner:
         channel's safetensors refuses views of one storage; lm/checkpoint_names.py). Views of the
         live parameters, or under FSDP gathered copies in the publish dtype (`_gathered`; rank 0's,
         empty elsewhere)."""
-        state = self._gathered() if self._sharded else self.full_state_dict()
+        if self._sharded:
+            state = self._gathered()
+        elif self._publish_on_device():
+            state = {k: v.detach() for k, v in self.model.state_dict().items()}  # views, on the GPU
+        else:
+            state = self.full_state_dict()
         return to_checkpoint_names(state, copy=True)
 
+    def _publish_on_device(self) -> bool:
+        """vLLM's NCCL and IPC transfers send from the learner's GPU: the weights stay there."""
+        sync = self.config.weight_sync
+        return sync.channel == "broadcast" and sync.resolved(self.config.device)[0] in ("nccl", "ipc")
+
     def _gathered(self) -> dict[str, torch.Tensor]:
-        """FSDP: the full weights on rank 0's host, gathered one bucket at a time with each
-        parameter cast to the publish dtype on its device before it leaves (bfloat16: half the
-        bytes of a float32 gather, and no cast on one CPU thread after it); other ranks hold one
-        bucket at a time and get {}. The channels take a whole version, so rank 0 still ends with
-        one in the publish dtype: a channel that took buckets as they come would hold one."""
+        """FSDP: the full weights on rank 0's host (its GPU for vLLM's NCCL/IPC transfers), gathered
+        one bucket at a time with each parameter cast to the publish dtype on its device before it
+        leaves (bfloat16: half the bytes of a float32 gather, and no cast on one CPU thread after
+        it); other ranks hold one bucket at a time and get {}. Rank 0 ends with the whole version in
+        the publish dtype: the broadcast channel streams buckets instead (`_publish_streamed`)."""
         size = int(self.config.distributed.publish_bucket_mb * 2**20)
         buckets = FullWeightBuckets(self.model, size, dtype=self._publish_dtype(), keep=self.comm.rank == 0,
-                                    out_device="cpu")
+                                    out_device=None if self._publish_on_device() else "cpu")
         out: dict[str, torch.Tensor] = {}
         for bucket in buckets:  # a collective per parameter: every rank iterates to the end
             out.update(bucket)
@@ -690,9 +700,8 @@ class Learner:
         buckets, never a model, and the step waits for the send. Every rank runs every gather, also
         when rank 0's send fails part-way."""
         size = int(self.config.distributed.publish_bucket_mb * 2**20)
-        on_host = self.config.weight_sync.resolved(self.config.device)[0] == "gloo"  # gloo sends host memory
         buckets = FullWeightBuckets(self.model, size, dtype=self._publish_dtype(), keep=self.comm.rank == 0,
-                                    out_device="cpu" if on_host else None)
+                                    out_device=None if self._publish_on_device() else "cpu")
         if self.comm.rank != 0:
             for _ in buckets:
                 pass
