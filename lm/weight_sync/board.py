@@ -33,7 +33,6 @@ class _Member:
     go: dict | None = None  # its part in the send it was let into
     ops: list[dict] = field(default_factory=list)  # weight-update calls posted to it, not yet taken
     acks: dict[int, str] = field(default_factory=dict)  # op seq -> its error ("" if it went well)
-    done: dict | None = None  # how its last receive ended: {"version", "error", "at"}
     refused: str = ""  # why it withdrew (its model does not fit the layout), for the sender's log
 
 
@@ -162,7 +161,6 @@ class WeightStore:
             member = self._members.get(worker)
             if member is None or member.session != session:
                 return
-            member.done = {"version": version, "error": error, "at": time.time()}
             member.have = version if not error else (-1 if have is None else have)
             self._cond.notify_all()
 
@@ -212,7 +210,7 @@ class WeightStore:
                 go = {**common, "version": version, "generation": generation.id, "rank": generation.ranks[key],
                       "world": world}
                 member = self._members[key[0]]
-                member.waiting, member.go, member.done, member.ops = False, go, None, []
+                member.waiting, member.go, member.ops = False, go, []
             self._cond.notify_all()
             return {"generation": generation.id, "world": world,
                     "members": {w: generation.ranks[(w, s)] for w, s in chosen}, "left_out": left_out}
@@ -271,22 +269,6 @@ class WeightStore:
             member = self._members.get(worker)
             if member is not None and seq in member.acks:
                 out[worker] = member.acks[seq]
-        return out
-
-    def wait_done(self, version: int, workers: list[str], timeout: float) -> dict:
-        """How each worker's receive of `version` ended: {worker: {"error", "at"}}; a worker
-        missing from the reply has not reported yet (ask again, or name it after the deadline)."""
-        with self._cond:
-            self._cond.wait_for(lambda: len(self._done_of(version, workers)) == len(workers),
-                                timeout=min(timeout, _MAX_POLL_S))
-            return self._done_of(version, workers)
-
-    def _done_of(self, version: int, workers: list[str]) -> dict:
-        out = {}
-        for worker in workers:
-            member = self._members.get(worker)
-            if member is not None and member.done is not None and member.done["version"] == version:
-                out[worker] = {"error": member.done["error"], "at": member.done["at"]}
         return out
 
     def forget_generation(self) -> None:
