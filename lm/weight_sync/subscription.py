@@ -37,7 +37,6 @@ class WeightSubscription:
         self.board, self.worker_id = board, worker_id
         self.session = uuid.uuid4().hex  # this process: a restarted worker is a new member
         self.address = address
-        self._generation = None  # of the last send this worker's engine joined
         self._pushed: bool | None = None  # unknown until a version is live
         # Versions refused for good (a stored object or folder that does not match its digest, a
         # NaN the learner sent): not asked for again; a newer version is.
@@ -144,21 +143,16 @@ class WeightSubscription:
                 break
             deadline = time.monotonic() + float(go.get("timeout_s", 120.0))
             name, args = op["op"], dict(op["args"])
-            if name == "init":
-                if "prefix" in args:  # gloo: its sockets bind to this node's address
-                    args["address"] = self.address or node_address()
-                if self._generation == go["generation"]:
-                    name = None  # joined this generation's group already
-                self._generation = go["generation"]
+            if name == "init" and "prefix" in args:  # gloo: its sockets bind to this node's address
+                args["address"] = self.address or node_address()
             try:
-                if name is not None:
-                    engine.weight_transfer(name, args)
+                # Every init joins a new group (a learner that restarted forms one under the same
+                # generation number): the engine leaves the one it was in.
+                engine.weight_transfer(name, args)
             except Exception as err:
                 rejected = _rejection(err, version)
                 error = rejected or err
                 call(self.board, "op_done", self.worker_id, self.session, op["seq"], str(error))
-                if name == "init":
-                    self._generation = None
                 if name != "abort":
                     _quietly(engine.weight_transfer, "abort", {"version": version})
                 break
