@@ -694,7 +694,7 @@ class Learner:
         sync = self.config.weight_sync
         return self._sharded and sync.channel == "broadcast" and sync.stream_buckets is not False
 
-    def _publish_streamed(self) -> dict | None:
+    def _publish_streamed(self) -> None:
         """Every rank gathers the version a bucket at a time (each parameter cast to the publish
         dtype on its device) while rank 0 sends each bucket as its send reaches it: rank 0 holds two
         buckets, never a model, and the step waits for the send. Every rank runs every gather, also
@@ -705,16 +705,15 @@ class Learner:
         if self.comm.rank != 0:
             for _ in buckets:
                 pass
-            return None
+            return
         stream = BucketStream(to_checkpoint_names(bucket, copy=True) for bucket in buckets)
         layout = Layout.of(to_checkpoint_names(buckets.meta()).items())
         try:
-            return self.publication.send_now(self.version, stream, layout)
+            self.publication.send_now(self.version, stream, layout)  # its timings: publication.last
         except Exception:
             self.publication.failures += 1
             log.exception("weight publication of v%d failed (the run goes on; engines that missed it get the "
                           "next one)", self.version)
-            return None
         finally:
             stream.drain()
 
@@ -733,7 +732,7 @@ class Learner:
         else:
             backend, topology, snapshot, ahead_bytes = sync.resolved(self.config.device)
             sender = BroadcastSender(board, backend, topology, int(sync.bucket_mb * 2**20), sync.ready_timeout_s,
-                                     sync.timeout_s, sync.address, dtype, self.device, ahead_bytes)
+                                     sync.timeout_s, sync.address, dtype, ahead_bytes)
         self.publication = Publication(sender, self.weight_guard, self._publishable, snapshot, dtype,
                                        catch_ups=not self._streams_buckets())
 
@@ -746,21 +745,20 @@ class Learner:
         start = time.perf_counter()
         if self.comm.rank == 0 and self.publication is None:
             self.attach_weight_board(WeightStore())  # a board of its own (tests, benchmarks)
-        if self._streams_buckets():
-            self._publish_streamed()  # every rank, the send on the step path
-            if self.comm.rank != 0:
-                return None
-            blocked = time.perf_counter() - start
-            last = {k: v for k, v in self.publication.last.items() if k.endswith("_s") or k == "engines"}
-            return {"version": self.version, "publish_s": blocked, "blocked_s": blocked,
-                    "failures": self.publication.failures, **last}
-        gathered = self._publishable() if self.config.distributed.strategy == "fsdp" else None  # a collective
+        streamed = self._streams_buckets()
+        if streamed:
+            self._publish_streamed()  # every rank, the send on the step path: all of it is blocked time
+        else:
+            gathered = self._publishable() if self.config.distributed.strategy == "fsdp" else None  # a collective
         if self.comm.rank != 0:
             return None
-        self.publication.publish(self.version, gathered)
+        if not streamed:
+            self.publication.publish(self.version, gathered)
+        publish_s = time.perf_counter() - start
         last = {k: v for k, v in self.publication.last.items() if k.endswith("_s") or k == "engines"}
-        return {"version": self.version, "publish_s": time.perf_counter() - start,
-                "blocked_s": self.weight_guard.take_blocked_s(), "failures": self.publication.failures, **last}
+        return {"version": self.version, "publish_s": publish_s,
+                "blocked_s": publish_s if streamed else self.weight_guard.take_blocked_s(),
+                "failures": self.publication.failures, **last}
 
     def published(self, timeout: float = 120.0) -> dict | None:
         """The board's live payload once the current version is out (None: not within `timeout`)."""

@@ -34,6 +34,7 @@ class GlooReceiver:
         self.group = self._store = None
         self.rank = self.world = 0
         self._spare = {"chunks": [], "assembly": {}}  # receive buffers kept from the last version
+        self._last: ReceiveStream | None = None  # the version handed out, until the model has copied it
 
     def init(self, init_info: dict, rank: int) -> None:
         """Join the group of `init_info` as `rank` (blocks until every rank has joined)."""
@@ -72,7 +73,7 @@ class GlooReceiver:
 
     def recycle(self) -> None:
         """The model has copied the last version: keep its buffers for the next one."""
-        stream, self._last = getattr(self, "_last", None), None
+        stream, self._last = self._last, None
         if stream is not None:
             stream.recycle()
 
@@ -99,9 +100,8 @@ class GlooSender:
     def join(self) -> None:
         self.group = self.rendezvous.join()
 
-    def send(self, layout: Layout, tensors: Mapping[str, torch.Tensor], chunk_bytes: int, topology: str,
-             device: torch.device | str = "cpu") -> None:
-        send_stream(self.group, layout, tensors, chunk_bytes, topology, device)
+    def send(self, layout: Layout, tensors: Mapping[str, torch.Tensor], chunk_bytes: int, topology: str) -> None:
+        send_stream(self.group, layout, tensors, chunk_bytes, topology)  # gloo: host memory
 
     def shutdown(self) -> None:
         self.group = None

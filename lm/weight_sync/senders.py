@@ -102,11 +102,11 @@ class BroadcastSender:
 
     def __init__(self, board, backend: str, topology: str, chunk_bytes: int, ready_timeout_s: float,
                  timeout_s: float, address: str | None = None, dtype: torch.dtype | None = None,
-                 device: torch.device | str = "cpu", ahead_bytes: int | None = None):
+                 ahead_bytes: int | None = None):
         from lm.weight_sync import vllm_plugin
 
         vllm_plugin.register()  # the learner's process loads no vLLM plugins by itself
-        self.board, self.dtype, self.device = board, dtype, device
+        self.board, self.dtype = board, dtype
         self.backend, self.topology, self.chunk_bytes = backend, topology, int(chunk_bytes)
         self.ready_timeout_s, self.timeout_s = ready_timeout_s, float(timeout_s)
         self.ahead_bytes = ahead_bytes

@@ -82,6 +82,8 @@ class HFEngine(GenerationEngine):
         pad = self.model.config.pad_token_id
         self.pad_id = 0 if pad is None else int(pad)
         self.moe = bool(routers(self.model))
+        self._receiver = None  # the broadcast's gloo receiver, from the first init call
+        self._received: int | None = None  # the last version it received
 
     def generate_batch(
         self, requests: list[tuple[list[int], SamplingParams]], interrupt: Interrupt | None = None
@@ -177,7 +179,7 @@ class HFEngine(GenerationEngine):
                 raise ValueError("the transformers engine receives weights over gloo only (weight_sync.backend: gloo)")
             from lm.weight_sync.gloo_transfer import GlooReceiver
 
-            self._receiver = getattr(self, "_receiver", None) or GlooReceiver()
+            self._receiver = self._receiver or GlooReceiver()
             self._receiver.init(args, int(args["rank_offset"]))
         elif op == "update":
             weights = self._receiver.receive(args)
@@ -188,7 +190,7 @@ class HFEngine(GenerationEngine):
                 del weights
                 self._receiver.recycle()
         elif op == "finish":
-            if getattr(self, "_received", None) != int(args["version"]):
+            if self._received != int(args["version"]):
                 raise RuntimeError(f"weights v{args['version']}: finished before it was received")
         elif op not in ("start", "abort"):
             raise ValueError(f"unknown weight-update call {op!r}")

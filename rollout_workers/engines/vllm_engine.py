@@ -376,19 +376,15 @@ class VLLMEngine(GenerationEngine):
     def load_weights_folder(self, version: int, folder: str | os.PathLike) -> None:
         """Pause (`pause_mode`), reload from the folder in place, record the version, resume. A
         failure part-way leaves version -1 (the weights are a mix); generation resumes either way."""
-        if self.pause_mode not in PAUSE_MODES:
-            raise ValueError(f"pause_mode must be one of {PAUSE_MODES}, got {self.pause_mode!r}")
         self.version = -1
 
         async def swap():
-            paused = time.perf_counter()
-            await self._llm.pause_generation(mode=self.pause_mode, clear_cache=False)
+            await self._pause()
             try:
                 await self._llm.collective_rpc("reload_weights", kwargs={"weights_path": str(folder)})
                 await self._llm.update_weight_version(str(version))
             finally:
-                await self._llm.resume_generation()
-                self.pause_s_total += time.perf_counter() - paused
+                await self._resume()
 
         self._loop.run(swap())
         self.version = version
@@ -419,10 +415,7 @@ class VLLMEngine(GenerationEngine):
                 await llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=args))
                 self._transfer_joined = True
             elif op == "start":
-                if self.pause_mode not in PAUSE_MODES:
-                    raise ValueError(f"pause_mode must be one of {PAUSE_MODES}, got {self.pause_mode!r}")
-                self._paused_at = time.perf_counter()
-                await llm.pause_generation(mode=self.pause_mode, clear_cache=False)
+                await self._pause()
                 await llm.start_weight_update()
             elif op == "update":
                 before, self.version = self.version, -1  # a mix until finished
@@ -452,6 +445,13 @@ class VLLMEngine(GenerationEngine):
                 raise ValueError(f"unknown weight-update call {op!r}")
 
         self._loop.run(run())
+
+    async def _pause(self) -> None:
+        """Hold generation for a weight swap (`pause_mode`); `_resume` ends it and counts the time."""
+        if self.pause_mode not in PAUSE_MODES:
+            raise ValueError(f"pause_mode must be one of {PAUSE_MODES}, got {self.pause_mode!r}")
+        self._paused_at = time.perf_counter()
+        await self._llm.pause_generation(mode=self.pause_mode, clear_cache=False)
 
     async def _resume(self) -> None:
         self._update_failed = False
