@@ -263,6 +263,14 @@ def test_a_restartable_actor_needs_a_log():
         create_buffer_actor(BufferConfig(transport="ray"), max_restarts=1)
 
 
+def _ended(process) -> bool:
+    import psutil
+    try:
+        return process.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
 def test_the_buffer_child_ends_with_its_controller(tmp_path):
     """A controller SIGKILLed on its own leaves no buffer service behind (it would hold the port
     and append to the log that the resumed run's service writes too)."""
@@ -291,10 +299,12 @@ def test_the_buffer_child_ends_with_its_controller(tmp_path):
         assert child.is_running() and "buffer_child serve" in " ".join(child.cmdline())
         controller.kill()
         controller.wait()
-        child.wait(timeout=30)  # psutil.TimeoutExpired: an orphan
+        # Ended means gone or a zombie: the orphan's new parent (PID 1 of a container, say) may
+        # never reap it, and psutil's wait on a process that is not ours waits for the pid to go.
+        assert wait_until(lambda: _ended(child), timeout=30), f"an orphan, {child.status()}: {child.cmdline()}"
     finally:
         controller.kill()
-        if child is not None and child.is_running():
+        if child is not None and not _ended(child):
             child.kill()
 
 
