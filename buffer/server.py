@@ -148,7 +148,9 @@ class BufferServer:
         self.endpoint = self.socket.getsockopt(zmq.LAST_ENDPOINT).decode()
         self._acquires: list[_Parked] = []
         self._pulls: list[_Parked] = []
-        self._stop = threading.Event()
+        # A plain flag, not an Event: a signal handler sets it (`main`), and Event.set takes a lock
+        # that a second signal arriving inside the first handler's set() would wait on for ever.
+        self._stopping = False
         self._thread: threading.Thread | None = None
         self._handlers = {
             "acquire_permits": self._acquire, "release_permit": self._release, "push_groups": self._push,
@@ -162,7 +164,7 @@ class BufferServer:
         poller = zmq.Poller()
         poller.register(self.socket, zmq.POLLIN)
         try:
-            while not self._stop.is_set():
+            while not self._stopping:
                 if poller.poll(self._poll_timeout_ms()):
                     for _ in range(_BATCH):
                         try:
@@ -188,8 +190,12 @@ class BufferServer:
         self._thread.start()
         return self
 
+    def request_stop(self) -> None:
+        """End the loop at its next turn (at most `_MAX_LOOP_WAIT_S`); safe in a signal handler."""
+        self._stopping = True
+
     def stop(self, timeout: float = 5.0) -> None:
-        self._stop.set()
+        self.request_stop()
         if self._thread is not None:
             self._thread.join(timeout)
 
@@ -450,7 +456,7 @@ def main(argv: list[str]) -> int:
         print(f"etarl buffer serve: {exc}", file=sys.stderr)
         return 2
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: server._stop.set())
+        signal.signal(sig, lambda *_: server.request_stop())
     if not config.curve.enabled and config.ipc_path is None:
         log.warning("buffer: serving on %s without keys: any local user may call every operation (set curve.enabled "
                     "with authorized_clients_dir, or ipc_path in a 0700 folder)", server.endpoint)

@@ -549,9 +549,11 @@ def serve_buffer_metrics(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as exc:
         print(f"etarl buffer exporter: {exc}", file=sys.stderr)
         return 2
-    stop = threading.Event()
+    # The handler only sets a flag: Event.set takes a lock that a second signal, arriving inside
+    # the first handler's set(), would wait on for ever (seen in the buffer service).
+    stopping = []
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, lambda *_: stopping.append(True))
     print(f"serving the metrics of {client.endpoint} on http://{args.host}:{exporter.port}/metrics", flush=True)
     while True:
         try:
@@ -559,7 +561,10 @@ def serve_buffer_metrics(argv: list[str] | None = None) -> int:
         except Exception as exc:  # unreachable or refusing: keep serving the last values
             exporter.record_buffer_down()
             log.warning("the buffer at %s did not answer for its stats: %s", client.endpoint, exc)
-        if stop.wait(args.interval):
+        deadline = time.monotonic() + args.interval
+        while not stopping and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if stopping:
             break
     exporter.close()
     client.close()

@@ -271,6 +271,14 @@ def _ended(process) -> bool:
         return True
 
 
+def _signal_state(pid: int) -> str:
+    """What the kernel says of a process that should have had SIGTERM: its state, parent, and
+    pending, blocked and caught signals (seen once here, not reproduced: an orphan left sleeping)."""
+    lines = open(f"/proc/{pid}/status").read().splitlines()
+    return "; ".join(line for line in lines if line.split(":")[0] in ("State", "PPid", "SigPnd", "ShdPnd", "SigBlk",
+                                                                       "SigIgn", "SigCgt"))
+
+
 def test_the_buffer_child_ends_with_its_controller(tmp_path):
     """A controller SIGKILLed on its own leaves no buffer service behind (it would hold the port
     and append to the log that the resumed run's service writes too)."""
@@ -301,7 +309,7 @@ def test_the_buffer_child_ends_with_its_controller(tmp_path):
         controller.wait()
         # Ended means gone or a zombie: the orphan's new parent (PID 1 of a container, say) may
         # never reap it, and psutil's wait on a process that is not ours waits for the pid to go.
-        assert wait_until(lambda: _ended(child), timeout=30), f"an orphan, {child.status()}: {child.cmdline()}"
+        assert wait_until(lambda: _ended(child), timeout=30), f"an orphan: {_signal_state(child.pid)}"
     finally:
         controller.kill()
         if child is not None and not _ended(child):
