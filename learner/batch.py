@@ -41,6 +41,9 @@ class TrainBatch:
     group_ids: list[str]  # per row
     sample_ids: list[str]  # per row
     routed_experts: Optional[torch.Tensor] = None  # int16 [B, T, layers, k]: MoE routing, zero at padding
+    # r2: the learner's own experts at every position of each row, [prompt + response, layers, k],
+    # recorded by the step's proximal pass (learner/routing_replay.py)
+    replay_routing: Optional[list[torch.Tensor]] = None
 
     def __len__(self) -> int:
         return len(self.prompts)

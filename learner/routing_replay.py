@@ -6,14 +6,17 @@ proximal pass, which moves the IS ratios without any weight change. Replay fixes
 
 - r3 (rollout routing replay): every pass of the step (proximal and update) uses the engine's
   experts (`Sample.routed_experts`) for the positions that sampled policy tokens;
-- r2 (vanilla routing replay): the proximal pass records the learner's own experts for every
-  response position, and the update passes of the same step use them;
+- r2 (vanilla routing replay): the proximal pass records the learner's own experts at every
+  position of each sequence, prompt and response (a prompt token routed elsewhere changes what
+  the response attends to), and the update passes of the same step use them, as Megatron's
+  router replay records and replays every token;
 - none: the learner routes freely.
 
 Forcing keeps the gate differentiable: the learner's router still computes its logits, and the
 gate weights are its softmax probabilities at the forced experts, renormalised when the router
-renormalises (`norm_topk_prob`), as the reference and verl define R3. Prompt positions are never
-forced (the engine reports no routing for them), nor under r3 the positions of tool tokens.
+renormalises (`norm_topk_prob`), as the reference and verl define R3. Under r3 prompt positions
+and tool tokens are not forced: the engine reports routing for the positions that sampled.
+r2's recording is kept on the host, compact (uint8 up to 256 experts).
 
 Positions: row t of a sample's routing belongs to the forward position that sampled response token
 t, i.e. input position (prompt length - 1 + t); in a padded micro-batch that is row x width +
@@ -40,17 +43,38 @@ MODES = ("none", "r2", "r3")
 @dataclass
 class _Plan:
     """What the routers do in one forward pass: force `forced` [F, layers, k] at the flattened
-    token positions `force_at` [F]; record their own top-k at `positions` [N] when `record`."""
+    token positions `force_at` [F]; record their own top-k at every position when `record`.
+    `positions` [N]: the positions that sampled response tokens; `sequence` [S]: every token's."""
 
     positions: torch.Tensor
+    sequence: torch.Tensor
+    lengths: list[int]
     force_at: torch.Tensor | None = None
     forced: torch.Tensor | None = None
     record: bool = False
     recorded: dict[int, torch.Tensor] = field(default_factory=dict)
 
+    def _recorded(self) -> torch.Tensor:
+        return torch.stack([self.recorded[layer] for layer in sorted(self.recorded)], dim=1)
+
     def own_routing(self) -> torch.Tensor:
         """[N, layers, k] the routers' own top-k at `positions` (after a recording pass)."""
-        return torch.stack([self.recorded[layer] for layer in sorted(self.recorded)], dim=1)
+        return self._recorded()[self.positions]
+
+    def sequence_routing(self, num_experts: int) -> list[torch.Tensor]:
+        """Per row, [prompt + response tokens, layers, k] the routers' own top-k at every position
+        (after a recording pass), on the host in the smallest dtype that holds an expert id."""
+        dtype = torch.uint8 if num_experts <= 256 else torch.int16
+        return list(self._recorded()[self.sequence].to("cpu", dtype).split(self.lengths))
+
+
+def sequence_positions(lengths: list[int], packed: bool) -> torch.Tensor:
+    """The flattened input position of every token of every row, rows in order."""
+    n = torch.tensor(lengths, dtype=torch.long)
+    starts = torch.cumsum(n, 0) - n
+    cols = torch.arange(int(n.sum())) - torch.repeat_interleave(starts, n)
+    base = starts if packed else torch.arange(len(n)) * int(n.max())
+    return torch.repeat_interleave(base, n) + cols
 
 
 def predicting_positions(prompt_lengths: list[int], response_lengths: list[int], packed: bool):
@@ -101,7 +125,7 @@ class RoutingReplay:
                 return None
             logits, scores, ids = output
             if plan.record:
-                plan.recorded[layer] = ids[plan.positions].detach()
+                plan.recorded[layer] = ids.detach()
             if plan.force_at is None or not len(plan.force_at):
                 return None
             at, want = plan.force_at, plan.forced[:, layer].to(ids.dtype)
@@ -115,16 +139,27 @@ class RoutingReplay:
 
     @contextlib.contextmanager
     def plan(self, prompts, responses, packed: bool, device, forced: torch.Tensor | None = None,
-             force_mask: torch.Tensor | None = None, record: bool = False):
-        """Force `forced` [rows, T, layers, k] where `force_mask` [rows, T] is true, and/or record
-        the routers' own top-k at every response position, for the forward (and backward) passes
-        inside. Yields the plan (`own_routing()` after a recording pass) or None for a dense model."""
-        if not self.routers or (forced is None and not record):
+             force_mask: torch.Tensor | None = None, record: bool = False,
+             replayed: list[torch.Tensor] | None = None):
+        """For the forward (and backward) passes inside: force `forced` [rows, T, layers, k] at the
+        positions that sampled response tokens where `force_mask` [rows, T] is true (r3), or
+        `replayed` (per row [prompt + response, layers, k]) at every position (r2), and/or record
+        the routers' own top-k. Yields the plan (`own_routing()`, `sequence_routing()` after a
+        recording pass) or None for a dense model."""
+        if not self.routers or (forced is None and replayed is None and not record):
             yield None
             return
+        lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
         rows, cols, flat = predicting_positions([len(p) for p in prompts], [len(r) for r in responses], packed)
-        plan = _Plan(positions=flat.to(device), record=record)
-        if forced is not None:
+        plan = _Plan(positions=flat.to(device), sequence=sequence_positions(lengths, packed).to(device),
+                     lengths=lengths, record=record)
+        if replayed is not None:
+            got = [len(r) for r in replayed]
+            if got != lengths:
+                raise ValueError(f"replayed routing covers {got} tokens per row, the rows have {lengths}")
+            plan.force_at = plan.sequence
+            plan.forced = torch.cat(replayed).to(device, torch.long)
+        elif forced is not None:
             chosen = force_mask[rows, cols].to(torch.bool).cpu()
             plan.force_at = flat[chosen].to(device)
             plan.forced = forced[rows.to(forced.device), cols.to(forced.device)][chosen.to(forced.device)].to(
@@ -146,15 +181,6 @@ def require_routing(groups, mode: str) -> None:
                 raise ValueError(f"sample {sample.sample_id!r} carries no routing (routed_experts), which "
                                  f"learner.routing_replay='r3' replays: its engine must return its experts (the "
                                  f"transformers engine does; vLLM needs enable_return_routed_experts, GPU only)")
-
-
-def scatter_routing(own: torch.Tensor, response_lengths: list[int], width: int) -> torch.Tensor:
-    """[N, layers, k] ids in row order as a [rows, width, layers, k] int16 tensor, zero at padding."""
-    rows = torch.repeat_interleave(torch.arange(len(response_lengths)), torch.tensor(response_lengths))
-    cols = torch.cat([torch.arange(n) for n in response_lengths]) if response_lengths else rows
-    out = torch.zeros(len(response_lengths), width, *own.shape[1:], dtype=torch.int16)
-    out[rows, cols] = own.to("cpu", torch.int16)
-    return out
 
 
 class MismatchCounts:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import logging
 import math
 import time
@@ -63,7 +64,7 @@ from learner.distributed import (
     unique_state_names,
 )
 from learner.losses import compute_policy_loss, count_tokens_and_sequences, staleness_metrics
-from learner.routing_replay import MismatchCounts, RoutingReplay, require_routing, scatter_routing
+from learner.routing_replay import MismatchCounts, RoutingReplay, require_routing
 from lm.causal_lm import (
     causal_lm_on_meta,
     checkpoint_tensors,
@@ -401,34 +402,34 @@ class Learner:
         mode, shape = self.config.routing_replay, self.routing.shape
         engine = shard.routed_experts
         mismatch = None if engine is None or shape is None else MismatchCounts(len(shard), shape.layers)
-        recorded = None
-        if mode == "r2":
-            recorded = torch.zeros(*shard.response_mask.shape, shape.layers, shape.top_k, dtype=torch.int16)
+        recorded = [None] * len(shard) if mode == "r2" else None
 
         def seen(rows: list[int], mb: TrainBatch, plan) -> None:
             if plan is None:
                 return
-            lengths = [len(r) for r in mb.responses]
             if mismatch is not None:
-                mismatch.add(rows, mb.routed_experts, mb.response_mask, plan, lengths)
+                mismatch.add(rows, mb.routed_experts, mb.response_mask, plan, [len(r) for r in mb.responses])
             if recorded is not None:
-                recorded[rows, : mb.response_mask.shape[1]] = scatter_routing(plan.own_routing(), lengths,
-                                                                             mb.response_mask.shape[1])
+                for row, routing in zip(rows, plan.sequence_routing(shape.num_experts)):
+                    recorded[row] = routing
 
         old_log_prob = self._no_grad_log_probs(shard, record=mismatch is not None or recorded is not None,
                                                seen=seen)
         if recorded is not None:
-            shard.routed_experts = recorded.to(shard.response_mask.device)  # the update passes replay it
+            shard.replay_routing = recorded  # the update passes replay it
         return old_log_prob, {} if mismatch is None else mismatch.metrics(owned, self.comm.all_reduce_sum)
 
     def _replay(self, mb: TrainBatch, record: bool = False, proximal: bool = False):
         """The routing plan of one policy pass over `mb` (a no-op context for a dense policy or none):
         r3 forces the engine's experts at the positions that sampled policy tokens, r2 (after its
-        proximal pass, which records) the recorded ones at every response position."""
-        mode = self.config.routing_replay
-        forced = mb.routed_experts if mode == "r3" or (mode == "r2" and not proximal) else None
-        mask = mb.response_mask if mode == "r3" else torch.ones_like(mb.response_mask)
-        return self.routing.plan(mb.prompts, mb.responses, self.config.packing, self.device, forced, mask, record)
+        proximal pass, which records) the recorded ones at every position."""
+        mode, plan = self.config.routing_replay, functools.partial(
+            self.routing.plan, mb.prompts, mb.responses, self.config.packing, self.device, record=record)
+        if mode == "r3":
+            return plan(forced=mb.routed_experts, force_mask=mb.response_mask)
+        if mode == "r2" and not proximal:
+            return plan(replayed=mb.replay_routing)
+        return plan()
 
     def _step_correction(self, shard: TrainBatch, old_log_prob: torch.Tensor, owned: list[int]):
         """IS weights, rejection mask and metrics of the shard against the recomputed π_old; batch

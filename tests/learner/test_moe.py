@@ -13,7 +13,7 @@ import torch
 from buffer.sample import Group, Sample
 from learner.batch import BatchError
 from learner.config import LearnerConfig
-from learner.routing_replay import RoutingReplay
+from learner.routing_replay import RoutingReplay, sequence_positions
 from learner.trainer import Learner
 from learner_helpers import build_tiny_policy
 from lm.causal_lm import load_causal_lm, response_log_probs
@@ -147,16 +147,55 @@ def test_r3_sends_response_tokens_through_the_engine_experts_with_the_learner_ga
 
 def test_r2_replays_the_learners_own_proximal_routing_and_r3_the_engines(moe_dir, groups):
     """Two minibatches (the second sees weights the first moved): r2 replays the routing the
-    proximal pass recorded, whatever the engine reported; r3 replays the engine's, which here is
-    the proximal routing too; none lets the second minibatch reroute."""
+    proximal pass recorded, whatever the engine reported; r3 replays the engine's; none lets the
+    second minibatch reroute."""
     def step(mode, batch):
         return learner(moe_dir, routing_replay=mode, ppo_mini_batch_size=2).train_step(batch)["actor/pg_loss"]
 
-    single_turn = groups[:3]  # r2 replays tool-token positions too, r3 has no engine routing there
-    r2, r3, free = step("r2", single_turn), step("r3", single_turn), step("none", single_turn)
-    assert r2 == pytest.approx(r3, rel=1e-6) and abs(r2 - free) > 1e-4
-    assert step("r2", regroup(single_turn, other_experts)) == pytest.approx(r2, rel=1e-6)
-    assert abs(step("r3", regroup(single_turn, other_experts)) - r3) > 1e-3
+    r2, r3, free = step("r2", groups), step("r3", groups[:3]), step("none", groups)
+    assert abs(r2 - free) > 1e-4 and abs(r3 - step("none", groups[:3])) > 1e-4
+    assert step("r2", regroup(groups, other_experts)) == pytest.approx(r2, rel=1e-6)
+    assert abs(step("r3", regroup(groups[:3], other_experts)) - r3) > 1e-3
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
+def test_r2_records_every_position_and_replays_it_after_the_routers_moved(moe_dir, groups, packed):
+    """The proximal pass records each row's experts at every position, prompt and response (at the
+    positions that sampled, the engine's); once the routers have moved (the step's first
+    minibatch did), the replay sends every position through the recorded experts, where the
+    routers alone would send some prompt tokens elsewhere."""
+    model = load_causal_lm(moe_dir)
+    replay = RoutingReplay(model, "r2")
+    samples = [groups[0].samples[0], groups[1].samples[1]]  # prompts of 4 and 5 tokens
+    prompts, responses = [s.prompt_ids for s in samples], [s.response_ids for s in samples]
+    with torch.no_grad(), replay.plan(prompts, responses, packed, "cpu", record=True) as plan:
+        response_log_probs(model, prompts, responses, packed=packed)
+    recorded = plan.sequence_routing(EXPERTS)
+    assert [tuple(r.shape) for r in recorded] == [(len(p) + len(r), LAYERS, TOP_K) for p, r in zip(prompts, responses)]
+    assert recorded[0].dtype == torch.uint8
+    for sample, routing in zip(samples, recorded):
+        sampled = routing[len(sample.prompt_ids) - 1: -1].long().sort(-1).values
+        assert torch.equal(sampled, torch.from_numpy(sample.routed_experts).long().sort(-1).values)
+
+    torch.manual_seed(1)
+    for router in replay.routers:
+        router.weight.data.normal_(0.0, 0.5)
+    seen = []
+    handles = [layer.mlp.experts.register_forward_pre_hook(lambda _m, args: seen.append(args[1]))
+               for layer in model.model.layers]
+    at = sequence_positions([len(p) + len(r) for p, r in zip(prompts, responses)], packed)
+    want = torch.cat(recorded).long()
+    with torch.no_grad():
+        response_log_probs(model, prompts, responses, packed=packed)
+        free = [ids[at] for ids in seen]
+        seen.clear()
+        with replay.plan(prompts, responses, packed, "cpu", replayed=recorded):
+            response_log_probs(model, prompts, responses, packed=packed)
+    for h in handles:
+        h.remove()
+    assert all(torch.equal(ids[at], want[:, layer]) for layer, ids in enumerate(seen))
+    prompt_rows = torch.cat([torch.arange(len(p)) + start for p, start in zip(prompts, [0, len(recorded[0])])])
+    assert any(not torch.equal(ids[prompt_rows], want[prompt_rows, layer]) for layer, ids in enumerate(free))
 
 
 @pytest.mark.slow
