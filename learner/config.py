@@ -208,8 +208,9 @@ class LearnerConfig(BaseModel):
     compute_entropy: bool = Field(True, description="report actor/entropy (always on when entropy_coeff > 0)")
     routing_replay: Literal["none", "r2", "r3"] = Field(
         "none", description="MoE policies (learner/routing_replay.py): r3 replays the engine's experts (the "
-        "samples' routed_experts) in the proximal and update passes; r2 records the learner's own experts at "
-        "the proximal pass and replays them in the update passes of the step; none routes freely")
+        "samples' routed_experts) at the positions that sampled, in the proximal and update passes; r2 records "
+        "the learner's own experts at every position (prompt and response) at the proximal pass and replays "
+        "them in the update passes of the step; none routes freely")
     pad_token_id: int = Field(0, ge=0)
 
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)

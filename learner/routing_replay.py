@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from learner.batch import BatchError
 from lm.moe import SOFTMAX_TOPK_ROUTERS, RoutingShape, routers, routing_shape
 
 MODES = ("none", "r2", "r3")
@@ -172,15 +173,16 @@ class RoutingReplay:
 
 
 def require_routing(groups, mode: str) -> None:
-    """r3 replays the engine's routing: every sample with response tokens must carry it."""
+    """r3 replays the engine's routing: every sample with response tokens must carry it (a batch
+    without is refused, naming the sample: the run goes on, `services.controller`)."""
     if mode != "r3":
         return
     for group in groups:
         for sample in getattr(group, "samples", ()):
             if sample.routed_experts is None and len(sample.response_ids):
-                raise ValueError(f"sample {sample.sample_id!r} carries no routing (routed_experts), which "
+                raise BatchError(f"sample {sample.sample_id!r} carries no routing (routed_experts), which "
                                  f"learner.routing_replay='r3' replays: its engine must return its experts (the "
-                                 f"transformers engine does; vLLM needs enable_return_routed_experts, GPU only)")
+                                 f"transformers engine does; vLLM with rollout.engine.return_routing, GPUs only)")
 
 
 class MismatchCounts:

@@ -34,6 +34,10 @@ class EngineConfig(_Strict):
     weight_transfer: Literal["auto", "gloo", "nccl", "ipc"] = Field(
         "auto", description="vLLM: the weight-transfer backend the engine is started with (the broadcast "
         "channel's; set from learner.weight_sync.backend when that is set); auto: gloo on CPUs, nccl on GPUs")
+    return_routing: bool = Field(
+        False, description="vLLM: return each response token's experts (MoE; vLLM's enable_return_routed_experts, "
+        "its V2 model runner, GPUs); set by learner.routing_replay=r3. The transformers engine always returns "
+        "them for an MoE model")
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="auto: the GPUs Ray assigned to the worker if CUDA works there, else the CPU "
         "(vLLM: the device its build supports; lm/device.py)")

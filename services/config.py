@@ -246,10 +246,16 @@ class EtarlConfig(BaseModel):
             raise ValueError(
                 f"learner.temperature ({self.learner.temperature}) must equal rollout.sampling.temperature "
                 f"({self.rollout.sampling.temperature}): the learner's log-probs must describe the sampler")
-        if self.learner.routing_replay == "r3" and self.rollout.engine.kind == "vllm":
-            raise ValueError("learner.routing_replay=r3 replays the engine's experts, which etarl takes from the "
-                             "transformers engine only: vLLM returns them (enable_return_routed_experts) on GPUs "
-                             "only and etarl does not ask it yet; use rollout.engine.kind=hf, or r2")
+        if self.learner.routing_replay == "r3":
+            rollout = self.rollout
+            rollout.engine.return_routing = True  # r3 replays the engine's experts: the samples must carry them
+            aborts = rollout.interrupt_on_update and (not rollout.streaming or rollout.multi_turn.environment)
+            if rollout.engine.kind == "vllm" and aborts:
+                raise ValueError("learner.routing_replay=r3 with vLLM: a request aborted for new weights "
+                                 "(rollout.interrupt_on_update with rollout.streaming=false or multi-turn) comes back "
+                                 "without its experts (vLLM returns them with a finished request only); use "
+                                 "rollout.streaming=true (vLLM pauses requests in place), interrupt_on_update=false, "
+                                 "or r2")
         sync, engine = self.learner.weight_sync, self.rollout.engine
         if sync.channel == "broadcast" and sync.backend != "auto":
             if engine.weight_transfer not in ("auto", sync.backend):

@@ -25,6 +25,7 @@ def make_engine(engine_config, model_dir: str | os.PathLike, seed: int = 0, vers
             seed_requests=engine_config.seed_requests,
             max_num_seqs=max_num_seqs,
             weight_transfer=engine_config.weight_transfer,
+            return_routing=engine_config.return_routing,
         )
     if engine_config.kind == "hf":
         from rollout_workers.engines.hf_engine import HFEngine

@@ -44,6 +44,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from lm.causal_lm import check_model_dir
 from lm.device import resolve_device
 from lm.weight_sync import save_weights_folder
@@ -123,10 +125,16 @@ class _Partial:
     logps: list[float] = field(default_factory=list)
     finish: str | None = None
     spans: list | None = None  # vLLM's weight-version spans, on the final output
+    routing: np.ndarray | None = None  # MoE: [tokens, layers, k] experts, on the final output (return_routing)
 
     def completion(self) -> Completion:
         finish = self.finish or "interrupted"
-        return Completion(list(self.tokens), list(self.logps), finish)
+        routing = None
+        if self.routing is not None:
+            # ids below 256 fit uint8 (the sample's wire dtype; int16 beyond)
+            routing = self.routing.astype(np.uint8 if self.routing.max(initial=0) < 256 else np.int16)
+        # Completion refuses routing whose rows are not the tokens': a wrong offset fails loudly
+        return Completion(list(self.tokens), list(self.logps), finish, routed_experts=routing)
 
     def versions(self, default: int) -> list[int]:
         """The version of each token: from vLLM's spans, `default` where it gave none."""
@@ -178,6 +186,7 @@ class VLLMEngine(GenerationEngine):
         max_num_seqs: int | None = None,
         pause_mode: str = "keep",
         weight_transfer: str | None = "auto",
+        return_routing: bool = False,
     ) -> None:
         model_dir = check_model_dir(model_dir)
         _vllm_env()
@@ -194,6 +203,13 @@ class VLLMEngine(GenerationEngine):
                 f"{model_dir} is a mixture-of-experts model, which vLLM-CPU serves only until its first weight "
                 "update: vLLM 0.32 skips the CPU experts' prepack on a reload (measured on tiny-moe: log-probs off by "
                 "10.7 nats after reloading the same weights, 1e-6 before). Use rollout.engine.kind=hf on CPUs")
+        if return_routing and not _is_moe(model_dir):
+            raise ValueError(f"return_routing asks for each token's experts, but {model_dir} is not a "
+                             "mixture-of-experts model")
+        if return_routing:
+            # vLLM returns routed experts from its V2 model runner only (its own check names the variable)
+            os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
+        self.return_routing = return_routing
         self.model_dir = model_dir
         self.dtype = dtype
         self.version = version
@@ -235,6 +251,8 @@ class VLLMEngine(GenerationEngine):
             enable_chunked_prefill=not cpu,
             tensor_parallel_size=tensor_parallel_size,
             **({"max_num_seqs": max_num_seqs} if max_num_seqs else {}),
+            # MoE routing for R3 (learner.routing_replay=r3): `CompletionOutput.routed_experts`
+            **({"enable_return_routed_experts": True} if return_routing else {}),
             **({"distributed_executor_backend": "mp"} if tensor_parallel_size > 1 else {}),
             **({"weight_transfer_config": WeightTransferConfig(backend=self.weight_transfer_backend)}
                if self.weight_transfer_backend else {}),
@@ -258,7 +276,7 @@ class VLLMEngine(GenerationEngine):
 
     # ---------------------------------------------------------------- generation
 
-    def _vllm_params(self, params: SamplingParams, sample: int):
+    def _vllm_params(self, params: SamplingParams, sample: int, prompt_len: int):
         from vllm import SamplingParams as VSamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -275,6 +293,10 @@ class VLLMEngine(GenerationEngine):
             logprobs=0,  # the sampled token's log-prob only
             detokenize=False,
             output_kind=RequestOutputKind.DELTA,
+            # vLLM's routing rows run from this prompt position to the last token's input
+            # (num_tokens - 1): from prompt_len - 1 they are exactly the positions that sampled
+            # each response token, etarl's [T, layers, k] (rollout_workers.engines.base.Completion)
+            **({"routed_experts_prompt_start": prompt_len - 1} if self.return_routing else {}),
         )
 
     def _checked(self, prompt_ids, params: SamplingParams) -> list[int]:
@@ -308,6 +330,7 @@ class VLLMEngine(GenerationEngine):
                 if piece.finish_reason is not None:
                     into.finish = "stop" if piece.finish_reason == "stop" else "length"
                     into.spans = piece.weight_versions
+                    into.routing = piece.routed_experts
 
     async def _requests(self, prompts: list[list[int]], params: list[SamplingParams],
                         partials: list[list[_Partial]], stop: asyncio.Event) -> None:
@@ -315,7 +338,7 @@ class VLLMEngine(GenerationEngine):
         request is aborted (vLLM aborts a request whose generate() is cancelled) before this returns,
         so the partials are final when it has."""
         salt = f"v{self.version}"
-        tasks = [asyncio.create_task(self._sample(prompt, self._vllm_params(p, i), into, salt))
+        tasks = [asyncio.create_task(self._sample(prompt, self._vllm_params(p, i, len(prompt)), into, salt))
                  for prompt, p, row in zip(prompts, params, partials) for i, into in enumerate(row)]
         all_done = asyncio.ensure_future(asyncio.gather(*tasks))
         stopped = asyncio.create_task(stop.wait())

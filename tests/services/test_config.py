@@ -132,6 +132,9 @@ def test_the_two_ends_of_vllms_weight_transfer_and_routing_replay_are_checked_to
     with pytest.raises(ConfigError, match="both ends of vLLM's weight transfer use one backend"):
         load_config(None, ["learner.weight_sync.channel=broadcast", "learner.weight_sync.backend=gloo",
                            "rollout.engine.weight_transfer=nccl"])
-    with pytest.raises(ConfigError, match="routing_replay=r3 replays the engine's experts"):
-        load_config(None, ["learner.routing_replay=r3"])
-    assert load_config(None, ["learner.routing_replay=r3", "rollout.engine.kind=hf"]).learner.routing_replay == "r3"
+    assert not load_config(None, []).rollout.engine.return_routing
+    assert load_config(None, ["learner.routing_replay=r3"]).rollout.engine.return_routing, "r3 asks vLLM for experts"
+    with pytest.raises(ConfigError, match="comes back without its experts"):
+        load_config(None, ["learner.routing_replay=r3", "rollout.interrupt_on_update=true", "rollout.streaming=false"])
+    assert load_config(None, ["learner.routing_replay=r3", "rollout.interrupt_on_update=true",
+                              "rollout.streaming=false", "rollout.engine.kind=hf"]).learner.routing_replay == "r3"
