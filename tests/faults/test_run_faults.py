@@ -127,19 +127,23 @@ def frozen_holding_permits(run, worker, port, attempts: int = 30) -> bool:
 
 
 def probe_ray_grpc(run) -> dict:
-    """A gRPC call (a GCS method) without Ray's token to every socket the run listens on."""
+    """A gRPC call (a GCS method) without Ray's token to every socket the run listens on, all at
+    once (a socket that does not speak gRPC answers nothing until the deadline)."""
     import grpc
 
-    codes = {}
+    calls = {}
     for title, ip, port in listening_sockets(run.processes()):
         channel = grpc.insecure_channel(f"127.0.0.1:{port}")
         call = channel.unary_unary("/ray.rpc.NodeInfoGcsService/GetAllNodeInfo",
                                    request_serializer=lambda b: b, response_deserializer=lambda b: b)
+        calls[(title, ip, port)] = (channel, call.future(b"", timeout=5))
+    codes = {}
+    for key, (channel, future) in calls.items():
         try:
-            call(b"", timeout=5)
-            codes[(title, ip, port)] = "OK"
+            future.result()
+            codes[key] = "OK"
         except grpc.RpcError as exc:
-            codes[(title, ip, port)] = exc.code().name
+            codes[key] = exc.code().name
         channel.close()
     return codes
 
