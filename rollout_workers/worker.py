@@ -31,7 +31,7 @@ from collections import deque
 
 import numpy as np
 
-from buffer.errors import GROUP_REFUSALS, BufferError
+from buffer.errors import GROUP_REFUSALS, BufferError, BufferUnavailable
 from buffer.sample import Group, Sample, new_id
 from lm.causal_lm import load_tokenizer
 from lm.weight_sync import WeightSubscription
@@ -433,17 +433,13 @@ class RolloutWorker:
                 if generating or scoring:
                     wait([r.future for r in generating] + list(scoring), timeout=poll_s, return_when=FIRST_COMPLETED)
         finally:
-            for request, (permit, *_) in generating.items():
+            for request in generating:
                 request.cancel()  # aborts its requests
-                self._release(permit.permit_id)
-            for future, permit in scoring.items():
+            for future in scoring:
                 future.cancel()
-                self._release(permit.permit_id)
             scorer.shutdown(wait=True)
-            for permit, _ in scored:
-                self._release(permit.permit_id)
-            for permit in waiting:
-                self._release(permit.permit_id)
+            self._release_all([permit for permit, *_ in generating.values()] + list(scoring.values())
+                              + [permit for permit, _ in scored] + waiting)
 
     def _acquire_streaming(self, count: int, wait: bool) -> list:
         """Up to `count` permits: waiting for the first when nothing is in flight, else only those
@@ -509,8 +505,7 @@ class RolloutWorker:
                     raise
                 made, next_permits = self._push_alone(made, err), []
         except Exception as err:
-            for permit, _ in made:
-                self._release(permit.permit_id)
+            self._release_all([permit for permit, _ in made])
             self.counters["failed_generations_total"] += 1
             self.last_error = f"push: {type(err).__name__}: {err}"
             log.warning("%s: pushing tickets %s failed: %s", self.worker_id, [p.ticket for p, _ in made],
@@ -544,8 +539,7 @@ class RolloutWorker:
                         done, permits = self._run_permits(batch, more)
                         pushed += done
             finally:
-                for permit in permits:  # taken with the last push, never generated
-                    self._release(permit.permit_id)
+                self._release_all(permits)  # taken with the last push, never generated
             return self.stats()
 
     def run_in_actor(self, buffer_client, weight_store) -> dict:
@@ -598,8 +592,7 @@ class RolloutWorker:
             self.counters["groups_total"] += len(made)
             return len(made), next_permits
         except BaseException as err:
-            for permit in held:
-                self._release(permit.permit_id)
+            self._release_all(held)
             if isinstance(err, StopRequested):
                 return 0, []
             if not isinstance(err, Exception) or isinstance(err, WorkerNeedsRestart):
@@ -721,12 +714,24 @@ class RolloutWorker:
         except Exception:
             return False
 
-    def _release(self, permit_id: str) -> None:
+    def _release(self, permit_id: str) -> bool:
+        """Hand a permit back; False when the buffer did not answer (it reclaims the permit when
+        its lease runs out)."""
         try:
             self.client.release_permit(permit_id)
             self.counters["permits_released_total"] += 1
+            return True
         except Exception as err:  # the buffer will reclaim it when its lease runs out
             log.warning("%s: could not release permit %s: %s", self.worker_id, permit_id, err)
+            return not isinstance(err, BufferUnavailable)
+
+    def _release_all(self, permits) -> None:
+        """Hand back the permits a loop holds as it ends. Once the buffer does not answer, the rest
+        are left to their leases: each call would wait out its timeout and retries on a buffer that
+        is gone (a run that lost its buffer took that long to stop)."""
+        for permit in permits:
+            if not self._release(permit.permit_id):
+                break
 
     def stop(self, timeout: float | None = None) -> bool:
         """Ask run() to finish: an in-flight generation is interrupted and its permit released.

@@ -108,6 +108,29 @@ def test_permits_taken_with_the_last_push_are_released_on_stop(tiny_model_dir, v
     worker.close()
 
 
+def test_permits_held_when_the_buffer_is_gone_are_left_to_their_leases_after_one_call(tiny_model_dir, vllm_engine):
+    """A loop that ends holding permits hands them back; when the buffer does not answer, one call
+    says so and the rest are left to their leases (each call would wait out its timeout and
+    retries: a run that lost its buffer waited that long per permit to stop)."""
+    from buffer.client import BufferClient
+    from buffer.config import ClientConfig
+    from buffer.server import BufferServer
+
+    server = BufferServer(BufferConfig(port=0, gate=GateConfig(batch_size=4, eta=None, permit_lease_s=60))).start()
+    with BufferClient(server.endpoint) as taker:
+        permits = taker.acquire_permits("worker-g", 3)
+    server.stop()
+    worker = RolloutWorker(config(tiny_model_dir), "worker-g", None, WeightStore(), engine=vllm_engine)
+    worker.client = BufferClient(server.endpoint, ClientConfig(request_timeout_s=0.2, retries=1, retry_backoff_s=0))
+    try:
+        worker._release_all(permits)
+        assert len(permits) == 3 and worker.client.reconnects == 1, "one call (and its one resend), not one per permit"
+        assert worker.counters["permits_released_total"] == 0
+    finally:
+        worker.client.close()
+        worker.close()
+
+
 def test_worker_loads_published_weights_before_generating(tiny_model_dir, vllm_engine, buffer, tmp_path,
                                                            restore_vllm_weights):
     """A (re)started worker resumes with the store's current weights, from a folder payload."""
