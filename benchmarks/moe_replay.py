@@ -12,7 +12,8 @@ effective sample size, the clip fraction, and the held-out gain (teacher-forced 
 p_exact, experiment_lib.HeldOut).
 
     python benchmarks/moe_replay.py                  # 4 N x 4 variants x 3 seeds, 20 steps each
-    python benchmarks/moe_replay.py --quick          # N in {1, 8}, none and r3, 1 seed, 4 steps
+    python benchmarks/moe_replay.py --quick          # N in {1, 8}, none and r3, 1 seed, 4 steps, on a
+                                                     # model warmed 20 steps (a smoke test, not a measurement)
 
 Writes docs/results/moe_replay.json and docs/results/moe_replay.png, prints the table.
 """
@@ -70,14 +71,16 @@ def main(argv=None) -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default=str(lib.RESULTS_DIR / "moe_replay.json"))
     args = parser.parse_args(argv)
+    spec = MOE_MODEL
     if args.quick:
         args.ns, args.variants, args.seeds, args.steps = "1,8", "none,r3", 1, 4
+        spec = MOE_MODEL.model_copy(update={"warm_start_steps": 20})  # built in seconds, cached apart
     ns = [int(n) for n in args.ns.split(",")]
     variants = args.variants.split(",")
     started = time.perf_counter()
     lib.setup_torch()
     lib.STEP_KEYS = (*lib.STEP_KEYS, *EXTRA_KEYS)  # the harness keeps these per step too
-    model_dir = ensure_tiny_model(lib.MODEL_CACHE, MOE_MODEL, log=lambda *_: None)
+    model_dir = ensure_tiny_model(lib.MODEL_CACHE, spec, log=lambda *_: None)
     tokenizer = load_tokenizer(model_dir)
     settings = lib.ToySettings(steps=args.steps, groups_per_step=args.groups, group_size=8, lr=args.lr,
                                difficulties=[args.difficulty],

@@ -104,3 +104,23 @@ def test_backend_mismatch_smallest_mode(tmp_path):
     for stats in data["summary"].values():
         assert {"final_accuracy", "k1_kl_mean_over_training", "entropy_last5", "response_length_last5"} <= set(stats)
     assert (tmp_path / "backend_mismatch_quick_curves.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_moe_replay_smallest_mode(tmp_path):
+    """benchmarks/moe_replay.py --quick on a briefly warmed tiny-moe: every (N, variant) cell has
+    the table's columns, the steps carry the routing mismatch, and one minibatch per batch never
+    clips (its update is at the proximal weights)."""
+    import moe_replay
+
+    moe_replay.main(["--quick", "--out", str(tmp_path / "moe_replay.json")])
+    data = json.loads((tmp_path / "moe_replay.json").read_text())
+    assert set(data["table"]) == {"N=1", "N=8"} and all(set(cells) == {"none", "r3"} for cells in data["table"].values())
+    for cells in data["table"].values():
+        for columns in cells.values():
+            assert set(columns) == set(moe_replay.SUMMARY)
+    for by_variant in data["runs"].values():
+        for (run,) in by_variant.values():
+            assert len(run["steps"]) == 4 and all(0.0 <= s["moe/routing_mismatch"] <= 1.0 for s in run["steps"])
+    assert data["table"]["N=1"]["none"]["clipfrac"]["mean"] == 0.0
+    assert (tmp_path / "moe_replay.png").stat().st_size > 0
