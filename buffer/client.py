@@ -24,6 +24,9 @@ from buffer.errors import BufferUnavailable, LogFailed, ProtocolError, RemoteErr
 from buffer.sample import Group, PulledBatch, new_id
 
 
+_ABANDON_CHECK_S = 0.25
+
+
 class BufferClient:
     def __init__(self, endpoint: str, client: ClientConfig | None = None, curve: CurveConfig | None = None,
                  limits: SampleLimits | None = None, context: zmq.Context | None = None):
@@ -36,6 +39,10 @@ class BufferClient:
         self._timeouts: dict[int, int] = {}  # socket option -> ms last set on self._socket
         self._lock = threading.Lock()
         self.reconnects = 0
+        # Optional: a callable saying why the buffer is gone for good (None while it may answer),
+        # asked before each attempt and every _ABANDON_CHECK_S of a wait (a supervisor that gave
+        # up: the caller learns it at once, not after its timeouts and retries).
+        self.abandon = None
 
     @classmethod
     def from_config(cls, config: BufferConfig, endpoint: str | None = None) -> "BufferClient":
@@ -167,6 +174,7 @@ class BufferClient:
         log_failed = None  # the last log_failed reply: raised if no attempt after it is answered
         with self._lock:
             for attempt in range(self.settings.retries + 1):
+                self._raise_if_abandoned(op)
                 if attempt:
                     self.reconnects += 1
                     time.sleep(self.settings.retry_backoff_s * attempt)
@@ -179,7 +187,7 @@ class BufferClient:
                     self._reset_socket()
                     continue
                 try:
-                    reply = self._receive(sock, request_id, timeout_s)
+                    reply = self._receive(sock, op, request_id, timeout_s)
                 except RemoteError as err:
                     if err.reason != LogFailed.reason:
                         raise
@@ -201,15 +209,25 @@ class BufferClient:
             sock.setsockopt(option, ms)
             self._timeouts[option] = ms
 
-    def _receive(self, sock: zmq.Socket, request_id: str, timeout_s: float):
+    def _raise_if_abandoned(self, op: str) -> None:
+        why = self.abandon() if self.abandon is not None else None
+        if why:
+            raise BufferUnavailable(f"buffer at {self.endpoint} will not answer {op!r}: {why}")
+
+    def _receive(self, sock: zmq.Socket, op: str, request_id: str, timeout_s: float):
         deadline, wait = time.monotonic() + timeout_s, timeout_s
         while wait > 0:
-            # A blocking receive with a timeout: one call per reply (poll + recv costs two).
-            self._set_timeout(sock, zmq.RCVTIMEO, wait)
+            # A blocking receive with a timeout: one call per reply (poll + recv costs two); in
+            # slices when the caller may learn that the buffer is gone (`abandon`).
+            self._set_timeout(sock, zmq.RCVTIMEO, wait if self.abandon is None else min(wait, _ABANDON_CHECK_S))
             try:
                 frames = sock.recv_multipart(copy=False)
             except zmq.Again:
-                return None
+                if self.abandon is None:
+                    return None
+                self._raise_if_abandoned(op)
+                wait = deadline - time.monotonic()
+                continue
             header = decode_message_header(frames[0].buffer, ("id", "ok"))
             if header["id"] != request_id:
                 wait = deadline - time.monotonic()

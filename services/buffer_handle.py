@@ -101,7 +101,8 @@ class BufferHandle:
             self.client = RayBufferClient(self.actor, service_cfg)
         else:
             self.supervisor = BufferSupervisor(service_cfg, run_dir, self.max_restarts)
-            self.client = ZmqBufferClient(self.supervisor.config)
+            # the run's own calls give up as soon as the supervisor does, not after their timeouts
+            self.client = ZmqBufferClient(self.supervisor.config, abandon=lambda: self.supervisor.failure)
             self.supervisor.start()
         self.client.health()
 
@@ -163,6 +164,10 @@ class BufferHandle:
                               "buffer.transport=ray")
         return self.client.call("restore", records, wait=_BUFFER_STATE_CALL_S)
 
+    def gone(self) -> bool:
+        """Whether the buffer is lost for good: its supervisor gave up (no log, or no restart left)."""
+        return self.supervisor is not None and self.supervisor.failure is not None
+
     def close(self) -> None:
         import ray
 
@@ -180,20 +185,22 @@ class ZmqBufferClient:
     """A `buffer.client.BufferClient` that travels to Ray actors: pickled as its settings, it
     opens its own socket in the process that first uses it (sockets do not cross processes)."""
 
-    def __init__(self, config):
+    def __init__(self, config, abandon=None):
         self._settings = config
         self._client = None
+        self._abandon = abandon  # this process's only: it does not travel (`BufferClient.abandon`)
 
     def __getstate__(self):
-        return {"_settings": self._settings, "_client": None}
+        return {"_settings": self._settings, "_client": None, "_abandon": None}
 
     def __getattr__(self, name):
-        if name.startswith("__") or name in ("_settings", "_client"):
+        if name.startswith("__") or name in ("_settings", "_client", "_abandon"):
             raise AttributeError(name)
         if self._client is None:
             from buffer.client import BufferClient
 
             self._client = BufferClient.from_config(self._settings)
+            self._client.abandon = self._abandon
         return getattr(self._client, name)
 
 

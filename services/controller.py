@@ -218,7 +218,12 @@ class Controller:
 
     def stop(self) -> None:
         if self.workers is not None:
-            self.workers.stop()
+            if self.buffer is not None and self.buffer.gone():
+                # A worker ends its loop by handing its permits back, which a buffer gone for good
+                # cannot take: it is not waited for (it would wait out its client's timeouts).
+                self.workers.stop(grace_s=0.0)
+            else:
+                self.workers.stop()
             self.workers = None
         self.evaluations = None  # an evaluation in flight ends with its worker
         if self.learner is not None:

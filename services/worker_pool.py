@@ -116,7 +116,8 @@ class WorkerPool:
                     self.exporter.record_worker_down(f"worker-{index}")
         return stats
 
-    def stop(self) -> None:
+    def stop(self, grace_s: float = 30.0) -> None:
+        """Ask every worker to end its loop, wait up to `grace_s` for them, then end the actors."""
         import ray
 
         if not self.workers:
@@ -126,7 +127,8 @@ class WorkerPool:
                 w.stop.remote()
             except Exception:
                 pass
-        ray.wait(self.refs, num_returns=len(self.refs), timeout=30)
+        if grace_s > 0:
+            ray.wait(self.refs, num_returns=len(self.refs), timeout=grace_s)
         for w in self.workers:
             ray.kill(w)
         self.workers = []

@@ -152,6 +152,42 @@ def test_the_supervisor_stops_after_max_restarts(tmp_path):
         supervisor.stop()
 
 
+def test_a_call_waiting_on_a_buffer_the_supervisor_gave_up_on_ends_at_once(tmp_path):
+    """The run's own client asks the supervisor (`abandon`): a pull parked on the service when it
+    dies, with no log to restart from, ends with the supervisor's verdict instead of waiting out its
+    timeout (10 minutes here) and retries; the next call does not wait at all."""
+    import queue
+
+    from services.buffer_handle import BufferSupervisor, ZmqBufferClient
+
+    config = BufferConfig(port=0, gate=GateConfig(batch_size=2, eta=1, max_concurrent=8),
+                          client=ClientConfig(request_timeout_s=600.0, retries=3))
+    supervisor = BufferSupervisor(config, tmp_path, max_restarts=2)
+    supervisor.start()
+    client = ZmqBufferClient(supervisor.config, abandon=lambda: supervisor.failure)
+    outcome = queue.Queue()
+
+    def pull():
+        try:
+            outcome.put(client.pull_batch(2, timeout=600.0))
+        except BufferUnavailable as exc:
+            outcome.put(exc)
+
+    try:
+        client.health()
+        puller = threading.Thread(target=pull, daemon=True)
+        puller.start()
+        supervisor.process.send_signal(signal.SIGKILL)
+        error = outcome.get(timeout=60)  # far below the call's own 600 s x 4 attempts
+        assert isinstance(error, BufferUnavailable) and "no durable log" in str(error), error
+        with pytest.raises(BufferUnavailable, match="will not answer 'stats'"):
+            client.stats()
+        puller.join(timeout=10)
+    finally:
+        client.close()
+        supervisor.stop()
+
+
 # ------------------------------------------------------------------ ray: the restartable actor
 
 
