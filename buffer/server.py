@@ -111,8 +111,8 @@ def parse_args(op: str, args) -> dict:
     out = {}
     for name, default in spec.items():
         value = args.get(name, default)
-        if value is _REQUIRED:
-            raise ProtocolError(f"{op}: missing argument {name!r}", "bad_args")
+        if value is _REQUIRED or value is None and default is _REQUIRED:  # a null is no value
+            raise ProtocolError(f"{op}: missing argument {name!r}{' (null)' if value is None else ''}", "bad_args")
         check, what = _ARG_TYPES[name]
         if value is not None and not check(value):
             raise ProtocolError(f"{op}: argument {name!r} must be {what}, got {value!r:.60}", "bad_args")

@@ -72,6 +72,10 @@ CASES = {
     "bool as version": ([request("set_version", {"version": True})], "bad_args"),
     "unknown argument": ([request("stats", {"admin": True})], "bad_args"),
     "missing argument": ([request("ack", {})], "bad_args"),
+    # found by the fuzzer below: a null passed the type checks (None means "not given" for the
+    # optional ones) and reached the core as the batch size: an internal error
+    "null for a required argument": ([request("pull_batch", {"batch_size": None})], "bad_args"),
+    "null version": ([request("set_version", {"version": None})], "bad_args"),
     "payload on a non-push op": ([request("stats"), b"extra"], "bad_frame_count"),
     "oversized": ([request("stats"), b"x" * (MAX_MESSAGE + 1)], "oversized"),
     "huge batch size": ([request("pull_batch", {"batch_size": 10**9})], "bad_batch_size"),
