@@ -46,6 +46,7 @@ from pathlib import Path
 
 import numpy as np
 
+from buffer.sample import as_routing_array
 from lm.causal_lm import check_model_dir
 from lm.device import resolve_device
 from lm.weight_sync import save_weights_folder
@@ -129,11 +130,9 @@ class _Partial:
 
     def completion(self) -> Completion:
         finish = self.finish or "interrupted"
-        routing = None
-        if self.routing is not None:
-            # ids below 256 fit uint8 (the sample's wire dtype; int16 beyond)
-            routing = self.routing.astype(np.uint8 if self.routing.max(initial=0) < 256 else np.int16)
-        # Completion refuses routing whose rows are not the tokens': a wrong offset fails loudly
+        # compact as the sample carries it; Completion refuses rows that are not one per token
+        # (a wrong offset fails loudly)
+        routing = None if self.routing is None else as_routing_array(self.routing, None)
         return Completion(list(self.tokens), list(self.logps), finish, routed_experts=routing)
 
     def versions(self, default: int) -> list[int]:
