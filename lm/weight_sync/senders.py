@@ -111,7 +111,7 @@ class BroadcastSender:
         self.ready_timeout_s, self.timeout_s = ready_timeout_s, float(timeout_s)
         self.ahead_bytes = ahead_bytes
         self.address = address or node_address()
-        self.source = vllm_plugin.TensorsSource({}, dtype)
+        self.source = vllm_plugin.TensorsSource()
         self._trainer = None  # the trainer engine of the current generation
         self._generation = None
 

@@ -34,22 +34,20 @@ BACKEND = "gloo"
 
 
 class TensorsSource(WeightSource):
-    """One version's tensors (a name -> tensor mapping on the learner's rank 0), cast to `dtype`
-    on the way out: what the learner hands every backend."""
+    """One version's tensors (name -> tensor on the learner's rank 0, or a `layout.BucketStream`
+    read by name) with the layout they are sent in (names, shapes, the publish dtype): what the
+    learner hands every backend. The sender sets both for each send."""
 
-    def __init__(self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None, release=None):
-        self.tensors, self.dtype = tensors, dtype
-        self.release = release  # called once the tensors are read: the learner's parameters may change
-        self.layout: Layout | None = None  # given with tensors read by name only (`layout.BucketStream`)
-
-    def wire_layout(self) -> Layout:
-        return self.layout or Layout.of(self.tensors.items(), self.dtype)
+    def __init__(self):
+        self.tensors: Mapping[str, torch.Tensor] = {}
+        self.layout: Layout | None = None
+        self.release = None  # called once the tensors are read: the learner's parameters may change
 
     def metadata(self) -> list[ParamMeta]:
-        return [ParamMeta(m.name, m.torch_dtype, m.shape) for m in self.wire_layout().stored]
+        return [ParamMeta(m.name, m.torch_dtype, m.shape) for m in self.layout.stored]
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for meta in self.wire_layout().stored:
+        for meta in self.layout.stored:
             tensor = self.tensors[meta.name]
             yield meta.name, tensor if tensor.dtype == meta.torch_dtype else tensor.to(meta.torch_dtype)
         self.read()
@@ -168,7 +166,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         if not self.is_sender:
             return
         s, source = self.settings, self.source
-        layout = source.wire_layout()
+        layout = source.layout
         self.client.start_weight_update()
         with ThreadPoolExecutor(max_workers=1) as pool:  # the engines receive while this sends
             received = pool.submit(self.client.update_weights,
