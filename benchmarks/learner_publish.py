@@ -77,11 +77,9 @@ def _rank(rank: int, world: int, folder: str, rendezvous: str, rounds: int, out_
         """The broadcast channel's path under FSDP (`Learner._publish_streamed`): rank 0 fills the
         send's chunks in layout order from a BucketStream (gathered as the chunks reach each bucket);
         the socket left out, the memory is the send's."""
-        from learner.distributed import FullWeightBuckets
         from lm.weight_sync.layout import BucketStream, Layout, fill_chunk
 
-        buckets = FullWeightBuckets(learner.model, int(config.distributed.publish_bucket_mb * MB),
-                                    dtype=torch.bfloat16, keep=rank == 0, out_device="cpu")
+        buckets = learner._publish_buckets()  # bfloat16 (weight_sync.dtype), on the host
         if rank != 0:
             for _ in buckets:
                 pass

@@ -679,13 +679,18 @@ class Learner:
         leaves (bfloat16: half the bytes of a float32 gather, and no cast on one CPU thread after
         it); other ranks hold one bucket at a time and get {}. Rank 0 ends with the whole version in
         the publish dtype: the broadcast channel streams buckets instead (`_publish_streamed`)."""
-        size = int(self.config.distributed.publish_bucket_mb * 2**20)
-        buckets = FullWeightBuckets(self.model, size, dtype=self._publish_dtype(), keep=self.comm.rank == 0,
-                                    out_device=None if self._publish_on_device() else "cpu")
+        buckets = self._publish_buckets()
         out: dict[str, torch.Tensor] = {}
         for bucket in buckets:  # a collective per parameter: every rank iterates to the end
             out.update(bucket)
         return out
+
+    def _publish_buckets(self) -> FullWeightBuckets:
+        """FSDP: the version in buckets of `distributed.publish_bucket_mb`, each parameter cast to the
+        publish dtype on its device; rank 0 keeps them (on its GPU for NCCL/IPC, else its host)."""
+        size = int(self.config.distributed.publish_bucket_mb * 2**20)
+        return FullWeightBuckets(self.model, size, dtype=self._publish_dtype(), keep=self.comm.rank == 0,
+                                 out_device=None if self._publish_on_device() else "cpu")
 
     def _publish_dtype(self) -> torch.dtype | None:
         return torch_dtype(self.config.weight_sync.dtype) if self.config.weight_sync.dtype else None
@@ -700,9 +705,7 @@ class Learner:
         dtype on its device) while rank 0 sends each bucket as its send reaches it: rank 0 holds two
         buckets, never a model, and the step waits for the send. Every rank runs every gather, also
         when rank 0's send fails part-way."""
-        size = int(self.config.distributed.publish_bucket_mb * 2**20)
-        buckets = FullWeightBuckets(self.model, size, dtype=self._publish_dtype(), keep=self.comm.rank == 0,
-                                    out_device=None if self._publish_on_device() else "cpu")
+        buckets = self._publish_buckets()
         if self.comm.rank != 0:
             for _ in buckets:
                 pass
