@@ -111,7 +111,9 @@ class HFEngine(GenerationEngine):
         check = _InterruptCheck(interrupt) if interrupt is not None else None
         ids = torch.tensor([prompt], dtype=torch.long, device=self.device)
         recorder = _RoutingRecorder(self.model) if self.moe else contextlib.nullcontext()
-        with torch.random.fork_rng(), recorder:
+        # A seeded request leaves the process's random state as it was; an unseeded one draws from
+        # it and moves it on (restoring it would give every unseeded request the same samples).
+        with torch.random.fork_rng(enabled=params.seed is not None), recorder:
             if self.moe:
                 recorder.rows = params.n  # generate() expands the prompt to n rows before the first step
             if params.seed is not None:

@@ -134,6 +134,15 @@ def test_hf_engine_log_probs_follow_the_processed_distribution_and_new_weights(t
     assert max_gap(out, expected) < 1e-4
     assert all(c.finish_reason in ("stop", "length") for c in out)
     assert engine.generate(prompt, params)[0].token_ids == out[0].token_ids  # seeded
+    # unseeded requests draw from the process's random state and move it on: not the same samples
+    # every time (a seeded request leaves that state as it found it)
+    unseeded = params.with_(seed=None, n=8)
+    torch.manual_seed(0)
+    state = torch.random.get_rng_state()
+    engine.generate(prompt, params)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    draws = [[c.token_ids for c in engine.generate(prompt, unseeded)] for _ in range(3)]
+    assert draws[0] != draws[1] or draws[1] != draws[2]
 
     new_weights = perturbed(hf_model.state_dict(), scale=0.05, seed=4)
     engine.load_weights(3, new_weights)
