@@ -159,6 +159,7 @@ class BroadcastSender:
         version is served) or, after a failure, once the others are finished or aborted."""
         client = BoardWeightSyncClient(self.board, version, send["members"], self.timeout_s)
         self.source.tensors, self.source.release, self.source.layout = tensors, release, layout
+        self.source.release_when_read = self.backend == "gloo"  # see TensorsSource
         try:
             trainer = self._trainer_of(send, client)
             trainer.client, trainer.version = client, version

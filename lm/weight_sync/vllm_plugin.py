@@ -42,6 +42,10 @@ class TensorsSource(WeightSource):
         self.tensors: Mapping[str, torch.Tensor] = {}
         self.layout: Layout | None = None
         self.release = None  # called once the tensors are read: the learner's parameters may change
+        # gloo (etarl's) has sent every byte when the iteration ends. vLLM's NCCL and IPC engines have
+        # not: NCCL's packed copies run on their own streams, and an IPC engine reads the tensors
+        # through their handles after the iteration; those are released when send_weights returns.
+        self.release_when_read = True
 
     def metadata(self) -> list[ParamMeta]:
         return [ParamMeta(m.name, m.torch_dtype, m.shape) for m in self.layout.stored]
@@ -50,7 +54,8 @@ class TensorsSource(WeightSource):
         for meta in self.layout.stored:
             tensor = self.tensors[meta.name]
             yield meta.name, tensor if tensor.dtype == meta.torch_dtype else tensor.to(meta.torch_dtype)
-        self.read()
+        if self.release_when_read:
+            self.read()
 
     def read(self) -> None:
         """Every byte has left: free the tensors (before the engines have loaded them)."""

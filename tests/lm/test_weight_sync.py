@@ -460,3 +460,30 @@ def test_the_broadcast_settings_resolve_by_backend():
     assert BroadcastSync(receive_ahead_mb=8, snapshot=False).resolved("cpu") == ("gloo", "chain", False, 8 * 2**20)
     with pytest.raises(ValueError, match="receive_ahead_mb"):
         BroadcastSync(receive_ahead_mb=0)
+
+
+@pytest.mark.parametrize(("backend", "released_when_iterated"), [("gloo", True), ("nccl", False), ("ipc", False)])
+def test_the_learner_tensors_stay_leased_until_vllms_device_transfers_return(backend, released_when_iterated):
+    """gloo (etarl's) has sent every byte when its trainer's iteration of the source ends, so the
+    learner's parameters are released then; vLLM's NCCL (packed copies on its own streams) and IPC
+    (the engine reads through handles after the iteration) are not done until send_weights returns.
+    The stand-in trainer below replaces vLLM's CUDA trainers, which cannot run on this CPU
+    machine: it iterates the source as they do, then records whether the lease was still held."""
+    events = []
+
+    class IteratingTrainer:
+        client = version = None
+
+        def __init__(self, source):
+            self.source = source
+
+        def send_weights(self):
+            list(self.source)
+            events.append("iterated")  # an IPC engine reads the tensors only now
+
+    sender = BroadcastSender(object(), backend, "chain", 1 << 20, 1.0, 1.0, "127.0.0.1", torch.float32)
+    sender._trainer, sender._generation = IteratingTrainer(sender.source), 0
+    tensors = {"w": torch.zeros(4)}
+    sender._send({"members": {"engine-0": 1}, "generation": 0}, 1, tensors, lambda: events.append("released"),
+                  Layout.of(tensors.items(), torch.float32))
+    assert events == (["released", "iterated"] if released_when_iterated else ["iterated"])
