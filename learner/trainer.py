@@ -671,7 +671,7 @@ class Learner:
     def _publish_on_device(self) -> bool:
         """vLLM's NCCL and IPC transfers send from the learner's GPU: the weights stay there."""
         sync = self.config.weight_sync
-        return sync.channel == "broadcast" and sync.resolved(self.config.device)[0] in ("nccl", "ipc")
+        return sync.channel == "broadcast" and sync.resolved(self.device.type)[0] in ("nccl", "ipc")
 
     def _gathered(self) -> dict[str, torch.Tensor]:
         """FSDP: the full weights on rank 0's host (its GPU for vLLM's NCCL/IPC transfers), gathered
@@ -734,7 +734,7 @@ class Learner:
         elif sync.channel == "folder":
             sender = FolderSender(board, sync.folder, dtype, sync.claim_timeout_s)
         else:
-            backend, topology, snapshot, ahead_bytes = sync.resolved(self.config.device)
+            backend, topology, snapshot, ahead_bytes = sync.resolved(self.device.type)
             sender = BroadcastSender(board, backend, topology, int(sync.bucket_mb * 2**20), sync.ready_timeout_s,
                                      sync.timeout_s, sync.address, dtype, ahead_bytes)
         self.publication = Publication(sender, self.weight_guard, self._publishable, snapshot, dtype,

@@ -28,7 +28,7 @@ class EngineConfig(_Strict):
         "gpu_memory_utilization: weights, activations and the KV cache in what is left); where the engine "
         "shares its GPU with a learner rank (ray.layout colocated) the learner takes the rest, and Ray's GPU "
         "requests are split the same way. None: kv_cache_mib; `etarl plan` sets it on GPUs. The transformers "
-        "engine has no KV cache to size: it takes what its weights and generation need")
+        "engine has no KV cache to size: its process's allocator is capped at the share")
     tensor_parallel_size: int = Field(
         1, ge=1, description="GPUs one vLLM engine spreads over (on one node); the worker asks Ray for that many")
     weight_transfer: Literal["auto", "gloo", "nccl", "ipc"] = Field(

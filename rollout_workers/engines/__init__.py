@@ -30,5 +30,6 @@ def make_engine(engine_config, model_dir: str | os.PathLike, seed: int = 0, vers
     if engine_config.kind == "hf":
         from rollout_workers.engines.hf_engine import HFEngine
 
-        return HFEngine(model_dir, dtype=engine_config.dtype, version=version, device=engine_config.device)
+        return HFEngine(model_dir, dtype=engine_config.dtype, version=version, device=engine_config.device,
+                        memory_share=engine_config.gpu_memory_utilization)
     raise ValueError(f"unknown engine kind {engine_config.kind!r}; expected 'vllm' or 'hf'")

