@@ -52,7 +52,9 @@ class ProcessGroupComm:
     def __init__(self, rank: int, world_size: int, sum_grads: bool = True):
         self.rank = rank
         self.world_size = world_size
-        self._sum_grads = sum_grads  # FSDP reduces gradients itself
+        # FSDP reduces gradients itself; a world of one has nothing to sum (over gloo a GPU's
+        # gradients would cross the host and back every optimizer step for nothing)
+        self._sum_grads = sum_grads and world_size > 1
 
     def all_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
         """The reduced tensor, on the input's device. nccl reduces CUDA tensors only: counts and

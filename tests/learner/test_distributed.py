@@ -156,3 +156,16 @@ def test_a_batch_smaller_than_the_world_is_refused(policy_dir):
     with pytest.raises(ValueError, match="a batch of 2 groups cannot feed 3 learner ranks"):
         learner.train_step(sample_groups(policy_dir, n_groups=2, n=2))
     assert learner.version == 0
+
+
+def test_a_world_of_one_sums_no_gradients():
+    """One rank (the one-GPU layout) has nothing to sum: over gloo a GPU's gradients would cross
+    the host and back every optimizer step. No collective is called (none could be: no group here)."""
+    from learner.distributed import ProcessGroupComm
+
+    param = torch.nn.Parameter(torch.ones(3))
+    param.grad = torch.full((3,), 2.0)
+    ProcessGroupComm(0, 1).sum_gradients([param])
+    assert torch.equal(param.grad, torch.full((3,), 2.0))
+    with pytest.raises(ValueError, match="process group"):  # two ranks do sum, and need a group
+        ProcessGroupComm(0, 2).sum_gradients([param])
