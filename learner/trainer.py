@@ -152,10 +152,15 @@ def lr_factor(step: int, warmup_steps: int, schedule: str, total_steps: int | No
 
 @contextlib.contextmanager
 def _timed(timing: dict, key: str):
+    # GPU kernels run after the Python that queued them returns: a section's time is taken
+    # once its kernels are done, not charged to the next section that waits for them.
+    synchronize = torch.cuda.synchronize if torch.cuda.is_initialized() else (lambda: None)
+    synchronize()
     start = time.perf_counter()
     try:
         yield
     finally:
+        synchronize()
         timing[key] = timing.get(key, 0.0) + time.perf_counter() - start
 
 
@@ -645,22 +650,27 @@ class Learner:
     # ------------------------------------------------------------------ weights out
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The policy's weights as full CPU tensors: views of the live parameters on CPU, not
-        copies (a collective under FSDP: call on every rank)."""
-        if self.config.distributed.strategy == "fsdp":
+        """The policy's weights as full CPU tensors: views of the live parameters on CPU, host
+        copies on a GPU (a tied weight copied once, still shared), a gather under FSDP (a
+        collective: call on every rank)."""
+        if self._sharded:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
             return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        return {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+        copies: dict[int, torch.Tensor] = {}
+        for tensor in self.model.state_dict(keep_vars=True).values():  # tied names share one object
+            if id(tensor) not in copies:
+                copies[id(tensor)] = tensor.detach().cpu()
+        return {k: copies[id(v)] for k, v in self.model.state_dict(keep_vars=True).items()}
 
     def _publishable(self) -> dict[str, torch.Tensor]:
         """The weights to send, every name (a tied lm_head too: vLLM's in-place reload keeps its
         old lm_head if the stream lacks it; the channels send a shared storage's bytes once), named
         as the checkpoint names them (an MoE's fused experts cut per expert, as copies: the folder
         channel's safetensors refuses views of one storage; lm/checkpoint_names.py). Views of the
-        live parameters, or under FSDP gathered copies in the publish dtype (`_gathered`; rank 0's,
-        empty elsewhere)."""
-        if self._sharded:
+        live parameters, or copies in the publish dtype: gathered under FSDP (rank 0's, empty
+        elsewhere), a GPU's on the host (`_gathered`)."""
+        if self._sharded or self._publishes_host_copies():
             state = self._gathered()
         elif self._publish_on_device():
             state = {k: v.detach() for k, v in self.model.state_dict().items()}  # views, on the GPU
@@ -668,16 +678,24 @@ class Learner:
             state = self.full_state_dict()
         return to_checkpoint_names(state, copy=True)
 
+    def _publishes_host_copies(self) -> bool:
+        """A GPU learner without FSDP whose channel reads host memory (object store, folder, gloo):
+        each version is cast to the publish dtype on the GPU and copied to the host a bucket at a
+        time (`_gathered`), a copy the publication owns: no lease holds the optimizer back while it
+        is sent, and a tied weight is copied once (per-tensor `.cpu()` copies would not share it)."""
+        return not self._sharded and self.device.type == "cuda" and not self._publish_on_device()
+
     def _publish_on_device(self) -> bool:
         """vLLM's NCCL and IPC transfers send from the learner's GPU: the weights stay there."""
         sync = self.config.weight_sync
         return sync.channel == "broadcast" and sync.resolved(self.device.type)[0] in ("nccl", "ipc")
 
     def _gathered(self) -> dict[str, torch.Tensor]:
-        """FSDP: the full weights on rank 0's host (its GPU for vLLM's NCCL/IPC transfers), gathered
-        one bucket at a time with each parameter cast to the publish dtype on its device before it
-        leaves (bfloat16: half the bytes of a float32 gather, and no cast on one CPU thread after
-        it); other ranks hold one bucket at a time and get {}. Rank 0 ends with the whole version in
+        """FSDP, or a GPU's host copies (`_publishes_host_copies`): the full weights on rank 0's
+        host (its GPU for vLLM's NCCL/IPC transfers), gathered one bucket at a time with each
+        parameter cast to the publish dtype on its device before it leaves (bfloat16: half the
+        bytes of a float32 gather, and no cast on one CPU thread after it); other ranks hold one
+        bucket at a time and get {}. Rank 0 ends with the whole version in
         the publish dtype: the broadcast channel streams buckets instead (`_publish_streamed`)."""
         buckets = self._publish_buckets()
         out: dict[str, torch.Tensor] = {}
@@ -753,7 +771,9 @@ class Learner:
         if streamed:
             self._publish_streamed()  # every rank, the send on the step path: all of it is blocked time
         else:
-            gathered = self._publishable() if self.config.distributed.strategy == "fsdp" else None  # a collective
+            # copies the publication owns: FSDP's gather (a collective: every rank), a GPU's host copies
+            owned = self._sharded or self.comm.rank == 0 and self._publishes_host_copies()
+            gathered = self._publishable() if owned else None
         if self.comm.rank != 0:
             return None
         if not streamed:

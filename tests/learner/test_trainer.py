@@ -28,7 +28,8 @@ def groups(policy_dir):
 
 
 def make_learner(policy_dir, **overrides) -> Learner:
-    return Learner(LearnerConfig(model_path=str(policy_dir), lr=1e-3, **overrides))
+    # on the CPU even where a GPU is seen: these tests assert CPU behaviour (exact padding, bit-equal steps)
+    return Learner(LearnerConfig(model_path=str(policy_dir), lr=1e-3, **{"device": "cpu", **overrides}))
 
 
 def group_log_probs(model, groups) -> torch.Tensor:
@@ -312,19 +313,38 @@ def test_checkpoint_round_trip_gives_the_identical_next_step(policy_dir, groups,
         again.load_checkpoint(tmp_path)
 
 
-def test_weights_published_through_the_object_store_and_a_folder(policy_dir, groups, tmp_path, ray_cluster):
+def test_weights_published_through_the_object_store_and_a_folder(policy_dir, groups, tmp_path, ray_cluster,
+                                                                 monkeypatch):
     """Publication goes out in the learner's own thread; the live payload of the last version holds
-    exactly the policy's weights. A folder no reader claims is deleted once a newer version is live."""
+    exactly the policy's weights. A folder no reader claims is deleted once a newer version is live.
+    A GPU learner publishes host copies it owns (cast on the GPU, a bucket at a time): forced here,
+    on the CPU, for the object store's third round, in bfloat16 (this machine has no GPU)."""
     batch = build_batch(groups)
-    for sync in ({"channel": "object_store"}, {"channel": "folder", "folder": str(tmp_path / "weights")}):
+    rounds = ({"channel": "object_store"}, {"channel": "folder", "folder": str(tmp_path / "weights")},
+              {"channel": "object_store", "dtype": "bfloat16"})
+    for i, sync in enumerate(rounds):
+        if i == 2:
+            monkeypatch.setattr(Learner, "_publishes_host_copies", lambda self: True)
         learner = make_learner(policy_dir, weight_sync=sync)
         try:
+            if i == 2:  # copies, not views of the parameters; a tied weight stays one tensor
+                owned = learner._publishable()
+                live = {p.data_ptr() for p in learner.model.parameters()}
+                assert not any(t.data_ptr() in live for t in owned.values())
+                if learner.model.config.tie_word_embeddings:
+                    assert owned["lm_head.weight"] is owned["model.embed_tokens.weight"]
             for _ in range(3):
                 learner.train_step(groups)
                 timings = learner.publish_weights()
                 assert timings["version"] == learner.version and timings["publish_s"] >= 0
                 payload = learner.published(timeout=120)
             assert payload["version"] == 3
+            if i == 2:
+                got = resolve_weights(payload)
+                want = learner.model.state_dict()
+                assert sorted(got) == sorted(want)
+                assert all(torch.equal(got[k], v.to(torch.bfloat16)) for k, v in want.items())
+                continue
             fresh = load_causal_lm(policy_dir)
             result = fresh.load_state_dict(resolve_weights(payload), strict=True)
             assert not result.missing_keys and not result.unexpected_keys
