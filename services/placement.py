@@ -423,6 +423,11 @@ def resolve_layout(cfg: EtarlConfig, cluster: Cluster, params: float | None = No
         gpu_defaults["rollout.engine.dtype"] = "bfloat16"
         gpu_defaults["rollout.engine.gpu_memory_utilization"] = (
             COLOCATED_ENGINE_SHARE if name == "colocated" else SEPARATE_ENGINE_SHARE)
+        # versions go out in the engine's dtype: it would cast them on loading anyway, and they
+        # cross the host (or the network) in half the bytes
+        engine_dtype = cfg.rollout.engine.dtype if _user_set(cfg, "rollout.engine.dtype") else "bfloat16"
+        if engine_dtype != cfg.learner.dtype:
+            gpu_defaults["learner.weight_sync.dtype"] = engine_dtype
     if learner_gpu:
         gpu_defaults["learner.gradient_checkpointing"] = True
         if learner.dtype == "float32":

@@ -176,6 +176,7 @@ def test_one_gpu_colocates_an_engine_and_a_learner_rank_with_gpu_defaults():
     assert cfg.rollout.engine.dtype == "bfloat16"
     assert (cfg.learner.dtype, cfg.learner.mixed_precision, cfg.learner.gradient_checkpointing) == (
         "float32", "bfloat16", True)
+    assert cfg.learner.weight_sync.dtype == "bfloat16"  # versions go out in the engine's dtype
 
 
 def test_two_gpus_one_each_and_the_cpu_defaults_stay_without_gpus():
