@@ -74,6 +74,7 @@ from lm.causal_lm import (
     torch_dtype,
 )
 from lm.checkpoint_names import to_checkpoint_names
+from lm.device import gpu_memory_peaks
 from lm.weight_sync import (
     BroadcastSender,
     FolderSender,
@@ -328,6 +329,7 @@ class Learner:
         metrics.update(routing)
         tokens = self._reduce({"real": float(self._slots[0]), "slots": float(self._slots[1])}, "sum")
         metrics["perf/padding_fraction"] = 1.0 - tokens["real"] / tokens["slots"] if tokens["slots"] else 0.0
+        metrics.update({f"perf/{k}": v for k, v in gpu_memory_peaks(self.device).items()})  # rank 0's
         metrics["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
         metrics["actor/optimizer_steps"] = float(len(grad_norms))
         metrics["actor/lr"] = lr

@@ -34,6 +34,7 @@ import numpy as np
 from buffer.errors import GROUP_REFUSALS, BufferError, BufferUnavailable
 from buffer.sample import Group, Sample, new_id
 from lm.causal_lm import load_tokenizer
+from lm.device import gpu_memory_peaks
 from lm.weight_sync import WeightSubscription
 from lm.weight_sync.group import call
 from lm.weight_sync.integrity import WeightsRejected
@@ -767,6 +768,9 @@ class RolloutWorker:
         pause_s = getattr(self.engine, "pause_s_total", None)
         if pause_s is not None:  # time weight loads held the engine paused (vLLM)
             c["engine_pause_s"] = float(pause_s)
+        device = getattr(self.engine, "device", None)  # an engine in this process (transformers); vLLM's is not
+        if device is not None:
+            c.update({f"gpu_{k}": v for k, v in gpu_memory_peaks(device).items()})
         if self.rewards is not None:
             c.update(self.rewards.stats())
             for runner in self._more_rewards:

@@ -59,6 +59,7 @@ class RunResult:
     interrupted: bool
     evals: list[dict] = field(default_factory=list)
     seconds: float = 0.0
+    gpu_memory_gib: dict[str, float] = field(default_factory=dict)  # each role's peak reserved; {} on CPUs
 
     def summary(self) -> dict:
         first = self.evals[0] if self.evals else {}
@@ -66,7 +67,8 @@ class RunResult:
         return {"run_dir": str(self.run_dir), "steps": self.steps_done, "version": self.version,
                 "completed": self.completed, "interrupted": self.interrupted,
                 "seconds": round(self.seconds, 1),
-                "eval_accuracy_first": first.get("eval/accuracy"), "eval_accuracy_last": last.get("eval/accuracy")}
+                "eval_accuracy_first": first.get("eval/accuracy"), "eval_accuracy_last": last.get("eval/accuracy"),
+                **({"gpu_memory_gib": self.gpu_memory_gib} if self.gpu_memory_gib else {})}
 
 
 def resolve_model(cfg: EtarlConfig) -> Path:
@@ -133,6 +135,7 @@ class Controller:
         self.consumed_tickets: list[int] = []  # the audit: every ticket trained on, in order
         self.next_batch = None  # leased by the last step's end, trained on by the next step
         self.evals: list[dict] = []
+        self._last_record: dict = {}  # the last step's metrics (the summary's GPU memory)
         self._started = False
         self.buffer = self.learner = self.weights = self.evaluations = self.exporter = self.workers = None
         self.placement = None
@@ -270,7 +273,19 @@ class Controller:
         except Exception as exc:  # plots are a convenience; the log is the record
             log.warning("could not draw plots: %s", exc)
         return RunResult(self.run_dir, self.step, self.version, completed, self.stop_requested.is_set(),
-                         self.evals, time.perf_counter() - started)
+                         self.evals, time.perf_counter() - started, self._gpu_memory_peaks())
+
+    def _gpu_memory_peaks(self) -> dict[str, float]:
+        """Each role's peak GPU memory reserved (GiB): the learner's (rank 0's) and each worker's
+        in-process engine's; {} where the learner is on the CPU (nothing is asked then)."""
+        learner = self._last_record.get("perf/max_memory_reserved_gb")
+        if learner is None:
+            return {}
+        peaks = {"learner": round(learner, 2)}
+        for stats in self.workers.stats(timeout=5.0):
+            if "gpu_max_memory_reserved_gb" in stats:
+                peaks[stats["worker_id"]] = round(stats["gpu_max_memory_reserved_gb"], 2)
+        return peaks
 
     def _train_loop(self, metric_log: MetricLog, progress) -> None:
         cfg = self.cfg
@@ -278,6 +293,7 @@ class Controller:
             record = self._train_step()
             if record is None:  # stop requested while waiting for data
                 break
+            self._last_record = record
             if self._eval_due():  # asked now, reported when it comes (the learner does not wait for it)
                 self.evaluations.request(self.step, self.version)
             metric_log.write(record)

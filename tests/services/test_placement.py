@@ -137,6 +137,21 @@ def test_etarl_train_refuses_a_plan_that_cannot_fit_before_starting_anything(tmp
     assert not (run_dir / "config.yaml").exists()  # nor the run
 
 
+def test_the_run_summary_names_each_roles_gpu_memory_only_on_gpus():
+    import torch
+
+    from lm.device import gpu_memory_peaks
+    from services.controller import RunResult
+
+    assert gpu_memory_peaks(torch.device("cpu")) == {}  # a CPU learner: the controller asks nothing
+    result = RunResult(Path("run"), 3, 3, True, False)
+    assert "gpu_memory_gib" not in result.summary()
+    result.gpu_memory_gib = {"learner": 3.5, "worker-0": 1.25}
+    assert result.summary()["gpu_memory_gib"] == {"learner": 3.5, "worker-0": 1.25}
+    if torch.cuda.is_available():
+        assert set(gpu_memory_peaks(torch.device("cuda", 0))) == {"max_memory_allocated_gb", "max_memory_reserved_gb"}
+
+
 def test_device_outside_ray_follows_what_the_process_sees():
     import torch
 
