@@ -185,10 +185,12 @@ class LearnerConfig(BaseModel):
         True, description="a micro-batch is its sequences concatenated (per-sequence positions, attention "
         "that never crosses a boundary) instead of right-padded to its longest: no padding, and the token "
         "budget counts real tokens; log-probs and losses equal the padded path")
-    attn_implementation: Optional[Literal["sdpa", "eager", "flash_attention_2", "flex_attention"]] = Field(
+    attn_implementation: Optional[Literal["sdpa", "eager", "flash_attention_2", "flex_attention", "varlen"]] = Field(
         None, description="transformers' attention kernel for the policy and reference (None: sdpa). Packed "
-        "micro-batches: sdpa and eager take a block-diagonal mask ([tokens, tokens] per pass), "
-        "flash_attention_2 (CUDA, the flash-attn package) runs variable-length attention with no mask")
+        "micro-batches: sdpa and eager take a block-diagonal mask ([tokens, tokens] per pass, every block "
+        "computed); varlen (etarl's, lm/packed_attention.py) computes each sequence alone: PyTorch's flash "
+        "varlen kernel on CUDA (bfloat16: needs mixed_precision or dtype bfloat16), an exact per-sequence "
+        "fallback elsewhere; flash_attention_2 (CUDA, the flash-attn package) the same through flash-attn")
     shape_buckets: Literal["auto", "on", "off"] = Field(
         "auto", description="round a packed micro-batch's width up to one of a few sizes (4-7 x 2^k, at most "
         "25 % filler) so kernels are planned once per shape, not per step (auto: on with CUDA)")
@@ -245,6 +247,9 @@ class LearnerConfig(BaseModel):
                              f"weights: set dtype float32 (got {self.dtype!r})")
         if getattr(self.weight_sync, "backend", None) == "nccl" and self.device == "cpu":
             raise ValueError("weight_sync.backend 'nccl' needs device 'cuda'")
+        if self.attn_implementation == "varlen" and not self.packing:
+            raise ValueError("attn_implementation 'varlen' computes packed micro-batches' sequences one by one: "
+                             "it needs packing: true (padded rows take sdpa)")
         return self
 
     @property

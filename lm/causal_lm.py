@@ -7,6 +7,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from lm import packed_attention
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 # Response tokens per LM-head chunk: the head's transient memory is about 2 x chunk x vocab x 4 bytes
 # (1024 x 151,936: 1.2 GB), whatever the batch.
@@ -45,6 +47,8 @@ def _implementations(dtype: str, attn_implementation: str | None) -> dict:
     """transformers' kernel choices: the attention's if given; float64 MoE experts run eager (the
     default grouped_mm has no float64 kernel; a dense model ignores the choice)."""
     extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    if attn_implementation == packed_attention.NAME:
+        packed_attention.register()  # etarl's, not transformers' own: known once registered
     if dtype == "float64":
         extra["experts_implementation"] = "eager"
     return extra
@@ -218,7 +222,9 @@ def response_log_probs(
     device = next(model.parameters()).device
     if packed:
         input_ids, position_ids, starts = pack_sequences(prompts, responses, pack_width, pad_id)
-        hidden = _final_hidden_states(model, input_ids.to(device), position_ids=position_ids.to(device))
+        boundaries = packed_attention.packed_attention_kwargs(position_ids, device) \
+            if packed_attention.uses_varlen(model) else {}
+        hidden = _final_hidden_states(model, input_ids.to(device), position_ids=position_ids.to(device), **boundaries)
     else:
         input_ids, attention, _, _ = pad_sequences(prompts, responses, pad_id)
         hidden = _final_hidden_states(model, input_ids.to(device), attention_mask=attention.to(device))
@@ -264,10 +270,11 @@ _NO_POSITIONS = torch.empty(0, dtype=torch.long)
 
 
 def _final_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                         position_ids: torch.Tensor | None = None) -> torch.Tensor:
+                         position_ids: torch.Tensor | None = None, **attention_kwargs) -> torch.Tensor:
     """The decoder's last hidden states [B, L, H] (after the final norm). The whole model's
     forward runs, so wrappers that act in its hooks (FSDP gathers the root's parameters there)
-    still see a normal call, but its LM head gets no position: the caller applies the head."""
+    still see a normal call, but its LM head gets no position: the caller applies the head.
+    `attention_kwargs` reach every attention call (a packed row's boundaries for varlen)."""
     captured = {}
 
     def keep(_module, _args, output):
@@ -277,7 +284,7 @@ def _final_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.T
     try:
         # no cache: transformers reads packed rows from the position resets only without one
         model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
-              logits_to_keep=_NO_POSITIONS.to(input_ids.device))
+              logits_to_keep=_NO_POSITIONS.to(input_ids.device), **attention_kwargs)
     finally:
         handle.remove()
     return captured["hidden"]

@@ -78,6 +78,26 @@ def test_a_packed_step_equals_the_padded_step(policy_dir, overrides):
             assert got[key] == pytest.approx(want[key], rel=1e-9, abs=1e-12, nan_ok=True), key
 
 
+def test_a_varlen_step_equals_the_sdpa_packed_step(policy_dir):
+    """attn_implementation varlen (each sequence's attention alone: lm/packed_attention.py; its
+    exact fallback on this CPU) trains as sdpa's block-diagonal mask does: same update, same metrics."""
+    groups = sample_groups(policy_dir, n_groups=4, n=3, seed=5, logprob_noise=0.3, max_new_tokens=9)
+    results = []
+    for attention in ("sdpa", "varlen"):
+        learner = Learner(LearnerConfig(model_path=str(policy_dir), dtype="float64", lr=1e-3, packing=True,
+                                        max_tokens_per_micro_batch=40, shape_buckets="on",
+                                        attn_implementation=attention, policy_loss={"kl_coef": 0.1}))
+        results.append(([learner.train_step(groups) for _ in range(2)], params_of(learner.model)))
+    (sdpa, sdpa_params), (varlen, varlen_params) = results
+    assert max_param_diff(sdpa_params, varlen_params) < 1e-10
+    for want, got in zip(sdpa, varlen):
+        for key in want:
+            if not key.startswith("timing_s/"):
+                assert got[key] == pytest.approx(want[key], rel=1e-9, abs=1e-12, nan_ok=True), key
+    with pytest.raises(ValueError, match="needs packing: true"):
+        LearnerConfig(model_path=str(policy_dir), packing=False, attn_implementation="varlen")
+
+
 @settings(max_examples=60, deadline=None, derandomize=True)
 @given(lengths=st.lists(st.integers(1, 50), min_size=1, max_size=30), slack=st.integers(0, 60),
        max_rows=st.one_of(st.none(), st.integers(1, 5)))
