@@ -58,13 +58,19 @@ GiB = 2**30
 
 # ---------------------------------------------------------------- the model and the data
 
-def build_policy(folder: Path, vocab: int, hidden: int, layers: int, max_len: int) -> Path:
+# --shape presets: Qwen2.5's (hidden, layers, intermediate, attention heads, key/value heads)
+SHAPES = {"qwen2.5-0.5b": (896, 24, 4864, 14, 2), "qwen2.5-1.5b": (1536, 28, 8960, 12, 2),
+          "qwen2.5-7b": (3584, 28, 18944, 28, 4)}
+
+
+def build_policy(folder: Path, vocab: int, hidden: int, layers: int, max_len: int, intermediate: int | None = None,
+                 heads: int | None = None, kv_heads: int = 1) -> Path:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
-                         num_hidden_layers=layers, num_attention_heads=max(1, hidden // 64), num_key_value_heads=1,
-                         max_position_embeddings=max_len, tie_word_embeddings=True)
+    config = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate or hidden * 11 // 4,
+                         num_hidden_layers=layers, num_attention_heads=heads or max(1, hidden // 64),
+                         num_key_value_heads=kv_heads, max_position_embeddings=max_len, tie_word_embeddings=True)
     Qwen2ForCausalLM(config).save_pretrained(folder)
     return folder
 
@@ -154,10 +160,12 @@ def child_step(spec: dict) -> dict:
     from learner.config import LearnerConfig
 
     groups = random_groups(spec["batch"], spec["min_len"], spec["max_len"], spec["vocab"], seed=spec["batch"])
+    packing = spec["packing"] and not spec["old"]
     config = LearnerConfig(model_path=spec["model"], device=spec["device"], lr=1e-5,
                            max_tokens_per_micro_batch=None if spec["old"] else spec["budget"],
-                           logprob_chunk_tokens=spec["chunk"], packing=spec["packing"] and not spec["old"],
-                           mixed_precision=spec["mixed_precision"], gradient_checkpointing=spec["checkpointing"])
+                           logprob_chunk_tokens=spec["chunk"], packing=packing,
+                           mixed_precision=spec["mixed_precision"], gradient_checkpointing=spec["checkpointing"],
+                           attn_implementation=spec["attn"] if packing else None)
     if spec["old"]:
         trainer.response_log_probs = former_response_log_probs
     learner = trainer.Learner(config)
@@ -177,7 +185,8 @@ def child_step(spec: dict) -> dict:
     tokens = sum(len(p) + len(r) for p, r in zip(batch.prompts, batch.responses))
     params = sum(p.numel() for p in learner.model.parameters())
     return {"peak_bytes": peak, "base_bytes": base, "step_s": seconds, "warm_step_s": warm, "tokens": tokens,
-            "tokens_per_s": tokens / seconds, "padding_fraction": metrics["perf/padding_fraction"],
+            "tokens_per_s": tokens / seconds, "warm_tokens_per_s": tokens / warm,
+            "padding_fraction": metrics["perf/padding_fraction"],
             "model_tflops": 8 * params * tokens / warm / 1e12,
             "longest": max(len(p) + len(r) for p, r in zip(batch.prompts, batch.responses))}
 
@@ -210,45 +219,61 @@ def child_head(spec: dict) -> dict:
 
 def child_throughput(spec: dict) -> dict:
     """Seconds of forward+backward over the same micro-batches: the learner's log-probs (chunked
-    head on response positions) and a plain transformers pass with a `labels` loss."""
+    head on response positions; packed into shape-bucket widths on CUDA, as the learner packs, with
+    its attention kernel) and a plain transformers pass with a `labels` loss (padded, sdpa). Both
+    under the same autocast and gradient checkpointing (--mixed-precision, --checkpointing)."""
+    from learner.batch import shape_bucket
+    from lm.causal_lm import enable_gradient_checkpointing
+
     groups = random_groups(spec["batch"], spec["min_len"], spec["max_len"], spec["vocab"], seed=spec["batch"])
     batch = build_batch(groups)
-    model = load_causal_lm(spec["model"], device=spec["device"])
+    model = load_causal_lm(spec["model"], device=spec["device"], attn_implementation=spec["attn"])
+    if spec["checkpointing"]:
+        enable_gradient_checkpointing(model)
+    cuda = spec["device"].startswith("cuda")
+    autocast = torch.autocast("cuda" if cuda else "cpu", torch.bfloat16, enabled=spec["mixed_precision"] is not None)
     lengths = [len(p) + len(r) for p, r in zip(batch.prompts, batch.responses)]
     plan = plan_micro_batches(lengths, spec["budget"])  # the plain pass: padded micro-batches
     packed_plan = plan_micro_batches(lengths, spec["budget"], packed=spec["packing"])
+    attention = {"ours": spec["attn"] or "sdpa", "plain": "sdpa"}
 
     def ours(rows):
+        width = shape_bucket(sum(lengths[r] for r in rows), spec["budget"]) if cuda and spec["packing"] else None
         lp, mask = response_log_probs(model, [batch.prompts[r] for r in rows], [batch.responses[r] for r in rows],
-                                      chunk_tokens=spec["chunk"], packed=spec["packing"])
+                                      chunk_tokens=spec["chunk"], packed=spec["packing"], pack_width=width)
         (-(lp * mask).sum() / mask.sum()).backward()
 
     def plain(rows):
-        ids, attention, _, _ = pad_sequences([batch.prompts[r] for r in rows], [batch.responses[r] for r in rows])
+        ids, attention_mask, _, _ = pad_sequences([batch.prompts[r] for r in rows], [batch.responses[r] for r in rows])
         labels = ids.clone()
-        labels[attention == 0] = -100
+        labels[attention_mask == 0] = -100
         for i, r in enumerate(rows):
             labels[i, : len(batch.prompts[r])] = -100  # the loss on response tokens, as the learner's
-        model(input_ids=ids.to(spec["device"]), attention_mask=attention.to(spec["device"]),
+        model(input_ids=ids.to(spec["device"]), attention_mask=attention_mask.to(spec["device"]),
               labels=labels.to(spec["device"])).loss.backward()
 
     seconds = {"ours": [], "plain": []}
     for _ in range(spec["repeats"]):
         for name, fn in (("ours", ours), ("plain", plain)):  # taking turns: load changes hit both
+            model.set_attn_implementation(attention[name])
             model.zero_grad(set_to_none=True)
             start = time.perf_counter()
-            for rows in (packed_plan if name == "ours" else plan):
-                fn(rows)
-            if spec["device"].startswith("cuda"):
+            with autocast:
+                for rows in (packed_plan if name == "ours" else plan):
+                    fn(rows)
+            if cuda:
                 torch.cuda.synchronize()
             seconds[name].append(time.perf_counter() - start)
+    model.set_attn_implementation("sdpa")
     tokens = sum(lengths)
     best = {name: min(values) for name, values in seconds.items()}
-    # Packed against padded log-probs of the largest padded micro-batch, no gradients.
+    # Packed (the learner's kernel) against padded (sdpa) log-probs of the largest padded
+    # micro-batch, no gradients, under the same autocast.
     rows = max(plan, key=len)
-    with torch.no_grad():
+    with torch.no_grad(), autocast:
         args = ([batch.prompts[r] for r in rows], [batch.responses[r] for r in rows])
         padded, _ = response_log_probs(model, *args, chunk_tokens=spec["chunk"])
+        model.set_attn_implementation(attention["ours"])
         packed, _ = response_log_probs(model, *args, chunk_tokens=spec["chunk"], packed=True)
     return {"tokens": tokens, "micro_batches": len(plan), "packed_micro_batches": len(packed_plan),
             "ours_tokens_per_s": tokens / best["ours"], "plain_tokens_per_s": tokens / best["plain"],
@@ -294,7 +319,8 @@ def measure_steps(common: dict, batch_sizes, old: bool) -> dict[int, dict]:
         r = results[batch] = run_child({"child": "step", **common, "batch": batch, "old": old})
         print(f"  {label} B={batch:4d}: " + (r.get("error") or
               f"peak {r['peak_bytes'] / GiB:6.3f} GiB (before the step {r['base_bytes'] / GiB:.3f}), "
-              f"{r['tokens_per_s']:8.0f} tokens/s, {r['tokens']} tokens, padding {r['padding_fraction']:.3f}, "
+              f"{r['tokens_per_s']:8.0f} tokens/s new shapes, {r['warm_tokens_per_s']:8.0f} warm, "
+              f"{r['tokens']} tokens, padding {r['padding_fraction']:.3f}, "
               f"warm/new shapes {r['step_s'] / r['warm_step_s']:.2f}x, model {r['model_tflops']:.3f} TFLOP/s"))
     return results
 
@@ -318,7 +344,8 @@ def measure_throughput(common: dict, batch: int) -> dict:
     print("  " + (r.get("error") or f"forward+backward, {r['tokens']} tokens: learner {r['ours_tokens_per_s']:.0f} "
           f"tokens/s over {r['packed_micro_batches']} micro-batches (packed: {common['packing']}), plain transformers "
           f"{r['plain_tokens_per_s']:.0f} tokens/s over {r['micro_batches']} padded ones; packed vs padded log-probs "
-          f"of the largest micro-batch: max |diff| {r['packed_vs_padded_max_abs_diff']:.2e}"))
+          f"of the largest micro-batch: max |diff| {r['packed_vs_padded_max_abs_diff']:.2e} (packed attention "
+          f"{common['attn'] or 'sdpa'}, B={batch})"))
     return r
 
 
@@ -344,6 +371,8 @@ def summarize(setup: dict, steps: dict, old: dict, head: dict, throughput: dict)
         "old_peak_gib": {str(b): gib(r["peak_bytes"]) for b, r in old.items() if "peak_bytes" in r},
         "old_logits_gib": {str(b): gib(b * setup["max_len"] * setup["vocab"] * 4) for b in sizes},
         "tokens_per_s": {str(b): round(r["tokens_per_s"], 1) for b, r in steps.items() if "tokens_per_s" in r},
+        "warm_tokens_per_s": {str(b): round(r["warm_tokens_per_s"], 1) for b, r in steps.items()
+                              if "warm_tokens_per_s" in r},
         "old_tokens_per_s": {str(b): round(r["tokens_per_s"], 1) for b, r in old.items() if "tokens_per_s" in r},
         "padding_fraction": {str(b): round(r["padding_fraction"], 4) for b, r in steps.items()
                              if "padding_fraction" in r},
@@ -371,8 +400,13 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a smaller model, shorter sequences (< 3 min on 2 cores)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--vocab", type=int, default=QWEN_VOCAB)
+    parser.add_argument("--shape", choices=sorted(SHAPES), help="a Qwen2.5 model's shape (hidden, layers, "
+                        "intermediate, heads, key/value heads); the options below override it")
     parser.add_argument("--hidden", type=int)
     parser.add_argument("--layers", type=int)
+    parser.add_argument("--intermediate", type=int, help="MLP width (default 11/4 x hidden)")
+    parser.add_argument("--heads", type=int, help="attention heads (default hidden / 64)")
+    parser.add_argument("--kv-heads", type=int, help="key/value heads (default 1)")
     parser.add_argument("--min-len", type=int)
     parser.add_argument("--max-len", type=int)
     parser.add_argument("--budget", type=int, help="max_tokens_per_micro_batch (default: 2 x the longest sequence)")
@@ -381,6 +415,11 @@ def main() -> None:
     parser.add_argument("--no-packing", action="store_true", help="right-padded micro-batches (learner.packing=false)")
     parser.add_argument("--mixed-precision", action="store_true", help="learner.mixed_precision=bfloat16")
     parser.add_argument("--checkpointing", action="store_true", help="learner.gradient_checkpointing=true")
+    parser.add_argument("--attn", choices=("sdpa", "varlen", "flash_attention_2", "eager"),
+                        help="learner.attn_implementation of the packed passes (default sdpa)")
+    parser.add_argument("--throughput-batch", type=int, help="sequences of the learner-vs-plain forward+backward "
+                        "(default the smallest of --batch-sizes; issue 27's goal is at 32)")
+    parser.add_argument("--no-old", action="store_true", help="skip the former path's step")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -392,28 +431,38 @@ def main() -> None:
     quick = args.quick
     max_len = args.max_len or (160 if quick else 4096)
     budget = args.budget or 2 * max_len
-    setup = {"quick": quick, "device": args.device, "vocab": args.vocab, "hidden": args.hidden or (128 if quick else 512),
-             "layers": args.layers or (2 if quick else 4), "min_len": args.min_len or (32 if quick else 512),
+    shape = dict(zip(("hidden", "layers", "intermediate", "heads", "kv_heads"), SHAPES[args.shape])) if args.shape else {}
+    setup = {"quick": quick, "device": args.device, "vocab": args.vocab,
+             "hidden": args.hidden or shape.get("hidden") or (128 if quick else 512),
+             "layers": args.layers or shape.get("layers") or (2 if quick else 4),
+             "intermediate": args.intermediate or shape.get("intermediate"), "heads": args.heads or shape.get("heads"),
+             "kv_heads": args.kv_heads or shape.get("kv_heads") or 1, "attn": args.attn,
+             "min_len": args.min_len or (32 if quick else 512),
              "max_len": max_len, "budget": budget,
              "chunk": args.chunk or max(1, budget // 16),  # the config defaults' proportion (16,384 / 1,024)
              "batch_sizes": sorted(int(b) for b in args.batch_sizes.split(",")), "packing": not args.no_packing,
              "mixed_precision": "bfloat16" if args.mixed_precision else None, "checkpointing": args.checkpointing}
     started = time.perf_counter()
-    print(f"Qwen2 vocab {setup['vocab']}, hidden {setup['hidden']}, {setup['layers']} layers; sequences "
+    print(f"Qwen2 vocab {setup['vocab']}, hidden {setup['hidden']}, {setup['layers']} layers (MLP "
+          f"{setup['intermediate'] or setup['hidden'] * 11 // 4}, heads {setup['heads'] or max(1, setup['hidden'] // 64)}"
+          f"/{setup['kv_heads']} key-value); sequences "
           f"{setup['min_len']}-{max_len} tokens; budget {budget} tokens per micro-batch, LM-head chunks of "
           f"{setup['chunk']}; device {args.device}, {torch.get_num_threads()} torch thread(s)")
     with tempfile.TemporaryDirectory() as tmp:
-        model = str(build_policy(Path(tmp) / "policy", setup["vocab"], setup["hidden"], setup["layers"], max_len + 8))
+        model = str(build_policy(Path(tmp) / "policy", setup["vocab"], setup["hidden"], setup["layers"], max_len + 8,
+                                 setup["intermediate"], setup["heads"], setup["kv_heads"]))
         common = {"model": model, **{k: setup[k] for k in ("device", "vocab", "hidden", "min_len", "max_len", "budget",
-                                                           "chunk", "packing", "mixed_precision", "checkpointing")}}
+                                                           "chunk", "packing", "mixed_precision", "checkpointing",
+                                                           "attn")}}
         steps = measure_steps(common, setup["batch_sizes"], old=False)
         # The old path at the smallest batch only: its cost and memory grow with B x L x V.
-        old = measure_steps(common, setup["batch_sizes"][:1], old=True)
-        for batch in setup["batch_sizes"][1:]:
+        old = {} if args.no_old else measure_steps(common, setup["batch_sizes"][:1], old=True)
+        for batch in setup["batch_sizes"][0 if args.no_old else 1:]:
             print(f"  old step B={batch:4d}: not run, its float32 [B, L, V] logits alone are "
                   f"{batch * max_len * setup['vocab'] * 4 / GiB:.1f} GiB")
         head = measure_head(common)
-        throughput = measure_throughput(common, setup["batch_sizes"][0])
+        setup["throughput_batch"] = args.throughput_batch or setup["batch_sizes"][0]
+        throughput = measure_throughput(common, setup["throughput_batch"])
     summary = summarize(setup, steps, old, head, throughput)
     summary["wall_s"] = round(time.perf_counter() - started, 1)
     print(json.dumps(summary))

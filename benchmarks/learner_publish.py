@@ -151,7 +151,7 @@ def main() -> None:
 
     summary = {"params": params, "ranks": args.ranks, "rounds": args.rounds}
     for path in PATHS:
-        for rank in (0, 1):
+        for rank in range(min(args.ranks, 2)):  # rank 0 and one other (every other rank does the same)
             mine = [r for r in rows if r["path"] == path and r["rank"] == rank]
             peak = statistics.median(r["peak_extra_mb"] for r in mine)
             gather = statistics.median(r["gather_s"] for r in mine)

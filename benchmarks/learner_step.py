@@ -5,22 +5,26 @@
 Builds a small random Qwen2 policy as an HF folder, then in one run measures:
   * seconds per learner step with prox_logp=recompute (one extra no-grad pass), loglinear
     (AReaL's approximation, no extra pass) and bypass mode, and the ratio recompute / loglinear.
-Prints the numbers; asserts nothing about time.
+Prints the numbers and, as its last line, a JSON summary; asserts nothing about time.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from buffer.sample import Group, Sample
-from learner.config import LearnerConfig
-from learner.trainer import Learner
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from buffer.sample import Group, Sample  # noqa: E402
+from learner.config import LearnerConfig  # noqa: E402
+from learner.trainer import Learner  # noqa: E402
 
 
 def build_policy(folder: Path, vocab: int, hidden: int, layers: int) -> Path:
@@ -76,13 +80,14 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda", "auto"), help="learner.device")
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 
     with tempfile.TemporaryDirectory() as tmp:
         policy = build_policy(Path(tmp) / "policy", args.vocab, args.hidden, args.layers)
         groups = random_groups(args.groups, args.n, args.prompt, args.response, args.vocab, version=0)
-        base = dict(model_path=str(policy), lr=1e-5, micro_batch_size=16)
+        base = dict(model_path=str(policy), lr=1e-5, micro_batch_size=16, device=args.device)
         print(f"batch: {args.groups} groups x {args.n} = {args.groups * args.n} sequences, "
               f"{args.prompt}+{args.response} tokens; torch threads {torch.get_num_threads()}")
         configs = {name: LearnerConfig(**base, **overrides) for name, overrides in (
@@ -91,7 +96,12 @@ def main() -> None:
         results = time_steps(configs, groups, args.steps)
         for name, (step_s, prox_s) in results.items():
             print(f"  step {name:9s}: {step_s:7.3f} s/step  (proximal pass {prox_s:.3f} s)")
-        print(f"  recompute / loglinear step time: {results['recompute'][0] / results['loglinear'][0]:.2f}x")
+        ratio = results["recompute"][0] / results["loglinear"][0]
+        print(f"  recompute / loglinear step time: {ratio:.2f}x")
+    print(json.dumps({"benchmark": "learner_step", "device": args.device, "groups": args.groups, "n": args.n,
+                      "step_s": {name: round(step_s, 4) for name, (step_s, _) in results.items()},
+                      "proximal_pass_s": {name: round(prox_s, 4) for name, (_, prox_s) in results.items()},
+                      "recompute_vs_loglinear": round(ratio, 3)}))
 
 
 if __name__ == "__main__":
