@@ -5,8 +5,8 @@ Public API:
 
 - `PolicyLossConfig` (pydantic): clip_ratio_low 0.2, clip_ratio_high 0.2, clip_ratio_c 3.0,
   loss_agg_mode ("token-mean" | "seq-mean-token-sum" | "seq-mean-token-mean" |
-  "seq-mean-token-sum-norm"), loss_scale_factor, kl_coef, kl_estimator ("k1" | "k2" | "k3"),
-  entropy_coeff.
+  "seq-mean-token-sum-norm"), loss_scale_factor, kl_coef, kl_estimator ("k1" | "k2" | "k3" |
+  "abs" | "k1+" | "k3+", or verl's names kl, mse, low_var_kl), entropy_coeff.
 - `compute_policy_loss(log_prob, old_log_prob, rollout_log_prob, advantages, response_mask,
   correction_config, loss_config, *, global_token_count=None, global_seq_count=None,
   precomputed_correction=None, batch_norm_sums=None, ref_log_prob=None, entropy=None,
@@ -78,7 +78,10 @@ class PolicyLossConfig(BaseModel):
         None, gt=0, description="seq-mean-token-sum-norm's constant divisor (e.g. the max response "
         "length); None: the micro-batch's padded width, which depends on the split")
     kl_coef: float = Field(0.0, ge=0, description="weight of the KL penalty to the reference policy")
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_estimator: Literal["k1", "k2", "k3", "abs", "k1+", "k3+", "kl", "mse", "low_var_kl", "low_var_kl+"] = Field(
+        "k3", description="the KL penalty's per-token estimate (verl's kl_loss_type): k1 log r, k2 ½ log² r, k3 "
+        "1/r − 1 + log r bounded at 10 as verl bounds it, abs |log r|; '+': that value with k2's gradient "
+        "(straight through); kl, mse, low_var_kl are verl's names for k1, k2, k3")
     entropy_coeff: float = Field(0.0, ge=0, description="weight of the entropy bonus")
     loss_mode: Literal["vanilla", "gspo"] = Field(
         "vanilla", description="vanilla: token-level (dual-clip) PPO; gspo: sequence-level ratio (geometric mean "
@@ -165,17 +168,36 @@ def gspo_token_loss(log_prob, anchor_log_prob, advantages, mask, cfg: PolicyLoss
     return torch.maximum(unclipped, clipped), clipped > unclipped, log_ratio
 
 
+KL_ESTIMATOR_NAMES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3", "low_var_kl+": "k3+"}  # verl's
+K3_BOUND = 10.0  # verl bounds k3 (low_var_kl) at ±10: a token far from the reference adds 10, no gradient
+
+
 def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
-    """Per-token estimate of KL(π_θ ‖ π_ref) from samples of π_θ. k1: log r; k2: ½ log² r;
-    k3: 1/r − 1 + log r, i.e. exp(−log r) − 1 + log r (unbiased, >= 0), with r = π_θ/π_ref."""
-    log_r = (log_prob - ref_log_prob).clamp(-SAFETY_BOUND, SAFETY_BOUND)
-    if estimator == "k1":
-        return log_r
-    if estimator == "k2":
-        return 0.5 * log_r ** 2
-    if estimator == "k3":
-        return torch.exp(-log_r) - 1.0 + log_r
-    raise ValueError(f"kl_estimator must be 'k1', 'k2' or 'k3', got {estimator!r}")
+    """Per-token estimate of KL(π_θ ‖ π_ref) from samples of π_θ, as verl's kl_penalty computes it,
+    with r = π_θ/π_ref: k1 log r; k2 ½ log² r; k3 1/r − 1 + log r (unbiased, >= 0), log r within
+    ±20 and the value within ±10; abs |log r|. A trailing '+' (k1+, k3+) keeps the value and takes
+    k2's gradient (straight through: k1's and k3's expected gradients are not KL's)."""
+    name = KL_ESTIMATOR_NAMES.get(estimator, estimator)
+    base, straight_through = name.removesuffix("+"), name.endswith("+")
+    log_r = log_prob - ref_log_prob
+    if base == "k1":
+        value = log_r.clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    elif base == "k2":
+        value = 0.5 * log_r.clamp(-SAFETY_BOUND, SAFETY_BOUND) ** 2
+    elif base == "k3":
+        bounded = log_r.clamp(-SAFETY_BOUND, SAFETY_BOUND)
+        value = (torch.exp(-bounded) - 1.0 + bounded).clamp(-K3_BOUND, K3_BOUND)
+    elif base == "abs":
+        value = log_r.abs()
+    else:
+        value = None
+    if value is None or (straight_through and base not in ("k1", "k3")):
+        raise ValueError(f"kl_estimator must be one of k1, k2, k3, abs, k1+, k3+ (or verl's kl, mse, low_var_kl, "
+                         f"low_var_kl+), got {estimator!r}")
+    if straight_through:
+        k2 = 0.5 * log_r.square()
+        return k2 - k2.detach() + value.detach()
+    return value
 
 
 def staleness_metrics(token_versions: torch.Tensor, current_version: int, response_mask: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -284,8 +284,31 @@ def test_kl_estimators_by_hand():
     assert kl_penalty(lp, ref, "k2").item() == pytest.approx(0.5 * math.log(2) ** 2)
     assert kl_penalty(lp, ref, "k3").item() == pytest.approx(0.5 - 1 + math.log(2))
     assert kl_penalty(ref, ref, "k3").item() == 0.0
+    assert kl_penalty(ref, lp, "abs").item() == pytest.approx(math.log(2))
     with pytest.raises(ValueError, match="kl_estimator"):
         kl_penalty(lp, ref, "k4")
+    with pytest.raises(ValueError, match="kl_estimator"):
+        kl_penalty(lp, ref, "k2+")
+
+
+def test_kl_estimators_follow_verls_conventions():
+    """As verl's kl_penalty (core_algos): k3 (low_var_kl) is bounded at 10, so a token far below
+    the reference (log r = −3: 16.1 unbounded) adds 10 and no gradient; '+' keeps the value and
+    takes k2's gradient; kl, mse, low_var_kl are k1, k2, k3."""
+    lp = torch.tensor([[-3.0, 0.5, -0.2]], dtype=torch.float64, requires_grad=True)
+    ref = torch.zeros_like(lp)
+    k3 = kl_penalty(lp, ref, "k3")
+    assert k3[0, 0].item() == 10.0 and k3[0, 1].item() == pytest.approx(math.exp(-0.5) - 1 + 0.5)
+    (grad,) = torch.autograd.grad(k3.sum(), lp)
+    assert grad[0, 0].item() == 0.0 and grad[0, 1].item() == pytest.approx(1 - math.exp(-0.5))
+    for plus, base in (("k3+", "k3"), ("k1+", "k1")):
+        value = kl_penalty(lp, ref, plus)
+        assert torch.equal(value, kl_penalty(lp, ref, base))
+        (grad,) = torch.autograd.grad(value.sum(), lp)
+        assert torch.allclose(grad, lp.detach())  # d/dx ½x² = x
+    for verl_name, name in (("kl", "k1"), ("mse", "k2"), ("low_var_kl", "k3"), ("low_var_kl+", "k3+")):
+        assert torch.equal(kl_penalty(lp, ref, verl_name), kl_penalty(lp, ref, name))
+    assert PolicyLossConfig(kl_estimator="low_var_kl").kl_estimator == "low_var_kl"
 
 
 @pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
@@ -419,7 +442,7 @@ def test_policy_loss_config_validation():
     with pytest.raises(ValidationError, match="clip_ratio"):
         PolicyLossConfig(clip_ratio=0.2)
     with pytest.raises(ValidationError, match="kl_estimator"):
-        PolicyLossConfig(kl_estimator="low_var_kl")
+        PolicyLossConfig(kl_estimator="k4")  # verl's names are taken (low_var_kl: k3), unknown ones are not
     assert PolicyLossConfig().clip_ratio_high == 0.2 and PolicyLossConfig().clip_ratio_c == 3.0
 
 
