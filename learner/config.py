@@ -73,7 +73,9 @@ class BroadcastSync(_WeightChannel):
     backend: Literal["auto", "gloo", "nccl", "ipc"] = Field(
         "auto", description="vLLM's weight-transfer backend. nccl: engines on other GPUs; ipc: an engine on "
         "the learner's GPU (ray.layout colocated); gloo: etarl's, on CPUs (a vLLM plugin; the transformers "
-        "engine takes it too); auto: nccl on GPU, gloo on CPU. rollout.engine.weight_transfer follows it")
+        "engine takes it too); auto: `etarl plan` chooses for both ends (ipc for one vLLM engine on the "
+        "learner's GPU, nccl for vLLM engines on GPUs of their own, else gloo; a learner outside a plan: nccl on "
+        "a GPU, gloo on a CPU). rollout.engine.weight_transfer follows it")
     topology: Literal["auto", "chain", "star"] = Field(
         "auto", description="gloo only. chain: each receiving process forwards chunks to the next, the learner "
         "sends each byte once (gloo's broadcast is a binomial tree: the root sends each byte about "

@@ -154,8 +154,10 @@ def lr_factor(step: int, warmup_steps: int, schedule: str, total_steps: int | No
 @contextlib.contextmanager
 def _timed(timing: dict, key: str):
     # GPU kernels run after the Python that queued them returns: a section's time is taken
-    # once its kernels are done, not charged to the next section that waits for them.
-    synchronize = torch.cuda.synchronize if torch.cuda.is_initialized() else (lambda: None)
+    # once its kernels are done, not charged to the next section that waits for them. This
+    # thread's stream only: a weight send on its own streams (vLLM's NCCL) is not waited for.
+    synchronize = (lambda: torch.cuda.current_stream().synchronize()) if torch.cuda.is_initialized() \
+        else (lambda: None)
     synchronize()
     start = time.perf_counter()
     try:
@@ -329,7 +331,8 @@ class Learner:
         metrics.update(routing)
         tokens = self._reduce({"real": float(self._slots[0]), "slots": float(self._slots[1])}, "sum")
         metrics["perf/padding_fraction"] = 1.0 - tokens["real"] / tokens["slots"] if tokens["slots"] else 0.0
-        metrics.update({f"perf/{k}": v for k, v in gpu_memory_peaks(self.device).items()})  # rank 0's
+        # rank 0's, in GiB under verl's names (perf/max_memory_allocated_gb, perf/max_memory_reserved_gb)
+        metrics.update({f"perf/{k}_gb": v / 2**30 for k, v in gpu_memory_peaks(self.device).items()})
         metrics["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
         metrics["actor/optimizer_steps"] = float(len(grad_norms))
         metrics["actor/lr"] = lr

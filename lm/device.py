@@ -62,11 +62,10 @@ def resolve_device(requested: str, what: str) -> torch.device:
     return torch.device("cuda", 0)
 
 
-def gpu_memory_peaks(device: torch.device) -> dict[str, float]:
-    """This process's peak GPU memory on `device` since it started, in GiB (verl's names:
-    max_memory_allocated_gb by tensors, max_memory_reserved_gb by the caching allocator, what the
-    GPU sees taken); {} on the CPU."""
+def gpu_memory_peaks(device: torch.device) -> dict[str, int]:
+    """This process's peak GPU memory on `device` since it started, in bytes: max_memory_allocated
+    by tensors, max_memory_reserved by the caching allocator (what the GPU sees taken); {} on the CPU."""
     if device.type != "cuda":
         return {}
-    return {"max_memory_allocated_gb": torch.cuda.max_memory_allocated(device) / 2**30,
-            "max_memory_reserved_gb": torch.cuda.max_memory_reserved(device) / 2**30}
+    return {"max_memory_allocated": torch.cuda.max_memory_allocated(device),
+            "max_memory_reserved": torch.cuda.max_memory_reserved(device)}

@@ -60,16 +60,18 @@ def varlen_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
     if attention_mask is not None:
         raise ValueError("attn_implementation 'varlen' runs packed micro-batches (learner.packing: true), "
                          "not padded rows with a mask")
-    if sliding_window is not None or dropout:
-        raise ValueError(f"attn_implementation 'varlen' has no sliding window ({sliding_window}) or attention "
-                         f"dropout ({dropout}); use sdpa for this model")
+    unsupported = {k: v for k, v in kwargs.items() if k in ("softcap", "s_aux") and v is not None}
+    if sliding_window is not None or dropout or unsupported:
+        raise ValueError(f"attn_implementation 'varlen' has no sliding window ({sliding_window}), attention "
+                         f"dropout ({dropout}) or {sorted(unsupported) or 'logit softcap / attention sinks'}; "
+                         "use sdpa for this model")
     if cu_seq_lens_q is None:
         out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling,
                                              enable_gqa=query.shape[1] != key.shape[1])
         return out.transpose(1, 2).contiguous(), None
     if query.shape[0] != 1:
         raise ValueError(f"a packed micro-batch is one row; got {query.shape[0]}")
-    if not torch.equal(cu_seq_lens_q, cu_seq_lens_k):
+    if cu_seq_lens_k is not cu_seq_lens_q and not torch.equal(cu_seq_lens_q, cu_seq_lens_k):  # no sync per call
         raise ValueError("varlen attention here is self-attention: the query and key boundaries must match")
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, H, D]
     if q.is_cuda:

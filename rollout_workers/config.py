@@ -33,7 +33,8 @@ class EngineConfig(_Strict):
         1, ge=1, description="GPUs one vLLM engine spreads over (on one node); the worker asks Ray for that many")
     weight_transfer: Literal["auto", "gloo", "nccl", "ipc"] = Field(
         "auto", description="vLLM: the weight-transfer backend the engine is started with (the broadcast "
-        "channel's; set from learner.weight_sync.backend when that is set); auto: gloo on CPUs, nccl on GPUs")
+        "channel's; set from learner.weight_sync.backend, which `etarl plan` resolves); auto with no plan: gloo on "
+        "CPUs, nccl on GPUs")
     return_routing: bool = Field(
         False, description="vLLM: return each response token's experts (MoE; vLLM's enable_return_routed_experts, "
         "its V2 model runner, GPUs); set by learner.routing_replay=r3. The transformers engine always returns "

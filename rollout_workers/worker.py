@@ -770,7 +770,7 @@ class RolloutWorker:
             c["engine_pause_s"] = float(pause_s)
         device = getattr(self.engine, "device", None)  # an engine in this process (transformers); vLLM's is not
         if device is not None:
-            c.update({f"gpu_{k}": v for k, v in gpu_memory_peaks(device).items()})
+            c.update({f"gpu_{k}_bytes": v for k, v in gpu_memory_peaks(device).items()})
         if self.rewards is not None:
             c.update(self.rewards.stats())
             for runner in self._more_rewards:

@@ -283,8 +283,8 @@ class Controller:
             return {}
         peaks = {"learner": round(learner, 2)}
         for stats in self.workers.stats(timeout=5.0):
-            if "gpu_max_memory_reserved_gb" in stats:
-                peaks[stats["worker_id"]] = round(stats["gpu_max_memory_reserved_gb"], 2)
+            if "gpu_max_memory_reserved_bytes" in stats:
+                peaks[stats["worker_id"]] = round(stats["gpu_max_memory_reserved_bytes"] / 2**30, 2)
         return peaks
 
     def _train_loop(self, metric_log: MetricLog, progress) -> None:

@@ -244,10 +244,10 @@ WORKER_METRICS: tuple[MetricSpec, ...] = (
     _worker("worker_env_timeouts_total", "counter", "env_timeouts_total",
             "environment calls that took longer than rollout.multi_turn.step_timeout_s"),
     _worker("worker_tokens_per_second", "gauge", "tokens_per_s", "tokens per second of generation time"),
-    _worker("worker_gpu_max_memory_allocated_gigabytes", "gauge", "gpu_max_memory_allocated_gb",
+    _worker("worker_gpu_max_memory_allocated_bytes", "gauge", "gpu_max_memory_allocated_bytes",
             "peak GPU memory of the worker's in-process engine's tensors (the transformers engine; vLLM's is "
             "its gpu_memory_utilization share)"),
-    _worker("worker_gpu_max_memory_reserved_gigabytes", "gauge", "gpu_max_memory_reserved_gb",
+    _worker("worker_gpu_max_memory_reserved_bytes", "gauge", "gpu_max_memory_reserved_bytes",
             "peak GPU memory its allocator reserved: what the GPU sees taken"),
 )
 

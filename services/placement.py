@@ -397,7 +397,8 @@ def resolve_layout(cfg: EtarlConfig, cluster: Cluster, params: float | None = No
             reasons.append(f"{gpus} GPUs: separate GPUs for engines and learner ranks (half and half)")
         changes["ray.layout"] = name
     if engine_gpu and cuda and not vllm_for_gpu and cfg.rollout.engine.kind == "vllm" \
-            and not _user_set(cfg, "rollout.engine.kind"):
+            and not _user_set(cfg, "rollout.engine.kind") and cfg.rollout.engine.tensor_parallel_size == 1:
+        # (a tensor-parallel engine the user named is vLLM's: kept, and refused if vLLM is missing)
         changes["rollout.engine.kind"] = "hf"
         reasons.append("no vLLM for GPUs is installed here: the transformers engine (rollout.engine.kind=hf; "
                        f"pip install vllm=={TESTED_VLLM} generates faster)")
@@ -444,11 +445,12 @@ def resolve_layout(cfg: EtarlConfig, cluster: Cluster, params: float | None = No
             if 16 * params / ranks > 0.8 * gpu_gib * 2**30:
                 reasons.append(f"warning: {16 * params / ranks / 2**30:.0f} GiB of learner state per rank is more than a "
                                f"{gpu_gib:g} GiB GPU holds with activations: add GPUs (learner.distributed.world_size)")
-    if cfg.learner.weight_sync.channel == "broadcast":
-        engines = changes.get("rollout.num_workers", cfg.rollout.num_workers)
-        gpu_defaults["learner.weight_sync.backend"] = _broadcast_backend(
-            cfg, engine_gpu and learner_gpu and cuda and engine_vllm, name == "colocated", engines == ranks == 1)
     filled = {k: v for k, v in gpu_defaults.items() if not _user_set(cfg, k)}
+    sync = cfg.learner.weight_sync
+    if sync.channel == "broadcast" and sync.backend == "auto":  # auto, named or not: the plan decides
+        engines = changes.get("rollout.num_workers", cfg.rollout.num_workers)
+        filled["learner.weight_sync.backend"] = _broadcast_backend(
+            cfg, engine_gpu and learner_gpu and cuda and engine_vllm, name == "colocated", engines == ranks == 1)
     if filled:
         reasons.append("GPU defaults: " + ", ".join(f"{k}={v}" for k, v in filled.items()))
     changes.update(filled)

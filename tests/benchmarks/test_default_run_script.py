@@ -13,13 +13,14 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_the_default_run_script_reports_the_run_from_its_log():
     out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "default_run.py"), "--warmup", "2",
-                          "run.steps=6", "eval.enabled=false", "rollout.engine.kind=hf"],
+                          "run.steps=6", "eval.enabled=false", "rollout.engine.kind=hf",
+                          "rollout.engine.device=cpu", "learner.device=cpu"],  # the CPU path, GPU or not
                          capture_output=True, text=True, timeout=600, cwd=REPO)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()
     summary = json.loads(lines[-1])
     assert summary["benchmark"] == "default_run" and summary["completed"] and summary["steps"] == 6
-    assert summary["layout"].startswith("cpu: ")  # this machine has no GPU: the CPU defaults, no GPU memory
+    assert summary["layout"].startswith("cpu: ")  # both roles on the CPU: the CPU defaults, no GPU memory
     assert summary["gpu_memory_gib"] == {} and "none (no GPU)" in out.stdout
     assert summary["samples_per_s"] > 0 and summary["tokens_per_s"] > summary["samples_per_s"]
     split = summary["step_split_s"]

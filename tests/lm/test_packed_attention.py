@@ -46,6 +46,8 @@ def test_each_sequence_attends_to_itself_alone():
         varlen_attention(None, q, k, v, torch.ones(1, 1, 16, 16))
     with pytest.raises(ValueError, match="sliding window"):
         varlen_attention(None, q, k, v, None, sliding_window=4, **packed_attention_kwargs(positions, q.device))
+    with pytest.raises(ValueError, match="softcap"):  # Gemma2's logit softcapping would be ignored: refused
+        varlen_attention(None, q, k, v, None, softcap=30.0, **packed_attention_kwargs(positions, q.device))
 
 
 def _stand_in(signature: str, calls: list):

