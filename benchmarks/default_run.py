@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -55,7 +54,7 @@ def main() -> None:
         command = [str(Path(sys.executable).with_name("etarl")), "train", *overrides, f"run.run_dir={run_dir}",
                    "run.progress=false"]
         started = time.perf_counter()
-        done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env={**os.environ})
+        done = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
         wall_s = time.perf_counter() - started
         if done.returncode != 0:
             sys.exit(f"etarl train failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
@@ -75,8 +74,7 @@ def main() -> None:
         "eval_accuracy_last": summary["eval_accuracy_last"],
         "samples_per_s": median_of(kept, "throughput/samples_per_s"),
         "tokens_per_s": median_of(kept, "throughput/tokens_per_s"),
-        "step_split_s": {part: median_of(kept, f"timing_s/{part}") for part in SPLIT
-                         if median_of(kept, f"timing_s/{part}") is not None},
+        "step_split_s": {part: value for part in SPLIT if (value := median_of(kept, f"timing_s/{part}")) is not None},
         "gpu_memory_gib": summary.get("gpu_memory_gib", {}),
     }
     split = result["step_split_s"]

@@ -180,12 +180,12 @@ def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, estimator: st
     name = KL_ESTIMATOR_NAMES.get(estimator, estimator)
     base, straight_through = name.removesuffix("+"), name.endswith("+")
     log_r = log_prob - ref_log_prob
+    bounded = log_r.clamp(-SAFETY_BOUND, SAFETY_BOUND)
     if base == "k1":
-        value = log_r.clamp(-SAFETY_BOUND, SAFETY_BOUND)
+        value = bounded
     elif base == "k2":
-        value = 0.5 * log_r.clamp(-SAFETY_BOUND, SAFETY_BOUND) ** 2
+        value = 0.5 * bounded ** 2
     elif base == "k3":
-        bounded = log_r.clamp(-SAFETY_BOUND, SAFETY_BOUND)
         value = (torch.exp(-bounded) - 1.0 + bounded).clamp(-K3_BOUND, K3_BOUND)
     elif base == "abs":
         value = log_r.abs()

@@ -662,11 +662,12 @@ class Learner:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
             return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        state = self.model.state_dict(keep_vars=True)  # tied names share one object
         copies: dict[int, torch.Tensor] = {}
-        for tensor in self.model.state_dict(keep_vars=True).values():  # tied names share one object
+        for tensor in state.values():
             if id(tensor) not in copies:
                 copies[id(tensor)] = tensor.detach().cpu()
-        return {k: copies[id(v)] for k, v in self.model.state_dict(keep_vars=True).items()}
+        return {k: copies[id(v)] for k, v in state.items()}
 
     def _publishable(self) -> dict[str, torch.Tensor]:
         """The weights to send, every name (a tied lm_head too: vLLM's in-place reload keeps its
@@ -709,8 +710,9 @@ class Learner:
         return out
 
     def _publish_buckets(self) -> FullWeightBuckets:
-        """FSDP: the version in buckets of `distributed.publish_bucket_mb`, each parameter cast to the
-        publish dtype on its device; rank 0 keeps them (on its GPU for NCCL/IPC, else its host)."""
+        """The version in buckets of `distributed.publish_bucket_mb` (FSDP's gather, or a GPU's host
+        copies), each parameter cast to the publish dtype on its device; rank 0 keeps them (on its
+        GPU for NCCL/IPC, else its host)."""
         size = int(self.config.distributed.publish_bucket_mb * 2**20)
         return FullWeightBuckets(self.model, size, dtype=self._publish_dtype(), keep=self.comm.rank == 0,
                                  out_device=None if self._publish_on_device() else "cpu")

@@ -464,8 +464,10 @@ def _broadcast_backend(cfg: EtarlConfig, vllm_on_gpus: bool, colocated: bool, on
     the transformers engine, a CPU at either end, or several colocated pairs, gloo. An engine's
     weight_transfer the user named is kept (the config check pairs the two)."""
     named = cfg.rollout.engine.weight_transfer
-    if named != "auto" or not vllm_on_gpus:
-        return named if named != "auto" else "gloo"
+    if named != "auto":
+        return named
+    if not vllm_on_gpus:
+        return "gloo"
     if not colocated:
         return "nccl"
     return "ipc" if one_pair else "gloo"
