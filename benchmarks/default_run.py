@@ -51,7 +51,9 @@ def main() -> None:
     args, overrides = parser.parse_known_args()
     with tempfile.TemporaryDirectory(prefix="etarl-default-run-") as tmp:
         run_dir = Path(tmp) / "run"
-        command = [str(Path(sys.executable).with_name("etarl")), "train", *overrides, f"run.run_dir={run_dir}",
+        # `etarl` is services.cli:main; by module, it also runs from a checkout on PYTHONPATH that no
+        # pip install put an `etarl` script beside the interpreter for (a GPU box without a registry)
+        command = [sys.executable, "-m", "services.cli", "train", *overrides, f"run.run_dir={run_dir}",
                    "run.progress=false"]
         started = time.perf_counter()
         done = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
