@@ -23,6 +23,7 @@ trajectories of turns and environment observations, new weights loaded between t
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -46,6 +47,16 @@ from rollout_workers.engines.base import Completion, GenerationEngine, SamplingP
 from rollout_workers.rewards import RewardRunner
 
 log = logging.getLogger(__name__)
+
+
+def group_seed(base: int, ticket: int) -> int:
+    """The sampling seed of a ticket's group: the same for the same (base, ticket), so a run is
+    reproducible and a reissued ticket draws the same samples if the weights have not changed;
+    unrelated across base seeds (base + ticket x n, the rule before, gave run.seed=8 the samples of
+    run.seed=0 one ticket on). 31 bits, leaving room for the engines' per-sample, per-continuation
+    and per-turn offsets within a 64-bit seed."""
+    digest = hashlib.blake2b(f"{base}:{ticket}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 class StopRequested(Exception):
@@ -135,9 +146,7 @@ class RolloutWorker:
         s = self.config.sampling
         stop = list(s.stop_token_ids)
         stop += [t for t in self.prompt_format.stop_token_ids if t not in stop]  # EOS, generation_config's
-        # A group's seed follows its ticket: a run is reproducible, and a reissued ticket draws
-        # the same samples as before if the weights have not changed.
-        seed = None if s.seed is None else s.seed + ticket * s.n
+        seed = None if s.seed is None else group_seed(s.seed, ticket)
         return SamplingParams(
             n=s.n, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
             max_new_tokens=s.max_new_tokens, stop_token_ids=tuple(stop), seed=seed,

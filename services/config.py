@@ -28,7 +28,8 @@ class RunConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     steps: int = Field(40, ge=1, description="learner steps (weight versions) to run")
-    seed: int = 0
+    seed: int = Field(0, ge=0, description="the run's seed: the learner's, the held-out set's, and (unless they are "
+                      "set) the train prompts' order (rollout.task.seed) and the sampler's (rollout.sampling.seed)")
     run_dir: Optional[str] = Field(None, description="where logs, plots and checkpoints go; None: runs/<time>")
     model: str = Field("tiny", description="HF model folder, or 'tiny': the built-in warm-started tiny model "
                        "('tiny-moe': the same as a Qwen3 mixture of experts, 8 experts, top-2)")
@@ -223,6 +224,12 @@ class EtarlConfig(BaseModel):
                                  f"({model!r}); set the model once, in run.model")
             learner["model_path"] = model
             learner.setdefault("seed", run.get("seed", 0))
+        rollout = data.setdefault("rollout", {})
+        if isinstance(rollout, dict):  # one seed varies the whole run: prompts and samples too
+            for part in ("sampling", "task"):
+                section = rollout.get(part) or {}
+                if isinstance(section, dict):
+                    rollout[part] = {"seed": run.get("seed", 0), **section}
         mode = data.get("mode", "async")
         if mode in MODES:
             buffer = data.setdefault("buffer", {"transport": "ray"})

@@ -96,6 +96,28 @@ def test_model_path_has_one_home():
         load_config(None, ["learner.model_path=/other"])
 
 
+def test_run_seed_seeds_the_train_prompts_and_the_sampler_unless_they_are_set():
+    """One seed varies the whole run: before, run.seed changed the learner and the held-out set
+    while every run trained on the same prompts with the same samples."""
+    from rollout_workers.data import train_prompts
+    from rollout_workers.worker import group_seed
+
+    cfg = load_config(None, ["run.seed=5"])
+    assert (cfg.learner.seed, cfg.rollout.sampling.seed, cfg.rollout.task.seed) == (5, 5, 5)
+    cfg = load_config(None, ["run.seed=5", "rollout.sampling.seed=null", "rollout.task.seed=9"])
+    assert (cfg.rollout.sampling.seed, cfg.rollout.task.seed) == (None, 9)
+    first = [[p.prompt for p in train_prompts(load_config(None, [f"run.seed={seed}"]).rollout.task).problems[:20]]
+             for seed in (0, 5)]
+    assert first[0] != first[1]
+    # a group's seeds (its seed + sample index, as vLLM seeds each sample) never repeat another
+    # run seed's: the old rule, seed + ticket x n, gave run.seed=8 the samples of run.seed=0
+    n, tickets = 8, range(2000)
+    drawn = {base: {group_seed(base, t) + i for t in tickets for i in range(n)} for base in (0, 1, 8)}
+    assert not drawn[0] & drawn[1] and not drawn[0] & drawn[8]
+    assert len(drawn[0]) == n * len(tickets), "one ticket's samples never draw another ticket's"
+    assert group_seed(3, 17) == group_seed(3, 17) < 2**31, "reproducible, and room for the engines' offsets"
+
+
 def test_resolved_config_round_trips_through_yaml(tmp_path):
     cfg = load_config(None, ["run.steps=5", "mode=one_step_off"])
     path = tmp_path / "resolved.yaml"
