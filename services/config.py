@@ -28,7 +28,7 @@ class RunConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     steps: int = Field(40, ge=1, description="learner steps (weight versions) to run")
-    seed: int = Field(0, ge=0, description="the run's seed: the learner's, the held-out set's, and (unless they are "
+    seed: int = Field(0, description="the run's seed: the learner's, the held-out set's, and (unless they are "
                       "set) the train prompts' order (rollout.task.seed) and the sampler's (rollout.sampling.seed)")
     run_dir: Optional[str] = Field(None, description="where logs, plots and checkpoints go; None: runs/<time>")
     model: str = Field("tiny", description="HF model folder, or 'tiny': the built-in warm-started tiny model "
