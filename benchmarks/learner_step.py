@@ -1,10 +1,16 @@
-"""Learner step cost by proximal log-prob path (weight publication: benchmarks/weight_sync.py).
+"""Learner step cost by proximal log-prob path and by micro-batch layout (weight publication:
+benchmarks/weight_sync.py).
 
     .venv/bin/python benchmarks/learner_step.py [--groups 8] [--n 4] [--response 64] [--steps 3]
+    # the embedded default's shape (tiny model, 8 groups of 8, ~17 + 8 tokens):
+    .venv/bin/python benchmarks/learner_step.py --groups 8 --n 8 --prompt 17 --response 8 --vocab 32 --hidden 128 --layers 2 --steps 30
 
 Builds a small random Qwen2 policy as an HF folder, then in one run measures:
   * seconds per learner step with prox_logp=recompute (one extra no-grad pass), loglinear
-    (AReaL's approximation, no extra pass) and bypass mode, and the ratio recompute / loglinear.
+    (AReaL's approximation, no extra pass) and bypass mode, and the ratio recompute / loglinear;
+  * seconds per recompute step with padded rows, packed rows under sdpa (a block-diagonal mask over
+    the row) and packed rows under varlen (each sequence alone), and the ratio packed / padded: what
+    `learner.packing: auto` decides by (packed on a GPU, padded on a CPU).
 Prints the numbers and, as its last line, a JSON summary; asserts nothing about time.
 """
 from __future__ import annotations
@@ -98,10 +104,23 @@ def main() -> None:
             print(f"  step {name:9s}: {step_s:7.3f} s/step  (proximal pass {prox_s:.3f} s)")
         ratio = results["recompute"][0] / results["loglinear"][0]
         print(f"  recompute / loglinear step time: {ratio:.2f}x")
+        # micro-batches as the embedded default plans them: the token budget alone, no row cap
+        layouts = {name: LearnerConfig(**{**base, "micro_batch_size": None}, **overrides) for name, overrides in (
+            ("padded", {"packing": False}), ("packed_sdpa", {"packing": True}),
+            ("packed_varlen", {"packing": True, "attn_implementation": "varlen"}))}
+        by_layout = time_steps(layouts, groups, args.steps)
+        for name, (step_s, _) in by_layout.items():
+            print(f"  step {name:13s}: {step_s:7.3f} s/step")
+        packed_vs_padded = by_layout["packed_sdpa"][0] / by_layout["padded"][0]
+        varlen_vs_padded = by_layout["packed_varlen"][0] / by_layout["padded"][0]
+        print(f"  packed (sdpa) / padded step time: {packed_vs_padded:.2f}x; packed (varlen) / padded: "
+              f"{varlen_vs_padded:.2f}x")
     print(json.dumps({"benchmark": "learner_step", "device": args.device, "groups": args.groups, "n": args.n,
                       "step_s": {name: round(step_s, 4) for name, (step_s, _) in results.items()},
                       "proximal_pass_s": {name: round(prox_s, 4) for name, (_, prox_s) in results.items()},
-                      "recompute_vs_loglinear": round(ratio, 3)}))
+                      "recompute_vs_loglinear": round(ratio, 3),
+                      "layout_step_s": {name: round(step_s, 4) for name, (step_s, _) in by_layout.items()},
+                      "packed_vs_padded": round(packed_vs_padded, 3), "varlen_vs_padded": round(varlen_vs_padded, 3)}))
 
 
 if __name__ == "__main__":

@@ -172,6 +172,10 @@ class Learner:
         self.config = config
         self.comm = comm or LocalComm()
         self.device = self._device()
+        # learner.packing auto: packed on a GPU (or for varlen, which needs it); a CPU's sdpa over a
+        # packed row's block-diagonal mask costs more than the padding it saves
+        self.packing = config.packing if isinstance(config.packing, bool) else \
+            self.device.type == "cuda" or config.attn_implementation == "varlen"
         torch.manual_seed(config.seed)
         self.load_report: dict[str, float] = {}  # host memory the policy's load added (sharded: per rank)
         self.model = self._build_model(trainable=True)
@@ -434,7 +438,7 @@ class Learner:
         r3 forces the engine's experts at the positions that sampled policy tokens, r2 (after its
         proximal pass, which records) the recorded ones at every position."""
         mode, plan = self.config.routing_replay, functools.partial(
-            self.routing.plan, mb.prompts, mb.responses, self.config.packing, self.device, record=record)
+            self.routing.plan, mb.prompts, mb.responses, self.packing, self.device, record=record)
         if mode == "r3":
             return plan(forced=mb.routed_experts, force_mask=mb.response_mask)
         if mode == "r2" and not proximal:
@@ -553,7 +557,7 @@ class Learner:
         cfg = self.config
         lengths = batch.sequence_lengths(rows)
         plan = plan_micro_batches(lengths, cfg.max_tokens_per_micro_batch, self.comm, cfg.micro_batch_size,
-                                  packed=cfg.packing)
+                                  packed=self.packing)
         return [[rows[i] for i in mb] for mb in plan]
 
     def _forward(self, mb: TrainBatch, with_entropy: bool = False, entropy_grad: bool = True, model=None):
@@ -562,7 +566,7 @@ class Learner:
         cfg = self.config
         lengths = mb.sequence_lengths()
         width = None
-        if cfg.packing:
+        if self.packing:
             buckets = cfg.shape_buckets == "on" or cfg.shape_buckets == "auto" and self.device.type == "cuda"
             width = shape_bucket(sum(lengths), cfg.max_tokens_per_micro_batch) if buckets else sum(lengths)
         real, slots = padding_counts(lengths, width)
@@ -570,7 +574,7 @@ class Learner:
         with self._autocast():
             out = response_log_probs(model or self.model, mb.prompts, mb.responses, cfg.temperature,
                                      cfg.pad_token_id, with_entropy=with_entropy, entropy_grad=entropy_grad,
-                                     chunk_tokens=cfg.logprob_chunk_tokens, packed=cfg.packing, pack_width=width)
+                                     chunk_tokens=cfg.logprob_chunk_tokens, packed=self.packing, pack_width=width)
         return out[0], (out[2] if with_entropy else None)
 
     def _no_grad_log_probs(self, batch: TrainBatch, model=None, record: bool = False, seen=None) -> torch.Tensor:

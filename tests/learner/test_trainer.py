@@ -173,13 +173,15 @@ NORMALISED_TOKEN_IS = {"rollout_is": "token", "rollout_is_threshold": 1.5, "roll
     # loglinear: π_old from π_θ per micro-batch, token weights normalised over the minibatch; entropy bonus
     {"prox_logp": "loglinear", "rollout_correction": NORMALISED_TOKEN_IS, "policy_loss": {"entropy_coeff": 0.01}},
 ], ids=["recompute-kl", "bypass-seq-is", "loglinear-entropy"])
-def test_a_token_budget_gives_the_update_of_one_big_batch(policy_dir, overrides):
+@pytest.mark.parametrize("packing", [True, False], ids=["packed", "padded"])
+def test_a_token_budget_gives_the_update_of_one_big_batch(policy_dir, overrides, packing):
     """Float64, two steps on stale data with a noisy sampler: micro-batches of one or two rows make
     the update (and the batch-normalised IS weights) of one pass over the whole minibatch."""
     stale = sample_groups(policy_dir, n_groups=4, n=3, seed=6, logprob_noise=0.3)
     results = {}
     for budget in (None, longest_sequence(stale)):
-        learner = make_learner(policy_dir, dtype="float64", max_tokens_per_micro_batch=budget, **overrides)
+        learner = make_learner(policy_dir, dtype="float64", max_tokens_per_micro_batch=budget, packing=packing,
+                               **overrides)
         learner.version = 1  # the samples are one version old: loglinear moves π_old off μ
         metrics = [learner.train_step(stale) for _ in range(2)]
         results[budget] = (metrics, params_of(learner.model))
@@ -190,8 +192,8 @@ def test_a_token_budget_gives_the_update_of_one_big_batch(policy_dir, overrides)
         for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "rollout_corr/rollout_is_batch_norm_factor"):
             assert got[key] == pytest.approx(want[key], rel=1e-9, abs=1e-12), key
         assert want["rollout_corr/rollout_is_batch_norm_factor"] != 1.0  # the normalisation does something
-        # Packed micro-batches (the default) hold no padding, whatever their split.
-        assert got["perf/padding_fraction"] == want["perf/padding_fraction"] == 0.0
+        if packing:  # packed micro-batches hold no padding, whatever their split
+            assert got["perf/padding_fraction"] == want["perf/padding_fraction"] == 0.0
 
 
 def test_padding_fraction_counts_every_pass(policy_dir, groups):
@@ -200,9 +202,14 @@ def test_padding_fraction_counts_every_pass(policy_dir, groups):
     metrics = make_learner(policy_dir, max_tokens_per_micro_batch=None, packing=False).train_step(groups)
     # One pass for π_old and one for the update, each over every row padded to the longest.
     assert metrics["perf/padding_fraction"] == pytest.approx(1 - sum(lengths) / (len(lengths) * max(lengths)))
+    # packing auto on a CPU learner: the same padded rows (sdpa over a packed row's mask costs more)
+    auto = make_learner(policy_dir, max_tokens_per_micro_batch=None)
+    assert auto.packing is False and auto.train_step(groups)["perf/padding_fraction"] == metrics["perf/padding_fraction"]
+    assert make_learner(policy_dir, max_tokens_per_micro_batch=None, attn_implementation="varlen").packing is True
     # Packed, then packed into shape buckets: the filler up to the bucket is the only padding.
-    assert make_learner(policy_dir, max_tokens_per_micro_batch=None).train_step(groups)["perf/padding_fraction"] == 0
-    bucketed = make_learner(policy_dir, max_tokens_per_micro_batch=None, shape_buckets="on").train_step(groups)
+    packed = make_learner(policy_dir, max_tokens_per_micro_batch=None, packing=True)
+    assert packed.train_step(groups)["perf/padding_fraction"] == 0
+    bucketed = make_learner(policy_dir, max_tokens_per_micro_batch=None, packing=True, shape_buckets="on").train_step(groups)
     assert bucketed["perf/padding_fraction"] == pytest.approx(1 - sum(lengths) / shape_bucket(sum(lengths)))
 
 
