@@ -359,22 +359,19 @@ def resolve_layout(cfg: EtarlConfig, cluster: Cluster, params: float | None = No
     `vllm_builds`: the vLLM builds installed ("gpu", "cpu"); where none is for the engine's device,
     an engine kind the user did not name becomes the transformers engine."""
     gpus = int(cluster.total()["GPU"])
-    uses_gpu = cfg.rollout.engine.device != "cpu" or cfg.learner.device != "cpu"
-    if not gpus or not uses_gpu:
+    engine_gpu, learner_gpu = cfg.rollout.engine.device != "cpu", cfg.learner.device != "cpu"
+    hf_why = _transformers_engine_instead(cfg, bool(gpus) and engine_gpu and cuda, vllm_builds)
+    kind = {"rollout.engine.kind": "hf"} if hf_why else {}
+    if not gpus or not (engine_gpu or learner_gpu):
         why = "no GPU in " + cluster.source if not gpus else "rollout.engine.device and learner.device are cpu"
-        reasons, changes = [f"{why}: the CPU defaults"], {}
-        hf_why = _transformers_engine_instead(cfg, False, vllm_builds)
-        if hf_why:
-            reasons.append(hf_why)
-            changes["rollout.engine.kind"] = "hf"
-        return _with(cfg, changes), Layout("cpu", tuple(reasons), tuple(changes.items()))
+        reasons = (f"{why}: the CPU defaults",) + ((hf_why,) if hf_why else ())
+        return _with(cfg, kind), Layout("cpu", reasons, tuple(kind.items()))
     node_gpus = int(min((n.gpus for n in cluster.nodes if n.gpus), default=0))
     set_ = {k: _user_set(cfg, k) for k in ("rollout.num_workers", "learner.distributed.world_size",
                                            "rollout.engine.tensor_parallel_size", "ray.layout")}
     changes: dict[str, object] = {}
     reasons = [f"{gpus} GPU(s) in {cluster.source}"]
     name = cfg.ray.layout
-    engine_gpu, learner_gpu = cfg.rollout.engine.device != "cpu", cfg.learner.device != "cpu"
     if name == "auto" and not (engine_gpu and learner_gpu):  # one side on the CPU: the other has the GPUs
         name = "separate"
         reasons.append(("rollout.engine" if not engine_gpu else "learner") + ".device=cpu: nothing to share a GPU "
@@ -402,10 +399,9 @@ def resolve_layout(cfg: EtarlConfig, cluster: Cluster, params: float | None = No
             name = "separate"
             reasons.append(f"{gpus} GPUs: separate GPUs for engines and learner ranks (half and half)")
         changes["ray.layout"] = name
-    hf_why = _transformers_engine_instead(cfg, engine_gpu and cuda, vllm_builds)
     if hf_why:
         reasons.append(hf_why)
-        changes["rollout.engine.kind"] = "hf"
+    changes.update(kind)
     engine_vllm = changes.get("rollout.engine.kind", cfg.rollout.engine.kind) == "vllm"
     if name == "colocated":
         if not set_["rollout.num_workers"] and not set_["learner.distributed.world_size"]:
