@@ -29,7 +29,7 @@ class ExactlyOnce(RuleBasedStateMachine):
 
         self.dir = tempfile.TemporaryDirectory()
         self.config = BufferConfig(gate=GateConfig(batch_size=2, eta=None, max_concurrent=64),
-                                   store=StoreConfig(capacity_groups=64, lease_s=10),
+                                   store=StoreConfig(capacity_groups=8, lease_s=10),  # small: full stores happen
                                    log=LogConfig(path=Path(self.dir.name) / "b.log", fsync="interval"))
         self.clock = Clock()
         self.core = BufferCore(self.config, clock=self.clock)
@@ -47,6 +47,9 @@ class ExactlyOnce(RuleBasedStateMachine):
     @rule()
     def push(self):
         permit = self.core.acquire_permit("w")
+        if permit is None:  # refused only for want of room: every slot holds a group or one being made
+            assert self.core.capacity() <= 0 and self.core.store.room() - self.core.gate.running <= 0
+            return
         group = make_group(permit.ticket, n=1, tokens=2)
         assert self.core.push_group(encode_group(group), permit.permit_id)["duplicate"] is False
         self.pushed[group.group_id] = group
