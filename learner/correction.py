@@ -54,8 +54,11 @@ RS_ALIASES = {"token": "token_k1", "sequence": "seq_sum_k1", "geometric": "seq_m
 
 
 class RejectionCriterion(BaseModel):
-    """One parsed `rollout_rs` option. k1 options bound a ratio: lower <= ρ_agg <= upper.
-    k2/k3 options bound a divergence from above: stat <= upper."""
+    """One parsed `rollout_rs` option, as verl's `compute_rollout_rejection_mask` applies it.
+    k1 options bound verl's k1 statistic, −log ρ aggregated (per token, summed or averaged over
+    the sequence), from both sides: log(lower) <= stat <= log(upper), i.e. ρ_agg in
+    [1/upper, 1/lower] (lower and upper bound π_rollout/π_old). k2/k3 options bound a divergence
+    from above: stat <= upper."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -113,11 +116,13 @@ class RolloutCorrectionConfig(BaseModel):
     rollout_rs: None or comma-separated options that must all pass (see RS_OPTIONS; "token",
         "sequence", "geometric" are the older names of token_k1, seq_sum_k1, seq_mean_k1; the
         TURN_RS_OPTIONS take the seq_ statistic per turn and reject a failing turn alone).
-        k1 options bound the ratio (per token, per-sequence product, or geometric mean) to
-        [lower, upper]; k2 (½·log²ρ) and k3 (ρ − log ρ − 1) options bound a divergence from above.
-    rollout_rs_threshold: a float, "L_U" (k1 only), or one entry per option separated by commas.
-        rollout_rs_threshold_lower: the k1 lower bound when the threshold is a single float
-        (default 1/upper).
+        k1 options bound verl's k1 statistic −log ρ (per token, summed, or averaged over the
+        sequence) to [log L, log U]; k2 (½·log²ρ) and k3 (ρ − log ρ − 1) options bound a
+        divergence from above.
+    rollout_rs_threshold: a float U (k1: L = 1/U, so ρ within [1/U, U]), "L_U" (k1 only, verl's
+        form: ρ within [1/U, 1/L]), or one entry per option separated by commas.
+        rollout_rs_threshold_lower (verl's older form, beside a float threshold U): the k1 bounds
+        on ρ itself, ρ within [lower, U], as verl applied it (default 1/U).
     rollout_token_veto_threshold: reject a whole sequence if any token's unclamped ρ is below it.
     rollout_turn_metrics: report `rollout_corr/kl_by_turn/<t>` and `k3_kl_by_turn/<t>` for turns
         t = 1..N (0 when a batch has no turn t; 0: off).
@@ -219,11 +224,14 @@ class RolloutCorrectionConfig(BaseModel):
             if option.endswith("k1"):
                 if lower is not None and lower_default is not None:
                     raise ValueError(f"{field}: 'L_U' bounds and rollout_rs_threshold_lower are both given")
-                if lower is None:
-                    lower = lower_default if lower_default is not None else 1.0 / upper
-                if lower > upper:
-                    raise ValueError(f"rollout_rs_threshold_lower ({lower}) exceeds the upper bound {upper} "
-                                     f"of option {option}")
+                if lower is None and lower_default is not None:
+                    if lower_default > upper:
+                        raise ValueError(f"rollout_rs_threshold_lower ({lower_default}) exceeds the upper bound "
+                                         f"{upper} of option {option}")
+                    # ρ in [lower_default, upper] is −log ρ in [log(1/upper), log(1/lower_default)]
+                    lower, upper = 1.0 / upper, 1.0 / lower_default
+                elif lower is None:
+                    lower = 1.0 / upper
             elif lower is not None:
                 raise ValueError(f"{field}: {option} bounds a divergence from above; give one number, not "
                                  f"{entry!r}")
@@ -539,9 +547,10 @@ def compute_rollout_correction(
 ) -> tuple[Optional[torch.Tensor], torch.Tensor, dict[str, float]]:
     """IS weights, the rejection-modified mask and the `rollout_corr/...` metrics.
 
-    Tensors are [batch, tokens]; inputs are detached (weights never carry gradient). Metrics use
-    valid sequences (>= 1 valid token) as the sequence population; an all-padding batch gives
-    zeros, never NaN. With `rollout_is_batch_normalize`, `batch_norm_sums` (from
+    Tensors are [batch, tokens]; inputs are detached (weights never carry gradient). Metrics are
+    verl's, defined as its code defines them (the batch-wide sequence metrics count a fully padded
+    row, as verl's do; a rejection option's own ones do not); an all-padding batch gives zeros,
+    never NaN (verl raises). With `rollout_is_batch_normalize`, `batch_norm_sums` (from
     `is_batch_norm_sums`, summed over every micro-batch and rank of the batch) normalise the
     weights over the whole batch; None normalises over the rows given here.
     """
@@ -550,18 +559,21 @@ def compute_rollout_correction(
     mask = check_mask(response_mask)
     log_ratio, old, rollout = _log_ratio(old_log_prob, rollout_log_prob, mask)
     seq_valid = mask.any(-1)
+    # verl's batch-wide sequence metrics average over every row, a fully padded one included (its
+    # per-row means are 0); an all-padding batch has no rows to average (zeros, where verl raises).
+    rows = mask.any().expand_as(seq_valid)
     turns = Turns(mask) if config.uses_turns else None
     stats: dict[str, torch.Tensor] = {}
 
     weights = None
     if config.rollout_is is not None:
-        weights = _is_weights(log_ratio, mask, seq_valid, turns, config, stats, batch_norm_sums)
+        weights = _is_weights(log_ratio, mask, seq_valid, rows, turns, config, stats, batch_norm_sums)
 
     keep = torch.ones_like(mask)
     if config.rejection_criteria:
-        keep = _rejection_keep(log_ratio, mask, seq_valid, turns, config.rejection_criteria, stats)
-    _veto(log_ratio, mask, seq_valid, config.rollout_token_veto_threshold, keep, stats)
-    _offpolicy_stats(old, rollout, log_ratio, mask, seq_valid, stats)
+        keep = _rejection_keep(log_ratio, mask, seq_valid, rows, turns, config.rejection_criteria, stats)
+    _veto(log_ratio, mask, rows, config.rollout_token_veto_threshold, keep, stats)
+    _offpolicy_stats(old, rollout, log_ratio, mask, rows, stats)
     if config.rollout_turn_metrics:
         _by_turn_stats(log_ratio, turns, config.rollout_turn_metrics, stats)
 
@@ -636,15 +648,18 @@ def _truncated_weights(log_ratio, mask, seq_valid, turns, config):
     return raw, weights, unit_log, unit_valid
 
 
-def _is_weights(log_ratio, mask, seq_valid, turns, config, stats, batch_norm_sums=None) -> torch.Tensor:
+def _is_weights(log_ratio, mask, seq_valid, rows, turns, config, stats, batch_norm_sums=None) -> torch.Tensor:
     zero = torch.zeros((), dtype=log_ratio.dtype, device=log_ratio.device)
     upper, lower = config.is_upper, config.is_lower
     raw, weights, unit_log, unit_valid = _truncated_weights(log_ratio, mask, seq_valid, turns, config)
     low = lower if lower is not None else 1.0 / upper
 
-    # max/min/fractions describe the ratios before truncation: sequence (turn) level in log space,
-    # so they are the true extremes even beyond the safety bound, over sequences (turns).
+    # As verl's `compute_is_metrics`: the fractions judge the ratios before truncation; max/min are
+    # the applied weights' at token level and the true extremes (in log space, even beyond the
+    # safety bound) over sequences (turns) otherwise; the seq_ fractions judge each sequence's mean
+    # ratio before truncation (after it, a mean could never pass the cap).
     if config.rollout_is != "token":
+        unit_valid = rows if config.rollout_is == "sequence" else unit_valid
         unit_log = torch.where(unit_valid, unit_log, zero)
         # exp of the true log extremes, capped at exp(20) against overflow (small ones just underflow)
         stats["rollout_is_max"] = torch.exp(_masked_max(unit_log, unit_valid).clamp(max=SAFETY_BOUND))
@@ -652,23 +667,24 @@ def _is_weights(log_ratio, mask, seq_valid, turns, config, stats, batch_norm_sum
         stats["rollout_is_ratio_fraction_high"] = masked_mean((unit_log > math.log(upper)).to(zero.dtype), unit_valid)
         stats["rollout_is_ratio_fraction_low"] = masked_mean((unit_log < math.log(low)).to(zero.dtype), unit_valid)
     else:
-        stats["rollout_is_max"] = _masked_max(raw, mask)
-        stats["rollout_is_min"] = _masked_min(raw, mask)
+        stats["rollout_is_max"] = _masked_max(weights, mask)
+        stats["rollout_is_min"] = _masked_min(weights, mask)
         stats["rollout_is_ratio_fraction_high"] = masked_mean((raw > upper).to(zero.dtype), mask)
         stats["rollout_is_ratio_fraction_low"] = masked_mean((raw < low).to(zero.dtype), mask)
     mean = masked_mean(weights, mask)
     stats["rollout_is_mean"] = mean
     stats["rollout_is_std"] = _masked_std(weights, mask)
-    normalized_sq = masked_mean((weights / torch.where(mean > 0, mean, torch.ones_like(mean))) ** 2, mask)
+    normalized_sq = masked_mean((weights / (mean + 1e-8)) ** 2, mask)  # verl's 1e-8
     stats["rollout_is_eff_sample_size"] = torch.where(normalized_sq > 0, 1.0 / normalized_sq.clamp_min(1e-30), zero)
     seq_mean = masked_mean_rows(weights, mask)
-    stats["rollout_is_seq_mean"] = masked_mean(seq_mean, seq_valid)
-    stats["rollout_is_seq_std"] = _masked_std(seq_mean, seq_valid, unbiased=True)
-    stats["rollout_is_seq_max"] = _masked_max(seq_mean, seq_valid)
-    stats["rollout_is_seq_min"] = _masked_min(seq_mean, seq_valid)
-    stats["rollout_is_seq_max_deviation"] = _masked_max((seq_mean - 1.0).abs(), seq_valid)
-    stats["rollout_is_seq_fraction_high"] = masked_mean((seq_mean > upper).to(zero.dtype), seq_valid)
-    stats["rollout_is_seq_fraction_low"] = masked_mean((seq_mean < low).to(zero.dtype), seq_valid)
+    stats["rollout_is_seq_mean"] = masked_mean(seq_mean, rows)
+    stats["rollout_is_seq_std"] = _masked_std(seq_mean, rows, unbiased=True)
+    stats["rollout_is_seq_max"] = _masked_max(seq_mean, rows)
+    stats["rollout_is_seq_min"] = _masked_min(seq_mean, rows)
+    stats["rollout_is_seq_max_deviation"] = _masked_max((seq_mean - 1.0).abs(), rows)
+    raw_seq_mean = masked_mean_rows(raw, mask)
+    stats["rollout_is_seq_fraction_high"] = masked_mean((raw_seq_mean > upper).to(zero.dtype), rows)
+    stats["rollout_is_seq_fraction_low"] = masked_mean((raw_seq_mean < low).to(zero.dtype), rows)
     if lower is not None:
         stats["rollout_is_oob_ratio"] = masked_mean(((raw < lower) | (raw > upper)).to(zero.dtype), mask)
 
@@ -685,11 +701,11 @@ def _is_weights(log_ratio, mask, seq_valid, turns, config, stats, batch_norm_sum
     return weights.detach()
 
 
-def _rejection_keep(log_ratio, mask, seq_valid, turns, criteria, stats) -> torch.Tensor:
+def _rejection_keep(log_ratio, mask, seq_valid, rows, turns, criteria, stats) -> torch.Tensor:
     """Bool [B, T]: True where every criterion passes (padding is True; the mask handles it)."""
     dtype = log_ratio.dtype
     safe = log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND)
-    token_stat = {"k1": safe, "k2": 0.5 * safe ** 2, "k3": torch.exp(safe) - 1.0 - safe}
+    token_stat = {"k1": -safe, "k2": 0.5 * safe ** 2, "k3": torch.exp(safe) - 1.0 - safe}
     keep_all = torch.ones_like(mask)
     for c in criteria:
         per_token = token_stat[c.estimator]
@@ -708,32 +724,52 @@ def _rejection_keep(log_ratio, mask, seq_valid, turns, criteria, stats) -> torch
                 stat = _rowwise_max(per_token, mask)
             stat_mask = seq_valid
         if c.estimator == "k1":
-            # k1 bounds the ratio ρ (per token, product, or geometric mean): compare log ρ in log space.
-            log_lo, log_hi = math.log(c.lower), math.log(c.upper)
-            high, low = stat > log_hi, stat < log_lo
-            shown = torch.exp(stat.clamp(-SAFETY_BOUND, SAFETY_BOUND))  # metrics in ratio units
+            high_at, low_at = math.log(c.upper), math.log(c.lower)
         else:
-            high, low = stat > c.upper, torch.zeros_like(stat, dtype=torch.bool)
-            shown = stat
+            high_at, low_at = c.upper, 0.0  # no lower bound (the std below clamps at 0)
+        high = stat > high_at
+        low = stat < low_at if c.estimator == "k1" else torch.zeros_like(stat, dtype=torch.bool)
         passed = ~(high | low)
         if c.level == "token":
-            keep = passed
+            keep, on_tokens = passed, stat
         elif c.level.startswith("turn"):
-            keep = turns.spread(passed)  # a failing turn is rejected alone
+            keep, on_tokens = turns.spread(passed), turns.spread(stat)  # a failing turn is rejected alone
         else:
-            keep = passed[:, None].expand_as(mask)
+            keep, on_tokens = passed[:, None].expand_as(mask), stat[:, None].expand_as(mask)
         keep_all = keep_all & keep
-        name = f"rollout_rs_{c.option}"
-        stats[f"{name}_mean"] = masked_mean(shown, stat_mask)
-        stats[f"{name}_max"] = _masked_max(shown, stat_mask)
-        stats[f"{name}_min"] = _masked_min(shown, stat_mask)
-        stats[f"{name}_fraction_high"] = masked_mean(high.to(dtype), stat_mask)
-        stats[f"{name}_fraction_low"] = masked_mean(low.to(dtype), stat_mask)
-        stats[f"{name}_masked_fraction"] = masked_mean((~keep).to(dtype), mask)
-        stats[f"{name}_seq_masked_fraction"] = masked_mean((~keep & mask).any(-1).to(dtype), seq_valid)
+        _rejection_metrics(f"rollout_rs_{c.option}", c, stat, stat_mask, on_tokens, mask, seq_valid,
+                           high, low, high_at, low_at, keep, stats)
     stats["rollout_rs_masked_fraction"] = masked_mean((~keep_all).to(dtype), mask)
-    stats["rollout_rs_seq_masked_fraction"] = masked_mean((~keep_all & mask).any(-1).to(dtype), seq_valid)
+    stats["rollout_rs_seq_masked_fraction"] = masked_mean((~keep_all & mask).any(-1).to(dtype), rows)
     return keep_all
+
+
+def _rejection_metrics(name, c, stat, stat_mask, token_stat, mask, seq_valid, high, low, high_at, low_at,
+                       keep, stats) -> None:
+    """One option's metrics, as verl's `compute_rs_metrics` defines them, in the statistic's units
+    (k1: −log ρ): `_mean` and `_std` over tokens (a sequence's statistic counts once per token),
+    `_max`/`_min`/`_fraction_*` over the units the option judges (tokens, sequences, turns),
+    `_seq_*` over sequences (at token level, each sequence's token mean)."""
+    dtype = stat.dtype
+    stats[f"{name}_mean"] = masked_mean(token_stat, mask)
+    stats[f"{name}_max"] = _masked_max(stat, stat_mask)
+    stats[f"{name}_min"] = _masked_min(stat, stat_mask)
+    stats[f"{name}_fraction_high"] = masked_mean(high.to(dtype), stat_mask)
+    stats[f"{name}_fraction_low"] = masked_mean(low.to(dtype), stat_mask)
+    clamped = token_stat.clamp(min=low_at, max=high_at)
+    spread = masked_mean(clamped ** 2, mask) - masked_mean(clamped, mask) ** 2
+    stats[f"{name}_std"] = torch.where(mask.sum() > 1, spread.clamp_min(0).sqrt(), torch.zeros_like(spread))
+    per_seq = stat if c.level.startswith("seq") else masked_mean_rows(token_stat, mask)
+    stats[f"{name}_seq_mean"] = masked_mean(per_seq, seq_valid)
+    stats[f"{name}_seq_std"] = _masked_std(per_seq, seq_valid, unbiased=True)
+    stats[f"{name}_seq_max"] = _masked_max(per_seq, seq_valid)
+    stats[f"{name}_seq_min"] = _masked_min(per_seq, seq_valid)
+    stats[f"{name}_seq_max_deviation"] = _masked_max(per_seq.abs(), seq_valid)
+    stats[f"{name}_seq_fraction_high"] = masked_mean((per_seq > high_at).to(dtype), seq_valid)
+    if c.estimator == "k1":
+        stats[f"{name}_seq_fraction_low"] = masked_mean((per_seq < low_at).to(dtype), seq_valid)
+    stats[f"{name}_masked_fraction"] = masked_mean((~keep).to(dtype), mask)
+    stats[f"{name}_seq_masked_fraction"] = masked_mean((~keep & mask).any(-1).to(dtype), seq_valid)
 
 
 def _rowwise_max(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -743,7 +779,7 @@ def _rowwise_max(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(filled), filled, torch.zeros_like(filled))
 
 
-def _veto(log_ratio, mask, seq_valid, threshold, keep, stats) -> None:
+def _veto(log_ratio, mask, rows, threshold, keep, stats) -> None:
     """Reject (in place, on `keep`) every sequence holding a token with unclamped ρ < threshold."""
     dtype = log_ratio.dtype
     if threshold is None:
@@ -754,7 +790,7 @@ def _veto(log_ratio, mask, seq_valid, threshold, keep, stats) -> None:
     catastrophic = (log_ratio < math.log(threshold)) & mask
     vetoed = catastrophic.any(-1)
     keep &= ~vetoed[:, None]
-    stats["rollout_is_veto_fraction"] = masked_mean(vetoed.to(dtype), seq_valid)
+    stats["rollout_is_veto_fraction"] = masked_mean(vetoed.to(dtype), rows)
     stats["rollout_is_catastrophic_token_fraction"] = masked_mean(catastrophic.to(dtype), mask)
 
 
@@ -768,25 +804,25 @@ def _by_turn_stats(log_ratio, turns: Turns, count: int, stats) -> None:
         stats[f"k3_kl_by_turn/{t + 1}"] = masked_mean(k3, in_turn)
 
 
-def _offpolicy_stats(old, rollout, log_ratio, mask, seq_valid, stats) -> None:
+def _offpolicy_stats(old, rollout, log_ratio, mask, rows, stats) -> None:
     """KL, K3, perplexities and χ² between the training-side policy and the rollout policy."""
     safe = log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND)
     # Per-sequence means in float64: a perplexity of a very unlikely sequence overflows float32.
     mean_old = masked_mean_rows(old, mask).double()
     mean_rollout = masked_mean_rows(rollout, mask).double()
-    stats["training_ppl"] = masked_mean(torch.exp(-mean_old), seq_valid)
-    stats["training_log_ppl"] = masked_mean(-mean_old, seq_valid)
-    stats["rollout_ppl"] = masked_mean(torch.exp(-mean_rollout), seq_valid)
-    stats["rollout_log_ppl"] = masked_mean(-mean_rollout, seq_valid)
+    stats["training_ppl"] = masked_mean(torch.exp(-mean_old), rows)
+    stats["training_log_ppl"] = masked_mean(-mean_old, rows)
+    stats["rollout_ppl"] = masked_mean(torch.exp(-mean_rollout), rows)
+    stats["rollout_log_ppl"] = masked_mean(-mean_rollout, rows)
     stats["kl"] = masked_mean(-log_ratio, mask)
     stats["k3_kl"] = masked_mean(torch.exp(safe) - safe - 1.0, mask)
     log_ppl_diff = mean_rollout - mean_old  # = log(training_ppl / rollout_ppl) per sequence
-    stats["log_ppl_diff"] = masked_mean(log_ppl_diff, seq_valid)
-    stats["log_ppl_abs_diff"] = masked_mean(log_ppl_diff.abs(), seq_valid)
-    stats["log_ppl_diff_max"] = _masked_max(log_ppl_diff, seq_valid)
-    stats["log_ppl_diff_min"] = _masked_min(log_ppl_diff, seq_valid)
-    stats["ppl_ratio"] = masked_mean(torch.exp(log_ppl_diff.clamp(-SAFETY_BOUND, SAFETY_BOUND)), seq_valid)
+    stats["log_ppl_diff"] = masked_mean(log_ppl_diff, rows)
+    stats["log_ppl_abs_diff"] = masked_mean(log_ppl_diff.abs(), rows)
+    stats["log_ppl_diff_max"] = _masked_max(log_ppl_diff, rows)
+    stats["log_ppl_diff_min"] = _masked_min(log_ppl_diff, rows)
+    stats["ppl_ratio"] = masked_mean(torch.exp(log_ppl_diff.clamp(-SAFETY_BOUND, SAFETY_BOUND)), rows)
     seq_log = masked_sum_rows(log_ratio, mask).clamp(-SAFETY_BOUND, SAFETY_BOUND)
     any_valid = mask.any().to(old.dtype)  # an all-padding batch reports χ² = 0, not -1
     stats["chi2_token"] = (masked_mean(torch.exp(2.0 * safe), mask) - 1.0) * any_valid
-    stats["chi2_seq"] = (masked_mean(torch.exp(2.0 * seq_log), seq_valid) - 1.0) * any_valid
+    stats["chi2_seq"] = (masked_mean(torch.exp(2.0 * seq_log), rows) - 1.0) * any_valid

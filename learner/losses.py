@@ -78,10 +78,11 @@ class PolicyLossConfig(BaseModel):
         None, gt=0, description="seq-mean-token-sum-norm's constant divisor (e.g. the max response "
         "length); None: the micro-batch's padded width, which depends on the split")
     kl_coef: float = Field(0.0, ge=0, description="weight of the KL penalty to the reference policy")
-    kl_estimator: Literal["k1", "k2", "k3", "abs", "k1+", "k3+", "kl", "mse", "low_var_kl", "low_var_kl+"] = Field(
+    kl_estimator: Literal["k1", "k2", "k3", "abs", "k1+", "k2+", "k3+", "abs+", "kl", "mse", "low_var_kl",
+                          "kl+", "mse+", "low_var_kl+"] = Field(
         "k3", description="the KL penalty's per-token estimate (verl's kl_loss_type): k1 log r, k2 ½ log² r, k3 "
         "1/r − 1 + log r bounded at 10 as verl bounds it, abs |log r|; '+': that value with k2's gradient "
-        "(straight through); kl, mse, low_var_kl are verl's names for k1, k2, k3")
+        "(straight through; k2+ is k2); kl, mse, low_var_kl are verl's names for k1, k2, k3")
     entropy_coeff: float = Field(0.0, ge=0, description="weight of the entropy bonus")
     loss_mode: Literal["vanilla", "gspo"] = Field(
         "vanilla", description="vanilla: token-level (dual-clip) PPO; gspo: sequence-level ratio (geometric mean "
@@ -168,32 +169,31 @@ def gspo_token_loss(log_prob, anchor_log_prob, advantages, mask, cfg: PolicyLoss
     return torch.maximum(unclipped, clipped), clipped > unclipped, log_ratio
 
 
-KL_ESTIMATOR_NAMES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3", "low_var_kl+": "k3+"}  # verl's
+KL_ESTIMATOR_NAMES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}  # verl's, each also with a '+' 
 K3_BOUND = 10.0  # verl bounds k3 (low_var_kl) at ±10: a token far from the reference adds 10, no gradient
 
 
 def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
     """Per-token estimate of KL(π_θ ‖ π_ref) from samples of π_θ, as verl's kl_penalty computes it,
     with r = π_θ/π_ref: k1 log r; k2 ½ log² r; k3 1/r − 1 + log r (unbiased, >= 0), log r within
-    ±20 and the value within ±10; abs |log r|. A trailing '+' (k1+, k3+) keeps the value and takes
-    k2's gradient (straight through: k1's and k3's expected gradients are not KL's)."""
-    name = KL_ESTIMATOR_NAMES.get(estimator, estimator)
-    base, straight_through = name.removesuffix("+"), name.endswith("+")
+    ±20 and the value within ±10 (only k3 is bounded: log-probs are finite, so are the others);
+    abs |log r|. A trailing '+' (k1+, k3+, abs+) keeps the value and takes k2's gradient
+    (straight through: k1's and k3's expected gradients are not KL's); k2+ is k2."""
+    base, straight_through = estimator.removesuffix("+"), estimator.endswith("+")
+    base = KL_ESTIMATOR_NAMES.get(base, base)
     log_r = log_prob - ref_log_prob
-    bounded = log_r.clamp(-SAFETY_BOUND, SAFETY_BOUND)
     if base == "k1":
-        value = bounded
+        value = log_r
     elif base == "k2":
-        value = 0.5 * bounded ** 2
+        value, straight_through = 0.5 * log_r.square(), False
     elif base == "k3":
+        bounded = log_r.clamp(-SAFETY_BOUND, SAFETY_BOUND)
         value = (torch.exp(-bounded) - 1.0 + bounded).clamp(-K3_BOUND, K3_BOUND)
     elif base == "abs":
         value = log_r.abs()
     else:
-        value = None
-    if value is None or (straight_through and base not in ("k1", "k3")):
-        raise ValueError(f"kl_estimator must be one of k1, k2, k3, abs, k1+, k3+ (or verl's kl, mse, low_var_kl, "
-                         f"low_var_kl+), got {estimator!r}")
+        raise ValueError(f"kl_estimator must be one of k1, k2, k3, abs, each optionally with a '+' (or verl's "
+                         f"kl, mse, low_var_kl), got {estimator!r}")
     if straight_through:
         k2 = 0.5 * log_r.square()
         return k2 - k2.detach() + value.detach()
@@ -277,7 +277,7 @@ def compute_policy_loss(
         token_loss = -w * advantages * log_prob
         stats["actor/pg_clipfrac"] = log_prob.new_zeros(())
         stats["actor/pg_clipfrac_lower"] = log_prob.new_zeros(())
-        log_ratio = (log_prob.detach() - anchor).clamp(-SAFETY_BOUND, SAFETY_BOUND)
+        log_ratio = log_prob.detach() - anchor  # verl reports it unclamped here
     else:
         token_loss, clipped_upper, clipped_lower, log_ratio = ppo_clip_token_loss(
             log_prob, anchor, advantages, loss_config)
@@ -287,10 +287,14 @@ def compute_policy_loss(
         stats["actor/pg_clipfrac_lower"] = masked_mean(clipped_lower.to(log_prob.dtype), loss_mask)
     stats["actor/ppo_kl"] = masked_mean(-log_ratio.detach(), loss_mask)
 
-    def agg(x: torch.Tensor) -> torch.Tensor:
-        return aggregate_loss(x, loss_mask, agg_mode, global_token_count, global_seq_count,
+    def agg(x: torch.Tensor, over: torch.Tensor = loss_mask) -> torch.Tensor:
+        return aggregate_loss(x, over, agg_mode, global_token_count, global_seq_count,
                               loss_config.loss_scale_factor)
 
+    # Bypass mode rejects inside the loss, for its policy-gradient term only: the KL and entropy
+    # terms keep the batch's mask (as verl's bypass loss and actor do). Decoupled mode rejects up
+    # front, so every term sees the rejected mask.
+    aux_mask = mask if correction_config.bypass_mode else loss_mask
     pg_loss = agg(token_loss)
     loss = pg_loss
     stats["actor/pg_loss"] = pg_loss.detach()
@@ -298,14 +302,14 @@ def compute_policy_loss(
         if ref_log_prob is None:
             raise ValueError("kl_coef > 0 needs ref_log_prob (the reference policy's log-probs)")
         ref = check_token_values("ref_log_prob", ref_log_prob, mask).to(log_prob.dtype).detach()
-        kl_loss = agg(kl_penalty(log_prob, ref, loss_config.kl_estimator))
+        kl_loss = agg(kl_penalty(log_prob, ref, loss_config.kl_estimator), aux_mask)
         loss = loss + loss_config.kl_coef * kl_loss
         stats["actor/kl_loss"] = kl_loss.detach()
     if entropy is not None or loss_config.entropy_coeff > 0:
         if entropy is None:
             raise ValueError("entropy_coeff > 0 needs entropy (per-token entropy of π_θ, [batch, tokens])")
         entropy = _upcast(check_token_values("entropy", entropy, mask))
-        entropy_loss = agg(entropy)
+        entropy_loss = agg(entropy, aux_mask)
         if loss_config.entropy_coeff > 0:
             loss = loss - loss_config.entropy_coeff * entropy_loss
         stats["actor/entropy"] = entropy_loss.detach()

@@ -45,10 +45,10 @@ def test_token_is_truncates_from_above_only_and_zeroes_padding():
     w, mask, m = run([[0.5, 1.5, 3.0, NAN]], rollout_is="token", rollout_is_threshold=2.0)
     assert torch.allclose(w, torch.tensor([[0.5, 1.5, 2.0, 0.0]], dtype=w.dtype))
     assert torch.equal(mask, torch.tensor([[1.0, 1.0, 1.0, 0.0]]))  # IS never changes the mask
-    assert m["rollout_corr/rollout_is_max"] == pytest.approx(3.0)  # before truncation
+    assert m["rollout_corr/rollout_is_max"] == pytest.approx(2.0)  # the applied weights, as verl
     assert m["rollout_corr/rollout_is_min"] == pytest.approx(0.5)
-    assert m["rollout_corr/rollout_is_mean"] == pytest.approx(4.0 / 3)  # the applied weights
-    assert m["rollout_corr/rollout_is_ratio_fraction_high"] == pytest.approx(1 / 3)
+    assert m["rollout_corr/rollout_is_mean"] == pytest.approx(4.0 / 3)
+    assert m["rollout_corr/rollout_is_ratio_fraction_high"] == pytest.approx(1 / 3)  # before truncation
     assert m["rollout_corr/rollout_is_ratio_fraction_low"] == pytest.approx(0.0)  # 0.5 is not < 1/2
 
 
@@ -62,7 +62,8 @@ def test_sequence_is_is_the_truncated_product_broadcast_over_valid_tokens():
     assert m["rollout_corr/rollout_is_ratio_fraction_low"] == pytest.approx(0.5)
     assert m["rollout_corr/rollout_is_seq_mean"] == pytest.approx((2.0 + 0.25) / 2)
     assert m["rollout_corr/rollout_is_seq_max_deviation"] == pytest.approx(1.0)
-    assert m["rollout_corr/rollout_is_seq_fraction_high"] == pytest.approx(0.0)  # 2.0 is not > 2.0
+    # judged on each sequence's mean ratio before truncation (verl): 3 > 2, 0.25 < 1/2
+    assert m["rollout_corr/rollout_is_seq_fraction_high"] == pytest.approx(0.5)
     assert m["rollout_corr/rollout_is_seq_fraction_low"] == pytest.approx(0.5)
 
 
@@ -140,12 +141,15 @@ def test_token_k1_bounds_each_ratio():
     mask, m = kept([[0.4, 1.0, 2.5, 1.9]], "token_k1", "0.5_2.0")
     assert mask == [[0, 1, 0, 1]]
     assert m["rollout_corr/rollout_rs_token_k1_masked_fraction"] == pytest.approx(0.5)
-    assert m["rollout_corr/rollout_rs_token_k1_fraction_high"] == pytest.approx(0.25)
-    assert m["rollout_corr/rollout_rs_token_k1_fraction_low"] == pytest.approx(0.25)
+    # verl's k1 statistic is −log ρ: "high" is ρ below 1/U, "low" is ρ above 1/L
+    assert m["rollout_corr/rollout_rs_token_k1_fraction_high"] == pytest.approx(0.25)  # ρ = 0.4
+    assert m["rollout_corr/rollout_rs_token_k1_fraction_low"] == pytest.approx(0.25)  # ρ = 2.5
+    assert m["rollout_corr/rollout_rs_token_k1_max"] == pytest.approx(-math.log(0.4))
+    assert m["rollout_corr/rollout_rs_token_k1_min"] == pytest.approx(-math.log(2.5))
     assert m["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx(0.5)
     assert m["rollout_corr/rollout_rs_seq_masked_fraction"] == pytest.approx(1.0)
-    # asymmetric bounds: the bound applies to ρ = π_old/π_rollout, not to 1/ρ
-    assert kept([[2.5, 0.4, 0.34]], "token_k1", "0.5_3.0")[0] == [[1, 0, 0]]
+    # asymmetric "L_U", as verl's code applies it: log L <= −log ρ <= log U, so ρ in [1/U, 1/L]
+    assert kept([[2.5, 0.4, 0.34, 0.3]], "token_k1", "0.5_3.0")[0] == [[0, 1, 1, 0]]
 
 
 def test_single_float_k1_threshold_uses_reciprocal_or_the_explicit_lower_bound():
@@ -163,8 +167,13 @@ def test_token_k2_and_k3_bound_the_divergence_from_above():
 def test_seq_sum_k1_bounds_the_product_of_ratios():
     mask, m = kept([[2.0, 1.5, NAN], [1.5, 1.0, 1.0], [0.5, 0.5, NAN]], "seq_sum_k1", "0.5_2.0")
     assert mask == [[0, 0, 0], [1, 1, 1], [0, 0, 0]]  # products 3, 1.5, 0.25
-    assert m["rollout_corr/rollout_rs_seq_sum_k1_max"] == pytest.approx(3.0)
-    assert m["rollout_corr/rollout_rs_seq_sum_k1_min"] == pytest.approx(0.25)
+    assert m["rollout_corr/rollout_rs_seq_sum_k1_max"] == pytest.approx(-math.log(0.25))  # −log ρ units
+    assert m["rollout_corr/rollout_rs_seq_sum_k1_min"] == pytest.approx(-math.log(3.0))
+    # the mean counts a sequence once per valid token (verl): (2·(−log 3) + 3·(−log 1.5) + 2·log 4) / 7
+    assert m["rollout_corr/rollout_rs_seq_sum_k1_mean"] == pytest.approx(
+        (-2 * math.log(3.0) - 3 * math.log(1.5) + 2 * math.log(4.0)) / 7)
+    assert m["rollout_corr/rollout_rs_seq_sum_k1_seq_mean"] == pytest.approx(
+        (-math.log(3.0) - math.log(1.5) + math.log(4.0)) / 3)
     assert m["rollout_corr/rollout_rs_seq_sum_k1_seq_masked_fraction"] == pytest.approx(2 / 3)
     assert m["rollout_corr/rollout_rs_seq_sum_k1_masked_fraction"] == pytest.approx(4 / 7)
 
@@ -172,7 +181,8 @@ def test_seq_sum_k1_bounds_the_product_of_ratios():
 def test_seq_mean_k1_bounds_the_geometric_mean():
     mask, m = kept([[1.21, 1.0], [1.01, 1 / 1.01]], "seq_mean_k1", 1.05)
     assert mask == [[0, 0], [1, 1]]  # geometric means 1.1 and 1.0
-    assert m["rollout_corr/rollout_rs_seq_mean_k1_max"] == pytest.approx(1.1)
+    assert m["rollout_corr/rollout_rs_seq_mean_k1_min"] == pytest.approx(-math.log(1.1))
+    assert m["rollout_corr/rollout_rs_seq_mean_k1_max"] == pytest.approx(0.0, abs=1e-7)
 
 
 def test_seq_sum_and_seq_mean_of_k2_k3():
@@ -275,6 +285,10 @@ DOCUMENTED_METRICS = {
     "rollout_rs_masked_fraction", "rollout_rs_seq_masked_fraction",
     "rollout_rs_seq_mean_k1_masked_fraction", "rollout_rs_seq_mean_k1_seq_masked_fraction",
     "rollout_rs_token_k3_masked_fraction", "rollout_rs_token_k3_seq_masked_fraction",
+    *(f"rollout_rs_{option}_{stat}" for option in ("seq_mean_k1", "token_k3") for stat in (
+        "mean", "std", "max", "min", "fraction_high", "fraction_low", "seq_mean", "seq_std", "seq_max",
+        "seq_min", "seq_max_deviation", "seq_fraction_high")),
+    "rollout_rs_seq_mean_k1_seq_fraction_low",  # k1 options only, as verl
     # off-policy diagnostics
     "kl", "k3_kl", "training_ppl", "training_log_ppl", "rollout_ppl", "rollout_log_ppl", "log_ppl_diff",
     "log_ppl_abs_diff", "log_ppl_diff_max", "log_ppl_diff_min", "ppl_ratio", "chi2_token", "chi2_seq",
@@ -319,6 +333,18 @@ def test_fully_masked_rows_and_an_all_padding_batch_give_no_nan(preset):
         if w is not None:
             assert torch.isfinite(w).all()
             assert torch.all(w[m_ == 0] == 0)
+
+
+def test_a_fully_padded_row_counts_in_the_batch_wide_sequence_metrics_as_in_verl():
+    """verl averages its batch-wide sequence metrics over every row: a padded row brings per-row
+    means of 0 (log-perplexity 0, perplexity 1); a rejection option's own metrics skip it."""
+    old, rollout, mask = from_ratios([[2.0, 2.0], [NAN, NAN]])
+    cfg = Cfg(rollout_is="sequence", rollout_rs="seq_sum_k1", rollout_rs_threshold=8.0)
+    _, _, m = compute_rollout_correction(old, rollout, mask, cfg)
+    assert m["rollout_corr/rollout_log_ppl"] == pytest.approx((-ROLLOUT_LP + 0.0) / 2)
+    assert m["rollout_corr/training_ppl"] == pytest.approx((math.exp(-ROLLOUT_LP - math.log(2)) + 1.0) / 2)
+    assert m["rollout_corr/rollout_is_seq_mean"] == pytest.approx(2.0 / 2)  # capped 2, and 0
+    assert m["rollout_corr/rollout_rs_seq_sum_k1_seq_mean"] == pytest.approx(-math.log(4.0))  # row 0 only
 
 
 def test_weights_are_detached_and_mask_dtype_is_kept():
@@ -445,7 +471,10 @@ def test_documented_rejection_bounds_of_presets():
     assert (geo.lower, geo.upper) == (pytest.approx(1 / 1.001), 1.001)  # reciprocal lower, ≈ 0.999
     (mis,) = Cfg.decoupled_seq_is_rs().rejection_criteria
     assert (mis.lower, mis.upper) == (0.5, 2.0)
-    assert Cfg.decoupled_geo_rs(rs_threshold=1.002, rs_threshold_lower=0.999).rejection_criteria[0].lower == 0.999
+    # rollout_rs_threshold_lower bounds ρ itself (verl's older form): ρ in [0.999, 1.002], which is
+    # the k1 statistic's bounds [1/1.002, 1/0.999]
+    (explicit,) = Cfg.decoupled_geo_rs(rs_threshold=1.002, rs_threshold_lower=0.999).rejection_criteria
+    assert (explicit.lower, explicit.upper) == (pytest.approx(1 / 1.002), pytest.approx(1 / 0.999))
     assert Cfg.decoupled_token_icepop().is_lower == 0.5 and Cfg.decoupled_token_icepop().is_upper == 5.0
 
 

@@ -132,6 +132,28 @@ def test_bypass_ppo_clip_rejection_still_masks():
     assert m["rollout_corr/rollout_rs_seq_masked_fraction"] == pytest.approx(0.5)
 
 
+def test_bypass_rejection_masks_the_policy_gradient_term_only_and_decoupled_masks_every_term():
+    """As verl: bypass mode rejects inside its policy loss, so the KL and entropy terms average over
+    the batch's mask; decoupled mode rejects up front, so they average over the kept tokens."""
+    rollout = torch.full((2, 3), -1.0, dtype=torch.float64)
+    log_prob = rollout.clone()
+    log_prob[1] += 0.5  # row 1 leaves the K3 filter: rejected
+    adv, ref = torch.ones_like(rollout), rollout - 0.1
+    entropy = rows([1.0, 1.0, 1.0], [4.0, 4.0, 4.0])
+    loss_cfg = PolicyLossConfig(kl_coef=1.0, kl_estimator="k1", entropy_coeff=1.0)
+    mask = torch.ones_like(adv)
+    _, bypass = compute_policy_loss(log_prob, None, rollout, adv, mask, Cfg.bypass_ppo_clip_k3_rs(), loss_cfg,
+                                    ref_log_prob=ref, entropy=entropy)
+    assert bypass["rollout_corr/rollout_rs_seq_masked_fraction"] == pytest.approx(0.5)
+    assert bypass["actor/pg_loss"] == pytest.approx(-1.0)  # row 0 only
+    assert bypass["actor/kl_loss"] == pytest.approx((3 * 0.1 + 3 * 0.6) / 6)  # both rows
+    assert bypass["actor/entropy"] == pytest.approx(2.5)
+    # decoupled, π_old = π_θ here: the same row is rejected up front, and every term loses it
+    _, decoupled = compute_policy_loss(log_prob, log_prob.detach(), rollout, adv, mask, Cfg.decoupled_k3_rs(),
+                                       loss_cfg, ref_log_prob=ref, entropy=entropy)
+    assert decoupled["actor/kl_loss"] == pytest.approx(0.1) and decoupled["actor/entropy"] == pytest.approx(1.0)
+
+
 def test_bypass_reinforce_is_weighted_log_likelihood_with_weights_from_current_policy():
     rollout = rows([-1.0, -2.0], [-1.0, -1.0])
     log_prob = rollout + rows([0.3, 0.2], [-0.1, -0.1])  # sequence ratios e^0.5 and e^-0.2
@@ -288,7 +310,7 @@ def test_kl_estimators_by_hand():
     with pytest.raises(ValueError, match="kl_estimator"):
         kl_penalty(lp, ref, "k4")
     with pytest.raises(ValueError, match="kl_estimator"):
-        kl_penalty(lp, ref, "k2+")
+        kl_penalty(lp, ref, "k3++")
 
 
 def test_kl_estimators_follow_verls_conventions():
@@ -301,13 +323,20 @@ def test_kl_estimators_follow_verls_conventions():
     assert k3[0, 0].item() == 10.0 and k3[0, 1].item() == pytest.approx(math.exp(-0.5) - 1 + 0.5)
     (grad,) = torch.autograd.grad(k3.sum(), lp)
     assert grad[0, 0].item() == 0.0 and grad[0, 1].item() == pytest.approx(1 - math.exp(-0.5))
-    for plus, base in (("k3+", "k3"), ("k1+", "k1")):
+    for plus, base in (("k3+", "k3"), ("k1+", "k1"), ("abs+", "abs"), ("kl+", "k1"), ("low_var_kl+", "k3")):
         value = kl_penalty(lp, ref, plus)
         assert torch.equal(value, kl_penalty(lp, ref, base))
         (grad,) = torch.autograd.grad(value.sum(), lp)
         assert torch.allclose(grad, lp.detach())  # d/dx ½x² = x
-    for verl_name, name in (("kl", "k1"), ("mse", "k2"), ("low_var_kl", "k3"), ("low_var_kl+", "k3+")):
+    for verl_name, name in (("kl", "k1"), ("mse", "k2"), ("low_var_kl", "k3"), ("low_var_kl+", "k3+"),
+                            ("k2+", "k2"), ("mse+", "k2")):  # k2's gradient is k2's already
         assert torch.equal(kl_penalty(lp, ref, verl_name), kl_penalty(lp, ref, name))
+    # k1 and k2 are not bounded (only k3 is): a token far from the reference keeps its gradient
+    far = torch.tensor([[-25.0]], dtype=torch.float64, requires_grad=True)
+    for name, value, slope in (("k1", -25.0, 1.0), ("k2", 312.5, -25.0)):
+        penalty = kl_penalty(far, torch.zeros_like(far), name)
+        assert penalty.item() == pytest.approx(value)
+        assert torch.autograd.grad(penalty.sum(), far)[0].item() == pytest.approx(slope)
     assert PolicyLossConfig(kl_estimator="low_var_kl").kl_estimator == "low_var_kl"
 
 
