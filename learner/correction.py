@@ -87,8 +87,8 @@ def _positive_float(field: str, text: str) -> float:
         value = float(text)
     except (TypeError, ValueError):
         raise ValueError(f"{field}: {text!r} is not a number") from None
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{field}: thresholds must be finite and > 0, got {text!r}")
+    if math.isnan(value) or value <= 0:  # inf is allowed, as verl allows it: no cap, no rejection
+        raise ValueError(f"{field}: thresholds must be numbers > 0, got {text!r}")
     return value
 
 
@@ -206,7 +206,7 @@ class RolloutCorrectionConfig(BaseModel):
         spec = self.rollout_rs_threshold
         if spec is None:
             raise ValueError(f"rollout_rs_threshold is required when rollout_rs is set ({self.rollout_rs!r})")
-        entries = [p.strip() for p in spec.split(",")] if isinstance(spec, str) else [spec]
+        entries = [p.strip() for p in spec.split(",") if p.strip()] if isinstance(spec, str) else [spec]
         if len(entries) == 1:
             entries = entries * len(options)
         if len(entries) != len(options):
@@ -232,6 +232,11 @@ class RolloutCorrectionConfig(BaseModel):
                     lower, upper = 1.0 / upper, 1.0 / lower_default
                 elif lower is None:
                     lower = 1.0 / upper
+                    if lower > upper:
+                        raise ValueError(f"{field}: a single k1 bound U keeps ρ in [1/U, U], so U must be >= 1, "
+                                         f"got {upper}")
+                if not 0.0 < lower < math.inf:
+                    raise ValueError(f"{field}: the k1 bounds must be finite numbers > 0, got {entry!r}")
             elif lower is not None:
                 raise ValueError(f"{field}: {option} bounds a divergence from above; give one number, not "
                                  f"{entry!r}")

@@ -217,6 +217,13 @@ def test_all_options_must_pass_and_thresholds_can_be_given_per_option():
     assert kept(rows, "token_k2,token_k3", 0.15)[0] == [[0, 0], [0, 1], [1, 1]]
 
 
+def test_an_infinite_bound_means_no_cap_and_a_trailing_comma_is_ignored_as_verl_reads_them():
+    w, _, _ = run([[0.5, 30.0]], rollout_is="token", rollout_is_threshold="inf")
+    assert torch.allclose(w, torch.tensor([[0.5, 30.0]], dtype=w.dtype))  # untruncated IS
+    assert kept([[30.0, 1.0]], "token_k2", "inf")[0] == [[1, 1]]
+    assert kept([[0.4, 1.0, 2.5]], "token_k1", "0.5_2.0,")[0] == [[0, 1, 0]]
+
+
 def test_older_option_names_map_to_k1_options():
     assert Cfg(rollout_rs="token", rollout_rs_threshold=2.0).rollout_rs == "token_k1"
     assert Cfg(rollout_rs="sequence", rollout_rs_threshold=2.0).rollout_rs == "seq_sum_k1"
@@ -396,6 +403,9 @@ def test_float32_agrees_with_float64():
     (dict(rollout_is_threshold=True), "rollout_is_threshold"),
     (dict(rollout_rs="token_k1", rollout_rs_threshold=False), "rollout_rs_threshold"),
     (dict(rollout_rs="token_k1", rollout_rs_threshold="2.0_0.5"), "rollout_rs_threshold"),
+    (dict(rollout_rs="token_k1", rollout_rs_threshold=0.5), "rollout_rs_threshold"),  # [2, 0.5]: verl refuses it too
+    (dict(rollout_rs="token_k1", rollout_rs_threshold="inf"), "rollout_rs_threshold"),  # 1/U = 0: no log bound
+    (dict(rollout_rs="token_k2", rollout_rs_threshold="nan"), "rollout_rs_threshold"),
     (dict(rollout_rs="token_k1", rollout_rs_threshold=2.0, rollout_rs_threshold_lower=3.0), "rollout_rs_threshold_lower"),
     (dict(rollout_is_threshold="5.0_0.5"), "rollout_is_threshold"),
     (dict(rollout_is_threshold=-1.0), "rollout_is_threshold"),
