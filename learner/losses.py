@@ -4,7 +4,7 @@ aggregation, KL penalty and entropy bonus.
 Public API:
 
 - `PolicyLossConfig` (pydantic): clip_ratio_low 0.2, clip_ratio_high 0.2, clip_ratio_c 3.0,
-  loss_agg_mode ("token-mean" | "seq-mean-token-sum" | "seq-mean-token-mean" |
+  loss_agg_mode ("token-mean" | "token-sum" | "seq-mean-token-sum" | "seq-mean-token-mean" |
   "seq-mean-token-sum-norm"), loss_scale_factor, kl_coef, kl_estimator ("k1" | "k2" | "k3" |
   "abs" | "k1+" | "k3+", or verl's names kl, mse, low_var_kl), entropy_coeff.
 - `compute_policy_loss(log_prob, old_log_prob, rollout_log_prob, advantages, response_mask,
@@ -58,7 +58,8 @@ from learner.correction import (
     to_floats,
 )
 
-LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+LossAggMode = Literal["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
+                      "seq-mean-token-sum-norm"]
 
 
 class PolicyLossConfig(BaseModel):
@@ -116,7 +117,8 @@ def aggregate_loss(
 ) -> torch.Tensor:
     """Reduce a [B, T] per-token loss to a scalar (rows without valid tokens contribute 0).
 
-    token-mean: Σ_tokens / N_tokens. seq-mean-token-sum: Σ_seqs(Σ_tokens) / N_seqs.
+    token-mean: Σ_tokens / N_tokens. token-sum: Σ_tokens (verl's; the gradient grows with the batch's
+    tokens). seq-mean-token-sum: Σ_seqs(Σ_tokens) / N_seqs.
     seq-mean-token-mean: Σ_seqs(mean over the sequence's tokens) / N_seqs.
     seq-mean-token-sum-norm (Dr.GRPO): Σ_tokens / (N_seqs · loss_scale_factor).
     """
@@ -125,6 +127,8 @@ def aggregate_loss(
     masked = torch.where(mask, loss_mat, zero)
     if mode == "token-mean":
         return masked.sum() / _denominator("global_token_count", global_token_count, mask.sum().to(loss_mat.dtype))
+    if mode == "token-sum":
+        return masked.sum()
     n_seq = _denominator("global_seq_count", global_seq_count, mask.any(-1).sum().to(loss_mat.dtype))
     if mode == "seq-mean-token-sum":
         return masked.sum() / n_seq

@@ -233,6 +233,7 @@ MASK = torch.tensor([[1, 1, 1], [1, 0, 0], [0, 0, 0]])
 @pytest.mark.parametrize("mode, kwargs, expected", [
     ("token-mean", {}, 10 / 4),
     ("token-mean", {"global_token_count": 8}, 10 / 8),
+    ("token-sum", {"global_token_count": 8}, 10),  # no denominator
     ("seq-mean-token-sum", {}, (6 + 4) / 2),
     ("seq-mean-token-sum", {"global_seq_count": 5}, 10 / 5),
     ("seq-mean-token-mean", {}, (2 + 4) / 2),
@@ -245,7 +246,7 @@ def test_aggregation_modes_by_hand(mode, kwargs, expected):
 
 
 def test_aggregation_of_an_empty_batch_is_zero_and_bad_counts_are_refused():
-    for mode in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
+    for mode in ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
         assert aggregate_loss(LOSS_MAT, torch.zeros(3, 3), mode).item() == 0.0
     with pytest.raises(ValueError, match="global_token_count"):
         aggregate_loss(LOSS_MAT, MASK, "token-mean", global_token_count=float("nan"))
@@ -271,7 +272,8 @@ SPLIT_CONFIGS = [Cfg.decoupled_token_is(), Cfg.decoupled_seq_is_rs(), Cfg.bypass
 @settings(max_examples=30, deadline=None)
 @given(seed=st.integers(0, 2 ** 31 - 1), batch=st.integers(2, 8), tokens=st.integers(1, 7),
        cut=st.lists(st.integers(1, 7), min_size=1, max_size=4), cfg=st.sampled_from(SPLIT_CONFIGS),
-       mode=st.sampled_from(["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]))
+       mode=st.sampled_from(["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
+                             "seq-mean-token-sum-norm"]))
 def test_loss_and_gradient_do_not_depend_on_the_micro_batch_split(seed, batch, tokens, cut, cfg, mode):
     gen = torch.Generator().manual_seed(seed)
     log_prob, old, rollout, adv, mask = random_inputs(gen, batch, tokens)
