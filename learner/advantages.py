@@ -3,13 +3,13 @@
 Public API:
 
 - `AdvantageConfig` (pydantic): `estimator` ("grpo" | "dr_grpo" | "rloo" |
-  "reinforce_plus_plus_baseline"), `eps` (1e-6).
+  "reinforce_plus_plus_baseline" | "grpo_passk" | "opo"), `eps` (1e-6).
 - `compute_advantages(rewards, group_ids, response_mask, config) -> advantages [B, T]`: one
   scalar per sequence, spread over its valid tokens (0 at padding).
 - `group_index(group_ids) -> LongTensor [B]`: rows with equal ids share a group (any hashables,
   or an integer tensor); the estimators below take it.
-- `grpo_advantages`, `dr_grpo_advantages`, `rloo_advantages`, `reinforce_pp_baseline_advantages`:
-  the per-sequence [B] advantages.
+- `grpo_advantages`, `dr_grpo_advantages`, `rloo_advantages`, `reinforce_pp_baseline_advantages`,
+  `grpo_passk_advantages`, `opo_advantages`: the per-sequence [B] advantages.
 
 Estimators (r = reward, groups by id):
 - grpo: (r − mean_g) / (std_g + eps), std unbiased; a group of one has mean 0 and std 1.
@@ -17,6 +17,12 @@ Estimators (r = reward, groups by id):
 - rloo: r − mean of the *other* rewards in the group = n/(n−1)·(r − mean_g); a group of one: r.
 - reinforce_plus_plus_baseline: r − mean_g, then whitened over all valid tokens of the batch
   (REINFORCE++ with a group baseline).
+- grpo_passk (Pass@k training, arXiv 2503.19595): only the group's best response learns,
+  (r_max − r_second) / (std_g + eps); every other response gets 0 (a tie: the first best, as
+  verl's `topk` picks it). A group of one has no second: 0 (the config refuses rollout.sampling.n=1).
+- opo (arXiv 2505.23585): r − the group's length-weighted mean reward Σ|y|·r / Σ|y| (|y|: valid
+  tokens); a group of one: r.
+These are verl's `compute_*_outcome_advantage` with outcome rewards (parity checked on its code).
 """
 from __future__ import annotations
 
@@ -28,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from learner.correction import check_mask
 
-Estimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline"]
+Estimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline", "grpo_passk", "opo"]
 GroupIds = Union[Sequence[Hashable], torch.Tensor]
 
 
@@ -36,7 +42,7 @@ class AdvantageConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     estimator: Estimator = "grpo"
-    eps: float = Field(1e-6, gt=0, description="added to the group std (grpo) before dividing")
+    eps: float = Field(1e-6, gt=0, description="added to the group std (grpo, grpo_passk) before dividing")
 
 
 def group_index(group_ids: GroupIds, batch_size: int | None = None) -> torch.Tensor:
@@ -110,6 +116,30 @@ def reinforce_pp_baseline_advantages(rewards: torch.Tensor, index: torch.Tensor,
     return (centred - mean) / (var + 1e-8).sqrt()
 
 
+def grpo_passk_advantages(rewards: torch.Tensor, index: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    advantages = torch.zeros_like(rewards)
+    index = index.to(rewards.device)
+    for group in range(int(index.max()) + 1 if index.numel() else 0):
+        rows = (index == group).nonzero().squeeze(-1)
+        if rows.numel() < 2:
+            continue
+        group_rewards = rewards[rows]
+        top, at = torch.topk(group_rewards, 2)
+        advantages[rows[at[0]]] = (top[0] - top[1]) / (group_rewards.std() + eps)
+    return advantages
+
+
+def opo_advantages(rewards: torch.Tensor, index: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    count, _, _ = _group_stats(rewards, index)
+    index = index.to(rewards.device)
+    lengths = mask.sum(-1).to(rewards.dtype)
+    n_groups = int(index.max()) + 1 if index.numel() else 0
+    weighted = torch.zeros(n_groups, dtype=rewards.dtype, device=rewards.device).index_add_(0, index, lengths * rewards)
+    total = torch.zeros_like(weighted).index_add_(0, index, lengths)
+    baseline = weighted[index] / total[index].clamp_min(1e-30)  # a group of empty responses: baseline 0
+    return rewards - torch.where(count > 1, baseline, torch.zeros_like(baseline))
+
+
 def compute_advantages(
     rewards: torch.Tensor,
     group_ids: GroupIds,
@@ -130,6 +160,10 @@ def compute_advantages(
         per_seq = dr_grpo_advantages(rewards, index)
     elif config.estimator == "rloo":
         per_seq = rloo_advantages(rewards, index)
+    elif config.estimator == "grpo_passk":
+        per_seq = grpo_passk_advantages(rewards, index, config.eps)
+    elif config.estimator == "opo":
+        per_seq = opo_advantages(rewards, index, mask)
     else:
         per_seq = reinforce_pp_baseline_advantages(rewards, index, mask)
     return per_seq[:, None].to(mask.device) * mask.to(per_seq.dtype)

@@ -270,6 +270,9 @@ class EtarlConfig(BaseModel):
                                  f"{engine.weight_transfer}: both ends of vLLM's weight transfer use one backend")
             engine.weight_transfer = sync.backend
         sampling = self.rollout.sampling
+        if self.learner.advantage.estimator == "grpo_passk" and sampling.n < 2:
+            raise ValueError("learner.advantage.estimator=grpo_passk compares each group's best response with its "
+                             f"second best: rollout.sampling.n must be >= 2, got {sampling.n}")
         if sampling.top_p < 1.0 or sampling.top_k > 0:
             raise ValueError(
                 f"rollout.sampling.top_p={sampling.top_p} / top_k={sampling.top_k} truncate the sampler's distribution: "

@@ -65,6 +65,20 @@ def test_reinforce_pp_baseline_whitens_group_centred_rewards_over_valid_tokens()
     assert adv == pytest.approx([(c - mean) / math.sqrt(std ** 2 + 1e-8) for c in centred])
 
 
+def test_grpo_passk_rewards_only_each_groups_best_by_its_lead_over_the_second():
+    _, adv = per_seq("grpo_passk", [0.0, 1.0, 0.25, 2.0, 2.0, 1.0, 0.3], ["a", "a", "a", "b", "b", "b", "c"])
+    lead_a = (1.0 - 0.25) / (statistics.stdev([0.0, 1.0, 0.25]) + EPS)
+    # group b ties at the top: the first best gets the lead over the second, 0; a group of one: 0
+    assert adv == pytest.approx([0.0, lead_a, 0.0, 0.0, 0.0, 0.0, 0.0])
+
+
+def test_opo_subtracts_the_length_weighted_group_mean():
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0], [1, 1, 0], [1, 1, 1]], dtype=torch.float32)
+    _, adv = per_seq("opo", [1.0, 0.0, 3.0, 0.5], ["a", "a", "b", "c"], mask)
+    baseline_a = (3 * 1.0 + 1 * 0.0) / 4
+    assert adv == pytest.approx([1.0 - baseline_a, 0.0 - baseline_a, 3.0, 0.5])  # groups of one keep r
+
+
 def test_outcome_advantage_is_spread_over_valid_tokens_only():
     mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0]], dtype=torch.float32)
     adv = compute_advantages(torch.tensor([1.0, 0.0, 5.0]), ["g", "g", "h"], mask, AdvantageConfig())
@@ -75,13 +89,13 @@ def test_outcome_advantage_is_spread_over_valid_tokens_only():
 
 @settings(max_examples=40, deadline=None)
 @given(rewards=st.lists(st.floats(-10, 10), min_size=1, max_size=12), n_groups=st.integers(1, 4),
-       estimator=st.sampled_from(["grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline"]))
+       estimator=st.sampled_from(["grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline", "grpo_passk", "opo"]))
 def test_group_centred_estimators_sum_to_zero_in_every_group_of_two_or_more(rewards, n_groups, estimator):
     ids = [i % n_groups for i in range(len(rewards))]
     adv, values = per_seq(estimator, rewards, ids)
     assert torch.isfinite(adv).all()
-    if estimator == "reinforce_plus_plus_baseline":
-        return  # whitened over the batch: centred over tokens, not per group
+    if estimator in ("reinforce_plus_plus_baseline", "grpo_passk"):
+        return  # whitened over the batch / only the best learns: not centred per group
     for g in set(ids):
         members = [v for v, i in zip(values, ids) if i == g]
         if len(members) > 1:

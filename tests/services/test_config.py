@@ -73,6 +73,12 @@ def test_sampler_truncation_is_refused_because_the_learner_scores_the_full_vocab
     assert load_config(None, ["rollout.sampling.top_p=1.0", "rollout.sampling.top_k=0"]).rollout.sampling.top_k == 0
 
 
+def test_pass_at_k_advantages_need_two_responses_per_prompt():
+    with pytest.raises(ConfigError, match="rollout.sampling.n must be >= 2"):
+        load_config(None, ["learner.advantage.estimator=grpo_passk", "rollout.sampling.n=1"])
+    assert load_config(None, ["learner.advantage.estimator=grpo_passk"]).learner.advantage.estimator == "grpo_passk"
+
+
 def test_config_files_errors(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "missing.yaml")
