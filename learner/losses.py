@@ -40,6 +40,9 @@ Modes (bypass_mode and loss_type come from the `RolloutCorrectionConfig`):
   seq-mean-token-mean whatever `loss_agg_mode` says. π_anchor is π_old in decoupled mode (times
   the IS weights, as above) and π_rollout in bypass ppo_clip mode; bypass reinforce has no ratio
   to clip and refuses it.
+- `loss_mode: cispo` (CISPO, verl's `compute_policy_loss_cispo`): −sg[clip(r, 1 − ε_low,
+  1 + ε_high)]·A·log π_θ per token, r = π_θ/π_anchor (anchors and IS weights as for gspo): the
+  clip bounds each token's weight, never drops its gradient.
 """
 from __future__ import annotations
 
@@ -85,9 +88,10 @@ class PolicyLossConfig(BaseModel):
         "1/r − 1 + log r bounded at 10 as verl bounds it, abs |log r|; '+': that value with k2's gradient "
         "(straight through; k2+ is k2); kl, mse, low_var_kl are verl's names for k1, k2, k3")
     entropy_coeff: float = Field(0.0, ge=0, description="weight of the entropy bonus")
-    loss_mode: Literal["vanilla", "gspo"] = Field(
+    loss_mode: Literal["vanilla", "gspo", "cispo"] = Field(
         "vanilla", description="vanilla: token-level (dual-clip) PPO; gspo: sequence-level ratio (geometric mean "
-        "of the token ratios), sequence clipping, aggregated seq-mean-token-mean (verl's GSPO)")
+        "of the token ratios), sequence clipping, aggregated seq-mean-token-mean (verl's GSPO); cispo: "
+        "−sg(clip(r, 1−clip_ratio_low, 1+clip_ratio_high))·A·log π_θ, every token keeps a gradient (verl's CISPO)")
 
 
 # ---- aggregation -------------------------------------------------------------------------------
@@ -171,6 +175,16 @@ def gspo_token_loss(log_prob, anchor_log_prob, advantages, mask, cfg: PolicyLoss
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - cfg.clip_ratio_low, 1.0 + cfg.clip_ratio_high)
     return torch.maximum(unclipped, clipped), clipped > unclipped, log_ratio
+
+
+def cispo_token_loss(log_prob, anchor_log_prob, advantages, cfg: PolicyLossConfig):
+    """CISPO's per-token loss (arXiv 2506.13585, verl's `compute_policy_loss_cispo`): the ratio is
+    clipped and detached, a weight on the REINFORCE term, so a clipped token still has a gradient.
+    Returns the loss, the mask of where the clip binds, and the token log-ratios."""
+    log_ratio = (log_prob - anchor_log_prob).clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    ratio = torch.exp(log_ratio)
+    clipped = ratio.clamp(1.0 - cfg.clip_ratio_low, 1.0 + cfg.clip_ratio_high)
+    return -clipped.detach() * advantages * log_prob, ratio != clipped, log_ratio
 
 
 KL_ESTIMATOR_NAMES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}  # verl's, each also with a '+' 
@@ -267,9 +281,17 @@ def compute_policy_loss(
     reinforce = correction_config.bypass_mode and correction_config.loss_type == "reinforce"
     gspo = loss_config.loss_mode == "gspo"
     agg_mode = "seq-mean-token-mean" if gspo else loss_config.loss_agg_mode
-    if reinforce and gspo:
-        raise ValueError("loss_mode gspo clips a sequence ratio: bypass mode needs loss_type ppo_clip, not reinforce")
-    if gspo:
+    if reinforce and loss_config.loss_mode != "vanilla":
+        raise ValueError(f"loss_mode {loss_config.loss_mode} clips a ratio: bypass mode needs loss_type ppo_clip, "
+                         "not reinforce")
+    if loss_config.loss_mode == "cispo":
+        token_loss, clipped, log_ratio = cispo_token_loss(log_prob, anchor, advantages, loss_config)
+        if weights is not None and not correction_config.bypass_mode:
+            token_loss = token_loss * weights
+        stats["actor/pg_clipfrac"] = masked_mean(clipped.to(log_prob.dtype), loss_mask)
+        stats["actor/pg_clipfrac_lower"] = log_prob.new_zeros(())  # as verl reports it
+        log_ratio = log_ratio.detach()
+    elif gspo:
         token_loss, clipped_upper, log_ratio = gspo_token_loss(log_prob, anchor, advantages, loss_mask, loss_config)
         if weights is not None and not correction_config.bypass_mode:
             token_loss = token_loss * weights

@@ -545,7 +545,24 @@ def test_gspo_loss_gradient_and_metrics_equal_verls_formula(mode):
     assert 0 < m["actor/pg_clipfrac"] < 1, "the case exercises the clip"
 
 
+def test_cispo_weights_every_tokens_log_likelihood_by_its_clipped_detached_ratio():
+    """CISPO (verl's compute_policy_loss_cispo): −sg(clip(r, 1−ε_low, 1+ε_high))·A·log π_θ, so a
+    token whose ratio left the band keeps a gradient, scaled by the bound."""
+    old = rows([-1.0, -1.0, -1.0])
+    log_prob = (old + rows([0.5, 0.0, -0.5])).requires_grad_(True)  # r = e^0.5 (clipped at 1.2), 1, e^-0.5
+    adv = rows([1.0, 1.0, -1.0])
+    cfg = PolicyLossConfig(loss_mode="cispo", clip_ratio_low=0.2, clip_ratio_high=0.2)
+    loss, m = compute_policy_loss(log_prob, old, old, adv, torch.ones_like(adv), Cfg.disabled(), cfg)
+    weight = torch.tensor([1.2, 1.0, 0.8], dtype=torch.float64)  # e^-0.5 = 0.61 clipped up to 0.8
+    assert loss.item() == pytest.approx(float(-(weight * adv * log_prob.detach()).mean()))
+    (grad,) = torch.autograd.grad(loss, log_prob)
+    assert torch.allclose(grad, -weight * adv / 3)  # every token, the clipped ones too
+    assert m["actor/pg_clipfrac"] == pytest.approx(2 / 3) and m["actor/pg_clipfrac_lower"] == 0.0
+    with pytest.raises(ValueError, match="cispo clips a ratio"):
+        compute_policy_loss(log_prob, None, old, adv, torch.ones_like(adv), Cfg.bypass_pg_is(), cfg)
+
+
 def test_gspo_with_bypass_reinforce_is_refused():
     adv = rows([1.0, -1.0])
-    with pytest.raises(ValueError, match="gspo clips a sequence ratio"):
+    with pytest.raises(ValueError, match="gspo clips a ratio"):
         compute_policy_loss(adv * 0 - 1, None, adv * 0 - 1, adv, torch.ones_like(adv), Cfg.bypass_pg_is(), GSPO)
