@@ -284,33 +284,21 @@ def compute_policy_loss(
     if reinforce and loss_config.loss_mode != "vanilla":
         raise ValueError(f"loss_mode {loss_config.loss_mode} clips a ratio: bypass mode needs loss_type ppo_clip, "
                          "not reinforce")
+    clipped = clipped_lower = None  # where the clip binds (upper; dual clip): none in REINFORCE, no dual in GSPO/CISPO
     if loss_config.loss_mode == "cispo":
         token_loss, clipped, log_ratio = cispo_token_loss(log_prob, anchor, advantages, loss_config)
-        if weights is not None and not correction_config.bypass_mode:
-            token_loss = token_loss * weights
-        stats["actor/pg_clipfrac"] = masked_mean(clipped.to(log_prob.dtype), loss_mask)
-        stats["actor/pg_clipfrac_lower"] = log_prob.new_zeros(())  # as verl reports it
-        log_ratio = log_ratio.detach()
     elif gspo:
-        token_loss, clipped_upper, log_ratio = gspo_token_loss(log_prob, anchor, advantages, loss_mask, loss_config)
-        if weights is not None and not correction_config.bypass_mode:
-            token_loss = token_loss * weights
-        stats["actor/pg_clipfrac"] = masked_mean(clipped_upper.to(log_prob.dtype), loss_mask)
-        stats["actor/pg_clipfrac_lower"] = log_prob.new_zeros(())  # no dual clip in GSPO (verl reports 0)
-        log_ratio = log_ratio.detach()
+        token_loss, clipped, log_ratio = gspo_token_loss(log_prob, anchor, advantages, loss_mask, loss_config)
     elif reinforce:
         w = weights if weights is not None else torch.ones_like(log_prob)
         token_loss = -w * advantages * log_prob
-        stats["actor/pg_clipfrac"] = log_prob.new_zeros(())
-        stats["actor/pg_clipfrac_lower"] = log_prob.new_zeros(())
         log_ratio = log_prob.detach() - anchor  # verl reports it unclamped here
     else:
-        token_loss, clipped_upper, clipped_lower, log_ratio = ppo_clip_token_loss(
-            log_prob, anchor, advantages, loss_config)
-        if weights is not None and not correction_config.bypass_mode:
-            token_loss = token_loss * weights
-        stats["actor/pg_clipfrac"] = masked_mean(clipped_upper.to(log_prob.dtype), loss_mask)
-        stats["actor/pg_clipfrac_lower"] = masked_mean(clipped_lower.to(log_prob.dtype), loss_mask)
+        token_loss, clipped, clipped_lower, log_ratio = ppo_clip_token_loss(log_prob, anchor, advantages, loss_config)
+    if weights is not None and not correction_config.bypass_mode:  # decoupled: the IS weights scale every mode
+        token_loss = token_loss * weights
+    for key, where in (("actor/pg_clipfrac", clipped), ("actor/pg_clipfrac_lower", clipped_lower)):
+        stats[key] = log_prob.new_zeros(()) if where is None else masked_mean(where.to(log_prob.dtype), loss_mask)
     stats["actor/ppo_kl"] = masked_mean(-log_ratio.detach(), loss_mask)
 
     def agg(x: torch.Tensor, over: torch.Tensor = loss_mask) -> torch.Tensor:
