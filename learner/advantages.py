@@ -72,14 +72,19 @@ def _check_rewards(rewards: torch.Tensor) -> torch.Tensor:
     return rewards if rewards.dtype == torch.float64 else rewards.to(torch.float32)
 
 
+def _group_sums(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """[G]: the sum of `values` [B] over each group's rows."""
+    index = index.to(values.device)
+    n_groups = int(index.max()) + 1 if index.numel() else 0
+    return torch.zeros(n_groups, dtype=values.dtype, device=values.device).index_add_(0, index, values)
+
+
 def _group_stats(rewards: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-row group size, group mean and unbiased group std (groups of one: mean 0, std 1)."""
     index = index.to(rewards.device)
-    n_groups = int(index.max()) + 1 if index.numel() else 0
-    count = torch.zeros(n_groups, dtype=rewards.dtype, device=rewards.device).index_add_(0, index, torch.ones_like(rewards))
-    total = torch.zeros_like(count).index_add_(0, index, rewards)
-    mean = total / count
-    sq_dev = torch.zeros_like(count).index_add_(0, index, (rewards - mean[index]) ** 2)
+    count = _group_sums(torch.ones_like(rewards), index)
+    mean = _group_sums(rewards, index) / count
+    sq_dev = _group_sums((rewards - mean[index]) ** 2, index)
     std = (sq_dev / (count - 1).clamp_min(1)).sqrt()
     single = count == 1
     mean = torch.where(single, torch.zeros_like(mean), mean)
@@ -130,14 +135,11 @@ def grpo_passk_advantages(rewards: torch.Tensor, index: torch.Tensor, eps: float
 
 
 def opo_advantages(rewards: torch.Tensor, index: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    count, _, _ = _group_stats(rewards, index)
     index = index.to(rewards.device)
+    count = _group_sums(torch.ones_like(rewards), index)[index]
     lengths = mask.sum(-1).to(rewards.dtype)
-    n_groups = int(index.max()) + 1 if index.numel() else 0
-    weighted = torch.zeros(n_groups, dtype=rewards.dtype, device=rewards.device).index_add_(0, index, lengths * rewards)
-    total = torch.zeros_like(weighted).index_add_(0, index, lengths)
-    baseline = weighted[index] / total[index].clamp_min(1e-30)  # a group of empty responses: baseline 0
-    return rewards - torch.where(count > 1, baseline, torch.zeros_like(baseline))
+    baseline = _group_sums(lengths * rewards, index)[index] / _group_sums(lengths, index)[index].clamp_min(1e-30)
+    return rewards - torch.where(count > 1, baseline, torch.zeros_like(baseline))  # empty responses: baseline 0
 
 
 def compute_advantages(
