@@ -3,13 +3,16 @@
 Public API:
 
 - `AdvantageConfig` (pydantic): `estimator` ("grpo" | "dr_grpo" | "rloo" |
-  "reinforce_plus_plus_baseline" | "grpo_passk" | "opo"), `eps` (1e-6).
+  "reinforce_plus_plus_baseline" | "grpo_passk" | "opo" | "reinforce_plus_plus" | "gpg"), `eps`
+  (1e-6), `gamma` (1.0, reinforce_plus_plus's discount).
 - `compute_advantages(rewards, group_ids, response_mask, config) -> advantages [B, T]`: one
-  scalar per sequence, spread over its valid tokens (0 at padding).
+  scalar per sequence, spread over its valid tokens (0 at padding); reinforce_plus_plus with
+  gamma < 1 discounts each token's.
 - `group_index(group_ids) -> LongTensor [B]`: rows with equal ids share a group (any hashables,
   or an integer tensor); the estimators below take it.
 - `grpo_advantages`, `dr_grpo_advantages`, `rloo_advantages`, `reinforce_pp_baseline_advantages`,
-  `grpo_passk_advantages`, `opo_advantages`: the per-sequence [B] advantages.
+  `grpo_passk_advantages`, `opo_advantages`, `gpg_advantages`: the per-sequence [B] advantages;
+  `reinforce_pp_advantages`: [B, T].
 
 Estimators (r = reward, groups by id):
 - grpo: (r − mean_g) / (std_g + eps), std unbiased; a group of one has mean 0 and std 1.
@@ -22,6 +25,10 @@ Estimators (r = reward, groups by id):
   verl's `topk` picks it). A group of one has no second: 0 (the config refuses rollout.sampling.n=1).
 - opo (arXiv 2505.23585): r − the group's length-weighted mean reward Σ|y|·r / Σ|y| (|y|: valid
   tokens); a group of one: r.
+- reinforce_plus_plus (arXiv 2501.03262): no baseline; each valid token's discounted return
+  γ^k·r (k valid tokens after it), whitened over the batch's valid tokens.
+- gpg (arXiv 2504.02546): α·(r − mean_g), α = B / (responses with a non-zero reward); a group of
+  one: α·r.
 These are verl's `compute_*_outcome_advantage` with outcome rewards (parity checked on its code).
 """
 from __future__ import annotations
@@ -34,7 +41,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from learner.correction import check_mask
 
-Estimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline", "grpo_passk", "opo"]
+Estimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline", "grpo_passk", "opo",
+                    "reinforce_plus_plus", "gpg"]
 GroupIds = Union[Sequence[Hashable], torch.Tensor]
 
 
@@ -43,6 +51,8 @@ class AdvantageConfig(BaseModel):
 
     estimator: Estimator = "grpo"
     eps: float = Field(1e-6, gt=0, description="added to the group std (grpo, grpo_passk) before dividing")
+    gamma: float = Field(1.0, gt=0, le=1, description="reinforce_plus_plus: discount per response token "
+                         "(verl's algorithm.gamma); 1: every token gets the sequence's reward")
 
 
 def group_index(group_ids: GroupIds, batch_size: int | None = None) -> torch.Tensor:
@@ -108,17 +118,42 @@ def rloo_advantages(rewards: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return torch.where(count > 1, count / (count - 1).clamp_min(1) * (rewards - mean), rewards)
 
 
+def _whiten(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """(values − mean) / sqrt(var + 1e-8), mean and unbiased variance weighted by `weights` (token
+    counts or a token mask): verl's masked_whiten. Fewer than two tokens: the values unchanged."""
+    weights = weights.to(values.dtype)
+    n = weights.sum()
+    if n < 2:
+        return values
+    mean = (values * weights).sum() / n
+    var = (((values - mean) ** 2) * weights).sum() / (n - 1)
+    return (values - mean) / (var + 1e-8).sqrt()
+
+
 def reinforce_pp_baseline_advantages(rewards: torch.Tensor, index: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Group-baselined rewards whitened over the batch's valid tokens (each sequence counts once
     per valid token, as its advantage is spread over them); returns per-sequence values."""
-    centred = dr_grpo_advantages(rewards, index)
-    tokens = mask.sum(-1).to(centred.dtype)
-    n = tokens.sum()
-    if n < 2:
-        return centred
-    mean = (centred * tokens).sum() / n
-    var = (((centred - mean) ** 2) * tokens).sum() / (n - 1)
-    return (centred - mean) / (var + 1e-8).sqrt()
+    return _whiten(dr_grpo_advantages(rewards, index), mask.sum(-1))
+
+
+def reinforce_pp_advantages(rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
+    """REINFORCE++ (arXiv 2501.03262, verl's `compute_reinforce_plus_plus_outcome_advantage`) with
+    the outcome reward on a response's last valid token: each valid token's return γ^k·r (k: the
+    valid tokens after it; tool tokens between turns neither count nor discount), whitened over
+    the batch's valid tokens. No group baseline. Returns [B, T] (0 at padding)."""
+    valid = mask.to(rewards.dtype)
+    after = valid.flip(-1).cumsum(-1).flip(-1) - valid  # valid tokens after each position
+    returns = rewards[:, None] * gamma ** after * valid
+    return _whiten(returns, mask) * valid
+
+
+def gpg_advantages(rewards: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """GPG (arXiv 2504.02546, verl's `compute_gpg_outcome_advantage`): r − mean_g (a group of one:
+    r), scaled by α = B / (responses with a non-zero reward), which undoes the dilution of a batch
+    where most groups learn nothing."""
+    alpha = rewards.numel() / max(int(torch.count_nonzero(rewards)), 1)
+    _, mean, _ = _group_stats(rewards, index)  # a group of one: mean 0
+    return alpha * (rewards - mean)
 
 
 def grpo_passk_advantages(rewards: torch.Tensor, index: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -156,6 +191,8 @@ def compute_advantages(
         raise ValueError(f"response_mask has {mask.shape[0]} rows for {rewards.shape[0]} rewards")
     rewards = rewards.to(mask.device)
     index = group_index(group_ids, rewards.shape[0])
+    if config.estimator == "reinforce_plus_plus":  # the only one whose tokens differ (γ < 1)
+        return reinforce_pp_advantages(rewards, mask, config.gamma)
     if config.estimator == "grpo":
         per_seq = grpo_advantages(rewards, index, config.eps)
     elif config.estimator == "dr_grpo":
@@ -166,6 +203,8 @@ def compute_advantages(
         per_seq = grpo_passk_advantages(rewards, index, config.eps)
     elif config.estimator == "opo":
         per_seq = opo_advantages(rewards, index, mask)
+    elif config.estimator == "gpg":
+        per_seq = gpg_advantages(rewards, index)
     else:
         per_seq = reinforce_pp_baseline_advantages(rewards, index, mask)
     return per_seq[:, None].to(mask.device) * mask.to(per_seq.dtype)

@@ -1,5 +1,5 @@
-"""Advantages by hand: GRPO, Dr.GRPO, RLOO and REINFORCE++ with a group baseline, grouped by id
-and spread over valid tokens."""
+"""Advantages by hand: GRPO, Dr.GRPO, RLOO, REINFORCE++ (with and without a group baseline),
+Pass@k GRPO, OPO and GPG, grouped by id and spread over valid tokens."""
 from __future__ import annotations
 
 import math
@@ -79,6 +79,34 @@ def test_opo_subtracts_the_length_weighted_group_mean():
     assert adv == pytest.approx([1.0 - baseline_a, 0.0 - baseline_a, 3.0, 0.5])  # groups of one keep r
 
 
+def test_reinforce_pp_discounts_each_token_by_the_valid_tokens_after_it_then_whitens():
+    """γ = 0.5, the reward on the last valid token: a token with k valid tokens after it returns
+    γ^k·r; a tool token between turns (mask 0) neither counts nor discounts. No group baseline."""
+    mask = torch.tensor([[1, 1, 0, 1], [1, 1, 1, 0]], dtype=torch.float32)
+    rewards = torch.tensor([1.0, 2.0], dtype=torch.float64)
+    adv = compute_advantages(rewards, ["a", "a"], mask, AdvantageConfig(estimator="reinforce_plus_plus", gamma=0.5))
+    returns = [0.25, 0.5, 1.0, 0.5, 1.0, 2.0]  # row 0: 2, 1, 0 valid tokens after; row 1 likewise
+    mean, std = statistics.mean(returns), statistics.stdev(returns)
+    white = [(x - mean) / math.sqrt(std ** 2 + 1e-8) for x in returns]
+    expected = torch.tensor([[white[0], white[1], 0.0, white[2]], [white[3], white[4], white[5], 0.0]],
+                            dtype=torch.float64)
+    assert torch.allclose(adv, expected)
+    undiscounted = compute_advantages(rewards, ["a", "a"], mask, AdvantageConfig(estimator="reinforce_plus_plus"))
+    z = 0.5 / statistics.stdev([1.0] * 3 + [2.0] * 3)  # returns 1, 1, 1 and 2, 2, 2: mean 1.5
+    assert torch.allclose(undiscounted[:, 0], torch.tensor([-z, z], dtype=torch.float64), atol=1e-6)
+    assert torch.equal(undiscounted[0] != 0, mask[0] != 0), "γ = 1: one value per sequence, 0 at tool tokens"
+    with pytest.raises(ValidationError, match="gamma"):
+        AdvantageConfig(gamma=1.5)
+
+
+def test_gpg_scales_the_group_centred_reward_by_the_share_of_non_zero_rewards():
+    # 6 responses, 2 with a non-zero reward: α = 6 / 2 = 3; a group of one keeps α·r
+    _, adv = per_seq("gpg", [1.0, 0.0, 0.0, 0.0, 0.0, 0.5], ["a", "a", "b", "b", "b", "c"])
+    assert adv == pytest.approx([3 * 0.5, 3 * -0.5, 0.0, 0.0, 0.0, 3 * 0.5])
+    _, adv = per_seq("gpg", [0.0, 0.0], ["a", "a"])
+    assert adv == [0.0, 0.0]
+
+
 def test_outcome_advantage_is_spread_over_valid_tokens_only():
     mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0]], dtype=torch.float32)
     adv = compute_advantages(torch.tensor([1.0, 0.0, 5.0]), ["g", "g", "h"], mask, AdvantageConfig())
@@ -89,12 +117,13 @@ def test_outcome_advantage_is_spread_over_valid_tokens_only():
 
 @settings(max_examples=40, deadline=None)
 @given(rewards=st.lists(st.floats(-10, 10), min_size=1, max_size=12), n_groups=st.integers(1, 4),
-       estimator=st.sampled_from(["grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline", "grpo_passk", "opo"]))
+       estimator=st.sampled_from(["grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline", "grpo_passk", "opo",
+                                  "reinforce_plus_plus", "gpg"]))
 def test_group_centred_estimators_sum_to_zero_in_every_group_of_two_or_more(rewards, n_groups, estimator):
     ids = [i % n_groups for i in range(len(rewards))]
     adv, values = per_seq(estimator, rewards, ids)
     assert torch.isfinite(adv).all()
-    if estimator in ("reinforce_plus_plus_baseline", "grpo_passk"):
+    if estimator in ("reinforce_plus_plus_baseline", "grpo_passk", "reinforce_plus_plus"):
         return  # whitened over the batch / only the best learns: not centred per group
     for g in set(ids):
         members = [v for v, i in zip(values, ids) if i == g]
