@@ -251,6 +251,10 @@ class LearnerConfig(BaseModel):
                              f"weights: set dtype float32 (got {self.dtype!r})")
         if getattr(self.weight_sync, "backend", None) == "nccl" and self.device == "cpu":
             raise ValueError("weight_sync.backend 'nccl' needs device 'cuda'")
+        rc = self.rollout_correction
+        if rc.bypass_mode and rc.loss_type == "reinforce" and self.policy_loss.loss_mode != "vanilla":
+            raise ValueError(f"policy_loss.loss_mode {self.policy_loss.loss_mode!r} is a policy-gradient loss of its "
+                             "own: with rollout_correction.bypass_mode it needs loss_type ppo_clip, not reinforce")
         if self.attn_implementation == "varlen" and self.packing is False:
             raise ValueError("attn_implementation 'varlen' computes packed micro-batches' sequences one by one: "
                              "it needs packing: true (padded rows take sdpa)")

@@ -6,16 +6,20 @@ Public API:
 - `PolicyLossConfig` (pydantic): clip_ratio_low 0.2, clip_ratio_high 0.2, clip_ratio_c 3.0,
   loss_agg_mode ("token-mean" | "token-sum" | "seq-mean-token-sum" | "seq-mean-token-mean" |
   "seq-mean-token-sum-norm"), loss_scale_factor, kl_coef, kl_estimator ("k1" | "k2" | "k3" |
-  "abs" | "k1+" | "k3+", or verl's names kl, mse, low_var_kl), entropy_coeff.
+  "abs" | "k1+" | "k3+", or verl's names kl, mse, low_var_kl), entropy_coeff, loss_mode (vanilla |
+  gspo | cispo | sapo | gpg | dro | dppo_tv | dppo_kl | geo_mean | clip_cov | kl_cov) and those
+  modes' parameters under verl's names (tau_pos, tau_neg, dro_beta, clip_cov_ratio/_lb/_ub,
+  kl_cov_ratio, ppo_kl_coef).
 - `compute_policy_loss(log_prob, old_log_prob, rollout_log_prob, advantages, response_mask,
   correction_config, loss_config, *, global_token_count=None, global_seq_count=None,
   precomputed_correction=None, batch_norm_sums=None, ref_log_prob=None, entropy=None,
-  token_versions=None, current_version=None) -> (loss, metrics)`: the scalar loss to call `.backward()` on and a
-  dict of floats (`actor/...`, `staleness/...`, and `rollout_corr/...` when the correction is
-  computed here).
+  token_versions=None, current_version=None, generator=None) -> (loss, metrics)`: the scalar
+  loss to call `.backward()` on and a dict of floats (`actor/...`, `staleness/...`, and
+  `rollout_corr/...` when the correction is computed here).
 - `aggregate_loss(loss_mat, mask, mode, global_token_count=None, global_seq_count=None,
   loss_scale_factor=None)`, `count_tokens_and_sequences(mask)`, `kl_penalty(log_prob,
-  ref_log_prob, estimator)`, `staleness_metrics(token_versions, current_version, mask)`.
+  ref_log_prob, estimator)`, `staleness_metrics(token_versions, current_version, mask)`,
+  `policy_token_loss(log_prob, anchor_log_prob, advantages, mask, cfg) -> TokenLoss`.
 
 Micro-batches and data parallelism: every mode divides a *sum* over the rows it is given by a
 denominator. Pass the counts of the whole minibatch (summed over micro-batches and ranks, e.g.
@@ -43,13 +47,20 @@ Modes (bypass_mode and loss_type come from the `RolloutCorrectionConfig`):
 - `loss_mode: cispo` (CISPO, verl's `compute_policy_loss_cispo`): −sg[clip(r, 1 − ε_low,
   1 + ε_high)]·A·log π_θ per token, r = π_θ/π_anchor (anchors and IS weights as for gspo): the
   clip bounds each token's weight, never drops its gradient.
+- The other modes are verl's losses of the same names, with the same anchors and IS weights
+  (`policy_token_loss` and the functions it calls say each one's formula): sapo (a soft gate on r,
+  seq-mean-token-mean like verl's), gpg, dro, dppo_tv, dppo_kl, geo_mean (GMPO: a sequence's loss,
+  weighted by the geometric mean of its IS weights, averaged over sequences), clip_cov and kl_cov
+  (their covariance is over the call's tokens: a micro-batch's, as in verl, so unlike the other
+  modes they depend on the split). Bypass REINFORCE is a loss of its own and refuses every mode
+  but vanilla.
 """
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Literal, NamedTuple, Optional
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from learner.correction import (
     SAFETY_BOUND,
@@ -63,6 +74,10 @@ from learner.correction import (
 
 LossAggMode = Literal["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
                       "seq-mean-token-sum-norm"]
+LossMode = Literal["vanilla", "gspo", "cispo", "sapo", "gpg", "dro", "dppo_tv", "dppo_kl", "geo_mean", "clip_cov",
+                   "kl_cov"]
+# modes that average within each sequence first whatever loss_agg_mode says (as verl's do)
+SEQUENCE_MEAN_MODES = ("gspo", "sapo", "geo_mean")
 
 
 class PolicyLossConfig(BaseModel):
@@ -88,10 +103,29 @@ class PolicyLossConfig(BaseModel):
         "1/r − 1 + log r bounded at 10 as verl bounds it, abs |log r|; '+': that value with k2's gradient "
         "(straight through; k2+ is k2); kl, mse, low_var_kl are verl's names for k1, k2, k3")
     entropy_coeff: float = Field(0.0, ge=0, description="weight of the entropy bonus")
-    loss_mode: Literal["vanilla", "gspo", "cispo"] = Field(
-        "vanilla", description="vanilla: token-level (dual-clip) PPO; gspo: sequence-level ratio (geometric mean "
-        "of the token ratios), sequence clipping, aggregated seq-mean-token-mean (verl's GSPO); cispo: "
-        "−sg(clip(r, 1−clip_ratio_low, 1+clip_ratio_high))·A·log π_θ, every token keeps a gradient (verl's CISPO)")
+    loss_mode: LossMode = Field(
+        "vanilla", description="the policy-gradient loss (verl's policy_loss.loss_mode; see learner/losses.py): "
+        "vanilla token-level dual-clip PPO; gspo sequence-level ratio (geometric mean), clipped per sequence; "
+        "cispo −sg(clip(r))·A·log π_θ; sapo a soft sigmoid gate on r (tau_pos, tau_neg); gpg −A·log π_θ; "
+        "dro −(A·log π_θ − ½·dro_beta·log² r); dppo_tv / dppo_kl drop tokens whose probability moved past "
+        "clip_ratio_low/high in total variation / binary KL; geo_mean GMPO's geometric-mean ratio of "
+        "clipped token ratios; clip_cov / kl_cov PPO with the highest-covariance tokens dropped / penalised")
+    tau_pos: float = Field(1.0, gt=0, description="sapo: gate temperature where A > 0")
+    tau_neg: float = Field(1.05, gt=0, description="sapo: gate temperature where A <= 0")
+    dro_beta: Optional[float] = Field(None, gt=0, description="dro: weight of the ½·log² r penalty (required)")
+    clip_cov_ratio: float = Field(0.0002, gt=0, le=1, description="clip_cov: share of tokens whose gradient is dropped")
+    clip_cov_lb: float = Field(1.0, description="clip_cov: tokens with covariance above this are candidates")
+    clip_cov_ub: float = Field(5.0, description="clip_cov: ... and below this")
+    kl_cov_ratio: float = Field(0.0002, gt=0, le=1, description="kl_cov: share of tokens that get the |log r| penalty")
+    ppo_kl_coef: float = Field(0.1, ge=0, description="kl_cov: weight of the |log r| penalty")
+
+    @model_validator(mode="after")
+    def _mode_parameters(self):
+        if self.loss_mode == "dro" and self.dro_beta is None:
+            raise ValueError("loss_mode dro needs dro_beta (> 0), the weight of its ½·log² r penalty")
+        if self.clip_cov_lb >= self.clip_cov_ub:
+            raise ValueError(f"clip_cov_lb ({self.clip_cov_lb}) must be below clip_cov_ub ({self.clip_cov_ub})")
+        return self
 
 
 # ---- aggregation -------------------------------------------------------------------------------
@@ -146,45 +180,195 @@ def aggregate_loss(
 
 
 # ---- per-token losses --------------------------------------------------------------------------
-def ppo_clip_token_loss(log_prob, anchor_log_prob, advantages, cfg: PolicyLossConfig):
-    """Per-token dual-clip PPO loss on r = π_θ/π_anchor and the masks of where each clip binds."""
+class TokenLoss(NamedTuple):
+    """One loss mode's per-token loss [B, T] and what its metrics are made of: where its clip binds
+    (`clipped`: actor/pg_clipfrac; `clipped_lower`: actor/pg_clipfrac_lower, the dual clip's;
+    None where the mode has no such clip) and the per-token value whose mean is actor/ppo_kl."""
+
+    loss: torch.Tensor
+    clipped: Optional[torch.Tensor]
+    clipped_lower: Optional[torch.Tensor]
+    ppo_kl: torch.Tensor
+
+
+def _ratio(log_prob, anchor_log_prob):
+    """(r, log r) with log r within ±20, as verl bounds it for the modes that bound it."""
     log_ratio = (log_prob - anchor_log_prob).clamp(-SAFETY_BOUND, SAFETY_BOUND)
-    ratio = torch.exp(log_ratio)
+    return torch.exp(log_ratio), log_ratio
+
+
+def _clip_band(ratio, cfg: PolicyLossConfig):
+    return ratio.clamp(1.0 - cfg.clip_ratio_low, 1.0 + cfg.clip_ratio_high)
+
+
+def ppo_clip_token_loss(log_prob, anchor_log_prob, advantages, cfg: PolicyLossConfig) -> TokenLoss:
+    """Per-token dual-clip PPO loss on r = π_θ/π_anchor and the masks of where each clip binds."""
+    ratio, log_ratio = _ratio(log_prob, anchor_log_prob)
     unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1.0 - cfg.clip_ratio_low, 1.0 + cfg.clip_ratio_high)
+    clipped = -advantages * _clip_band(ratio, cfg)
     clip_loss = torch.maximum(unclipped, clipped)
     dual_bound = -advantages * cfg.clip_ratio_c
     negative = advantages < 0
     loss = torch.where(negative, torch.minimum(clip_loss, dual_bound), clip_loss)
-    clipped_upper = clipped > unclipped
-    clipped_lower = negative & (clip_loss > dual_bound)
-    return loss, clipped_upper, clipped_lower, log_ratio
+    return TokenLoss(loss, clipped > unclipped, negative & (clip_loss > dual_bound), -log_ratio)
 
 
 GSPO_LOG_RATIO_MAX = 10.0  # verl's clamp of the sequence log-ratio (numerical safety)
 
 
-def gspo_token_loss(log_prob, anchor_log_prob, advantages, mask, cfg: PolicyLossConfig):
+def _sequence_mean(values, mask):
+    kept = mask.to(values.dtype)
+    return (values * kept).sum(-1) / kept.sum(-1).clamp_min(1)
+
+
+def gspo_token_loss(log_prob, anchor_log_prob, advantages, mask, cfg: PolicyLossConfig) -> TokenLoss:
     """GSPO's per-token loss: the clipped sequence ratio in its straight-through form (see the
-    module docstring), the mask of where the clip binds, and the token log-ratios."""
+    module docstring)."""
     log_ratio = log_prob - anchor_log_prob
-    kept = mask.to(log_prob.dtype)
-    seq_log_ratio = (log_ratio * kept).sum(-1) / kept.sum(-1).clamp_min(1)
+    seq_log_ratio = _sequence_mean(log_ratio, mask)
     token_log_ratio = log_prob - log_prob.detach() + seq_log_ratio.detach().unsqueeze(-1)
     ratio = torch.exp(token_log_ratio.clamp(max=GSPO_LOG_RATIO_MAX))
     unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1.0 - cfg.clip_ratio_low, 1.0 + cfg.clip_ratio_high)
-    return torch.maximum(unclipped, clipped), clipped > unclipped, log_ratio
+    clipped = -advantages * _clip_band(ratio, cfg)
+    return TokenLoss(torch.maximum(unclipped, clipped), clipped > unclipped, None, -log_ratio)
 
 
-def cispo_token_loss(log_prob, anchor_log_prob, advantages, cfg: PolicyLossConfig):
+def cispo_token_loss(log_prob, anchor_log_prob, advantages, cfg: PolicyLossConfig) -> TokenLoss:
     """CISPO's per-token loss (arXiv 2506.13585, verl's `compute_policy_loss_cispo`): the ratio is
-    clipped and detached, a weight on the REINFORCE term, so a clipped token still has a gradient.
-    Returns the loss, the mask of where the clip binds, and the token log-ratios."""
-    log_ratio = (log_prob - anchor_log_prob).clamp(-SAFETY_BOUND, SAFETY_BOUND)
-    ratio = torch.exp(log_ratio)
-    clipped = ratio.clamp(1.0 - cfg.clip_ratio_low, 1.0 + cfg.clip_ratio_high)
-    return -clipped.detach() * advantages * log_prob, ratio != clipped, log_ratio
+    clipped and detached, a weight on the REINFORCE term, so a clipped token still has a gradient."""
+    ratio, log_ratio = _ratio(log_prob, anchor_log_prob)
+    clipped = _clip_band(ratio, cfg)
+    return TokenLoss(-clipped.detach() * advantages * log_prob, ratio != clipped, None, -log_ratio)
+
+
+def sapo_token_loss(log_prob, anchor_log_prob, advantages, cfg: PolicyLossConfig) -> TokenLoss:
+    """SAPO (arXiv 2511.20347, verl's `compute_policy_loss_sapo`): no hard clip; the ratio passes a
+    soft gate f(r) = sigmoid(τ(r − 1))·4/τ (slope 1 at r = 1, flat far from it), τ = tau_pos where
+    A > 0 and tau_neg elsewhere."""
+    ratio, log_ratio = _ratio(log_prob, anchor_log_prob)
+    tau = torch.full_like(ratio, cfg.tau_neg).masked_fill(advantages > 0, cfg.tau_pos)
+    gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
+    return TokenLoss(-gate * advantages, None, None, -log_ratio)
+
+
+def gpg_token_loss(log_prob, anchor_log_prob, advantages) -> TokenLoss:
+    """GPG (arXiv 2504.02546, verl's `compute_policy_loss_gpg`): plain −A·log π_θ, no ratio, no clip."""
+    return TokenLoss(-advantages * log_prob, None, None, -(log_prob - anchor_log_prob))
+
+
+def dro_token_loss(log_prob, anchor_log_prob, advantages, cfg: PolicyLossConfig) -> TokenLoss:
+    """DRO (verl's `compute_policy_loss_dro`): −(A·log π_θ − ½β·log² r), the quadratic keeping π_θ
+    near π_anchor instead of a clip."""
+    log_ratio = log_prob - anchor_log_prob
+    return TokenLoss(-(advantages * log_prob - 0.5 * cfg.dro_beta * log_ratio.square()), None, None, -log_ratio)
+
+
+def dppo_token_loss(log_prob, anchor_log_prob, advantages, cfg: PolicyLossConfig, divergence: str) -> TokenLoss:
+    """DPPO-Binary (arXiv 2602.04879, verl's `compute_policy_loss_dppo_tv` / `_kl`): −A·sg(min(r, c))
+    ·log π_θ on the tokens whose probability moved less than the trust region allows, 0 elsewhere.
+    The region is on the token's probability p = π_θ against p_old = π_anchor, not on r:
+    tv: p − p_old <= clip_ratio_high where A > 0, >= −clip_ratio_low where A <= 0; kl: the
+    Bernoulli KL(p_old ‖ p) <= clip_ratio_high (A > 0) or clip_ratio_low (A <= 0), a move the other
+    way always kept. `clipped`: tokens outside the region; `clipped_lower`: kept tokens whose r
+    exceeded clip_ratio_c (truncated)."""
+    ratio, log_ratio = _ratio(log_prob, anchor_log_prob)
+    prob, old_prob = torch.exp(log_prob), torch.exp(anchor_log_prob)
+    if divergence == "tv":
+        inside_pos = prob - old_prob <= cfg.clip_ratio_high
+        inside_neg = prob - old_prob >= -cfg.clip_ratio_low
+    else:
+        binary_kl = old_prob * (anchor_log_prob - log_prob) + (1 - old_prob) * torch.log(
+            (1.0 - old_prob + 1e-8) / (1.0 - prob + 1e-8))
+        inside_pos = (binary_kl <= cfg.clip_ratio_high) | (prob <= old_prob)
+        inside_neg = (binary_kl <= cfg.clip_ratio_low) | (prob >= old_prob)
+    inside = torch.where(advantages > 0, inside_pos, inside_neg).detach()
+    truncated = ratio.clamp(max=cfg.clip_ratio_c).detach()
+    loss = -advantages * truncated * log_prob * inside.to(log_prob.dtype)
+    return TokenLoss(loss, ~inside, inside & (ratio > cfg.clip_ratio_c), -log_ratio)
+
+
+def geo_mean_token_loss(log_prob, anchor_log_prob, advantages, mask, cfg: PolicyLossConfig) -> TokenLoss:
+    """GMPO (arXiv 2507.20673, verl's `compute_policy_loss_geo_mean`): a sequence's ratio is the
+    geometric mean of its token ratios, each token's log-ratio first clipped to [−clip_ratio_low,
+    clip_ratio_high] on the pessimistic side (as PPO clips r); the loss −Ā·ratio with Ā the
+    sequence's mean advantage, on every token of the sequence (aggregated seq-mean-token-mean, that
+    is once per sequence). `clipped`: tokens clipped where A > 0; `clipped_lower`: where A < 0."""
+    log_ratio = log_prob - anchor_log_prob
+    sign = torch.sign(advantages)
+    bounded = log_ratio.clamp(-cfg.clip_ratio_low, cfg.clip_ratio_high)
+    pessimistic = sign * torch.minimum(sign * log_ratio, sign * bounded)
+    ratio = torch.exp(_sequence_mean(pessimistic, mask).clamp(max=SAFETY_BOUND))
+    loss = -_sequence_mean(advantages, mask) * ratio
+    changed = log_ratio != bounded
+    return TokenLoss(loss.unsqueeze(-1).expand_as(log_prob), changed & (advantages > 0), changed & (advantages < 0),
+                     -log_ratio)
+
+
+def clip_cov_token_loss(log_prob, anchor_log_prob, advantages, mask, cfg: PolicyLossConfig,
+                        generator: Optional[torch.Generator] = None) -> TokenLoss:
+    """Clip-Cov (arXiv 2505.22617, verl's `compute_policy_loss_clip_cov`): PPO's clipped loss (no dual
+    clip), and among the tokens it left unclipped, those whose covariance of advantage and log π_θ
+    (centred over the call's tokens) lies in (clip_cov_lb, clip_cov_ub): a random clip_cov_ratio
+    of the call's tokens (at least one) lose their gradient, against the entropy collapse those
+    tokens drive. `clipped`: the dropped tokens (verl's pg_clipfrac counts those only). Random: pass
+    a seeded `generator` to repeat a choice."""
+    ratio, log_ratio = _ratio(log_prob, anchor_log_prob)
+    unclipped = -advantages * ratio
+    clipped = -advantages * _clip_band(ratio, cfg)
+    clip_by_ppo = (clipped > unclipped) & mask
+    cov = (advantages - masked_mean(advantages, mask)) * (log_prob.detach() - masked_mean(log_prob.detach(), mask))
+    candidates = ((cov > cfg.clip_cov_lb) & (cov < cfg.clip_cov_ub) & mask & ~clip_by_ppo).nonzero()
+    quota = max(int(cfg.clip_cov_ratio * int(mask.sum())), 1)
+    chosen = candidates[torch.randperm(len(candidates), generator=generator)[:quota].to(candidates.device)]
+    dropped = torch.zeros_like(mask)
+    dropped[chosen[:, 0], chosen[:, 1]] = True
+    loss = torch.where(dropped, torch.zeros_like(ratio), torch.maximum(unclipped, clipped))
+    return TokenLoss(loss, dropped, None, -log_ratio)
+
+
+def kl_cov_token_loss(log_prob, anchor_log_prob, advantages, mask, cfg: PolicyLossConfig) -> TokenLoss:
+    """KL-Cov (arXiv 2505.22617, verl's `compute_policy_loss_kl_cov`): the unclipped −A·r, plus
+    ppo_kl_coef·|log r| on the kl_cov_ratio of the call's tokens (at least one) with the largest
+    covariance of advantage and log π_θ. actor/ppo_kl is the mean |log r| here, as verl reports it."""
+    ratio, log_ratio = _ratio(log_prob, anchor_log_prob)
+    loss = -advantages * ratio
+    flat = mask.reshape(-1).nonzero().squeeze(-1)
+    if flat.numel():
+        adv, logp = advantages.detach().reshape(-1)[flat], log_prob.detach().reshape(-1)[flat]
+        cov = (adv - adv.mean()) * (logp - logp.mean())
+        top = flat[torch.topk(cov, max(1, int(flat.numel() * cfg.kl_cov_ratio))).indices]
+        penalised = torch.zeros(mask.numel(), dtype=torch.bool, device=mask.device)
+        penalised[top] = True
+        penalised = penalised.reshape(mask.shape)
+        loss = torch.where(penalised, loss + cfg.ppo_kl_coef * log_ratio.abs(), loss)
+    return TokenLoss(loss, None, None, log_ratio.abs())
+
+
+def policy_token_loss(log_prob, anchor_log_prob, advantages, mask, cfg: PolicyLossConfig,
+                      generator: Optional[torch.Generator] = None) -> TokenLoss:
+    """The per-token policy-gradient loss of `cfg.loss_mode` against π_anchor (before IS weights)."""
+    mode, args = cfg.loss_mode, (log_prob, anchor_log_prob, advantages)
+    if mode == "vanilla":
+        return ppo_clip_token_loss(*args, cfg)
+    if mode == "gspo":
+        return gspo_token_loss(*args, mask, cfg)
+    if mode == "cispo":
+        return cispo_token_loss(*args, cfg)
+    if mode == "sapo":
+        return sapo_token_loss(*args, cfg)
+    if mode == "gpg":
+        return gpg_token_loss(*args)
+    if mode == "dro":
+        return dro_token_loss(*args, cfg)
+    if mode in ("dppo_tv", "dppo_kl"):
+        return dppo_token_loss(*args, cfg, mode.removeprefix("dppo_"))
+    if mode == "geo_mean":
+        return geo_mean_token_loss(*args, mask, cfg)
+    if mode == "clip_cov":
+        return clip_cov_token_loss(*args, mask, cfg, generator)
+    if mode == "kl_cov":
+        return kl_cov_token_loss(*args, mask, cfg)
+    raise ValueError(f"loss_mode must be one of {LossMode.__args__}, got {mode!r}")
 
 
 KL_ESTIMATOR_NAMES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}  # verl's, each also with a '+' 
@@ -266,11 +450,13 @@ def compute_policy_loss(
     entropy: Optional[torch.Tensor] = None,
     token_versions: Optional[torch.Tensor] = None,
     current_version: Optional[int] = None,
+    generator: Optional[torch.Generator] = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The scalar policy loss (PPO / REINFORCE + KL − entropy) and its metrics. See the module
     docstring for the modes. `old_log_prob` may be None in bypass mode (π_old := π_rollout).
     `batch_norm_sums`: the whole minibatch's `is_batch_norm_sums` when the correction is computed
-    here and batch-normalised (None: normalise over this call's rows)."""
+    here and batch-normalised (None: normalise over this call's rows). `generator`: clip_cov's
+    random choice (None: torch's default generator)."""
     mask = check_mask(response_mask)
     log_prob = _upcast(check_token_values("log_prob", log_prob, mask))
     advantages = _upcast(check_token_values("advantages", advantages, mask)).detach()
@@ -278,28 +464,25 @@ def compute_policy_loss(
         log_prob, old_log_prob, rollout_log_prob, mask, correction_config, precomputed_correction, batch_norm_sums)
 
     stats: dict[str, torch.Tensor] = {}
+    mode = loss_config.loss_mode
     reinforce = correction_config.bypass_mode and correction_config.loss_type == "reinforce"
-    gspo = loss_config.loss_mode == "gspo"
-    agg_mode = "seq-mean-token-mean" if gspo else loss_config.loss_agg_mode
-    if reinforce and loss_config.loss_mode != "vanilla":
-        raise ValueError(f"loss_mode {loss_config.loss_mode} clips a ratio: bypass mode needs loss_type ppo_clip, "
-                         "not reinforce")
-    clipped = clipped_lower = None  # where the clip binds (upper; dual clip): none in REINFORCE, no dual in GSPO/CISPO
-    if loss_config.loss_mode == "cispo":
-        token_loss, clipped, log_ratio = cispo_token_loss(log_prob, anchor, advantages, loss_config)
-    elif gspo:
-        token_loss, clipped, log_ratio = gspo_token_loss(log_prob, anchor, advantages, loss_mask, loss_config)
-    elif reinforce:
+    agg_mode = "seq-mean-token-mean" if mode in SEQUENCE_MEAN_MODES else loss_config.loss_agg_mode
+    if reinforce and mode != "vanilla":
+        raise ValueError(f"loss_mode {mode} is a policy-gradient loss of its own (in bypass mode anchored on "
+                         "π_rollout): bypass mode needs loss_type ppo_clip with it, not reinforce")
+    if reinforce:
         w = weights if weights is not None else torch.ones_like(log_prob)
-        token_loss = -w * advantages * log_prob
-        log_ratio = log_prob.detach() - anchor  # verl reports it unclamped here
+        # verl reports ppo_kl unclamped here
+        pg = TokenLoss(-w * advantages * log_prob, None, None, -(log_prob.detach() - anchor))
     else:
-        token_loss, clipped, clipped_lower, log_ratio = ppo_clip_token_loss(log_prob, anchor, advantages, loss_config)
+        pg = policy_token_loss(log_prob, anchor, advantages, loss_mask, loss_config, generator)
+    token_loss = pg.loss
     if weights is not None and not correction_config.bypass_mode:  # decoupled: the IS weights scale every mode
-        token_loss = token_loss * weights
-    for key, where in (("actor/pg_clipfrac", clipped), ("actor/pg_clipfrac_lower", clipped_lower)):
+        # geo_mean's loss is a sequence's: its weight is the geometric mean of the token weights (verl's)
+        token_loss = token_loss * (_geometric_mean_weights(weights, loss_mask) if mode == "geo_mean" else weights)
+    for key, where in (("actor/pg_clipfrac", pg.clipped), ("actor/pg_clipfrac_lower", pg.clipped_lower)):
         stats[key] = log_prob.new_zeros(()) if where is None else masked_mean(where.to(log_prob.dtype), loss_mask)
-    stats["actor/ppo_kl"] = masked_mean(-log_ratio.detach(), loss_mask)
+    stats["actor/ppo_kl"] = masked_mean(pg.ppo_kl.detach(), loss_mask)
 
     def agg(x: torch.Tensor, over: torch.Tensor = loss_mask) -> torch.Tensor:
         return aggregate_loss(x, over, agg_mode, global_token_count, global_seq_count,
@@ -333,6 +516,11 @@ def compute_policy_loss(
         stats.update(staleness_metrics(token_versions, current_version, loss_mask))
     metrics.update(to_floats(stats))
     return loss, metrics
+
+
+def _geometric_mean_weights(weights: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Each row's geometric mean of its kept tokens' weights, on every token of the row."""
+    return torch.exp(_sequence_mean(torch.log(weights + 1e-10), mask)).unsqueeze(-1).expand_as(weights)
 
 
 def _upcast(x: torch.Tensor) -> torch.Tensor:

@@ -133,6 +133,8 @@ class StepInputs:
     old_log_prob: Optional[torch.Tensor] = None  # recompute mode
     is_weights: Optional[torch.Tensor] = None  # recompute mode, when rollout_is is set
     ref_log_prob: Optional[torch.Tensor] = None  # kl_coef > 0
+    # the loss's random choices (clip_cov), seeded by the version and rank: a resumed run repeats them
+    loss_generator: Optional[torch.Generator] = None
 
 
 def lr_factor(step: int, warmup_steps: int, schedule: str, total_steps: int | None, min_ratio: float) -> float:
@@ -293,7 +295,8 @@ class Learner:
         # ranks' parts are disjoint and cover the batch; later epochs may reshuffle).
         owned = [row_of[r] for r in batch.rows_of_groups([g for mb in minibatches[0] for g in self._my_part(mb)])]
         inputs = StepInputs(shard=shard, advantages=advantages[shard_rows, : shard.response_mask.shape[1]].to(self.device),
-                            loss_mask=shard.response_mask)
+                            loss_mask=shard.response_mask, loss_generator=torch.Generator().manual_seed(
+                                (cfg.seed * 1_000_003 + self.version) * 1_009 + self.comm.rank))
 
         # 2. π_old and the correction that does not depend on θ: once per step, on this rank's shard;
         # the gap between μ and π_old by staleness (learner/drift.py) from the same numbers.
@@ -509,7 +512,8 @@ class Learner:
         loss, loss_metrics = compute_policy_loss(
             log_prob, old, mb.rollout_log_probs, inputs.advantages[rows, :width], mb.response_mask,
             cfg.rollout_correction, cfg.policy_loss,
-            global_token_count=global_tokens, global_seq_count=global_seqs, entropy=entropy, **extra,
+            global_token_count=global_tokens, global_seq_count=global_seqs, entropy=entropy,
+            generator=inputs.loss_generator, **extra,
         )
         if cfg.distributed.strategy == "fsdp":
             loss = loss * self.comm.world_size  # FSDP averages gradients over ranks; we sum

@@ -66,6 +66,36 @@ def test_train_step_raises_the_log_prob_of_rewarded_responses(policy_dir, groups
     assert metrics["learner/version"] == 3.0 and metrics["actor/lr"] == pytest.approx(1e-3)
 
 
+@pytest.mark.parametrize("overrides", [
+    {"policy_loss": {"loss_mode": mode, "dro_beta": 0.1}} for mode in
+    ("gspo", "cispo", "sapo", "gpg", "dro", "dppo_tv", "dppo_kl", "geo_mean", "clip_cov", "kl_cov")] + [
+    {"advantage": {"estimator": est}} for est in ("reinforce_plus_plus", "gpg", "opo", "grpo_passk")],
+    ids=lambda o: str(next(iter(o.values()))))
+def test_every_loss_mode_and_estimator_trains_the_policy_towards_its_rewards(policy_dir, groups, overrides):
+    learner = make_learner(policy_dir, **overrides)
+    before = group_log_probs(learner.model, groups)
+    for _ in range(3):
+        metrics = learner.train_step(groups)
+    assert all(np.isfinite(v) for k, v in metrics.items() if k.startswith("actor/")), metrics
+    change = group_log_probs(learner.model, groups) - before
+    rewards = build_batch(groups).rewards.view(len(groups), -1)
+    above = (rewards > rewards.mean(1, keepdim=True)).flatten()
+    below = (rewards < rewards.mean(1, keepdim=True)).flatten()
+    assert change[above].mean() > change[below].mean() + 0.1
+
+
+def test_clip_covs_random_choice_repeats_in_a_run_with_the_same_seed(policy_dir, groups):
+    cfg = {"policy_loss": {"loss_mode": "clip_cov", "clip_cov_ratio": 0.2, "clip_cov_lb": -10.0}}
+    runs = []
+    for seed in (0, 0, 1):
+        learner = make_learner(policy_dir, seed=seed, **cfg)
+        for _ in range(2):
+            learner.train_step(groups)
+        runs.append(params_of(learner.model))
+    assert max_param_diff(runs[0], runs[1]) == 0.0
+    assert max_param_diff(runs[0], runs[2]) > 0.0, "another seed drops other tokens"
+
+
 def test_the_three_proximal_paths(policy_dir):
     """Behaviour log-probs with noise (a different sampler backend) and versions 2 behind."""
     stale = sample_groups(policy_dir, n_groups=2, n=4, seed=3, version=0, logprob_noise=0.3)
@@ -393,6 +423,10 @@ def test_config_errors_name_the_field(policy_dir):
         LearnerConfig(model_path=str(policy_dir), dtype="bfloat16", mixed_precision="bfloat16")
     with pytest.raises(ValidationError, match="max_tokens_per_micro_batch"):
         LearnerConfig(model_path=str(policy_dir), max_tokens_per_micro_batch=0)
+    with pytest.raises(ValidationError, match="'sapo' is a policy-gradient loss of its own"):
+        LearnerConfig(model_path=str(policy_dir), rollout_correction="bypass_pg_is", policy_loss={"loss_mode": "sapo"})
+    with pytest.raises(ValidationError, match="dro needs dro_beta"):
+        LearnerConfig(model_path=str(policy_dir), policy_loss={"loss_mode": "dro"})
     cfg = LearnerConfig(model_path=str(policy_dir), rollout_correction="decoupled_seq_is")
     assert cfg.rollout_correction.rollout_is == "sequence" and not cfg.bypass_mode
     assert LearnerConfig.model_validate_json(cfg.model_dump_json()) == cfg  # survives YAML/JSON and pickling
