@@ -5,14 +5,14 @@ Public API:
 - `AdvantageConfig` (pydantic): `estimator` ("grpo" | "dr_grpo" | "rloo" |
   "reinforce_plus_plus_baseline" | "grpo_passk" | "opo" | "reinforce_plus_plus" | "gpg"), `eps`
   (1e-6), `gamma` (1.0, reinforce_plus_plus's discount).
-- `compute_advantages(rewards, group_ids, response_mask, config) -> advantages [B, T]`: one
-  scalar per sequence, spread over its valid tokens (0 at padding); reinforce_plus_plus with
-  gamma < 1 discounts each token's.
+- `compute_advantages(rewards, group_ids, response_mask, config, token_rewards=None) ->
+  advantages [B, T]`: one scalar per sequence, spread over its valid tokens (0 at padding);
+  reinforce_plus_plus gives each token its own.
 - `group_index(group_ids) -> LongTensor [B]`: rows with equal ids share a group (any hashables,
   or an integer tensor); the estimators below take it.
 - `grpo_advantages`, `dr_grpo_advantages`, `rloo_advantages`, `reinforce_pp_baseline_advantages`,
   `grpo_passk_advantages`, `opo_advantages`, `gpg_advantages`: the per-sequence [B] advantages;
-  `reinforce_pp_advantages`: [B, T].
+  `reinforce_pp_advantages`: [B, T], from `token_level_rewards` and `discounted_returns`.
 
 Estimators (r = reward, groups by id):
 - grpo: (r − mean_g) / (std_g + eps), std unbiased; a group of one has mean 0 and std 1.
@@ -25,8 +25,11 @@ Estimators (r = reward, groups by id):
   verl's `topk` picks it). A group of one has no second: 0 (the config refuses rollout.sampling.n=1).
 - opo (arXiv 2505.23585): r − the group's length-weighted mean reward Σ|y|·r / Σ|y| (|y|: valid
   tokens); a group of one: r.
-- reinforce_plus_plus (arXiv 2501.03262): no baseline; each valid token's discounted return
-  γ^k·r (k valid tokens after it), whitened over the batch's valid tokens.
+- reinforce_plus_plus (arXiv 2501.03262): no baseline; each policy token's discounted return,
+  whitened over the batch's policy tokens. The rewards sit where the sample put them
+  (`token_rewards`: a multi-turn step's on its action's last token) and the rest of the reward on
+  the last policy token; a token's return is Σ γ^k·reward from it on (k: policy tokens between),
+  so with one outcome reward it is γ^k·r, k the policy tokens after it.
 - gpg (arXiv 2504.02546): α·(r − mean_g), α = B / (responses with a non-zero reward); a group of
   one: α·r.
 These are verl's `compute_*_outcome_advantage` with outcome rewards (parity checked on its code).
@@ -136,15 +139,46 @@ def reinforce_pp_baseline_advantages(rewards: torch.Tensor, index: torch.Tensor,
     return _whiten(dr_grpo_advantages(rewards, index), mask.sum(-1))
 
 
-def reinforce_pp_advantages(rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
-    """REINFORCE++ (arXiv 2501.03262, verl's `compute_reinforce_plus_plus_outcome_advantage`) with
-    the outcome reward on a response's last valid token: each valid token's return γ^k·r (k: the
-    valid tokens after it; tool tokens between turns neither count nor discount), whitened over
-    the batch's valid tokens. No group baseline. Returns [B, T] (0 at padding)."""
-    valid = mask.to(rewards.dtype)
-    after = valid.flip(-1).cumsum(-1).flip(-1) - valid  # valid tokens after each position
-    returns = rewards[:, None] * gamma ** after * valid
-    return _whiten(returns, mask) * valid
+def token_level_rewards(rewards: torch.Tensor, mask: torch.Tensor,
+                        token_rewards: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, T]: the per-token rewards (a multi-turn trajectory's step rewards on its actions' last
+    tokens; None: none), and whatever part of each reward they do not sum to (all of it for a
+    single-turn sample; an environment failure's reward) on the response's last policy token."""
+    mask = mask.bool()
+    placed = torch.zeros(mask.shape, dtype=rewards.dtype, device=mask.device)
+    if token_rewards is not None:
+        placed += token_rewards.to(placed)
+    if mask.shape[-1] == 0:
+        return placed
+    policy = mask.any(-1)
+    last = mask.shape[-1] - 1 - mask.flip(-1).to(torch.int8).argmax(-1)  # the last policy token of each row
+    residual = torch.where(policy, rewards - placed.sum(-1), torch.zeros_like(rewards))
+    return placed.index_put_((torch.arange(len(rewards), device=mask.device), last), residual, accumulate=True)
+
+
+def discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """Each policy token's return Σ γ^k·reward over the policy tokens from it on (k: the policy
+    tokens between), as verl's REINFORCE++ loop computes it: tool tokens neither count nor
+    discount, and a reward on one is not seen. 0 at non-policy positions."""
+    mask = mask.bool()
+    valid = mask.to(token_rewards.dtype)
+    rewards = token_rewards * valid
+    if gamma == 1.0:
+        return rewards.flip(-1).cumsum(-1).flip(-1) * valid
+    returns, running = torch.zeros_like(rewards), torch.zeros_like(rewards[:, 0])
+    for t in range(rewards.shape[1] - 1, -1, -1):  # O(T) steps over all rows at once
+        running = torch.where(mask[:, t], rewards[:, t] + gamma * running, running)
+        returns[:, t] = running * valid[:, t]
+    return returns
+
+
+def reinforce_pp_advantages(rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,
+                            token_rewards: torch.Tensor | None = None) -> torch.Tensor:
+    """REINFORCE++ (arXiv 2501.03262, verl's `compute_reinforce_plus_plus_outcome_advantage`): each
+    policy token's discounted return (`discounted_returns` of `token_level_rewards`), whitened over
+    the batch's policy tokens. No group baseline. Returns [B, T] (0 elsewhere)."""
+    returns = discounted_returns(token_level_rewards(rewards, mask, token_rewards), mask, gamma)
+    return _whiten(returns, mask) * mask.to(returns.dtype)
 
 
 def gpg_advantages(rewards: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -182,8 +216,10 @@ def compute_advantages(
     group_ids: GroupIds,
     response_mask: torch.Tensor,
     config: AdvantageConfig | None = None,
+    token_rewards: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Per-token advantages [B, T]: the estimator's per-sequence value on every valid token."""
+    """Per-token advantages [B, T]: the estimator's per-sequence value on every valid token
+    (reinforce_plus_plus: each token's own, from `token_rewards` where a sample has them)."""
     config = config or AdvantageConfig()
     rewards = _check_rewards(rewards)
     mask = check_mask(response_mask)
@@ -192,7 +228,9 @@ def compute_advantages(
     rewards = rewards.to(mask.device)
     index = group_index(group_ids, rewards.shape[0])
     if config.estimator == "reinforce_plus_plus":  # the only one whose tokens differ (γ < 1)
-        return reinforce_pp_advantages(rewards, mask, config.gamma)
+        if token_rewards is not None and token_rewards.shape != mask.shape:
+            raise ValueError(f"token_rewards has shape {tuple(token_rewards.shape)}, expected {tuple(mask.shape)}")
+        return reinforce_pp_advantages(rewards, mask, config.gamma, token_rewards)
     if config.estimator == "grpo":
         per_seq = grpo_advantages(rewards, index, config.eps)
     elif config.estimator == "dr_grpo":

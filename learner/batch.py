@@ -37,6 +37,7 @@ class TrainBatch:
     token_versions: torch.Tensor  # int64 [B, T], the sample's weight_version at padding
     weight_versions: torch.Tensor  # int64 [B]
     rewards: torch.Tensor  # float32 [B]
+    token_rewards: torch.Tensor  # float32 [B, T]: the samples' per-token rewards (multi-turn steps), else 0
     group_index: torch.Tensor  # int64 [B]: position of the row's group in the pulled batch
     group_ids: list[str]  # per row
     sample_ids: list[str]  # per row
@@ -133,7 +134,9 @@ def _row(sample) -> dict:
     return dict(prompt=sample.prompt_ids.astype(np.int64), response=sample.response_ids.astype(np.int64),
                 log_probs=sample.rollout_log_probs, loss_mask=sample.loss_mask.astype(np.float32),
                 version=int(sample.weight_version), versions=sample.token_versions.astype(np.int64),
-                reward=float(sample.reward))
+                reward=float(sample.reward),
+                token_rewards=sample.token_rewards if sample.token_rewards is not None
+                else np.zeros(len(sample.response_ids), np.float32))
 
 
 def build_batch(groups, learner_version: int | None = None, vocab_size: int | None = None,
@@ -186,6 +189,7 @@ def build_batch(groups, learner_version: int | None = None, vocab_size: int | No
         token_versions=token_versions,
         weight_versions=weight_versions,
         rewards=torch.tensor([r["reward"] for r in rows], dtype=torch.float32),
+        token_rewards=padded("token_rewards", torch.float32),
         group_index=torch.tensor(group_index, dtype=torch.long),
         group_ids=group_ids,
         sample_ids=sample_ids,

@@ -285,7 +285,8 @@ class Learner:
                             routing_shape=self.routing.shape)
         self._check_budget(batch)
         self._group_tokens = batch.group_tokens()  # balances the ranks' shares (_my_part)
-        advantages = compute_advantages(batch.rewards, batch.group_index, batch.response_mask, cfg.advantage)
+        advantages = compute_advantages(batch.rewards, batch.group_index, batch.response_mask, cfg.advantage,
+                                        batch.token_rewards)
         minibatches = self._minibatch_groups(batch.num_groups)
         shard_rows = batch.rows_of_groups(  # every group this rank trains on, in any epoch
             [g for epoch in minibatches for mb in epoch for g in self._my_part(mb)])

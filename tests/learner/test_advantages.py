@@ -99,6 +99,29 @@ def test_reinforce_pp_discounts_each_token_by_the_valid_tokens_after_it_then_whi
         AdvantageConfig(gamma=1.5)
 
 
+def test_reinforce_pp_credits_each_turn_with_the_step_rewards_from_it_on():
+    """A two-turn trajectory: step rewards 1 (turn 1's last token) and 2 (turn 2's), a tool token
+    between. γ = 1: turn 1's tokens return 3, turn 2's 2. A reward the steps do not sum to (an
+    environment failure's) lands on the last policy token; a sample without step rewards has its
+    reward there."""
+    from learner.advantages import discounted_returns, token_level_rewards
+
+    mask = torch.tensor([[1, 1, 0, 1, 1], [1, 1, 1, 0, 0]], dtype=torch.bool)
+    steps = torch.tensor([[0, 1, 0, 0, 2], [0, 0, 0, 0, 0]], dtype=torch.float32)
+    rewards = torch.tensor([3.0, 0.5])
+    placed = token_level_rewards(rewards, mask, steps)
+    assert placed.tolist() == [[0, 1, 0, 0, 2], [0, 0, 0.5, 0, 0]]
+    assert discounted_returns(placed, mask, 1.0).tolist() == [[3, 3, 0, 2, 2], [0.5, 0.5, 0.5, 0, 0]]
+    assert discounted_returns(placed, mask, 0.5).tolist() == [[0.75, 1.5, 0, 1, 2], [0.125, 0.25, 0.5, 0, 0]]
+    failed = token_level_rewards(torch.tensor([-1.0, 0.5]), mask, steps)  # the environment failed: reward -1
+    assert failed[0].tolist() == [0, 1, 0, 0, -2]
+    adv = compute_advantages(rewards, ["a", "a"], mask, AdvantageConfig(estimator="reinforce_plus_plus"), steps)
+    returns = [3.0, 3.0, 2.0, 2.0, 0.5, 0.5, 0.5]
+    mean, std = statistics.mean(returns), statistics.stdev(returns)
+    assert adv[0, 0].item() == pytest.approx((3.0 - mean) / std, rel=1e-6)
+    assert adv[0, 3].item() == pytest.approx((2.0 - mean) / std, rel=1e-6) and adv[0, 2] == 0
+
+
 def test_gpg_scales_the_group_centred_reward_by_the_share_of_non_zero_rewards():
     # 6 responses, 2 with a non-zero reward: α = 6 / 2 = 3; a group of one keeps α·r
     _, adv = per_seq("gpg", [1.0, 0.0, 0.0, 0.0, 0.0, 0.5], ["a", "a", "b", "b", "b", "c"])

@@ -322,6 +322,32 @@ def test_loss_mask_keeps_tool_tokens_out_of_the_loss(policy_dir):
     assert max_param_diff(updates[0], updates[1]) < 1e-7
 
 
+def test_reinforce_pp_takes_a_trajectorys_step_rewards_where_the_sample_put_them(policy_dir):
+    """The same samples and rewards, the step rewards placed on the first or on the last policy
+    token: REINFORCE++ credits the tokens before each reward, so the updates differ; GRPO reads
+    the sample's reward only, so its updates do not."""
+    base = sample_groups(policy_dir, n_groups=2, n=3, seed=7, max_new_tokens=5)
+    updates = {}
+    for estimator in ("reinforce_plus_plus", "grpo"):
+        for where in (0, -1):
+            groups = []
+            for group in base:
+                samples = []
+                for s in group.samples:
+                    steps = np.zeros(len(s.response_ids), np.float32)
+                    steps[where] = s.reward
+                    samples.append(Sample(sample_id=s.sample_id, group_id=s.group_id, prompt_ids=s.prompt_ids,
+                                          response_ids=s.response_ids, rollout_log_probs=s.rollout_log_probs,
+                                          loss_mask=s.loss_mask, reward=s.reward, weight_version=0,
+                                          token_rewards=steps))
+                groups.append(Group(group_id=group.group_id, samples=samples, prompt_index=group.prompt_index))
+            learner = make_learner(policy_dir, advantage={"estimator": estimator})
+            learner.train_step(groups)
+            updates[estimator, where] = params_of(learner.model)
+    assert max_param_diff(updates["reinforce_plus_plus", 0], updates["reinforce_plus_plus", -1]) > 1e-5
+    assert max_param_diff(updates["grpo", 0], updates["grpo", -1]) == 0.0
+
+
 def test_checkpoint_round_trip_gives_the_identical_next_step(policy_dir, groups, tmp_path):
     (policy_dir / "tokenizer.json").write_text("{}")  # stands in for the source's tokenizer
     first = make_learner(policy_dir, warmup_steps=2, lr_schedule="cosine", total_steps=10)
