@@ -37,11 +37,13 @@ class TrainBatch:
     token_versions: torch.Tensor  # int64 [B, T], the sample's weight_version at padding
     weight_versions: torch.Tensor  # int64 [B]
     rewards: torch.Tensor  # float32 [B]
-    token_rewards: torch.Tensor  # float32 [B, T]: the samples' per-token rewards (multi-turn steps), else 0
     group_index: torch.Tensor  # int64 [B]: position of the row's group in the pulled batch
     group_ids: list[str]  # per row
     sample_ids: list[str]  # per row
     routed_experts: Optional[torch.Tensor] = None  # int16 [B, T, layers, k]: MoE routing, zero at padding
+    # float32 [B, T]: the samples' per-token rewards (multi-turn steps; 0 where a sample has none),
+    # None when no sample has them
+    token_rewards: Optional[torch.Tensor] = None
     # r2: the learner's own experts at every position of each row, [prompt + response, layers, k],
     # recorded by the step's proximal pass (learner/routing_replay.py)
     replay_routing: Optional[list[torch.Tensor]] = None
@@ -134,9 +136,7 @@ def _row(sample) -> dict:
     return dict(prompt=sample.prompt_ids.astype(np.int64), response=sample.response_ids.astype(np.int64),
                 log_probs=sample.rollout_log_probs, loss_mask=sample.loss_mask.astype(np.float32),
                 version=int(sample.weight_version), versions=sample.token_versions.astype(np.int64),
-                reward=float(sample.reward),
-                token_rewards=sample.token_rewards if sample.token_rewards is not None
-                else np.zeros(len(sample.response_ids), np.float32))
+                reward=float(sample.reward), token_rewards=sample.token_rewards)
 
 
 def build_batch(groups, learner_version: int | None = None, vocab_size: int | None = None,
@@ -181,6 +181,12 @@ def build_batch(groups, learner_version: int | None = None, vocab_size: int | No
     response_mask = padded("loss_mask", torch.float32)
     rollout_log_probs = padded("log_probs", torch.float32)
     token_versions = padded("versions", torch.long, weight_versions)
+    token_rewards = None  # only where some sample has them (multi-turn steps): no [B, T] zeros otherwise
+    if any(r["token_rewards"] is not None for r in rows):
+        for r in rows:
+            if r["token_rewards"] is None:
+                r["token_rewards"] = np.zeros(len(r["response"]), np.float32)
+        token_rewards = padded("token_rewards", torch.float32)
     return TrainBatch(
         prompts=[r["prompt"] for r in rows],  # int64 arrays: no Python int per token
         responses=[r["response"] for r in rows],
@@ -189,12 +195,13 @@ def build_batch(groups, learner_version: int | None = None, vocab_size: int | No
         token_versions=token_versions,
         weight_versions=weight_versions,
         rewards=torch.tensor([r["reward"] for r in rows], dtype=torch.float32),
-        token_rewards=padded("token_rewards", torch.float32),
         group_index=torch.tensor(group_index, dtype=torch.long),
         group_ids=group_ids,
         sample_ids=sample_ids,
         routed_experts=_padded_routing(routing, real),
+        token_rewards=token_rewards,
     )
+
 
 
 def _padded_routing(routing: list, real: torch.Tensor) -> torch.Tensor | None:
