@@ -3,16 +3,18 @@
 Public API:
 
 - `AdvantageConfig` (pydantic): `estimator` ("grpo" | "dr_grpo" | "rloo" |
-  "reinforce_plus_plus_baseline" | "grpo_passk" | "opo" | "reinforce_plus_plus" | "gpg"), `eps`
-  (1e-6), `gamma` (1.0, reinforce_plus_plus's discount).
-- `compute_advantages(rewards, group_ids, response_mask, config, token_rewards=None) ->
-  advantages [B, T]`: one scalar per sequence, spread over its valid tokens (0 at padding);
-  reinforce_plus_plus gives each token its own.
+  "reinforce_plus_plus_baseline" | "grpo_passk" | "opo" | "reinforce_plus_plus" | "gpg" | "gdpo"),
+  `eps` (1e-6), `gamma` (1.0, reinforce_plus_plus's discount), `gdpo_reward_keys`,
+  `gdpo_reward_weights`, `gdpo_norm_by_std`.
+- `compute_advantages(rewards, group_ids, response_mask, config, token_rewards=None,
+  reward_components=None) -> advantages [B, T]`: one scalar per sequence, spread over its valid
+  tokens (0 at padding); reinforce_plus_plus gives each token its own.
 - `group_index(group_ids) -> LongTensor [B]`: rows with equal ids share a group (any hashables,
   or an integer tensor); the estimators below take it.
 - `grpo_advantages`, `dr_grpo_advantages`, `rloo_advantages`, `reinforce_pp_baseline_advantages`,
-  `grpo_passk_advantages`, `opo_advantages`, `gpg_advantages`: the per-sequence [B] advantages;
-  `reinforce_pp_advantages`: [B, T], from `token_level_rewards` and `discounted_returns`.
+  `grpo_passk_advantages`, `opo_advantages`, `gpg_advantages`, `gdpo_advantages`: the per-sequence
+  [B] advantages; `reinforce_pp_advantages`: [B, T], from `token_level_rewards` and
+  `discounted_returns`.
 
 Estimators (r = reward, groups by id):
 - grpo: (r − mean_g) / (std_g + eps), std unbiased; a group of one has mean 0 and std 1.
@@ -32,20 +34,23 @@ Estimators (r = reward, groups by id):
   so with one outcome reward it is γ^k·r, k the policy tokens after it.
 - gpg (arXiv 2504.02546): α·(r − mean_g), α = B / (responses with a non-zero reward); a group of
   one: α·r.
+- gdpo (arXiv 2601.05242): each reward component (`gdpo_reward_keys`) GRPO-normalised in its groups
+  on its own, weighted and summed, then whitened over the batch's valid tokens; the reward itself
+  is not used.
 These are verl's `compute_*_outcome_advantage` with outcome rewards (parity checked on its code).
 """
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from typing import Literal, Union
+from typing import Literal, Optional, Union
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from learner.correction import check_mask
 
 Estimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline", "grpo_passk", "opo",
-                    "reinforce_plus_plus", "gpg"]
+                    "reinforce_plus_plus", "gpg", "gdpo"]
 GroupIds = Union[Sequence[Hashable], torch.Tensor]
 
 
@@ -56,6 +61,22 @@ class AdvantageConfig(BaseModel):
     eps: float = Field(1e-6, gt=0, description="added to the group std (grpo, grpo_passk) before dividing")
     gamma: float = Field(1.0, gt=0, le=1, description="reinforce_plus_plus: discount per response token "
                          "(verl's algorithm.gamma); 1: every token gets the sequence's reward")
+    gdpo_reward_keys: Optional[list[str]] = Field(
+        None, description="gdpo: the reward components to normalise one by one, keys of the dict a verl-form "
+        "reward returns (they reach the learner as the samples' reward/<key> metrics)")
+    gdpo_reward_weights: Optional[list[float]] = Field(None, description="gdpo: one weight per key (None: 1 each)")
+    gdpo_norm_by_std: bool = Field(True, description="gdpo: divide each component by its group std "
+                                   "(verl's norm_adv_by_std_in_grpo)")
+
+    @model_validator(mode="after")
+    def _gdpo_keys(self):
+        keys, weights = self.gdpo_reward_keys, self.gdpo_reward_weights
+        if self.estimator == "gdpo" and not keys:
+            raise ValueError("estimator gdpo needs gdpo_reward_keys: the reward components (keys of the dict your "
+                             "compute_score returns, e.g. [format_reward, accuracy_reward]) to normalise one by one")
+        if weights is not None and len(weights) != len(keys or []):
+            raise ValueError(f"gdpo_reward_weights has {len(weights)} weights for {len(keys or [])} gdpo_reward_keys")
+        return self
 
 
 def group_index(group_ids: GroupIds, batch_size: int | None = None) -> torch.Tensor:
@@ -211,15 +232,30 @@ def opo_advantages(rewards: torch.Tensor, index: torch.Tensor, mask: torch.Tenso
     return rewards - torch.where(count > 1, baseline, torch.zeros_like(baseline))  # empty responses: baseline 0
 
 
+def gdpo_advantages(components: torch.Tensor, index: torch.Tensor, mask: torch.Tensor, weights=None,
+                    eps: float = 1e-6, norm_by_std: bool = True) -> torch.Tensor:
+    """GDPO (arXiv 2601.05242, verl's `compute_gdpo_outcome_advantage`): each reward component [K, B]
+    normalised within its groups on its own (GRPO's, or Dr.GRPO's without the std), so a component
+    with a large spread does not drown the others; their weighted sum, whitened over the batch's
+    valid tokens. Returns per-sequence values."""
+    weights = [1.0] * len(components) if weights is None else weights
+    total = torch.zeros_like(components[0])
+    for weight, component in zip(weights, components):
+        total += weight * (grpo_advantages(component, index, eps) if norm_by_std else dr_grpo_advantages(component, index))
+    return _whiten(total, mask.sum(-1))
+
+
 def compute_advantages(
     rewards: torch.Tensor,
     group_ids: GroupIds,
     response_mask: torch.Tensor,
     config: AdvantageConfig | None = None,
     token_rewards: torch.Tensor | None = None,
+    reward_components: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-token advantages [B, T]: the estimator's per-sequence value on every valid token
-    (reinforce_plus_plus: each token's own, from `token_rewards` where a sample has them)."""
+    (reinforce_plus_plus: each token's own, from `token_rewards` where a sample has them; gdpo:
+    from `reward_components` [K, B], one row per `gdpo_reward_keys` entry)."""
     config = config or AdvantageConfig()
     rewards = _check_rewards(rewards)
     mask = check_mask(response_mask)
@@ -243,6 +279,13 @@ def compute_advantages(
         per_seq = opo_advantages(rewards, index, mask)
     elif config.estimator == "gpg":
         per_seq = gpg_advantages(rewards, index)
+    elif config.estimator == "gdpo":
+        k = len(config.gdpo_reward_keys)
+        if reward_components is None or tuple(reward_components.shape) != (k, len(rewards)):
+            got = None if reward_components is None else tuple(reward_components.shape)
+            raise ValueError(f"gdpo needs reward_components [{k} keys, {len(rewards)} rows], got {got}")
+        per_seq = gdpo_advantages(reward_components.to(rewards), index, mask, config.gdpo_reward_weights,
+                                  config.eps, config.gdpo_norm_by_std)
     else:
         per_seq = reinforce_pp_baseline_advantages(rewards, index, mask)
     return per_seq[:, None].to(mask.device) * mask.to(per_seq.dtype)

@@ -4,7 +4,9 @@ Rows are samples in the order they arrive (group by group); the response side is
 the longest response, and every per-token tensor is zero (or the sample's version) at padding.
 The response mask is 1 on real response tokens whose `loss_mask` is 1: tool or environment
 tokens stay in the context but never in the loss. An MoE policy's batch carries the engine's
-routing ([B, T, layers, k], `learner.routing_replay`) when every sample has it.
+routing ([B, T, layers, k], `learner.routing_replay`) when every sample has it, and per-token
+rewards where a sample has them (multi-turn steps). `reward_components` reads the reward's parts
+(GDPO's) from the samples' metrics.
 
 `plan_micro_batches` groups rows into forward passes by a token budget (rows of similar length
 together, so little is padding), the same number on every rank.
@@ -203,6 +205,18 @@ def build_batch(groups, learner_version: int | None = None, vocab_size: int | No
     )
 
 
+
+
+def reward_components(groups, keys: list[str]) -> torch.Tensor:
+    """[K, B] float64: each sample's `reward/<key>` metric (what a verl-form reward's dict returned
+    beside its score), in batch order; 0 where a sample has none (its reward failed and was
+    scored failure_reward, or the function left the key out)."""
+    def value(sample, key: str) -> float:
+        v = sample.metadata.get(f"reward/{key}")
+        return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else 0.0
+
+    samples = [s for g in groups for s in g.samples]
+    return torch.tensor([[value(s, key) for s in samples] for key in keys], dtype=torch.float64).reshape(len(keys), -1)
 
 def _padded_routing(routing: list, real: torch.Tensor) -> torch.Tensor | None:
     """The rows' routing as int16 [B, T, layers, k] (zero at padding), None unless every row has it."""

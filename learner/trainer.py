@@ -42,6 +42,7 @@ from learner.batch import (
     build_batch,
     padding_counts,
     plan_micro_batches,
+    reward_components,
     shape_bucket,
 )
 from learner.checkpoint import (  # noqa: F401 (the part names: services.checkpoint checks they agree)
@@ -285,8 +286,10 @@ class Learner:
                             routing_shape=self.routing.shape)
         self._check_budget(batch)
         self._group_tokens = batch.group_tokens()  # balances the ranks' shares (_my_part)
+        components = reward_components(groups, cfg.advantage.gdpo_reward_keys) \
+            if cfg.advantage.estimator == "gdpo" else None
         advantages = compute_advantages(batch.rewards, batch.group_index, batch.response_mask, cfg.advantage,
-                                        batch.token_rewards)
+                                        batch.token_rewards, components)
         minibatches = self._minibatch_groups(batch.num_groups)
         shard_rows = batch.rows_of_groups(  # every group this rank trains on, in any epoch
             [g for epoch in minibatches for mb in epoch for g in self._my_part(mb)])

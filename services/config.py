@@ -273,6 +273,16 @@ class EtarlConfig(BaseModel):
         if self.learner.advantage.estimator == "grpo_passk" and sampling.n < 2:
             raise ValueError("learner.advantage.estimator=grpo_passk compares each group's best response with its "
                              f"second best: rollout.sampling.n must be >= 2, got {sampling.n}")
+        if self.learner.advantage.estimator == "gdpo":
+            from rollout_workers.rewards import BUILTIN_REWARDS
+
+            without = ("multi-turn rollouts take their rewards from the environment" if self.rollout.multi_turn.environment
+                       else f"rollout.reward={self.rollout.reward} returns a number" if self.rollout.reward in BUILTIN_REWARDS
+                       else None)
+            if without:
+                raise ValueError(f"learner.advantage.estimator=gdpo normalises the parts of a reward one by one, but "
+                                 f"{without}, with no parts: use a verl-form reward whose dict holds "
+                                 f"{self.learner.advantage.gdpo_reward_keys}")
         if sampling.top_p < 1.0 or sampling.top_k > 0:
             raise ValueError(
                 f"rollout.sampling.top_p={sampling.top_p} / top_k={sampling.top_k} truncate the sampler's distribution: "

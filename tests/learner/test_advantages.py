@@ -130,6 +130,40 @@ def test_gpg_scales_the_group_centred_reward_by_the_share_of_non_zero_rewards():
     assert adv == [0.0, 0.0]
 
 
+def test_gdpo_normalises_each_reward_component_in_its_groups_before_summing():
+    """Two components: format (0/1, a wide spread) and accuracy (0.1 apart). Summed first (GRPO),
+    format decides the order; GDPO normalises each in its group, so accuracy counts as much."""
+    fmt = [1.0, 0.0, 1.0, 0.0]
+    acc = [0.0, 0.1, 0.1, 0.0]
+    components = torch.tensor([fmt, acc], dtype=torch.float64)
+    mask = torch.ones(4, 2)
+    ids = ["a", "a", "a", "a"]
+    cfg = AdvantageConfig(estimator="gdpo", gdpo_reward_keys=["format", "accuracy"], gdpo_reward_weights=[1.0, 2.0])
+    adv = compute_advantages(torch.zeros(4), ids, mask, cfg, reward_components=components)[:, 0]
+
+    def grpo(values):
+        mean, std = statistics.mean(values), statistics.stdev(values)
+        return [(v - mean) / (std + EPS) for v in values]
+
+    def whitened(values):  # over the 8 valid tokens: each value twice
+        mean = statistics.mean(values)
+        var = sum((v - mean) ** 2 for v in values) * 2 / 7
+        return [(v - mean) / math.sqrt(var + 1e-8) for v in values]
+
+    total = [f + 2 * a for f, a in zip(grpo(fmt), grpo(acc))]
+    assert adv.tolist() == pytest.approx(whitened(total))
+    assert adv[2] > adv[0], "the response right on both counts beats the one right on format only"
+    no_std = compute_advantages(torch.zeros(4), ids, mask, cfg.model_copy(update={"gdpo_norm_by_std": False}),
+                                reward_components=components)[:, 0]
+    assert no_std.tolist() == pytest.approx(whitened([0.5 - 0.1, -0.5 + 0.1, 0.5 + 0.1, -0.5 - 0.1]))
+    with pytest.raises(ValidationError, match="gdpo needs gdpo_reward_keys"):
+        AdvantageConfig(estimator="gdpo")
+    with pytest.raises(ValidationError, match="2 weights for 1 gdpo_reward_keys"):
+        AdvantageConfig(estimator="gdpo", gdpo_reward_keys=["a"], gdpo_reward_weights=[1.0, 1.0])
+    with pytest.raises(ValueError, match=r"gdpo needs reward_components \[2 keys, 4 rows\], got None"):
+        compute_advantages(torch.zeros(4), ids, mask, cfg)
+
+
 def test_outcome_advantage_is_spread_over_valid_tokens_only():
     mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0]], dtype=torch.float32)
     adv = compute_advantages(torch.tensor([1.0, 0.0, 5.0]), ["g", "g", "h"], mask, AdvantageConfig())

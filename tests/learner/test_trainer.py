@@ -84,6 +84,32 @@ def test_every_loss_mode_and_estimator_trains_the_policy_towards_its_rewards(pol
     assert change[above].mean() > change[below].mean() + 0.1
 
 
+def test_gdpo_learns_from_the_reward_components_the_samples_carry(policy_dir, groups):
+    """The components reach the learner as the samples' reward/<key> metrics (a verl-form reward's
+    dict); a sample without one (its reward failed) counts 0 there."""
+    from learner.batch import reward_components
+
+    tagged = []
+    for group in groups:
+        samples = [Sample(**{**{f: getattr(s, f) for f in ("sample_id", "group_id", "prompt_ids", "response_ids",
+                                                           "rollout_log_probs", "loss_mask", "weight_version")},
+                             "reward": 0.0, "metadata": {"reward/even": s.reward, "reward/flag": True}})
+                   for s in group.samples]
+        tagged.append(Group(group_id=group.group_id, samples=samples, prompt_index=group.prompt_index))
+    parts = reward_components(tagged, ["even", "flag", "absent"])
+    assert parts.shape == (3, 16) and parts[0].tolist() == [s.reward for g in groups for s in g.samples]
+    assert parts[1:].abs().sum() == 0, "a bool and a missing key count 0"
+    learner = make_learner(policy_dir, advantage={"estimator": "gdpo", "gdpo_reward_keys": ["even"]})
+    before = group_log_probs(learner.model, tagged)
+    for _ in range(3):
+        learner.train_step(tagged)
+    change = group_log_probs(learner.model, tagged) - before
+    rewards = build_batch(groups).rewards.view(len(groups), -1)
+    above = (rewards > rewards.mean(1, keepdim=True)).flatten()
+    below = (rewards < rewards.mean(1, keepdim=True)).flatten()
+    assert change[above].mean() > change[below].mean() + 0.1
+
+
 def test_clip_covs_random_choice_repeats_in_a_run_with_the_same_seed(policy_dir, groups):
     cfg = {"policy_loss": {"loss_mode": "clip_cov", "clip_cov_ratio": 0.2, "clip_cov_lb": -10.0}}
     runs = []

@@ -79,6 +79,18 @@ def test_pass_at_k_advantages_need_two_responses_per_prompt():
     assert load_config(None, ["learner.advantage.estimator=grpo_passk"]).learner.advantage.estimator == "grpo_passk"
 
 
+def test_gdpo_needs_a_reward_with_parts():
+    gdpo = ["learner.advantage.estimator=gdpo", "learner.advantage.gdpo_reward_keys=[format,accuracy]"]
+    with pytest.raises(ConfigError, match="rollout.reward=exact returns a number, with no parts"):
+        load_config(None, gdpo)  # the default's reward is the built-in exact match
+    with pytest.raises(ConfigError, match="multi-turn rollouts take their rewards from the environment"):
+        load_config(None, gdpo + ["rollout.reward=my_rewards:score", "rollout.multi_turn.environment=calculator"])
+    with pytest.raises(ConfigError, match="gdpo needs gdpo_reward_keys"):
+        load_config(None, ["learner.advantage.estimator=gdpo", "rollout.reward=my_rewards:score"])
+    cfg = load_config(None, gdpo + ["rollout.reward=my_rewards:score"])
+    assert cfg.learner.advantage.gdpo_reward_keys == ["format", "accuracy"]
+
+
 def test_config_files_errors(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "missing.yaml")
