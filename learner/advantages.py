@@ -9,6 +9,9 @@ Public API:
 - `compute_advantages(rewards, group_ids, response_mask, config, token_rewards=None,
   reward_components=None) -> advantages [B, T]`: one scalar per sequence, spread over its valid
   tokens (0 at padding); reinforce_plus_plus gives each token its own.
+- `KLRewardConfig`, `kl_penalised_rewards(rewards, mask, kl, beta, token_rewards)`,
+  `adaptive_kl_coef(beta, current_kl, rows, cfg)`: a KL penalty in the reward before the
+  advantages (the learner's `kl_in_reward`).
 - `group_index(group_ids) -> LongTensor [B]`: rows with equal ids share a group (any hashables,
   or an integer tensor); the estimators below take it.
 - `grpo_advantages`, `dr_grpo_advantages`, `rloo_advantages`, `reinforce_pp_baseline_advantages`,
@@ -77,6 +80,39 @@ class AdvantageConfig(BaseModel):
         if weights is not None and len(weights) != len(keys or []):
             raise ValueError(f"gdpo_reward_weights has {len(weights)} weights for {len(keys or [])} gdpo_reward_keys")
         return self
+
+
+class KLRewardConfig(BaseModel):
+    """A KL penalty in the reward (verl's use_kl_in_reward, OpenRLHF's default for REINFORCE++):
+    each response token's reward less β·KL(π_old ‖ π_ref) of that token, before the advantages.
+    Off at coef 0; the KL term of the loss is `policy_loss.kl_coef`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    coef: float = Field(0.0, ge=0, description="β (verl's kl_ctrl.kl_coef), the starting one when adaptive; 0: off")
+    estimator: Literal["k1", "k2", "k3", "abs", "kl", "mse", "low_var_kl"] = Field(
+        "k1", description="the per-token KL estimate (verl's algorithm.kl_penalty; kl = k1, its default)")
+    controller: Literal["fixed", "adaptive"] = Field(
+        "fixed", description="adaptive: β follows the measured KL towards target_kl (Ziegler et al. 2019, "
+        "verl's AdaptiveKLController): β·(1 + clip(KL/target − 1, ±0.2)·rows/horizon) after every step")
+    target_kl: float = Field(0.1, gt=0, description="adaptive: the KL per token β steers to")
+    horizon: int = Field(10000, ge=1, description="adaptive: responses over which β moves by up to 20 %")
+
+
+def kl_penalised_rewards(rewards: torch.Tensor, mask: torch.Tensor, kl: torch.Tensor, beta: float,
+                         token_rewards: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rewards [B], token rewards [B, T]) with β·kl taken off every valid token (`kl` [B, T]: the
+    per-token estimate); a sequence's reward becomes r − β·Σ kl, what the outcome estimators use."""
+    placed = token_level_rewards(rewards, mask, token_rewards) - beta * kl * mask.to(kl.dtype)
+    return placed.sum(-1), placed
+
+
+def adaptive_kl_coef(beta: float, current_kl: float, rows: int, cfg: KLRewardConfig) -> float:
+    """The β of the next step: unchanged for a fixed controller; else moved towards target_kl."""
+    if cfg.controller == "fixed":
+        return beta
+    error = min(max(current_kl / cfg.target_kl - 1.0, -0.2), 0.2)
+    return beta * (1.0 + error * rows / cfg.horizon)
 
 
 def group_index(group_ids: GroupIds, batch_size: int | None = None) -> torch.Tensor:

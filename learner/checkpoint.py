@@ -2,7 +2,8 @@
 
     folder/trainer_shards/   model + optimizer (torch.distributed.checkpoint): every rank writes
                              and reads only its own shards; `.metadata` is written last
-    folder/trainer.pt        scheduler state and the learner version (rank 0; small)
+    folder/trainer.pt        scheduler state, the learner version and the reward KL penalty's β
+                             (rank 0; small)
     folder/policy/           the policy as an HF folder for `etarl eval` and users, written
                              bucket by bucket from the shards (rank 0 holds one file's worth)
 
@@ -45,9 +46,11 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def save_training_state(folder: Path, model, optimizer, scheduler, version: int, rank: int) -> None:
+def save_training_state(folder: Path, model, optimizer, scheduler, version: int, rank: int,
+                        kl_reward_coef: float = 0.0) -> None:
     """Every rank: its shards of model and optimizer into `folder/trainer_shards/`; rank 0 also
-    `folder/trainer.pt` (scheduler, version). A collective under a process group."""
+    `folder/trainer.pt` (scheduler, version, the reward KL penalty's β). A collective under a
+    process group."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -55,8 +58,8 @@ def save_training_state(folder: Path, model, optimizer, scheduler, version: int,
     dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(folder / SHARDS_DIR),
              no_dist=not _distributed())
     if rank == 0:
-        torch.save({"scheduler": scheduler.state_dict(), "version": int(version), "shards": SHARDS_DIR},
-                   folder / TRAINER_STATE_FILE)
+        torch.save({"scheduler": scheduler.state_dict(), "version": int(version), "shards": SHARDS_DIR,
+                    "kl_reward_coef": float(kl_reward_coef)}, folder / TRAINER_STATE_FILE)
 
 
 def read_trainer_file(folder: Path) -> dict:

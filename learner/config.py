@@ -11,7 +11,7 @@ from typing import Annotated, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
-from learner.advantages import AdvantageConfig
+from learner.advantages import AdvantageConfig, KLRewardConfig
 from learner.correction import RolloutCorrectionConfig
 from learner.losses import PolicyLossConfig
 
@@ -209,6 +209,7 @@ class LearnerConfig(BaseModel):
         "recompute", description="decoupled mode's proximal log-probs: one no-grad forward pass, or "
         "AReaL's log-linear interpolation between behaviour and current log-probs")
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
+    kl_in_reward: KLRewardConfig = Field(default_factory=KLRewardConfig)
     rollout_correction: RolloutCorrectionConfig = Field(default_factory=RolloutCorrectionConfig.decoupled_token_is)
     policy_loss: PolicyLossConfig = Field(default_factory=PolicyLossConfig)
     compute_entropy: bool = Field(True, description="report actor/entropy (always on when entropy_coeff > 0)")
@@ -251,6 +252,9 @@ class LearnerConfig(BaseModel):
                              f"weights: set dtype float32 (got {self.dtype!r})")
         if getattr(self.weight_sync, "backend", None) == "nccl" and self.device == "cpu":
             raise ValueError("weight_sync.backend 'nccl' needs device 'cuda'")
+        if self.kl_in_reward.coef > 0 and self.advantage.estimator == "gdpo":
+            raise ValueError("kl_in_reward lowers the reward, but advantage.estimator gdpo reads the reward's parts "
+                             "only: the penalty would do nothing (use policy_loss.kl_coef for a KL term with gdpo)")
         rc = self.rollout_correction
         if rc.bypass_mode and rc.loss_type == "reinforce" and self.policy_loss.loss_mode != "vanilla":
             raise ValueError(f"policy_loss.loss_mode {self.policy_loss.loss_mode!r} is a policy-gradient loss of its "

@@ -35,7 +35,7 @@ from typing import Optional
 
 import torch
 
-from learner.advantages import compute_advantages
+from learner.advantages import adaptive_kl_coef, compute_advantages, kl_penalised_rewards
 from learner.batch import (
     TrainBatch,
     balance_groups,
@@ -64,7 +64,7 @@ from learner.distributed import (
     shard_model,
     unique_state_names,
 )
-from learner.losses import compute_policy_loss, count_tokens_and_sequences, staleness_metrics
+from learner.losses import compute_policy_loss, count_tokens_and_sequences, kl_penalty, staleness_metrics
 from learner.routing_replay import MismatchCounts, RoutingReplay, require_routing
 from lm.causal_lm import (
     causal_lm_on_meta,
@@ -129,11 +129,11 @@ class StepInputs:
     tensor is shard row i, padded to the shard's longest response)."""
 
     shard: TrainBatch
-    advantages: torch.Tensor
     loss_mask: torch.Tensor  # recompute mode: after rejection; otherwise the response mask
     old_log_prob: Optional[torch.Tensor] = None  # recompute mode
     is_weights: Optional[torch.Tensor] = None  # recompute mode, when rollout_is is set
-    ref_log_prob: Optional[torch.Tensor] = None  # kl_coef > 0
+    ref_log_prob: Optional[torch.Tensor] = None  # a KL penalty (in the loss or the reward)
+    advantages: Optional[torch.Tensor] = None  # set once π_old and π_ref are known (a KL penalty in the reward)
     # the loss's random choices (clip_cov), seeded by the version and rank: a resumed run repeats them
     loss_generator: Optional[torch.Generator] = None
 
@@ -202,10 +202,11 @@ class Learner:
         self.drift_probe = self._drift_probe()
         self.weight_guard = ParameterGuard()
         self.publication: Publication | None = None  # rank 0, once a board is attached
-        # The KL penalty's reference: the initial policy, frozen.
+        # The KL penalty's reference (in the loss, in the reward or both): the initial policy, frozen.
         self.ref_model = None
-        if config.policy_loss.kl_coef > 0:
+        if config.policy_loss.kl_coef > 0 or config.kl_in_reward.coef > 0:
             self.ref_model = self._build_model(trainable=False)
+        self.kl_reward_coef = config.kl_in_reward.coef  # β of the reward's KL penalty (adaptive: it moves)
 
     # ------------------------------------------------------------------ set-up
 
@@ -279,17 +280,13 @@ class Learner:
         self._remember_version()
         self._slots = torch.zeros(2, dtype=torch.float64)  # (real tokens, padded slots) of this step's passes
 
-        # 1. Validate and pad the groups; advantages over the whole batch.
+        # 1. Validate and pad the groups.
         groups = list(groups)
         require_routing(groups, cfg.routing_replay)
         batch = build_batch(groups, learner_version=self.version, vocab_size=self._vocab_size,
                             routing_shape=self.routing.shape)
         self._check_budget(batch)
         self._group_tokens = batch.group_tokens()  # balances the ranks' shares (_my_part)
-        components = reward_components(groups, cfg.advantage.gdpo_reward_keys) \
-            if cfg.advantage.estimator == "gdpo" else None
-        advantages = compute_advantages(batch.rewards, batch.group_index, batch.response_mask, cfg.advantage,
-                                        batch.token_rewards, components)
         minibatches = self._minibatch_groups(batch.num_groups)
         shard_rows = batch.rows_of_groups(  # every group this rank trains on, in any epoch
             [g for epoch in minibatches for mb in epoch for g in self._my_part(mb)])
@@ -298,9 +295,8 @@ class Learner:
         # The rows this rank answers for in batch-wide sums: its part of the first epoch (the
         # ranks' parts are disjoint and cover the batch; later epochs may reshuffle).
         owned = [row_of[r] for r in batch.rows_of_groups([g for mb in minibatches[0] for g in self._my_part(mb)])]
-        inputs = StepInputs(shard=shard, advantages=advantages[shard_rows, : shard.response_mask.shape[1]].to(self.device),
-                            loss_mask=shard.response_mask, loss_generator=torch.Generator().manual_seed(
-                                (cfg.seed * 1_000_003 + self.version) * 1_009 + self.comm.rank))
+        inputs = StepInputs(shard=shard, loss_mask=shard.response_mask, loss_generator=torch.Generator().manual_seed(
+            (cfg.seed * 1_000_003 + self.version) * 1_009 + self.comm.rank))
 
         # 2. π_old and the correction that does not depend on θ: once per step, on this rank's shard;
         # the gap between μ and π_old by staleness (learner/drift.py) from the same numbers.
@@ -323,6 +319,16 @@ class Learner:
             with _timed(timing, "timing_s/ref"):
                 inputs.ref_log_prob = self._no_grad_log_probs(shard, model=self.ref_model)
 
+        # 2b. Advantages over the whole batch (every rank the same), the reward's KL penalty first.
+        rewards, token_rewards, kl_reward = batch.rewards, batch.token_rewards, {}
+        if cfg.kl_in_reward.coef > 0:
+            rewards, token_rewards, kl_reward = self._kl_penalised_rewards(batch, inputs, shard_rows, owned)
+        components = reward_components(groups, cfg.advantage.gdpo_reward_keys) \
+            if cfg.advantage.estimator == "gdpo" else None
+        advantages = compute_advantages(rewards, batch.group_index, batch.response_mask, cfg.advantage,
+                                        token_rewards, components)
+        inputs.advantages = advantages[shard_rows, : shard.response_mask.shape[1]].to(self.device)
+
         # 3-4. Per minibatch: the loss in token-budget micro-batches, normalised by the whole
         # minibatch's counts over all ranks, then one optimizer step.
         lr = self.optimizer.param_groups[0]["lr"]
@@ -340,6 +346,7 @@ class Learner:
         metrics.update(self._batch_metrics(batch))
         metrics.update(drift)
         metrics.update(routing)
+        metrics.update(kl_reward)
         tokens = self._reduce({"real": float(self._slots[0]), "slots": float(self._slots[1])}, "sum")
         metrics["perf/padding_fraction"] = 1.0 - tokens["real"] / tokens["slots"] if tokens["slots"] else 0.0
         # rank 0's, in GiB under verl's names (perf/max_memory_allocated_gb, perf/max_memory_reserved_gb)
@@ -370,6 +377,28 @@ class Learner:
             return list(group_positions)
         parts = balance_groups([self._group_tokens[g] for g in group_positions], self.comm.world_size)
         return [group_positions[i] for i in parts[self.comm.rank]]
+
+    def _kl_penalised_rewards(self, batch: TrainBatch, inputs: StepInputs, shard_rows: list[int], owned: list[int]):
+        """The batch's rewards less β·KL(π_old ‖ π_ref) per token (`learner.advantages.KLRewardConfig`):
+        each rank scores the rows it answers for, one all-reduce gives every rank the whole batch's
+        [B, T]; then β moves (adaptive), the same on every rank. π_old is the rollout policy where
+        the step recomputes none (bypass, loglinear), as verl's bypass mode takes it."""
+        cfg = self.config.kl_in_reward
+        shard = inputs.shard
+        old = inputs.old_log_prob if inputs.old_log_prob is not None else shard.rollout_log_probs
+        old, ref = (x.float() if x.dtype in (torch.float16, torch.bfloat16) else x for x in (old, inputs.ref_log_prob))
+        per_token = kl_penalty(old, ref.to(old.dtype), cfg.estimator) * shard.response_mask.to(old.dtype)
+        kl = torch.zeros(batch.response_mask.shape, dtype=per_token.dtype)
+        kl[[shard_rows[i] for i in owned], : per_token.shape[1]] = per_token[owned].cpu()
+        kl = self.comm.all_reduce_sum(kl).cpu()
+        beta = self.kl_reward_coef
+        rewards, token_rewards = kl_penalised_rewards(batch.rewards, batch.response_mask.bool(), kl, beta,
+                                                      batch.token_rewards)
+        # verl's measure: each response's mean KL per token, averaged over the responses
+        tokens = batch.response_mask.sum(-1)
+        current_kl = float((kl.sum(-1) / tokens.clamp_min(1)).mean())
+        self.kl_reward_coef = adaptive_kl_coef(beta, current_kl, len(batch), cfg)
+        return rewards, token_rewards, {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": beta}
 
     def _minibatch_groups(self, num_groups: int) -> list[list[list[int]]]:
         """Per epoch, the minibatches as lists of group positions. Shuffling is seeded by the
@@ -828,6 +857,7 @@ class Learner:
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "version": self.version,
+            "kl_reward_coef": self.kl_reward_coef,
         })
 
     def load_state_dict(self, state: dict) -> None:
@@ -838,6 +868,7 @@ class Learner:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.version = int(state["version"])
+        self.kl_reward_coef = float(state.get("kl_reward_coef", self.kl_reward_coef))  # older states: the config's
 
     def _load_model_weights(self, weights: dict[str, torch.Tensor]) -> None:
         if self.config.distributed.strategy == "fsdp":
@@ -862,7 +893,8 @@ class Learner:
         its shards) and `folder/trainer.pt` (scheduler, version): see `learner.checkpoint`."""
         folder = Path(folder)
         self.save_policy(folder / POLICY_DIR)
-        save_training_state(folder, self.model, self.optimizer, self.scheduler, self.version, self.comm.rank)
+        save_training_state(folder, self.model, self.optimizer, self.scheduler, self.version, self.comm.rank,
+                            kl_reward_coef=self.kl_reward_coef)
         return folder if self.comm.rank == 0 else None
 
     def load_checkpoint(self, folder) -> None:
@@ -879,6 +911,7 @@ class Learner:
         load_training_state(folder, self.model, self.optimizer)
         self.scheduler.load_state_dict(state["scheduler"])
         self.version = int(state["version"])
+        self.kl_reward_coef = float(state.get("kl_reward_coef", self.kl_reward_coef))
 
     @property
     def _sharded(self) -> bool:

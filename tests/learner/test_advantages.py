@@ -164,6 +164,21 @@ def test_gdpo_normalises_each_reward_component_in_its_groups_before_summing():
         compute_advantages(torch.zeros(4), ids, mask, cfg)
 
 
+def test_kl_in_the_reward_comes_off_every_valid_token_and_an_adaptive_beta_follows_the_kl():
+    from learner.advantages import KLRewardConfig, adaptive_kl_coef, kl_penalised_rewards
+
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]], dtype=torch.bool)
+    kl = torch.tensor([[0.2, 0.4, 9.0], [-0.1, 9.0, 9.0]], dtype=torch.float64)  # 9: padding, ignored
+    rewards, tokens = kl_penalised_rewards(torch.tensor([1.0, 0.0], dtype=torch.float64), mask, kl, 0.5)
+    assert torch.allclose(tokens, torch.tensor([[-0.1, 1.0 - 0.2, 0.0], [0.05, 0.0, 0.0]], dtype=torch.float64))
+    assert rewards.tolist() == pytest.approx([1.0 - 0.5 * 0.6, 0.05])
+    adaptive = KLRewardConfig(coef=0.1, controller="adaptive", target_kl=0.1, horizon=100)
+    assert adaptive_kl_coef(0.1, 0.11, 10, adaptive) == pytest.approx(0.1 * (1 + 0.1 * 0.1))  # KL 10 % high
+    assert adaptive_kl_coef(0.1, 0.0, 10, adaptive) == pytest.approx(0.1 * (1 - 0.2 * 0.1))  # error clipped at -0.2
+    assert adaptive_kl_coef(0.1, 1.0, 50, adaptive) == pytest.approx(0.1 * (1 + 0.2 * 0.5))  # ... and at +0.2
+    assert adaptive_kl_coef(0.1, 1.0, 50, KLRewardConfig(coef=0.1)) == 0.1  # fixed
+
+
 def test_outcome_advantage_is_spread_over_valid_tokens_only():
     mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0]], dtype=torch.float32)
     adv = compute_advantages(torch.tensor([1.0, 0.0, 5.0]), ["g", "g", "h"], mask, AdvantageConfig())

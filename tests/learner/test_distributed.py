@@ -34,6 +34,9 @@ def assert_same_training(single: Learner, group: LearnerGroup, groups, steps: in
         assert got["learner/version"] == want["learner/version"]
         for key in [k for k in want if k.startswith("drift/")]:  # recompute mode: sums over both ranks' rows
             assert got[key] == pytest.approx(want[key], rel=1e-9, abs=1e-12, nan_ok=True), key
+        for key in ("actor/reward_kl_penalty", "actor/reward_kl_penalty_coeff"):  # one β, from the whole batch
+            if key in want:
+                assert got[key] == pytest.approx(want[key], rel=1e-9, abs=1e-12), key
         if "rollout_corr/rollout_is_batch_norm_factor" in want:
             assert got["rollout_corr/rollout_is_batch_norm_factor"] == pytest.approx(
                 want["rollout_corr/rollout_is_batch_norm_factor"], rel=1e-12)
@@ -48,15 +51,19 @@ def assert_same_training(single: Learner, group: LearnerGroup, groups, steps: in
     # decoupled token-TIS, batch-normalised (one factor over both ranks' shards), token-mean;
     # shuffled minibatches of 3 and 1 groups over two epochs (rank 1 sits out the 1-group one),
     # micro-batches of at most 2 sequences within the token budget, uneven counts per rank
+    # a KL penalty in the reward, adaptive β, discounted REINFORCE++: each rank scores its rows, one
+    # all-reduce gives both the batch's KL
     {"rollout_correction": {"rollout_is": "token", "rollout_is_threshold": 1.5, "rollout_is_batch_normalize": True},
      "ppo_mini_batch_size": 3, "micro_batch_size": 2, "max_tokens_per_micro_batch": SMALL_BUDGET,
-     "ppo_epochs": 2, "shuffle_minibatches": True},
+     "ppo_epochs": 2, "shuffle_minibatches": True,
+     "kl_in_reward": {"coef": 0.5, "controller": "adaptive", "horizon": 10},
+     "advantage": {"estimator": "reinforce_plus_plus", "gamma": 0.9}},
     # bypass REINFORCE with sequence IS on π_θ, batch-normalised per minibatch over both ranks,
     # a sequence-mean aggregation, two epochs, token-budget micro-batches
     {"rollout_correction": {"rollout_is": "sequence", "rollout_is_threshold": 1.5, "rollout_is_batch_normalize": True,
                             "bypass_mode": True, "loss_type": "reinforce"},
      "ppo_epochs": 2, "policy_loss": {"loss_agg_mode": "seq-mean-token-mean"},
-     "max_tokens_per_micro_batch": SMALL_BUDGET},
+     "max_tokens_per_micro_batch": SMALL_BUDGET, "kl_in_reward": {"coef": 0.2}},
 ], ids=["decoupled-uneven-minibatches", "bypass-seq-mean"])
 def test_two_gloo_ranks_make_the_update_of_one_rank(policy_dir, ray_cluster, overrides):
     groups = sample_groups(policy_dir, n_groups=4, n=3, seed=4, logprob_noise=0.2)

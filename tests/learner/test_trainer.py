@@ -402,6 +402,33 @@ def test_checkpoint_round_trip_gives_the_identical_next_step(policy_dir, groups,
         again.load_checkpoint(tmp_path)
 
 
+def test_a_kl_penalty_in_the_reward_steers_an_adaptive_beta_and_resumes_with_it(policy_dir, groups, tmp_path):
+    """Step 1: π_old is the reference itself, KL 0 and β falls by the clipped 20 %·rows/horizon;
+    later steps measure KL(π_old ‖ π_ref) > 0 and lower the rewards by β·KL. A checkpoint keeps
+    β, so a resumed run's next step is the uninterrupted one's."""
+    kl_cfg = {"coef": 0.5, "controller": "adaptive", "target_kl": 1e-4, "horizon": 32, "estimator": "k3"}
+    first = make_learner(policy_dir, kl_in_reward=kl_cfg)
+    m1 = first.train_step(groups)
+    assert m1["actor/reward_kl_penalty"] == 0.0 and m1["actor/reward_kl_penalty_coeff"] == 0.5
+    m2 = first.train_step(groups)
+    assert m2["actor/reward_kl_penalty_coeff"] == pytest.approx(0.5 * (1 - 0.2 * 16 / 32))
+    assert m2["actor/reward_kl_penalty"] > 1e-4, "the policy moved away from the reference"
+    first.save_checkpoint(tmp_path / "ckpt")
+    m3 = first.train_step(groups)
+    assert m3["actor/reward_kl_penalty_coeff"] == pytest.approx(m2["actor/reward_kl_penalty_coeff"] * (1 + 0.2 * 16 / 32))
+    again = make_learner(policy_dir, kl_in_reward=kl_cfg)
+    again.load_checkpoint(tmp_path / "ckpt")
+    assert again.train_step(groups)["actor/reward_kl_penalty_coeff"] == m3["actor/reward_kl_penalty_coeff"]
+    assert max_param_diff(params_of(first.model), params_of(again.model)) == 0.0
+    plain, fixed = make_learner(policy_dir), make_learner(policy_dir, kl_in_reward={"coef": 50.0, "estimator": "k3"})
+    for step in range(2):
+        metrics = plain.train_step(groups)
+        fixed.train_step(groups)
+        moved = max_param_diff(params_of(plain.model), params_of(fixed.model))
+        assert moved == 0.0 if step == 0 else moved > 1e-5, "KL 0 at step 1; then the penalty changes the update"
+    assert "actor/reward_kl_penalty" not in metrics
+
+
 def test_weights_published_through_the_object_store_and_a_folder(policy_dir, groups, tmp_path, ray_cluster,
                                                                  monkeypatch):
     """Publication goes out in the learner's own thread; the live payload of the last version holds
@@ -477,6 +504,9 @@ def test_config_errors_name_the_field(policy_dir):
         LearnerConfig(model_path=str(policy_dir), max_tokens_per_micro_batch=0)
     with pytest.raises(ValidationError, match="'sapo' is a policy-gradient loss of its own"):
         LearnerConfig(model_path=str(policy_dir), rollout_correction="bypass_pg_is", policy_loss={"loss_mode": "sapo"})
+    with pytest.raises(ValidationError, match="the penalty would do nothing"):
+        LearnerConfig(model_path=str(policy_dir), kl_in_reward={"coef": 0.1},
+                      advantage={"estimator": "gdpo", "gdpo_reward_keys": ["a"]})
     with pytest.raises(ValidationError, match="dro needs dro_beta"):
         LearnerConfig(model_path=str(policy_dir), policy_loss={"loss_mode": "dro"})
     cfg = LearnerConfig(model_path=str(policy_dir), rollout_correction="decoupled_seq_is")
