@@ -98,7 +98,13 @@ class Trajectory:
         self.info.update(outcome.info)
 
     def fail(self, error: str, failure_reward: float) -> None:
+        """The environment failed: the trajectory's reward is failure_reward, on its last policy
+        token (the steps' rewards before it no longer count), so the token rewards still sum to it."""
         self.error, self.finish_reason, self.reward = error, "env_error", failure_reward
+        self.token_rewards = [0.0] * len(self.token_rewards)
+        policy = [i for i, m in enumerate(self.loss_mask) if m]
+        if policy:  # a reset that failed leaves no token to carry it
+            self.token_rewards[policy[-1]] = failure_reward
 
     @property
     def weight_version(self) -> int:

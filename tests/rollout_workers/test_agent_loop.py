@@ -236,5 +236,7 @@ def test_misbehaving_environments_end_one_trajectory_each_and_the_worker_goes_on
             else:
                 assert s.reward == -1.0 and s.metadata["env_failed"] and s.finish_reason == "env_error"
                 assert len(s.response_ids) == (0 if how == "reset_raise" else s.loss_mask.sum())
+                if len(s.response_ids):  # the failure's reward on the last policy token: the sum is the reward
+                    assert float(s.token_rewards.sum()) == -1.0 and s.token_rewards[-1] == -1.0
     batch = build_batch(list(groups.values()))  # the learner takes them, empty responses included
     assert int(batch.response_mask.sum()) == sum(int(s.loss_mask.sum()) for g in groups.values() for s in g.samples)
