@@ -205,8 +205,6 @@ def build_batch(groups, learner_version: int | None = None, vocab_size: int | No
     )
 
 
-
-
 def reward_components(groups, keys: list[str]) -> torch.Tensor:
     """[K, B] float64: each sample's `reward/<key>` metric (what a verl-form reward's dict returned
     beside its score), in batch order; 0 where a sample has none (its reward failed and was
@@ -217,6 +215,7 @@ def reward_components(groups, keys: list[str]) -> torch.Tensor:
 
     samples = [s for g in groups for s in g.samples]
     return torch.tensor([[value(s, key) for s in samples] for key in keys], dtype=torch.float64).reshape(len(keys), -1)
+
 
 def _padded_routing(routing: list, real: torch.Tensor) -> torch.Tensor | None:
     """The rows' routing as int16 [B, T, layers, k] (zero at padding), None unless every row has it."""

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_val
 
 from learner.advantages import AdvantageConfig, KLRewardConfig
 from learner.correction import RolloutCorrectionConfig
-from learner.losses import PolicyLossConfig
+from learner.losses import PolicyLossConfig, check_loss_mode_fits
 
 
 class DistributedConfig(BaseModel):
@@ -255,10 +255,7 @@ class LearnerConfig(BaseModel):
         if self.kl_in_reward.coef > 0 and self.advantage.estimator == "gdpo":
             raise ValueError("kl_in_reward lowers the reward, but advantage.estimator gdpo reads the reward's parts "
                              "only: the penalty would do nothing (use policy_loss.kl_coef for a KL term with gdpo)")
-        rc = self.rollout_correction
-        if rc.bypass_mode and rc.loss_type == "reinforce" and self.policy_loss.loss_mode != "vanilla":
-            raise ValueError(f"policy_loss.loss_mode {self.policy_loss.loss_mode!r} is a policy-gradient loss of its "
-                             "own: with rollout_correction.bypass_mode it needs loss_type ppo_clip, not reinforce")
+        check_loss_mode_fits(self.policy_loss.loss_mode, self.rollout_correction)
         if self.attn_implementation == "varlen" and self.packing is False:
             raise ValueError("attn_implementation 'varlen' computes packed micro-batches' sequences one by one: "
                              "it needs packing: true (padded rows take sdpa)")

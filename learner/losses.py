@@ -19,7 +19,8 @@ Public API:
 - `aggregate_loss(loss_mat, mask, mode, global_token_count=None, global_seq_count=None,
   loss_scale_factor=None)`, `count_tokens_and_sequences(mask)`, `kl_penalty(log_prob,
   ref_log_prob, estimator)`, `staleness_metrics(token_versions, current_version, mask)`,
-  `policy_token_loss(log_prob, anchor_log_prob, advantages, mask, cfg) -> TokenLoss`.
+  `policy_token_loss(log_prob, anchor_log_prob, advantages, mask, cfg) -> TokenLoss`,
+  `check_loss_mode_fits(loss_mode, correction_config)`.
 
 Micro-batches and data parallelism: every mode divides a *sum* over the rows it is given by a
 denominator. Pass the counts of the whole minibatch (summed over micro-batches and ranks, e.g.
@@ -69,6 +70,7 @@ from learner.correction import (
     check_token_values,
     compute_rollout_correction,
     masked_mean,
+    masked_mean_rows,
     to_floats,
 )
 
@@ -216,16 +218,11 @@ def ppo_clip_token_loss(log_prob, anchor_log_prob, advantages, cfg: PolicyLossCo
 GSPO_LOG_RATIO_MAX = 10.0  # verl's clamp of the sequence log-ratio (numerical safety)
 
 
-def _sequence_mean(values, mask):
-    kept = mask.to(values.dtype)
-    return (values * kept).sum(-1) / kept.sum(-1).clamp_min(1)
-
-
 def gspo_token_loss(log_prob, anchor_log_prob, advantages, mask, cfg: PolicyLossConfig) -> TokenLoss:
     """GSPO's per-token loss: the clipped sequence ratio in its straight-through form (see the
     module docstring)."""
     log_ratio = log_prob - anchor_log_prob
-    seq_log_ratio = _sequence_mean(log_ratio, mask)
+    seq_log_ratio = masked_mean_rows(log_ratio, mask)
     token_log_ratio = log_prob - log_prob.detach() + seq_log_ratio.detach().unsqueeze(-1)
     ratio = torch.exp(token_log_ratio.clamp(max=GSPO_LOG_RATIO_MAX))
     unclipped = -advantages * ratio
@@ -297,8 +294,8 @@ def geo_mean_token_loss(log_prob, anchor_log_prob, advantages, mask, cfg: Policy
     sign = torch.sign(advantages)
     bounded = log_ratio.clamp(-cfg.clip_ratio_low, cfg.clip_ratio_high)
     pessimistic = sign * torch.minimum(sign * log_ratio, sign * bounded)
-    ratio = torch.exp(_sequence_mean(pessimistic, mask).clamp(max=SAFETY_BOUND))
-    loss = -_sequence_mean(advantages, mask) * ratio
+    ratio = torch.exp(masked_mean_rows(pessimistic, mask).clamp(max=SAFETY_BOUND))
+    loss = -masked_mean_rows(advantages, mask) * ratio
     changed = log_ratio != bounded
     return TokenLoss(loss.unsqueeze(-1).expand_as(log_prob), changed & (advantages > 0), changed & (advantages < 0),
                      -log_ratio)
@@ -433,6 +430,13 @@ def staleness_metrics(token_versions: torch.Tensor, current_version: int, respon
 
 
 # ---- the loss ----------------------------------------------------------------------------------
+def check_loss_mode_fits(loss_mode: str, correction_config: RolloutCorrectionConfig) -> None:
+    """Bypass REINFORCE is a policy-gradient loss of its own: it takes no other loss mode."""
+    if correction_config.bypass_mode and correction_config.loss_type == "reinforce" and loss_mode != "vanilla":
+        raise ValueError(f"loss_mode {loss_mode} is a policy-gradient loss of its own (in bypass mode anchored on "
+                         "π_rollout): bypass mode needs loss_type ppo_clip with it, not reinforce")
+
+
 def compute_policy_loss(
     log_prob: torch.Tensor,
     old_log_prob: Optional[torch.Tensor],
@@ -465,12 +469,9 @@ def compute_policy_loss(
 
     stats: dict[str, torch.Tensor] = {}
     mode = loss_config.loss_mode
-    reinforce = correction_config.bypass_mode and correction_config.loss_type == "reinforce"
+    check_loss_mode_fits(mode, correction_config)
     agg_mode = "seq-mean-token-mean" if mode in SEQUENCE_MEAN_MODES else loss_config.loss_agg_mode
-    if reinforce and mode != "vanilla":
-        raise ValueError(f"loss_mode {mode} is a policy-gradient loss of its own (in bypass mode anchored on "
-                         "π_rollout): bypass mode needs loss_type ppo_clip with it, not reinforce")
-    if reinforce:
+    if correction_config.bypass_mode and correction_config.loss_type == "reinforce":
         w = weights if weights is not None else torch.ones_like(log_prob)
         # verl reports ppo_kl unclamped here
         pg = TokenLoss(-w * advantages * log_prob, None, None, -(log_prob.detach() - anchor))
@@ -520,7 +521,7 @@ def compute_policy_loss(
 
 def _geometric_mean_weights(weights: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Each row's geometric mean of its kept tokens' weights, on every token of the row."""
-    return torch.exp(_sequence_mean(torch.log(weights + 1e-10), mask)).unsqueeze(-1).expand_as(weights)
+    return torch.exp(masked_mean_rows(torch.log(weights + 1e-10), mask)).unsqueeze(-1).expand_as(weights)
 
 
 def _upcast(x: torch.Tensor) -> torch.Tensor:

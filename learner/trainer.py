@@ -386,11 +386,11 @@ class Learner:
         cfg = self.config.kl_in_reward
         shard = inputs.shard
         old = inputs.old_log_prob if inputs.old_log_prob is not None else shard.rollout_log_probs
-        old, ref = (x.float() if x.dtype in (torch.float16, torch.bfloat16) else x for x in (old, inputs.ref_log_prob))
-        per_token = kl_penalty(old, ref.to(old.dtype), cfg.estimator) * shard.response_mask.to(old.dtype)
+        per_token = kl_penalty(old, inputs.ref_log_prob.to(old.dtype), cfg.estimator)
+        per_token = per_token * shard.response_mask.to(old.dtype)
         kl = torch.zeros(batch.response_mask.shape, dtype=per_token.dtype)
         kl[[shard_rows[i] for i in owned], : per_token.shape[1]] = per_token[owned].cpu()
-        kl = self.comm.all_reduce_sum(kl).cpu()
+        kl = self.comm.all_reduce_sum(kl)  # back on the host, where the batch is
         beta = self.kl_reward_coef
         rewards, token_rewards = kl_penalised_rewards(batch.rewards, batch.response_mask.bool(), kl, beta,
                                                       batch.token_rewards)

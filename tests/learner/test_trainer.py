@@ -501,7 +501,7 @@ def test_config_errors_name_the_field(policy_dir):
         LearnerConfig(model_path=str(policy_dir), dtype="bfloat16", mixed_precision="bfloat16")
     with pytest.raises(ValidationError, match="max_tokens_per_micro_batch"):
         LearnerConfig(model_path=str(policy_dir), max_tokens_per_micro_batch=0)
-    with pytest.raises(ValidationError, match="'sapo' is a policy-gradient loss of its own"):
+    with pytest.raises(ValidationError, match="loss_mode sapo is a policy-gradient loss of its own"):
         LearnerConfig(model_path=str(policy_dir), rollout_correction="bypass_pg_is", policy_loss={"loss_mode": "sapo"})
     with pytest.raises(ValidationError, match="the penalty would do nothing"):
         LearnerConfig(model_path=str(policy_dir), kl_in_reward={"coef": 0.1},
