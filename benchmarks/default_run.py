@@ -5,8 +5,8 @@ what the run did, from its own log.
 
 Runs `etarl train` in a child process exactly as the README's `bash scripts/run.sh` does (the
 embedded default; on a GPU machine the layout `etarl plan` chooses), then reads the run folder's
-metrics.jsonl and the closing summary and prints: the layout chosen, wall seconds, held-out
-accuracy first and last, samples/s and tokens/s (median over the steps after `--warmup`), the
+metrics.jsonl and the closing summary and prints: the layout chosen, wall and training seconds,
+held-out accuracy first and last, samples/s and tokens/s (median over the steps after `--warmup`), the
 learner step's time split (median seconds per step of each `timing_s/*` part), and on GPUs each
 role's peak GPU memory (the summary's `gpu_memory_gib`). The last line is a JSON summary.
 What issue 28 asks of a one-GPU run: `python benchmarks/default_run.py` on that machine.
@@ -70,6 +70,7 @@ def main() -> None:
         "overrides": overrides,
         "layout": layout,
         "wall_s": round(wall_s, 1),
+        "train_s": summary["seconds"],  # from the training loop's start: no set-up, no model build
         "steps": summary["steps"],
         "completed": summary["completed"],
         "eval_accuracy_first": summary["eval_accuracy_first"],
@@ -84,7 +85,8 @@ def main() -> None:
     result["learner_busy_fraction"] = round(split["step"] / (split["step"] + split["wait_data"]), 3) \
         if split.get("step") and "wait_data" in split else None
     print(f"layout: {layout}")
-    print(f"{result['steps']} steps in {result['wall_s']} s (completed: {result['completed']}); held-out accuracy "
+    print(f"{result['steps']} steps in {result['wall_s']} s, {result['train_s']} s of them training (completed: "
+          f"{result['completed']}); held-out accuracy "
           f"{result['eval_accuracy_first']} -> {result['eval_accuracy_last']}")
     print(f"median over steps {args.warmup + 1}..{len(steps)}: {result['samples_per_s']} samples/s, "
           f"{result['tokens_per_s']} tokens/s")

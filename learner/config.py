@@ -190,7 +190,8 @@ class LearnerConfig(BaseModel):
         "computes on a GPU or attn_implementation is varlen; padded on a CPU, where sdpa's block-diagonal mask "
         "over a packed row costs more than the padding it saves (3.2x the step of the embedded default)")
     attn_implementation: Optional[Literal["sdpa", "eager", "flash_attention_2", "flex_attention", "varlen"]] = Field(
-        None, description="transformers' attention kernel for the policy and reference (None: sdpa). Packed "
+        None, description="transformers' attention kernel for the policy and reference (None: sdpa; on CUDA GPUs "
+        "the plan sets varlen where it fits: bfloat16 compute, packing, no sliding window). Packed "
         "micro-batches: sdpa and eager take a block-diagonal mask ([tokens, tokens] per pass, every block "
         "computed); varlen (etarl's, lm/packed_attention.py) computes each sequence alone: PyTorch's flash "
         "varlen kernel on CUDA (bfloat16: needs mixed_precision or dtype bfloat16), an exact per-sequence "

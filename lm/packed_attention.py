@@ -34,6 +34,13 @@ def register() -> None:
     AttentionInterface.register(NAME, varlen_attention)
 
 
+def flash_varlen_available() -> bool:
+    """Whether this torch has the flash varlen kernel (torch >= 2.10; etarl allows 2.9)."""
+    from importlib.util import find_spec
+
+    return find_spec("torch.nn.attention.varlen") is not None
+
+
 def uses_varlen(model) -> bool:
     return getattr(getattr(model, "config", None), "_attn_implementation", None) == NAME
 

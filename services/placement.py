@@ -298,7 +298,8 @@ def check_plan(cfg: EtarlConfig, cluster: Cluster) -> Plan:
 #   of a run that can fit)
 # and, on GPUs, the GPU defaults: engine bfloat16 with a memory share (gpu_memory_utilization:
 # COLOCATED_ENGINE_SHARE beside a learner rank, SEPARATE_ENGINE_SHARE alone), learner float32
-# master weights with bfloat16 autocast and gradient checkpointing; learner ranks > 1 talk over
+# master weights with bfloat16 autocast and gradient checkpointing, its packed micro-batches through
+# flash varlen attention where the model has no sliding window; learner ranks > 1 talk over
 # NCCL, and shard (FSDP) where the full float32 state (16 bytes per parameter: weights, gradients,
 # AdamW's two moments) would take more than half a GPU.
 
@@ -433,6 +434,10 @@ def resolve_layout(cfg: EtarlConfig, cluster: Cluster, params: float | None = No
         gpu_defaults["learner.gradient_checkpointing"] = True
         if learner.dtype == "float32":
             gpu_defaults["learner.mixed_precision"] = "bfloat16"
+        if cuda and _flash_varlen_fits(cfg, gpu_defaults):
+            # each packed sequence attends alone (no [W, W] block-diagonal mask): on one H200 at
+            # 1.5B, B = 32, a 1.32x faster step than sdpa over the same packed micro-batches
+            gpu_defaults["learner.attn_implementation"] = "varlen"
     if learner_gpu and ranks > 1 and learner.distributed.strategy == "allreduce":
         if cuda:
             gpu_defaults["learner.distributed.backend"] = "nccl"
@@ -455,6 +460,36 @@ def resolve_layout(cfg: EtarlConfig, cluster: Cluster, params: float | None = No
         reasons.append("GPU defaults: " + ", ".join(f"{k}={v}" for k, v in filled.items()))
     changes.update(filled)
     return _with(cfg, changes), Layout(name, tuple(reasons), tuple(changes.items()))
+
+
+def _flash_varlen_fits(cfg: EtarlConfig, gpu_defaults: dict) -> bool:
+    """Whether the learner's packed micro-batches can take the flash varlen attention: packing on,
+    bfloat16 compute (flash kernels have no float32), a model without a sliding window (varlen has
+    none; `tiny` has none, an unreadable folder is not assumed to), and a torch that has it."""
+    learner = cfg.learner
+    mixed = learner.mixed_precision if _user_set(cfg, "learner.mixed_precision") \
+        else gpu_defaults.get("learner.mixed_precision", learner.mixed_precision)
+    if learner.packing is False or (mixed is None and learner.dtype == "float32"):
+        return False
+    if cfg.run.model not in ("tiny", "tiny-moe") and _sliding_window(Path(cfg.run.model)) is not False:
+        return False
+    from lm.packed_attention import flash_varlen_available
+
+    return flash_varlen_available()
+
+
+def _sliding_window(model: Path) -> bool | None:
+    """Whether an HF folder's model attends through a sliding window (None: its config is unreadable).
+    Qwen2 writes a window size with `use_sliding_window: false`; Mistral, Gemma and others write
+    only the size, null when there is none."""
+    import json
+
+    try:
+        config = json.loads((model / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    config = config.get("text_config", config)
+    return bool(config.get("use_sliding_window", config.get("sliding_window") is not None))
 
 
 def _transformers_engine_instead(cfg: EtarlConfig, engine_on_gpu: bool, vllm_builds: frozenset[str]) -> str | None:

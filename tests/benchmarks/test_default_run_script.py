@@ -22,6 +22,7 @@ def test_the_default_run_script_reports_the_run_from_its_log():
     assert summary["benchmark"] == "default_run" and summary["completed"] and summary["steps"] == 6
     assert summary["layout"].startswith("cpu: ")  # both roles on the CPU: the CPU defaults, no GPU memory
     assert summary["gpu_memory_gib"] == {} and "none (no GPU)" in out.stdout
+    assert 0 < summary["train_s"] < summary["wall_s"]
     assert summary["samples_per_s"] > 0 and summary["tokens_per_s"] > summary["samples_per_s"]
     split = summary["step_split_s"]
     assert {"wait_data", "old_log_prob", "update_actor", "step"} <= set(split)

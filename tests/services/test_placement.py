@@ -209,6 +209,31 @@ def test_two_gpus_one_each_and_the_cpu_defaults_stay_without_gpus():
     assert (cfg.learner.mixed_precision, cfg.learner.gradient_checkpointing) == ("bfloat16", True)
 
 
+def test_a_cuda_learner_packs_through_flash_varlen_where_the_model_and_its_settings_allow(tmp_path):
+    cfg, layout, _ = layout_for([(4, 1)])
+    assert cfg.learner.attn_implementation == "varlen" and "learner.attn_implementation=varlen" in layout.reasons[-1]
+    # declared GPUs without CUDA (this suite): the learner computes on a CPU, sdpa stays
+    cfg, _ = resolve_layout(load_config(None, []), nodes((4, 1)), cuda=False)
+    assert cfg.learner.attn_implementation is None
+    # what flash cannot take: float32 compute, padded micro-batches; what the user named is kept
+    for overrides, attn in ((["learner.mixed_precision=null"], None), (["learner.packing=false"], None),
+                            (["learner.attn_implementation=sdpa"], "sdpa"),
+                            (["learner.dtype=bfloat16", "learner.mixed_precision=null"], "varlen")):
+        assert layout_for([(4, 1)], None, *overrides)[0].learner.attn_implementation == attn, overrides
+    # a model folder: varlen unless its config has a sliding window (or cannot be read)
+    for name, fields, attn in (("qwen2", {"sliding_window": 32768, "use_sliding_window": False}, "varlen"),
+                               ("mistral", {"sliding_window": None}, "varlen"),
+                               ("gemma", {"sliding_window": 4096}, None),
+                               ("qwen2-window", {"sliding_window": 4096, "use_sliding_window": True}, None),
+                               ("unreadable", None, None)):
+        folder = tmp_path / name
+        folder.mkdir()
+        if fields is not None:
+            (folder / "config.json").write_text(json.dumps(fields))
+        cfg, _ = resolve_layout(build_config({}, [f"run.model={folder}"]), nodes((4, 1)))
+        assert cfg.learner.attn_implementation == attn, name
+
+
 @pytest.mark.parametrize(("shape", "params", "engines", "tp", "ranks", "strategy"), [
     ([(64, 8)], 1.5e9, 4, 1, 4, "allreduce"),       # 8 GPUs: half and half
     ([(64, 8)], 7e9, 4, 1, 4, "fsdp"),              # 112 GB of float32 state: sharded
