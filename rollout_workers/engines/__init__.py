@@ -31,5 +31,5 @@ def make_engine(engine_config, model_dir: str | os.PathLike, seed: int = 0, vers
         from rollout_workers.engines.hf_engine import HFEngine
 
         return HFEngine(model_dir, dtype=engine_config.dtype, version=version, device=engine_config.device,
-                        memory_share=engine_config.gpu_memory_utilization)
+                        memory_share=engine_config.gpu_memory_utilization, seed_requests=engine_config.seed_requests)
     raise ValueError(f"unknown engine kind {engine_config.kind!r}; expected 'vllm' or 'hf'")

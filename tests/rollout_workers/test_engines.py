@@ -161,6 +161,57 @@ def test_hf_engine_log_probs_follow_the_processed_distribution_and_new_weights(t
         engine.load_weights(4, {"not.a.weight": torch.zeros(1)})
 
 
+def test_hf_engine_requests_that_sample_alike_share_a_call_and_get_what_each_alone_would(
+        tiny_model_dir, hf_model, tokenizer, monkeypatch):
+    """Left-padded prompts of several lengths in one generate() call: greedy completions are those
+    of each prompt alone, sampled ones follow each prompt's own processed distribution; a seeded
+    request keeps a call of its own (its seed's samples), and a call's rows x tokens stay
+    within TOKENS_PER_CALL."""
+    import rollout_workers.engines.hf_engine as hf_engine
+
+    def counting(engine):
+        calls = []
+        generate = engine.model.generate
+        monkeypatch.setattr(engine.model, "generate", lambda **kw: calls.append(kw["input_ids"].shape) or generate(**kw))
+        return calls
+
+    engine = hf_engine.HFEngine(tiny_model_dir)
+    assert engine.seed_requests  # the default
+    prompts = [encode(tokenizer, text) for text in ("12+5=", "347+589=", "rev:abcde=", "9=")]
+    assert len({len(p) for p in prompts}) > 2
+    stop = (tokenizer.eos_token_id,)
+    greedy = SamplingParams(n=2, temperature=0.0, max_new_tokens=8, stop_token_ids=stop, seed=3)
+    alone = [engine.generate(p, greedy) for p in prompts]
+    calls = counting(engine)
+    shared = engine.generate_batch([(p, greedy) for p in prompts])
+    assert len(calls) == 1 and calls[0][0] == 2 * len(prompts)  # greedy shares, seeded or not (n copies)
+    for one, together in zip(alone, shared):
+        assert [c.token_ids for c in together] == [c.token_ids for c in one]
+        assert [c.finish_reason for c in together] == [c.finish_reason for c in one]
+        assert max_gap(together, [torch.tensor(c.log_probs) for c in one]) < 1e-5
+
+    sampled = SamplingParams(n=3, temperature=1.2, top_k=6, top_p=0.9, max_new_tokens=8, stop_token_ids=stop, seed=7)
+    calls.clear()
+    seeded = engine.generate_batch([(p, sampled) for p in prompts])
+    assert len(calls) == len(prompts)  # one call each: the samples are each seed's
+    assert [c.token_ids for c in seeded[1]] == [c.token_ids for c in engine.generate(prompts[1], sampled)]
+
+    unseeded = hf_engine.HFEngine(tiny_model_dir, seed_requests=False)
+    calls = counting(unseeded)
+    out = unseeded.generate_batch([(p, sampled) for p in prompts] + [(prompts[0], greedy)])
+    assert len(calls) == 2  # the sampled four together, the greedy one apart
+    for prompt, completions in zip(prompts, out):
+        assert len(completions) == 3
+        expected = [processed_log_probs(hf_model, prompt, c.token_ids, 1.2, 6, 0.9) for c in completions]
+        assert max_gap(completions, expected) < 1e-4
+    assert [c.token_ids for c in out[-1]] == [c.token_ids for c in alone[0]]
+
+    calls.clear()  # two prompts' rows x tokens per call: the longest two together, then the others
+    monkeypatch.setattr(hf_engine, "TOKENS_PER_CALL", 2 * 3 * (max(map(len, prompts)) + 8))
+    out = unseeded.generate_batch([(p, sampled) for p in prompts])
+    assert [shape[0] for shape in calls] == [2, 2] and all(len(c) == 3 for c in out)
+
+
 @pytest.mark.slow
 def test_vllm_bf16_tensor_parallel_engine_reloads_from_a_folder_and_receives_in_each_rank(tiny_model_dir):
     """A second engine, in bfloat16 over two tensor-parallel ranks: its log-probs differ from the
