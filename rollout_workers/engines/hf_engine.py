@@ -8,9 +8,8 @@ token (`Completion.routed_experts`): the routing source on CPU, where vLLM retur
 
 Requests that sample alike share one generate() call, their prompts left-padded (a step costs
 about the same for 32 rows as for 8 where kernel launches, not arithmetic, bound it, as on a GPU
-at small sizes). A seeded request (`seed_requests`, the default) runs alone, so its samples are
-its seed's whatever else was asked; greedy requests always share, and unseeded ones
-(`rollout.sampling.seed: null`, or `seed_requests: false`).
+at small sizes). A seeded request's samples are its seed's whatever shares its call: each row
+draws from its own generator (`_SeededSampler`), as vLLM samples a seeded request.
 """
 from __future__ import annotations
 
@@ -46,6 +45,33 @@ def _calls(members: list[int], lengths: list[int], params: SamplingParams) -> li
         else:
             calls.append([i])
     return calls
+
+
+class _SeededSampler:
+    """Seeded sampling for a greedy generate() call: generate()'s own warpers (temperature, top-k,
+    top-p, in its order), then Gumbel noise from each row's own generator, so the argmax of a row is
+    a draw from its processed distribution (the Gumbel-max trick) and depends on its seed alone, not
+    on the rows beside it (up to float rounding of the batched forward). Keeps the processed scores,
+    before the noise, for the log-probs."""
+
+    def __init__(self, params: SamplingParams, seeds: list[int], device: torch.device) -> None:
+        from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+        self.generators = [torch.Generator(device=device).manual_seed(seed) for seed in seeds]
+        self.scores: list[torch.Tensor] = []
+        self.processors = [TemperatureLogitsWarper(params.temperature)] if params.temperature != 1.0 else []
+        if params.top_k:
+            self.processors.append(TopKLogitsWarper(params.top_k))
+        if params.top_p < 1.0:
+            self.processors.append(TopPLogitsWarper(params.top_p))
+        self.processors.append(self)  # the last
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.scores.append(scores)
+        uniform = torch.stack([torch.rand(scores.shape[-1], generator=g, device=scores.device, dtype=torch.float32)
+                               for g in self.generators])
+        gumbel = -torch.log(-torch.log(uniform.clamp_(min=torch.finfo(torch.float32).tiny)))
+        return scores.float() + gumbel
 
 
 class _InterruptCheck:
@@ -125,15 +151,14 @@ class HFEngine(GenerationEngine):
     ) -> list[list[Completion]]:
         prompts = [check_prompt(prompt, self.vocab_size) for prompt, _ in requests]
         results: list[list[Completion] | None] = [None] * len(requests)
-        shared: dict[SamplingParams, list[int]] = {}
+        shared: dict[tuple[SamplingParams, bool], list[int]] = {}
         for i, (_, params) in enumerate(requests):
-            if self._seeded(params):
-                results[i] = self._generate([prompts[i]], params, interrupt)[0]
-            else:
-                shared.setdefault(params.with_(seed=None), []).append(i)
-        for params, members in shared.items():
+            shared.setdefault((params.with_(seed=None), self._seeded(params)), []).append(i)
+        for (params, seeded), members in shared.items():
             for call in _calls(members, [len(p) for p in prompts], params):
-                for i, completions in zip(call, self._generate([prompts[i] for i in call], params, interrupt)):
+                seeds = [requests[i][1].seed for i in call] if seeded else None
+                outputs = self._generate([prompts[i] for i in call], params, seeds, interrupt)
+                for i, completions in zip(call, outputs):
                     results[i] = completions
         return results
 
@@ -141,55 +166,56 @@ class HFEngine(GenerationEngine):
         return self.seed_requests and params.seed is not None and params.temperature > 0
 
     @torch.no_grad()
-    def _generate(self, prompts: list[list[int]], params: SamplingParams, interrupt: Interrupt | None):
-        """Each prompt's n completions from one generate() call over the left-padded prompts."""
-        from transformers import GenerationConfig, StoppingCriteriaList
+    def _generate(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int] | None,
+                  interrupt: Interrupt | None) -> list[list[Completion]]:
+        """Each prompt's n completions from one generate() call over the left-padded prompts, each
+        repeated n times. `seeds` (sampled requests): sample j of a prompt draws from seed + j (as
+        vLLM's), through `_SeededSampler`; None: generate()'s own sampling, from the process's
+        random state, which it moves on."""
+        from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 
         sample = params.temperature > 0
-        if not sample:  # generate() refuses n greedy sequences per prompt: n copies of it instead
-            prompts = [prompt for prompt in prompts for _ in range(params.n)]
+        sampler = _SeededSampler(params, [seed + j for seed in seeds for j in range(params.n)], self.device) \
+            if seeds is not None else None
+        own_sampling = sample and sampler is None
         config = GenerationConfig(
             max_new_tokens=params.max_new_tokens,
-            do_sample=sample,
-            temperature=params.temperature if sample else None,
-            top_k=params.top_k if sample else None,
-            top_p=params.top_p if sample else None,
-            num_return_sequences=params.n if sample else 1,
+            do_sample=own_sampling,
+            temperature=params.temperature if own_sampling else None,
+            top_k=params.top_k if own_sampling else None,
+            top_p=params.top_p if own_sampling else None,
             eos_token_id=list(params.stop_token_ids) or None,
             pad_token_id=self.pad_id,
             output_scores=True,
             return_dict_in_generate=True,
         )
         check = _InterruptCheck(interrupt) if interrupt is not None else None
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        rows = [prompt for prompt in prompts for _ in range(params.n)]
+        width = max(len(p) for p in rows)
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
         attention_mask = torch.zeros_like(ids)
-        for row, prompt in enumerate(prompts):
+        for row, prompt in enumerate(rows):
             ids[row, width - len(prompt):] = torch.tensor(prompt)
             attention_mask[row, width - len(prompt):] = 1
-        rows = len(prompts) * config.num_return_sequences  # each prompt's n rows in a run
         recorder = _RoutingRecorder(self.model) if self.moe else contextlib.nullcontext()
-        seed = params.seed if self._seeded(params) else None
-        # A seeded request leaves the process's random state as it was; an unseeded one draws from
-        # it and moves it on (restoring it would give every unseeded request the same samples).
-        with torch.random.fork_rng(enabled=seed is not None), recorder:
+        with recorder:
             if self.moe:
-                recorder.rows = rows
-            if seed is not None:
-                torch.manual_seed(seed)
+                recorder.rows = len(rows)
             out = self.model.generate(
                 input_ids=ids.to(self.device),
                 attention_mask=attention_mask.to(self.device),
                 generation_config=config,
+                logits_processor=LogitsProcessorList(sampler.processors) if sampler else None,
                 stopping_criteria=StoppingCriteriaList([check]) if check else None,
             )
         new_tokens = out.sequences[:, width:]
         routing = recorder.routing(new_tokens.shape[1]) if self.moe else None
         # scores[t]: [rows, vocab] processed scores at step t; -inf where top-k/top-p masked a token.
-        if out.scores:
-            scores = torch.stack(out.scores, dim=1).float()
+        steps = sampler.scores if sampler else out.scores
+        if steps:
+            scores = torch.stack(steps, dim=1).float()
         else:
-            scores = torch.zeros(rows, 0, 1, device=self.device)
+            scores = torch.zeros(len(rows), 0, 1, device=self.device)
         logps = torch.log_softmax(scores, dim=-1).gather(-1, new_tokens[:, :, None]).squeeze(-1).tolist()
         stops = set(params.stop_token_ids)
         completions = []
@@ -204,7 +230,7 @@ class HFEngine(GenerationEngine):
                 reason, end = "length", len(tokens)
             completions.append(Completion(tokens[:end], logps[row][:end], reason,
                                           routed_experts=None if routing is None else routing[row, :end]))
-        return [completions[i : i + params.n] for i in range(0, rows, params.n)]
+        return [completions[i : i + params.n] for i in range(0, len(rows), params.n)]
 
     def expected_weights(self) -> tuple[dict[str, tuple[int, ...]], set[str]]:
         """Shapes by name of the weights this model takes, as a checkpoint names them (an MoE's experts

@@ -164,52 +164,74 @@ def test_hf_engine_log_probs_follow_the_processed_distribution_and_new_weights(t
 def test_hf_engine_requests_that_sample_alike_share_a_call_and_get_what_each_alone_would(
         tiny_model_dir, hf_model, tokenizer, monkeypatch):
     """Left-padded prompts of several lengths in one generate() call: greedy completions are those
-    of each prompt alone, sampled ones follow each prompt's own processed distribution; a seeded
-    request keeps a call of its own (its seed's samples), and a call's rows x tokens stay
+    of each prompt alone, sampled ones follow each prompt's own processed distribution, a seeded
+    request's samples are its seed's whatever shares its call, and a call's rows x tokens stay
     within TOKENS_PER_CALL."""
     import rollout_workers.engines.hf_engine as hf_engine
 
-    def counting(engine):
-        calls = []
-        generate = engine.model.generate
-        monkeypatch.setattr(engine.model, "generate", lambda **kw: calls.append(kw["input_ids"].shape) or generate(**kw))
-        return calls
-
     engine = hf_engine.HFEngine(tiny_model_dir)
-    assert engine.seed_requests  # the default
+    calls = []
+    generate = engine.model.generate
+    monkeypatch.setattr(engine.model, "generate", lambda **kw: calls.append(kw["input_ids"].shape) or generate(**kw))
     prompts = [encode(tokenizer, text) for text in ("12+5=", "347+589=", "rev:abcde=", "9=")]
     assert len({len(p) for p in prompts}) > 2
     stop = (tokenizer.eos_token_id,)
     greedy = SamplingParams(n=2, temperature=0.0, max_new_tokens=8, stop_token_ids=stop, seed=3)
     alone = [engine.generate(p, greedy) for p in prompts]
-    calls = counting(engine)
+    calls.clear()
     shared = engine.generate_batch([(p, greedy) for p in prompts])
-    assert len(calls) == 1 and calls[0][0] == 2 * len(prompts)  # greedy shares, seeded or not (n copies)
+    assert calls == [torch.Size([2 * len(prompts), max(map(len, prompts))])]  # n rows per prompt
     for one, together in zip(alone, shared):
         assert [c.token_ids for c in together] == [c.token_ids for c in one]
         assert [c.finish_reason for c in together] == [c.finish_reason for c in one]
         assert max_gap(together, [torch.tensor(c.log_probs) for c in one]) < 1e-5
 
-    sampled = SamplingParams(n=3, temperature=1.2, top_k=6, top_p=0.9, max_new_tokens=8, stop_token_ids=stop, seed=7)
-    calls.clear()
-    seeded = engine.generate_batch([(p, sampled) for p in prompts])
-    assert len(calls) == len(prompts)  # one call each: the samples are each seed's
-    assert [c.token_ids for c in seeded[1]] == [c.token_ids for c in engine.generate(prompts[1], sampled)]
+    sampled = SamplingParams(n=3, temperature=1.2, top_k=6, top_p=0.9, max_new_tokens=8, stop_token_ids=stop)
+    for seeds, unseeded in (([11, 12, 13, 14], False), ([None] * 4, True)):
+        requests = [(p, sampled.with_(seed=seed)) for p, seed in zip(prompts, seeds)]
+        torch.manual_seed(0)
+        state = torch.random.get_rng_state()
+        calls.clear()
+        out = engine.generate_batch(requests + [(prompts[0], greedy)])
+        assert len(calls) == 2  # the sampled four together, the greedy one apart
+        # seeded: the process's random state is left alone; unseeded: drawn from and moved on
+        assert torch.equal(torch.random.get_rng_state(), state) != unseeded
+        assert any(len({tuple(c.token_ids) for c in completions}) > 1 for completions in out[:4])  # rows differ
+        for prompt, completions in zip(prompts, out):
+            assert len(completions) == 3
+            expected = [processed_log_probs(hf_model, prompt, c.token_ids, 1.2, 6, 0.9) for c in completions]
+            assert max_gap(completions, expected) < 1e-4
+        assert [c.token_ids for c in out[-1]] == [c.token_ids for c in alone[0]]
+        if not unseeded:  # each request's samples are its seed's, alone or beside others
+            again = engine.generate_batch(requests[2:3] + requests[:1])
+            assert [[c.token_ids for c in r] for r in again] == [[c.token_ids for c in r] for r in (out[2], out[0])]
 
-    unseeded = hf_engine.HFEngine(tiny_model_dir, seed_requests=False)
-    calls = counting(unseeded)
-    out = unseeded.generate_batch([(p, sampled) for p in prompts] + [(prompts[0], greedy)])
-    assert len(calls) == 2  # the sampled four together, the greedy one apart
-    for prompt, completions in zip(prompts, out):
-        assert len(completions) == 3
-        expected = [processed_log_probs(hf_model, prompt, c.token_ids, 1.2, 6, 0.9) for c in completions]
-        assert max_gap(completions, expected) < 1e-4
-    assert [c.token_ids for c in out[-1]] == [c.token_ids for c in alone[0]]
+    # seed_requests: false ignores the seeds (generate()'s own sampling)
+    state = torch.random.get_rng_state()
+    hf_engine.HFEngine(tiny_model_dir, seed_requests=False).generate(prompts[0], sampled.with_(seed=5))
+    assert not torch.equal(torch.random.get_rng_state(), state)
 
     calls.clear()  # two prompts' rows x tokens per call: the longest two together, then the others
     monkeypatch.setattr(hf_engine, "TOKENS_PER_CALL", 2 * 3 * (max(map(len, prompts)) + 8))
-    out = unseeded.generate_batch([(p, sampled) for p in prompts])
-    assert [shape[0] for shape in calls] == [2, 2] and all(len(c) == 3 for c in out)
+    out = engine.generate_batch([(p, sampled) for p in prompts])
+    assert [shape[0] for shape in calls] == [6, 6] and all(len(c) == 3 for c in out)
+
+
+def test_the_seeded_sampler_draws_from_the_processed_distribution():
+    """Gumbel noise from each row's generator, then the argmax: 20,000 rows of one distribution
+    (temperature, top-k, top-p applied) land on each token as often as its processed probability."""
+    from rollout_workers.engines.hf_engine import _SeededSampler
+
+    logits = torch.randn(12, generator=torch.Generator().manual_seed(0)) * 2
+    rows = 20_000
+    sampler = _SeededSampler(SamplingParams(temperature=0.8, top_k=8, top_p=0.9), list(range(rows)), torch.device("cpu"))
+    scores = logits.expand(rows, -1).clone()
+    for processor in sampler.processors:
+        scores = processor(None, scores)
+    probs = torch.softmax(sampler.scores[0][0], -1)
+    assert 1 < int((probs > 0).sum()) < 8  # top-k and top-p both cut
+    frequency = torch.bincount(scores.argmax(-1), minlength=12).float() / rows
+    assert float((frequency - probs).abs().max()) < 0.01 and bool((frequency[probs == 0] == 0).all())
 
 
 @pytest.mark.slow
