@@ -130,9 +130,9 @@ class HFEngine(GenerationEngine):
         `seed_requests`: a request's seed decides its samples, so it runs alone (None: yes);
         false: seeds are ignored and requests share calls."""
         self.device = resolve_device(device, "transformers engine")
-        # seeded by default on GPUs too, unlike vLLM: runs of the default with shared sampled calls
-        # (on a CPU) ended lower on average, 0.68 over 7 against 0.77 over 5, within the spread
-        # but not yet ruled out
+        # seeded by default on GPUs too, unlike vLLM (seeding costs little here): runs of the default
+        # left to generate()'s sampling ended lower on average on a CPU, 0.68 over 7 against 0.75-0.77
+        # seeded, within the spread but not ruled out
         self.seed_requests = True if seed_requests is None else seed_requests
         if memory_share is not None and self.device.type == "cuda":
             torch.cuda.set_per_process_memory_fraction(memory_share, self.device)
