@@ -1,15 +1,15 @@
 """The transformers engine: `generate` with a KV cache. A portable fallback (no vLLM needed) and a
 deliberately different backend from vLLM, so backend mismatch can be measured and corrected.
 
-Log-probs come from `output_scores`, which are the scores after the logits processors
-(temperature, top-k, top-p), i.e. the distribution actually sampled from, as in vLLM's
-`processed_logprobs`. An MoE model's completions carry its routers' top-k expert ids per sampled
+Log-probs are those of the scores after the logits processors (temperature, top-k, top-p), i.e.
+the distribution actually sampled from, as in vLLM's `processed_logprobs`. An MoE model's completions carry its routers' top-k expert ids per sampled
 token (`Completion.routed_experts`): the routing source on CPU, where vLLM returns none.
 
 Requests that sample alike share one generate() call, their prompts left-padded (a step costs
 about the same for 32 rows as for 8 where kernel launches, not arithmetic, bound it, as on a GPU
-at small sizes). A seeded request's samples are its seed's whatever shares its call: each row
-draws from its own generator (`_SeededSampler`), as vLLM samples a seeded request.
+at small sizes). generate() runs greedy and `_Sampler`, its last logits processor, picks: a
+seeded request's samples are its seed's whatever shares its call (each row draws from its own
+generator, as vLLM samples a seeded request), and only each pick's log-prob is kept.
 """
 from __future__ import annotations
 
@@ -47,31 +47,42 @@ def _calls(members: list[int], lengths: list[int], params: SamplingParams) -> li
     return calls
 
 
-class _SeededSampler:
-    """Seeded sampling for a greedy generate() call: generate()'s own warpers (temperature, top-k,
-    top-p, in its order), then Gumbel noise from each row's own generator, so the argmax of a row is
-    a draw from its processed distribution (the Gumbel-max trick) and depends on its seed alone, not
-    on the rows beside it (up to float rounding of the batched forward). Keeps the processed scores,
-    before the noise, for the log-probs."""
+class _Sampler:
+    """The last logits processor of a greedy generate() call, which picks every token itself: for
+    sampled requests after generate()'s own warpers (temperature, top-k, top-p, in its order), Gumbel
+    noise from each row's own generator, so the argmax that generate() takes is a draw from the
+    row's processed distribution (the Gumbel-max trick) that depends on its seed alone, not on the
+    rows beside it (up to float rounding of the batched forward). Keeps each row's log-prob of its
+    pick under the processed scores, step by step: [rows] a step, where keeping the scores
+    (`output_scores`) would hold [rows, vocab] a step (16 rows x 8k steps x 152k: 80 GB)."""
 
-    def __init__(self, params: SamplingParams, seeds: list[int], device: torch.device) -> None:
+    def __init__(self, params: SamplingParams, seeds: list[int] | None, device: torch.device) -> None:
         from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-        self.generators = [torch.Generator(device=device).manual_seed(seed) for seed in seeds]
-        self.scores: list[torch.Tensor] = []
-        self.processors = [TemperatureLogitsWarper(params.temperature)] if params.temperature != 1.0 else []
-        if params.top_k:
-            self.processors.append(TopKLogitsWarper(params.top_k))
-        if params.top_p < 1.0:
-            self.processors.append(TopPLogitsWarper(params.top_p))
+        # seeds: one per row where the request samples; None where it is greedy
+        self.generators = None if seeds is None else [torch.Generator(device=device).manual_seed(s) for s in seeds]
+        self.log_probs: list[torch.Tensor] = []
+        self.processors = []
+        if seeds is not None:
+            if params.temperature != 1.0:
+                self.processors.append(TemperatureLogitsWarper(params.temperature))
+            if params.top_k:
+                self.processors.append(TopKLogitsWarper(params.top_k))
+            if params.top_p < 1.0:
+                self.processors.append(TopPLogitsWarper(params.top_p))
         self.processors.append(self)  # the last
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        self.scores.append(scores)
-        uniform = torch.stack([torch.rand(scores.shape[-1], generator=g, device=scores.device, dtype=torch.float32)
-                               for g in self.generators])
-        gumbel = -torch.log(-torch.log(uniform.clamp_(min=torch.finfo(torch.float32).tiny)))
-        return scores.float() + gumbel
+        scores = scores.float()
+        if self.generators is not None:
+            uniform = torch.stack([torch.rand(scores.shape[-1], generator=g, device=scores.device)
+                                   for g in self.generators])
+            scores_drawn = scores - torch.log(-torch.log(uniform.clamp_(min=torch.finfo(torch.float32).tiny)))
+        else:
+            scores_drawn = scores
+        pick = scores_drawn.argmax(-1, keepdim=True)  # generate()'s greedy choice over what this returns
+        self.log_probs.append(torch.log_softmax(scores, -1).gather(-1, pick).squeeze(-1))
+        return scores_drawn
 
 
 class _InterruptCheck:
@@ -169,28 +180,25 @@ class HFEngine(GenerationEngine):
     def _generate(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int] | None,
                   interrupt: Interrupt | None) -> list[list[Completion]]:
         """Each prompt's n completions from one generate() call over the left-padded prompts, each
-        repeated n times. `seeds` (sampled requests): sample j of a prompt draws from seed + j (as
-        vLLM's), through `_SeededSampler`; None: generate()'s own sampling, from the process's
-        random state, which it moves on."""
+        repeated n times. Sampled requests: sample j of a prompt draws from seed + j (as vLLM's);
+        `seeds` None: from seeds taken from the process's random state (which moves on)."""
         from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 
-        sample = params.temperature > 0
-        sampler = _SeededSampler(params, [seed + j for seed in seeds for j in range(params.n)], self.device) \
-            if seeds is not None else None
-        own_sampling = sample and sampler is None
+        rows = [prompt for prompt in prompts for _ in range(params.n)]
+        row_seeds = None  # greedy
+        if params.temperature > 0:
+            if seeds is None:
+                seeds = torch.randint(0, 2**62, (len(prompts),)).tolist()
+            row_seeds = [seed + j for seed in seeds for j in range(params.n)]
+        sampler = _Sampler(params, row_seeds, self.device)
         config = GenerationConfig(
             max_new_tokens=params.max_new_tokens,
-            do_sample=own_sampling,
-            temperature=params.temperature if own_sampling else None,
-            top_k=params.top_k if own_sampling else None,
-            top_p=params.top_p if own_sampling else None,
+            do_sample=False,  # the sampler picks
             eos_token_id=list(params.stop_token_ids) or None,
             pad_token_id=self.pad_id,
-            output_scores=True,
             return_dict_in_generate=True,
         )
         check = _InterruptCheck(interrupt) if interrupt is not None else None
-        rows = [prompt for prompt in prompts for _ in range(params.n)]
         width = max(len(p) for p in rows)
         ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
         attention_mask = torch.zeros_like(ids)
@@ -205,18 +213,12 @@ class HFEngine(GenerationEngine):
                 input_ids=ids.to(self.device),
                 attention_mask=attention_mask.to(self.device),
                 generation_config=config,
-                logits_processor=LogitsProcessorList(sampler.processors) if sampler else None,
+                logits_processor=LogitsProcessorList(sampler.processors),
                 stopping_criteria=StoppingCriteriaList([check]) if check else None,
             )
         new_tokens = out.sequences[:, width:]
         routing = recorder.routing(new_tokens.shape[1]) if self.moe else None
-        # scores[t]: [rows, vocab] processed scores at step t; -inf where top-k/top-p masked a token.
-        steps = sampler.scores if sampler else out.scores
-        if steps:
-            scores = torch.stack(steps, dim=1).float()
-        else:
-            scores = torch.zeros(len(rows), 0, 1, device=self.device)
-        logps = torch.log_softmax(scores, dim=-1).gather(-1, new_tokens[:, :, None]).squeeze(-1).tolist()
+        logps = torch.stack(sampler.log_probs, dim=1).tolist() if sampler.log_probs else [[] for _ in rows]
         stops = set(params.stop_token_ids)
         completions = []
         for row, tokens in enumerate(new_tokens.tolist()):

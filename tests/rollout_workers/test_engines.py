@@ -217,21 +217,30 @@ def test_hf_engine_requests_that_sample_alike_share_a_call_and_get_what_each_alo
     assert [shape[0] for shape in calls] == [6, 6] and all(len(c) == 3 for c in out)
 
 
-def test_the_seeded_sampler_draws_from_the_processed_distribution():
+def test_the_sampler_draws_from_the_processed_distribution_and_keeps_each_picks_log_prob():
     """Gumbel noise from each row's generator, then the argmax: 20,000 rows of one distribution
-    (temperature, top-k, top-p applied) land on each token as often as its processed probability."""
-    from rollout_workers.engines.hf_engine import _SeededSampler
+    (temperature, top-k, top-p applied) land on each token as often as its processed probability,
+    and the log-prob kept for each row is its pick's."""
+    from rollout_workers.engines.hf_engine import _Sampler
 
     logits = torch.randn(12, generator=torch.Generator().manual_seed(0)) * 2
     rows = 20_000
-    sampler = _SeededSampler(SamplingParams(temperature=0.8, top_k=8, top_p=0.9), list(range(rows)), torch.device("cpu"))
+    sampler = _Sampler(SamplingParams(temperature=0.8, top_k=8, top_p=0.9), list(range(rows)), torch.device("cpu"))
+    processed = logits[None]
+    for warper in sampler.processors[:-1]:
+        processed = warper(None, processed)
+    probs = torch.softmax(processed[0], -1)
+    assert 1 < int((probs > 0).sum()) < 8  # top-k and top-p both cut
     scores = logits.expand(rows, -1).clone()
     for processor in sampler.processors:
         scores = processor(None, scores)
-    probs = torch.softmax(sampler.scores[0][0], -1)
-    assert 1 < int((probs > 0).sum()) < 8  # top-k and top-p both cut
-    frequency = torch.bincount(scores.argmax(-1), minlength=12).float() / rows
+    picks = scores.argmax(-1)
+    frequency = torch.bincount(picks, minlength=12).float() / rows
     assert float((frequency - probs).abs().max()) < 0.01 and bool((frequency[probs == 0] == 0).all())
+    assert torch.allclose(sampler.log_probs[0], probs.log()[picks])
+    greedy = _Sampler(SamplingParams(temperature=0.0), None, torch.device("cpu"))
+    assert greedy.processors == [greedy] and torch.equal(greedy(None, logits[None]), logits[None])
+    assert torch.allclose(greedy.log_probs[0], torch.log_softmax(logits, -1).max()[None])
 
 
 @pytest.mark.slow
