@@ -19,8 +19,8 @@ class EngineConfig(_Strict):
         None, description="vLLM: no CUDA graphs; None: eager on the CPU, CUDA graphs on a GPU")
     seed_requests: bool | None = Field(
         None, description="each request seeded from sampling.seed and its ticket (reproducible; vLLM samples "
-        "seeded requests one by one, the transformers engine gives each its own generate() call where unseeded "
-        "ones share calls); None: vLLM seeded on the CPU, not on a GPU; the transformers engine seeded")
+        "seeded requests one by one, the transformers engine gives every sampled row a generator of its own "
+        "either way); None: vLLM seeded on the CPU, not on a GPU; the transformers engine seeded")
     max_model_len: int | None = Field(None, ge=8, description="vLLM context length; None: the model's")
     kv_cache_mib: int = Field(256, ge=16, description="vLLM KV-cache memory (on the CPU, or on a GPU when "
                               "gpu_memory_utilization is unset)")
