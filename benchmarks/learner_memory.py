@@ -17,8 +17,10 @@ the prompt. Every measurement runs in a fresh child process, so each peak is its
   * tokens/s of the learner's forward+backward over the planned micro-batches against a plain
     transformers forward+backward (`labels` loss over the response tokens) over the same ones.
 
-Each step runs twice on the same lengths: the first on new shapes, the second warm (their speed
-ratio; issue 27's goal >= 0.95 on a GPU), and model TFLOP/s (8 x parameters x tokens / warm step).
+Each step runs twice on the same lengths: the first on new shapes (on CUDA after a step of other
+lengths at the same batch size, as a running job meets them; before 2026-11-26 straight after a
+short warm-up, so its first-step allocations counted too), the second warm (their speed ratio;
+issue 27's goal >= 0.95 on a GPU), and model TFLOP/s (8 x parameters x tokens / warm step).
 Micro-batches are packed (learner.packing; --no-packing: right-padded), so the padding fraction is
 0 on CPU (shape buckets, on with CUDA, add at most 25 % filler); the throughput child also checks
 packed against padded log-probs of one micro-batch (max |diff|). --mixed-precision and
@@ -172,6 +174,12 @@ def child_step(spec: dict) -> dict:
     # A warm-up step on one short group: the optimizer's state exists and one-time set-up is done
     # before the measured step, whose peak then is the step's own on top of a trained model.
     learner.train_step(random_groups(GROUP_SIZE, spec["min_len"], spec["min_len"], spec["vocab"], seed=1))
+    if spec["device"].startswith("cuda"):
+        # A running job has met other lengths at this batch size before: one step of them, so the
+        # measured step's new lengths find the allocator's blocks cached, as in a run (on a CPU the
+        # resident-set peak would then hide the step's own memory in the heap it left: not done).
+        learner.train_step(random_groups(spec["batch"], spec["min_len"], spec["max_len"], spec["vocab"],
+                                         seed=spec["batch"] + 1))
     memory = PeakMemory(spec["device"])
     base = memory.start()
     start = time.perf_counter()
