@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rollout_workers.engines.vllm_check import TESTED_VLLM, installed_vllm
-from services.config import ConfigError, EtarlConfig
+from services.config import TINY_MODEL, TINY_MOE_MODEL, ConfigError, EtarlConfig
 from services.inputs import ray_runtime_env
 
 log = logging.getLogger("etarl")
@@ -320,20 +320,31 @@ def _user_set(cfg: EtarlConfig, key: str) -> bool:
     return True
 
 
+def _model_config(model: str) -> dict | None:
+    """run.model's config.json as the driver reads it; None for a built-in model (built at start)
+    or a folder the driver cannot read."""
+    import json
+
+    if model in (TINY_MODEL, TINY_MOE_MODEL):
+        return None
+    try:
+        config = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return config if isinstance(config, dict) else None
+
+
 def model_parameters(model: str) -> float | None:
     """The parameter count of an HF model folder from its safetensors files' sizes and dtype (the
     index's total size where there is one); None where the driver cannot read it (tiny: built later)."""
-    import json
-
-    folder = Path(model)
-    if model in ("tiny", "tiny-moe") or not (folder / "config.json").is_file():
+    config = _model_config(model)
+    if config is None:
         return None
     try:
-        dtype = json.loads((folder / "config.json").read_text()).get("torch_dtype") or "bfloat16"
-        size = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
-    except (OSError, ValueError):
+        size = sum(f.stat().st_size for f in Path(model).glob("*.safetensors"))
+    except OSError:
         return None
-    return size / (4 if dtype == "float32" else 2) if size else None
+    return size / (4 if (config.get("torch_dtype") or "bfloat16") == "float32" else 2) if size else None
 
 
 def _tensor_parallel(params: float | None, gpu_gib: float, node_gpus: int, free: int) -> tuple[int, str]:
@@ -471,24 +482,21 @@ def _flash_varlen_fits(cfg: EtarlConfig, gpu_defaults: dict) -> bool:
         else gpu_defaults.get("learner.mixed_precision", learner.mixed_precision)
     if learner.packing is False or (mixed is None and learner.dtype == "float32"):
         return False
-    if cfg.run.model not in ("tiny", "tiny-moe") and _sliding_window(Path(cfg.run.model)) is not False:
-        return False
+    if cfg.run.model not in (TINY_MODEL, TINY_MOE_MODEL):
+        config = _model_config(cfg.run.model)
+        if config is None or _sliding_window(config):
+            return False
     from lm.packed_attention import flash_varlen_available
 
     return flash_varlen_available()
 
 
-def _sliding_window(model: Path) -> bool | None:
-    """Whether an HF folder's model attends through a sliding window (None: its config is unreadable).
-    Qwen2 writes a window size with `use_sliding_window: false`; Mistral, Gemma and others write
-    only the size, null when there is none."""
-    import json
-
-    try:
-        config = json.loads((model / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    config = config.get("text_config", config)
+def _sliding_window(config: dict) -> bool:
+    """Whether a model's config.json has it attend through a sliding window. Qwen2 writes a window
+    size with `use_sliding_window: false`; Mistral, Gemma and others write only the size, null when
+    there is none."""
+    text = config.get("text_config")
+    config = text if isinstance(text, dict) else config
     return bool(config.get("use_sliding_window", config.get("sliding_window") is not None))
 
 
