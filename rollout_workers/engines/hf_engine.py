@@ -2,8 +2,9 @@
 deliberately different backend from vLLM, so backend mismatch can be measured and corrected.
 
 Log-probs are those of the scores after the logits processors (temperature, top-k, top-p), i.e.
-the distribution actually sampled from, as in vLLM's `processed_logprobs`. An MoE model's completions carry its routers' top-k expert ids per sampled
-token (`Completion.routed_experts`): the routing source on CPU, where vLLM returns none.
+the distribution actually sampled from, as in vLLM's `processed_logprobs`. An MoE model's
+completions carry its routers' top-k expert ids per sampled token (`Completion.routed_experts`):
+the routing source on CPU, where vLLM returns none.
 
 Requests that sample alike share one generate() call, their prompts left-padded (a step costs
 about the same for 32 rows as for 8 where kernel launches, not arithmetic, bound it, as on a GPU
