@@ -24,7 +24,9 @@ issue 27's goal >= 0.95 on a GPU), and model TFLOP/s (8 x parameters x tokens / 
 Micro-batches are packed (learner.packing; --no-packing: right-padded), so the padding fraction is
 0 on CPU (shape buckets, on with CUDA, add at most 25 % filler); the throughput child also checks
 packed against padded log-probs of one micro-batch (max |diff|). --mixed-precision and
---checkpointing set the learner's options of those names.
+--checkpointing [full|selective] set the learner's options of those names; the plain pass
+checkpoints as transformers does (full) whenever the learner checkpoints, and with selective the
+learner's pass also runs with full (the gain of keeping the matmul outputs, on the same batch).
 
 Goals (issue 17): peak at B=128 within 1.15x of B=8; log-prob memory at most 1/8 of the naive
 float32 [B, L, V]; tokens/s at least 0.9x the plain pass (issue 27 on a GPU with packing: 1.3x at
@@ -166,7 +168,8 @@ def child_step(spec: dict) -> dict:
     config = LearnerConfig(model_path=spec["model"], device=spec["device"], lr=1e-5,
                            max_tokens_per_micro_batch=None if spec["old"] else spec["budget"],
                            logprob_chunk_tokens=spec["chunk"], packing=packing,
-                           mixed_precision=spec["mixed_precision"], gradient_checkpointing=spec["checkpointing"],
+                           mixed_precision=spec["mixed_precision"],
+                           gradient_checkpointing={None: False, "full": True}.get(spec["checkpointing"], "selective"),
                            attn_implementation=spec["attn"] if packing else None)
     if spec["old"]:
         trainer.response_log_probs = former_response_log_probs
@@ -229,21 +232,24 @@ def child_throughput(spec: dict) -> dict:
     """Seconds of forward+backward over the same micro-batches: the learner's log-probs (chunked
     head on response positions; packed into shape-bucket widths on CUDA, as the learner packs, with
     its attention kernel) and a plain transformers pass with a `labels` loss (padded, sdpa). Both
-    under the same autocast and gradient checkpointing (--mixed-precision, --checkpointing)."""
+    under the same autocast (--mixed-precision); the plain pass with transformers' full
+    checkpointing where the learner checkpoints (--checkpointing full|selective); with selective,
+    the learner's pass with full too ("ours_full")."""
     from learner.batch import shape_bucket
     from lm.causal_lm import enable_gradient_checkpointing
 
     groups = random_groups(spec["batch"], spec["min_len"], spec["max_len"], spec["vocab"], seed=spec["batch"])
     batch = build_batch(groups)
     model = load_causal_lm(spec["model"], device=spec["device"], attn_implementation=spec["attn"])
-    if spec["checkpointing"]:
-        enable_gradient_checkpointing(model)
     cuda = spec["device"].startswith("cuda")
     autocast = torch.autocast("cuda" if cuda else "cpu", torch.bfloat16, enabled=spec["mixed_precision"] is not None)
     lengths = [len(p) + len(r) for p, r in zip(batch.prompts, batch.responses)]
     plan = plan_micro_batches(lengths, spec["budget"])  # the plain pass: padded micro-batches
     packed_plan = plan_micro_batches(lengths, spec["budget"], packed=spec["packing"])
-    attention = {"ours": spec["attn"] or "sdpa", "plain": "sdpa"}
+    attention = {"ours": spec["attn"] or "sdpa", "ours_full": spec["attn"] or "sdpa", "plain": "sdpa"}
+    checkpointing = {"ours": spec["checkpointing"], "plain": spec["checkpointing"] and "full"}
+    if spec["checkpointing"] == "selective":
+        checkpointing["ours_full"] = "full"
 
     def ours(rows):
         width = shape_bucket(sum(lengths[r] for r in rows), spec["budget"]) if cuda and spec["packing"] else None
@@ -260,14 +266,17 @@ def child_throughput(spec: dict) -> dict:
         model(input_ids=ids.to(spec["device"]), attention_mask=attention_mask.to(spec["device"]),
               labels=labels.to(spec["device"])).loss.backward()
 
-    seconds = {"ours": [], "plain": []}
+    passes = {name: (plain if name == "plain" else ours) for name in checkpointing}
+    seconds = {name: [] for name in passes}
     for _ in range(spec["repeats"]):
-        for name, fn in (("ours", ours), ("plain", plain)):  # taking turns: load changes hit both
+        for name, fn in passes.items():  # taking turns: load changes hit all
             model.set_attn_implementation(attention[name])
+            if checkpointing[name]:
+                enable_gradient_checkpointing(model, checkpointing[name])
             model.zero_grad(set_to_none=True)
             start = time.perf_counter()
             with autocast:
-                for rows in (packed_plan if name == "ours" else plan):
+                for rows in (plan if name == "plain" else packed_plan):
                     fn(rows)
             if cuda:
                 torch.cuda.synchronize()
@@ -284,7 +293,7 @@ def child_throughput(spec: dict) -> dict:
         model.set_attn_implementation(attention["ours"])
         packed, _ = response_log_probs(model, *args, chunk_tokens=spec["chunk"], packed=True)
     return {"tokens": tokens, "micro_batches": len(plan), "packed_micro_batches": len(packed_plan),
-            "ours_tokens_per_s": tokens / best["ours"], "plain_tokens_per_s": tokens / best["plain"],
+            **{f"{name}_tokens_per_s": tokens / best[name] for name in best},
             "packed_vs_padded_max_abs_diff": float((packed - padded).abs().max())}
 
 
@@ -351,7 +360,9 @@ def measure_throughput(common: dict, batch: int) -> dict:
     r = run_child({"child": "throughput", **common, "batch": batch, "repeats": 2})
     print("  " + (r.get("error") or f"forward+backward, {r['tokens']} tokens: learner {r['ours_tokens_per_s']:.0f} "
           f"tokens/s over {r['packed_micro_batches']} micro-batches (packed: {common['packing']}), plain transformers "
-          f"{r['plain_tokens_per_s']:.0f} tokens/s over {r['micro_batches']} padded ones; packed vs padded log-probs "
+          f"{r['plain_tokens_per_s']:.0f} tokens/s over {r['micro_batches']} padded ones"
+          + (f"; the learner with full checkpointing {r['ours_full_tokens_per_s']:.0f} tokens/s"
+             if "ours_full_tokens_per_s" in r else "") + "; packed vs padded log-probs "
           f"of the largest micro-batch: max |diff| {r['packed_vs_padded_max_abs_diff']:.2e} (packed attention "
           f"{common['attn'] or 'sdpa'}, B={batch})"))
     return r
@@ -397,6 +408,8 @@ def summarize(setup: dict, steps: dict, old: dict, head: dict, throughput: dict)
         "tokens_per_s_learner_fwd_bwd": throughput.get("ours_tokens_per_s") and round(throughput["ours_tokens_per_s"], 1),
         "tokens_per_s_plain_fwd_bwd": throughput.get("plain_tokens_per_s") and round(throughput["plain_tokens_per_s"], 1),
         "tokens_per_s_vs_plain": speed and round(speed, 3),
+        "tokens_per_s_learner_full_checkpointing": throughput.get("ours_full_tokens_per_s") and round(
+            throughput["ours_full_tokens_per_s"], 1),
         "goals": {"peak_within_1.15x": peak_ratio is not None and peak_ratio <= 1.15,
                   "logprob_at_most_1/8_naive": head_fraction is not None and head_fraction <= 1 / 8,
                   "tokens_per_s_at_least_0.9x_plain": speed is not None and speed >= 0.9},
@@ -422,7 +435,8 @@ def main() -> None:
     parser.add_argument("--batch-sizes", default=",".join(map(str, BATCH_SIZES)), help="sequences per step")
     parser.add_argument("--no-packing", action="store_true", help="right-padded micro-batches (learner.packing=false)")
     parser.add_argument("--mixed-precision", action="store_true", help="learner.mixed_precision=bfloat16")
-    parser.add_argument("--checkpointing", action="store_true", help="learner.gradient_checkpointing=true")
+    parser.add_argument("--checkpointing", nargs="?", const="full", choices=("full", "selective"),
+                        help="learner.gradient_checkpointing: true (full, the default of the flag) or selective")
     parser.add_argument("--attn", choices=("sdpa", "varlen", "flash_attention_2", "eager"),
                         help="learner.attn_implementation of the packed passes (default sdpa)")
     parser.add_argument("--throughput-batch", type=int, help="sequences of the learner-vs-plain forward+backward "

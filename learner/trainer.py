@@ -266,7 +266,8 @@ class Learner:
         if not trainable:
             return model.requires_grad_(False)
         if self.config.gradient_checkpointing:
-            enable_gradient_checkpointing(model)
+            enable_gradient_checkpointing(model, "selective" if self.config.gradient_checkpointing == "selective"
+                                          else "full")
         return model
 
     # ------------------------------------------------------------------ the step

@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[2]
 def test_learner_memory_script_reports_every_measurement():
     out = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "learner_memory.py"), "--vocab", "512", "--hidden", "32",
-         "--layers", "1", "--min-len", "8", "--max-len", "32", "--batch-sizes", "8,16"],
+         "--layers", "1", "--min-len", "8", "--max-len", "32", "--batch-sizes", "8,16", "--checkpointing", "selective"],
         capture_output=True, text=True, timeout=600, cwd=REPO)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()
@@ -39,11 +39,15 @@ def test_learner_memory_script_reports_every_measurement():
                      r"GiB", text)
     assert head and float(head.group(1)) == summary["logprob_head_gib"]
     speed = re.search(r"forward\+backward, (\d+) tokens: learner (\d+) tokens/s over (\d+) micro-batches \(packed: "
-                      r"True\), plain transformers (\d+) tokens/s over (\d+) padded ones; .* max \|diff\| (\S+)", text)
+                      r"True\), plain transformers (\d+) tokens/s over (\d+) padded ones; the learner with full "
+                      r"checkpointing (\d+) tokens/s; .* max \|diff\| (\S+)", text)
     assert speed and int(speed.group(5)) >= 2
     assert abs(summary["tokens_per_s_vs_plain"] - int(speed.group(2)) / int(speed.group(4))) < 0.01
     # Packed micro-batches: no padding in the learner's steps, the same log-probs as padded ones.
     assert summary["packing"] is True and set(summary["padding_fraction"].values()) == {0.0}
-    assert float(speed.group(6)) == summary["packed_vs_padded_max_abs_diff"] < 1e-4
+    assert float(speed.group(7)) == summary["packed_vs_padded_max_abs_diff"] < 1e-4
+    # --checkpointing selective: the learner's pass also ran with full checkpointing, for the ratio
+    assert summary["checkpointing"] == "selective"
+    assert abs(summary["tokens_per_s_learner_full_checkpointing"] - int(speed.group(6))) <= 1
     assert set(summary["goals"]) == {"peak_within_1.15x", "logprob_at_most_1/8_naive",
                                      "tokens_per_s_at_least_0.9x_plain"}

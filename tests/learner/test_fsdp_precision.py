@@ -75,3 +75,20 @@ def test_fsdp_mixed_precision_keeps_float32_masters_and_computes_in_bfloat16(pol
     changed = sum(int((p.detach() != start[n]).sum()) for n, p in pure.model.named_parameters())
     total = sum(p.numel() for p in pure.model.parameters())
     assert changed / total < 0.05  # 2.6% here: only weights within ~2e-4 of zero move
+
+
+def test_fsdp_selective_checkpointing_gives_the_update_without_checkpointing(policy_dir, one_rank):
+    """Under FSDP2 and its bfloat16 policy, selective checkpointing re-runs each layer's elementwise
+    work in the backward (its parameters gathered again) and keeps its matmul outputs: the same
+    update as no checkpointing."""
+    groups = sample_groups(policy_dir, n_groups=2, n=2, seed=2)
+    base = dict(model_path=str(policy_dir), lr=1e-4, weight_decay=0.0, mixed_precision="bfloat16",
+                distributed={"strategy": "fsdp"})
+    plain = Learner(LearnerConfig(**base))
+    selective = Learner(LearnerConfig(**base, gradient_checkpointing="selective"))
+    plain_forwards, forwards = _compute_dtypes(plain), _compute_dtypes(selective)
+    want, got = plain.train_step(groups), selective.train_step(groups)
+    assert len(forwards) > len(plain_forwards) and set(forwards) == {torch.bfloat16}  # recomputed, gathered again
+    assert got["actor/grad_norm"] == pytest.approx(want["actor/grad_norm"], rel=1e-6)
+    for (name, p), q in zip(plain.model.named_parameters(), selective.model.parameters()):
+        torch.testing.assert_close(q.detach().full_tensor(), p.detach().full_tensor(), rtol=0, atol=1e-7, msg=name)

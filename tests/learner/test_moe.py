@@ -277,12 +277,14 @@ def test_a_published_moe_version_loads_into_an_engine_with_the_learners_log_prob
     assert set(checkpoint_shapes(tmp_path / "policy")[0]) == set(names)
 
 
-def test_replay_holds_through_the_recomputed_forward_of_gradient_checkpointing(moe_dir, groups):
-    """Checkpointed layers re-run their routers in the backward pass: the replay still forces the
-    engine's experts there, so the update is the one without checkpointing."""
+@pytest.mark.parametrize("checkpointing", [True, "selective"])
+def test_replay_holds_through_the_recomputed_forward_of_gradient_checkpointing(moe_dir, groups, checkpointing):
+    """Checkpointed layers re-run their routers in the backward pass (selective: all but the
+    matmuls): the replay still forces the engine's experts there, so the update is the one without
+    checkpointing."""
     batch = regroup(groups, other_experts)
     config = dict(routing_replay="r3", ppo_mini_batch_size=2, dtype="float64")
-    plain, checkpointed = learner(moe_dir, **config), learner(moe_dir, gradient_checkpointing=True, **config)
+    plain, checkpointed = learner(moe_dir, **config), learner(moe_dir, gradient_checkpointing=checkpointing, **config)
     assert checkpointed.train_step(batch)["actor/grad_norm"] == pytest.approx(
         plain.train_step(batch)["actor/grad_norm"], rel=1e-9)
     for name, p in plain.model.state_dict().items():

@@ -275,6 +275,10 @@ def test_gradient_checkpointing_and_mixed_precision(policy_dir, groups):
                                 max_tokens_per_micro_batch=longest_sequence(groups))
     checkpointed.train_step(groups)
     assert max_param_diff(params_of(plain.model), params_of(checkpointed.model)) < 1e-10
+    selective = make_learner(policy_dir, dtype="float64", gradient_checkpointing="selective",
+                             max_tokens_per_micro_batch=longest_sequence(groups))
+    selective.train_step(groups)
+    assert max_param_diff(params_of(plain.model), params_of(selective.model)) < 1e-10
 
     reference, mixed = make_learner(policy_dir), make_learner(policy_dir, mixed_precision="bfloat16")
     want, got = reference.train_step(groups), mixed.train_step(groups)

@@ -178,6 +178,45 @@ def test_gradient_checkpointing_recomputes_each_layer_with_the_same_gradients(tm
     assert max(float((got[k] - want[k]).abs().max()) for k in want) < 1e-12
 
 
+class OpCounter(TorchDispatchMode):
+    """Counts the matmuls and attention kernels that run (a selective checkpoint's recompute hands
+    back the kept outputs without running them)."""
+
+    def __init__(self):
+        super().__init__()
+        self.matmuls = self.attention = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        self.matmuls += name in ("mm", "addmm")
+        self.attention += name.startswith("_scaled_dot_product") and not name.endswith("_backward")
+        return func(*args, **(kwargs or {}))
+
+
+def test_selective_checkpointing_recomputes_only_the_elementwise_work_with_the_same_gradients(model_dir):
+    """full re-runs every matmul and attention of the layers in the backward; selective keeps their
+    outputs: the same matmul and attention count as no checkpointing, and the same gradients
+    (bit for bit: the kept outputs are the forward's). Switching back to full works."""
+    want = None
+    counts = {}
+    for mode in (None, "full", "selective", "full"):
+        model = load_causal_lm(model_dir, dtype="float64").eval()
+        if mode:
+            enable_gradient_checkpointing(model, mode)
+        with OpCounter() as counter:
+            grads = gradients(model, response_log_probs(model, PROMPTS, RESPONSES)[0].sum())
+        counts[mode] = (counter.matmuls, counter.attention)
+        want = want or grads
+        assert all(torch.equal(grads[k], want[k]) for k in want), mode
+    # q, k, v, o, gate, up in each of the 2 layers: the recompute stops once the last tensor the
+    # backward needs is back, before down_proj would run
+    layer_matmuls = 6 * 2
+    assert counts["selective"] == counts[None]
+    assert counts["full"] == (counts[None][0] + layer_matmuls, counts[None][1] + 2)
+    with pytest.raises(ValueError, match="'full' or 'selective'"):
+        enable_gradient_checkpointing(model, "some")
+
+
 def test_bf16_autocast_keeps_float32_log_probs_and_weights(model_dir):
     model = load_causal_lm(model_dir)
     want, _ = response_log_probs(model, PROMPTS, RESPONSES)
