@@ -149,7 +149,8 @@ def enable_gradient_checkpointing(model, mode: str = "full") -> None:
 def _kept_ops() -> frozenset:
     """The ops whose outputs selective checkpointing keeps: the linear layers' matmuls and the
     attention kernels (fused ones, and the CPU's; the flash varlen op where this torch has it).
-    Not bmm: a math-path attention's bmm output is the [heads, L, L] score matrix."""
+    Not bmm: a math-path attention's bmm output is the [heads, L, L] score matrix. Not MoE experts'
+    grouped matmuls: top-k copies of every token's MLP activations; they run again."""
     aten = torch.ops.aten
     names = ("mm", "addmm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
              "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
