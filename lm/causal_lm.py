@@ -250,12 +250,15 @@ def response_log_probs(
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     packed: bool = False,
     pack_width: int | None = None,
+    with_sum_pi_squared: bool = False,
 ):
     """Log-probs of each response token under `model` (logits divided by temperature), as
     [B, T] float32 right-padded with zeros, and the [B, T] response mask; with `with_entropy`,
     also the [B, T] entropy of the tempered next-token distribution at each response position
     (the learner's entropy bonus and metric; `entropy_grad=False` makes it a constant, for when
-    it is only reported). Gradients flow unless the caller wraps this in torch.no_grad().
+    it is only reported); with `with_sum_pi_squared`, last, the [B, T] Σ_v p_v² of that
+    distribution (no gradient; optimal_token_baseline's). Gradients flow unless the caller wraps
+    this in torch.no_grad().
 
     One forward pass over the rows (the caller sizes them: see learner.batch.plan_micro_batches):
     right-padded [B, longest], or with `packed` one row of their concatenation (`pack_sequences`,
@@ -283,13 +286,16 @@ def response_log_probs(
     picked = hidden[in_rows.to(device), in_cols.to(device)]
     head = model.get_output_embeddings()
     targets = input_ids[in_rows, in_cols + 1].to(device)
-    log_probs, entropy = chunked_token_log_probs(picked, head.weight, getattr(head, "bias", None), targets,
-                                                 temperature, chunk_tokens, with_entropy, entropy_grad)
-    out = _scatter_rows(log_probs, rows, cols, (len(prompts), resp_width), device)
-    mask = response_mask.to(device)
+    log_probs, entropy, *sum_pi_squared = chunked_token_log_probs(
+        picked, head.weight, getattr(head, "bias", None), targets, temperature, chunk_tokens, with_entropy,
+        entropy_grad, with_sum_pi_squared)
+    shape = (len(prompts), resp_width)
+    result = [_scatter_rows(log_probs, rows, cols, shape, device), response_mask.to(device)]
     if with_entropy:
-        return out, mask, _scatter_rows(entropy, rows, cols, (len(prompts), resp_width), device)
-    return out, mask
+        result.append(_scatter_rows(entropy, rows, cols, shape, device))
+    if with_sum_pi_squared:
+        result.append(_scatter_rows(sum_pi_squared[0], rows, cols, shape, device))
+    return tuple(result)
 
 
 def _response_positions(prompts, responses) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -336,9 +342,10 @@ def _final_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.T
 
 def chunked_token_log_probs(hidden, weight, bias, targets, temperature: float = 1.0,
                             chunk_tokens: int = DEFAULT_CHUNK_TOKENS, with_entropy: bool = False,
-                            entropy_grad: bool = True):
-    """log softmax((hidden @ weight.T + bias) / T)[target] and, optionally, the entropy, per token
-    ([N, H] hidden, [V, H] weight, [N] targets -> [N] float32 each; entropy None unless asked).
+                            entropy_grad: bool = True, with_sum_pi_squared: bool = False):
+    """log softmax((hidden @ weight.T + bias) / T)[target] and, optionally, the entropy and Σ_v p_v²
+    (no gradient) per token ([N, H] hidden, [V, H] weight, [N] targets -> [N] float32 each; entropy
+    and Σp² None unless asked).
     The logits are made `chunk_tokens` rows at a time in the weight's dtype (or autocast's) and
     reduced in float32; the backward pass makes them again instead of keeping them."""
     if chunk_tokens < 1:
@@ -346,8 +353,11 @@ def chunked_token_log_probs(hidden, weight, bias, targets, temperature: float = 
     if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
         raise ValueError(f"hidden must be [tokens, hidden] and targets [tokens], got {tuple(hidden.shape)} and "
                          f"{tuple(targets.shape)}")
-    log_probs, entropy = _ChunkedLogProbs.apply(hidden, weight, bias, targets, float(temperature),
-                                                int(chunk_tokens), with_entropy, entropy_grad)
+    log_probs, entropy, sum_pi_squared = _ChunkedLogProbs.apply(
+        hidden, weight, bias, targets, float(temperature), int(chunk_tokens), with_entropy, entropy_grad,
+        with_sum_pi_squared)
+    if with_sum_pi_squared:
+        return log_probs, (entropy if with_entropy else None), sum_pi_squared
     return log_probs, (entropy if with_entropy else None)
 
 
@@ -360,13 +370,15 @@ def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
 class _ChunkedLogProbs(torch.autograd.Function):
     """The LM head, log-softmax and entropy of a token set, chunk by chunk (prime-rl's
     FusedOutputLinear, without the vocabulary split). With z = logits / T, p = softmax(z),
-    H = -Σ p log p:  d log p_target / dz = onehot(target) - p;  dH / dz = -p (log p + H).
+    H = -Σ p log p:  d log p_target / dz = onehot(target) - p;  dH / dz = -p (log p + H). Σ p²
+    (optimal_token_baseline's path variance) has no gradient.
     At most two [chunk, vocab] buffers (float32, or float64 for a float64 model) serve every
     chunk of a call, and each chunk makes few passes over them: at this size the elementwise
     work, not the matmul, sets the speed on CPU, and fresh buffers would page-fault every time."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, chunk, with_entropy, entropy_grad):
+    def forward(ctx, hidden, weight, bias, targets, temperature, chunk, with_entropy, entropy_grad,
+                with_sum_pi_squared):
         compute = _compute_dtype(hidden, weight)
         w, b = weight.to(compute), None if bias is None else _scaled(bias, temperature, compute)
         n = hidden.shape[0]
@@ -374,6 +386,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
         log_probs = torch.empty(n, dtype=dtype, device=hidden.device)
         lse = torch.empty_like(log_probs)
         entropy = torch.zeros_like(log_probs)
+        sum_pi_squared = torch.zeros_like(log_probs)
         z_buf, p_buf = (_vocab_buffer(min(chunk, n), weight.shape[0], dtype, hidden.device) for _ in range(2))
         for start in range(0, n, chunk):
             end = min(n, start + chunk)
@@ -385,17 +398,21 @@ class _ChunkedLogProbs(torch.autograd.Function):
             log_total = total.log()
             lse[start:end] = z_max.squeeze(-1) + log_total
             log_probs[start:end] = z.gather(-1, targets[start:end, None]).squeeze(-1) - log_total
+            if with_sum_pi_squared:  # Σ (p/S)² as a batched dot product: no [chunk, vocab] temporary
+                sum_pi_squared[start:end] = torch.bmm(p[:, None, :], p[:, :, None]).view(-1) / total.square()
             if with_entropy:  # H = log S - Σ p z / S (p is not needed after this)
                 entropy[start:end] = log_total - p.mul_(z).sum(-1) / total
         ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
         ctx.temperature, ctx.chunk, ctx.compute = temperature, chunk, compute
         ctx.entropy_grad = with_entropy and entropy_grad
         if not ctx.entropy_grad:
-            ctx.mark_non_differentiable(entropy)
-        return log_probs, entropy
+            ctx.mark_non_differentiable(entropy, sum_pi_squared)
+        else:
+            ctx.mark_non_differentiable(sum_pi_squared)
+        return log_probs, entropy, sum_pi_squared
 
     @staticmethod
-    def backward(ctx, grad_log_probs, grad_entropy):
+    def backward(ctx, grad_log_probs, grad_entropy, grad_sum_pi_squared):
         hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
         want_hidden, want_weight, want_bias = ctx.needs_input_grad[:3]
         compute, temperature = ctx.compute, ctx.temperature
@@ -434,7 +451,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
                 grad_bias += grad_z.sum(0) / temperature
         grad_weight = grad_weight.to(weight.dtype) if want_weight else None
         grad_bias = grad_bias.to(bias.dtype) if want_bias else None
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
 
 
 def _vocab_buffer(rows: int, vocab: int, dtype: torch.dtype, device) -> torch.Tensor:

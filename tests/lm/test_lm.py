@@ -96,6 +96,28 @@ def test_chunked_log_probs_and_entropy_equal_the_full_log_softmax(model_dir, chu
     assert max(float((got[k] - want[k]).abs().max()) for k in want) < 1e-12
 
 
+@pytest.mark.parametrize("chunk", [1, 3, 1024])
+def test_the_head_gives_each_tokens_sum_of_squared_probabilities_without_changing_the_rest(model_dir, chunk):
+    """optimal_token_baseline's Σ_v p_v² of the tempered next-token distribution, next to the
+    log-probs and entropy (unchanged), padded with zeros, carrying no gradient."""
+    model = load_causal_lm(model_dir)
+    lp, mask, ent, squares = response_log_probs(model, PROMPTS, RESPONSES, temperature=0.7, with_entropy=True,
+                                                chunk_tokens=chunk, with_sum_pi_squared=True)
+    want_lp, want_ent = full_vocab_log_probs(model, PROMPTS, RESPONSES, 0.7)
+    input_ids, attention, _, width = pad_sequences(PROMPTS, RESPONSES)
+    probs = torch.softmax(model(input_ids=input_ids, attention_mask=attention).logits / 0.7, -1)
+    want = torch.zeros(len(PROMPTS), width)
+    for row, (p, r) in enumerate(zip(PROMPTS, RESPONSES)):
+        want[row, : len(r)] = probs[row, len(p) - 1 : len(p) + len(r) - 1].square().sum(-1)
+    torch.testing.assert_close(squares, want, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(lp, want_lp, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(ent, want_ent, atol=1e-6, rtol=1e-6)
+    assert not squares.requires_grad and lp.requires_grad
+    lp_only, _, squares_only = response_log_probs(model, PROMPTS, RESPONSES, temperature=0.7, chunk_tokens=chunk,
+                                                  with_sum_pi_squared=True)
+    assert torch.equal(squares_only, squares) and torch.equal(lp_only, lp)
+
+
 def test_the_chunked_head_passes_gradcheck_with_a_bias():
     gen = torch.Generator().manual_seed(1)
     hidden = torch.randn(5, 4, dtype=torch.float64, generator=gen, requires_grad=True)
