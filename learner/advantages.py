@@ -3,12 +3,14 @@
 Public API:
 
 - `AdvantageConfig` (pydantic): `estimator` ("grpo" | "dr_grpo" | "rloo" |
-  "reinforce_plus_plus_baseline" | "grpo_passk" | "opo" | "reinforce_plus_plus" | "gpg" | "gdpo"),
+  "reinforce_plus_plus_baseline" | "grpo_passk" | "opo" | "reinforce_plus_plus" | "gpg" | "gdpo" |
+  "optimal_token_baseline"),
   `eps` (1e-6), `gamma` (1.0, reinforce_plus_plus's discount), `gdpo_reward_keys`,
   `gdpo_reward_weights`, `gdpo_norm_by_std`.
 - `compute_advantages(rewards, group_ids, response_mask, config, token_rewards=None,
-  reward_components=None) -> advantages [B, T]`: one scalar per sequence, spread over its valid
-  tokens (0 at padding); reinforce_plus_plus gives each token its own.
+  reward_components=None, old_log_probs=None, sum_pi_squared=None, is_weights=None) -> advantages
+  [B, T]`: one scalar per sequence, spread over its valid tokens (0 at padding);
+  reinforce_plus_plus and optimal_token_baseline give each token its own.
 - `KLRewardConfig`, `kl_penalised_rewards(rewards, mask, kl, beta, token_rewards)`,
   `adaptive_kl_coef(beta, current_kl, rows, cfg)`: a KL penalty in the reward before the
   advantages (the learner's `kl_in_reward`).
@@ -16,8 +18,8 @@ Public API:
   or an integer tensor); the estimators below take it.
 - `grpo_advantages`, `dr_grpo_advantages`, `rloo_advantages`, `reinforce_pp_baseline_advantages`,
   `grpo_passk_advantages`, `opo_advantages`, `gpg_advantages`, `gdpo_advantages`: the per-sequence
-  [B] advantages; `reinforce_pp_advantages`: [B, T], from `token_level_rewards` and
-  `discounted_returns`.
+  [B] advantages; `reinforce_pp_advantages`, `optimal_token_baseline_advantages`: [B, T], from
+  `token_level_rewards` (and `discounted_returns`).
 
 Estimators (r = reward, groups by id):
 - grpo: (r − mean_g) / (std_g + eps), std unbiased; a group of one has mean 0 and std 1.
@@ -40,6 +42,13 @@ Estimators (r = reward, groups by id):
 - gdpo (arXiv 2601.05242): each reward component (`gdpo_reward_keys`) GRPO-normalised in its groups
   on its own, weighted and summed, then whitened over the batch's valid tokens; the reward itself
   is not used.
+- optimal_token_baseline (verl's OTB): each token's return-to-go G_t less a baseline of its own,
+  the group's returns at t weighted by each response's path variance so far,
+  B_t = Σ_g G_t·W_t / (Σ_g W_t + 1e-8), W_t = Σ_{j<=t} (1 − 2π_j + Σ_v π_v²)_j (π: the proximal
+  policy's probability of the sampled token, Σπ²: of its whole next-token distribution, from the
+  proximal pass; each term times ρ̄_j² when the rollout correction gives IS weights). A group of
+  one has no baseline; the tail of a group's single longest response beyond the second longest
+  has none either. Needs prox_mode: recompute.
 These are verl's `compute_*_outcome_advantage` with outcome rewards (parity checked on its code).
 """
 from __future__ import annotations
@@ -53,7 +62,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from learner.correction import check_mask
 
 Estimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline", "grpo_passk", "opo",
-                    "reinforce_plus_plus", "gpg", "gdpo"]
+                    "reinforce_plus_plus", "gpg", "gdpo", "optimal_token_baseline"]
 GroupIds = Union[Sequence[Hashable], torch.Tensor]
 
 
@@ -238,6 +247,42 @@ def reinforce_pp_advantages(rewards: torch.Tensor, mask: torch.Tensor, gamma: fl
     return _whiten(returns, mask) * mask.to(returns.dtype)
 
 
+def optimal_token_baseline_advantages(token_rewards: torch.Tensor, mask: torch.Tensor, index: torch.Tensor,
+                                      old_log_probs: torch.Tensor, sum_pi_squared: torch.Tensor,
+                                      is_weights: torch.Tensor | None = None, eps: float = 1e-8) -> torch.Tensor:
+    """The optimal token baseline (verl's `compute_optimal_token_baseline_advantage`, with its
+    handle_zero_tail): [B, T] advantages G_t − B_t, where G_t is the return-to-go of the token
+    rewards and B_t the group's returns at t weighted by each response's cumulative path variance
+    W_t = Σ_{j<=t} w_j, w_j = (1 − 2 exp(old_log_prob_j) + Σπ²_j)·ρ̄_j² (ρ̄: `is_weights`, 1 if None).
+    A group of one gets no baseline; neither does the part of a group's single longest response
+    past the second longest (no other response has a return there to compare with)."""
+    valid = mask.to(token_rewards.dtype)
+    returns = (token_rewards * valid).flip(-1).cumsum(-1).flip(-1)
+    w = 1 - 2 * old_log_probs.to(returns).exp() + sum_pi_squared.to(returns)
+    if is_weights is not None:
+        w = w * is_weights.to(returns) ** 2
+    w_cum = (w * valid).cumsum(-1)
+    groups = int(index.max()) + 1
+    index = index.to(returns.device)
+    numerator = returns.new_zeros(groups, returns.shape[1]).index_add_(0, index, returns * w_cum * valid)
+    denominator = returns.new_zeros(groups, returns.shape[1]).index_add_(0, index, w_cum * valid) + eps
+    baseline = (numerator / denominator)[index]
+    sizes = torch.bincount(index, minlength=groups)
+    baseline[sizes[index] == 1] = 0.0
+    # The zero tail: a group's longest response, if it alone is that long, past the second longest.
+    lengths = valid.sum(-1)
+    longest = torch.full((groups,), -1.0, dtype=lengths.dtype, device=lengths.device).scatter_reduce(
+        0, index, lengths, "amax")
+    at_longest = lengths == longest[index]
+    alone = at_longest & (torch.bincount(index[at_longest], minlength=groups)[index] == 1) & (sizes[index] > 1)
+    shorter = torch.where(at_longest, torch.full_like(lengths, -1.0), lengths)
+    second = torch.full((groups,), -1.0, dtype=lengths.dtype, device=lengths.device).scatter_reduce(
+        0, index, shorter, "amax")[index]
+    columns = torch.arange(returns.shape[1], device=returns.device)
+    baseline[alone[:, None] & (columns[None, :] >= second[:, None])] = 0.0
+    return (returns - baseline) * valid
+
+
 def gpg_advantages(rewards: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """GPG (arXiv 2504.02546, verl's `compute_gpg_outcome_advantage`): r − mean_g (a group of one:
     r), scaled by α = B / (responses with a non-zero reward), which undoes the dilution of a batch
@@ -288,10 +333,15 @@ def compute_advantages(
     config: AdvantageConfig | None = None,
     token_rewards: torch.Tensor | None = None,
     reward_components: torch.Tensor | None = None,
+    old_log_probs: torch.Tensor | None = None,
+    sum_pi_squared: torch.Tensor | None = None,
+    is_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-token advantages [B, T]: the estimator's per-sequence value on every valid token
     (reinforce_plus_plus: each token's own, from `token_rewards` where a sample has them; gdpo:
-    from `reward_components` [K, B], one row per `gdpo_reward_keys` entry)."""
+    from `reward_components` [K, B], one row per `gdpo_reward_keys` entry; optimal_token_baseline:
+    each token's own, from the proximal pass's `old_log_probs` and `sum_pi_squared` [B, T] and the
+    rollout correction's `is_weights` [B, T] or None)."""
     config = config or AdvantageConfig()
     rewards = _check_rewards(rewards)
     mask = check_mask(response_mask)
@@ -299,10 +349,18 @@ def compute_advantages(
         raise ValueError(f"response_mask has {mask.shape[0]} rows for {rewards.shape[0]} rewards")
     rewards = rewards.to(mask.device)
     index = group_index(group_ids, rewards.shape[0])
-    if config.estimator == "reinforce_plus_plus":  # the only one whose tokens differ (γ < 1)
-        if token_rewards is not None and token_rewards.shape != mask.shape:
-            raise ValueError(f"token_rewards has shape {tuple(token_rewards.shape)}, expected {tuple(mask.shape)}")
+    if token_rewards is not None and token_rewards.shape != mask.shape:
+        raise ValueError(f"token_rewards has shape {tuple(token_rewards.shape)}, expected {tuple(mask.shape)}")
+    if config.estimator == "reinforce_plus_plus":  # per-token values (γ < 1)
         return reinforce_pp_advantages(rewards, mask, config.gamma, token_rewards)
+    if config.estimator == "optimal_token_baseline":  # per-token baselines
+        for name, value in (("old_log_probs", old_log_probs), ("sum_pi_squared", sum_pi_squared),
+                            ("is_weights", is_weights)):
+            if (value is None and name != "is_weights") or (value is not None and value.shape != mask.shape):
+                got = None if value is None else tuple(value.shape)
+                raise ValueError(f"optimal_token_baseline needs {name} [{mask.shape[0]}, {mask.shape[1]}], got {got}")
+        return optimal_token_baseline_advantages(token_level_rewards(rewards, mask, token_rewards), mask, index,
+                                                 old_log_probs, sum_pi_squared, is_weights)
     if config.estimator == "grpo":
         per_seq = grpo_advantages(rewards, index, config.eps)
     elif config.estimator == "dr_grpo":

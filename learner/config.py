@@ -261,6 +261,10 @@ class LearnerConfig(BaseModel):
         if self.kl_in_reward.coef > 0 and self.advantage.estimator == "gdpo":
             raise ValueError("kl_in_reward lowers the reward, but advantage.estimator gdpo reads the reward's parts "
                              "only: the penalty would do nothing (use policy_loss.kl_coef for a KL term with gdpo)")
+        if self.advantage.estimator == "optimal_token_baseline" and self.prox_mode != "recompute":
+            raise ValueError(f"advantage.estimator optimal_token_baseline weighs each token by the proximal policy's "
+                             f"distribution (Σp²), which only the proximal pass computes: it needs prox_logp "
+                             f"'recompute' and a rollout correction outside bypass mode (got {self.prox_mode!r})")
         check_loss_mode_fits(self.policy_loss.loss_mode, self.rollout_correction)
         if self.attn_implementation == "varlen" and self.packing is False:
             raise ValueError("attn_implementation 'varlen' computes packed micro-batches' sequences one by one: "

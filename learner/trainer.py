@@ -132,6 +132,7 @@ class StepInputs:
     loss_mask: torch.Tensor  # recompute mode: after rejection; otherwise the response mask
     old_log_prob: Optional[torch.Tensor] = None  # recompute mode
     is_weights: Optional[torch.Tensor] = None  # recompute mode, when rollout_is is set
+    sum_pi_squared: Optional[torch.Tensor] = None  # π_old's Σ_v p_v² per token: optimal_token_baseline
     ref_log_prob: Optional[torch.Tensor] = None  # a KL penalty (in the loss or the reward)
     advantages: Optional[torch.Tensor] = None  # set once π_old and π_ref are known (a KL penalty in the reward)
     # the loss's random choices (clip_cov), seeded by the version and rank: a resumed run repeats them
@@ -307,7 +308,8 @@ class Learner:
         with _timed(timing, "timing_s/old_log_prob"):
             if cfg.prox_mode == "recompute" or cfg.routing_replay == "r2":
                 # the proximal pass; r2 runs it without recompute too: it records the routing to replay
-                old_log_prob, routing = self._proximal_pass(shard, owned)
+                old_log_prob, routing, inputs.sum_pi_squared = self._proximal_pass(
+                    shard, owned, with_sum_pi_squared=cfg.advantage.estimator == "optimal_token_baseline")
             if cfg.prox_mode == "recompute":
                 inputs.old_log_prob = old_log_prob
                 inputs.is_weights, inputs.loss_mask, shard_stats = self._step_correction(
@@ -318,7 +320,7 @@ class Learner:
                 drift.update(self.drift_probe.measure(shard, inputs.old_log_prob, owned, self.version))
         if self.ref_model is not None:
             with _timed(timing, "timing_s/ref"):
-                inputs.ref_log_prob = self._no_grad_log_probs(shard, model=self.ref_model)
+                inputs.ref_log_prob, _ = self._no_grad_log_probs(shard, model=self.ref_model)
 
         # 2b. Advantages over the whole batch (every rank the same), the reward's KL penalty first.
         rewards, token_rewards, kl_reward = batch.rewards, batch.token_rewards, {}
@@ -326,9 +328,17 @@ class Learner:
             rewards, token_rewards, kl_reward = self._kl_penalised_rewards(batch, inputs, shard_rows, owned)
         components = reward_components(groups, cfg.advantage.gdpo_reward_keys) \
             if cfg.advantage.estimator == "gdpo" else None
-        advantages = compute_advantages(rewards, batch.group_index, batch.response_mask, cfg.advantage,
-                                        token_rewards, components)
-        inputs.advantages = advantages[shard_rows, : shard.response_mask.shape[1]].to(self.device)
+        if cfg.advantage.estimator == "optimal_token_baseline":
+            # per-token baselines from π_old, known on this rank's shard only: its groups are whole
+            width = shard.response_mask.shape[1]
+            inputs.advantages = compute_advantages(
+                rewards[shard_rows].to(self.device), shard.group_index, shard.response_mask, cfg.advantage,
+                None if token_rewards is None else token_rewards[shard_rows, :width].to(self.device),
+                old_log_probs=inputs.old_log_prob, sum_pi_squared=inputs.sum_pi_squared, is_weights=inputs.is_weights)
+        else:
+            advantages = compute_advantages(rewards, batch.group_index, batch.response_mask, cfg.advantage,
+                                            token_rewards, components)
+            inputs.advantages = advantages[shard_rows, : shard.response_mask.shape[1]].to(self.device)
 
         # 3-4. Per minibatch: the loss in token-budget micro-batches, normalised by the whole
         # minibatch's counts over all ranks, then one optimizer step.
@@ -445,11 +455,12 @@ class Learner:
                            self.version, shard.response_mask[owned])
         return drift_metrics(self.comm.all_reduce_sum(sums))
 
-    def _proximal_pass(self, shard: TrainBatch, owned: list[int]) -> tuple[torch.Tensor, dict[str, float]]:
+    def _proximal_pass(self, shard: TrainBatch, owned: list[int], with_sum_pi_squared: bool = False):
         """π_old of every shard row (no grad), and the MoE routing's part of it: the engine's routing
         replayed (r3), the learner's own recorded into the shard for the update passes (r2), and
         the mismatch between the engine's routing and the learner's router (when the samples carry
-        routing), summed over the rows this rank answers for."""
+        routing), summed over the rows this rank answers for; and π_old's Σp² per token if asked
+        (else None)."""
         mode, shape = self.config.routing_replay, self.routing.shape
         engine = shard.routed_experts
         mismatch = None if engine is None or shape is None else MismatchCounts(len(shard), shape.layers)
@@ -464,11 +475,13 @@ class Learner:
                 for row, routing in zip(rows, plan.sequence_routing(shape.num_experts)):
                     recorded[row] = routing
 
-        old_log_prob = self._no_grad_log_probs(shard, record=mismatch is not None or recorded is not None,
-                                               seen=seen)
+        old_log_prob, sum_pi_squared = self._no_grad_log_probs(
+            shard, record=mismatch is not None or recorded is not None, seen=seen,
+            with_sum_pi_squared=with_sum_pi_squared)
         if recorded is not None:
             shard.replay_routing = recorded  # the update passes replay it
-        return old_log_prob, {} if mismatch is None else mismatch.metrics(owned, self.comm.all_reduce_sum)
+        routing = {} if mismatch is None else mismatch.metrics(owned, self.comm.all_reduce_sum)
+        return old_log_prob, routing, sum_pi_squared
 
     def _replay(self, mb: TrainBatch, record: bool = False, proximal: bool = False):
         """The routing plan of one policy pass over `mb` (a no-op context for a dense policy or none):
@@ -514,7 +527,7 @@ class Learner:
             mb = inputs.shard.select(rows)
             width = mb.response_mask.shape[1]
             with self._replay(mb):  # open through backward: checkpointed layers re-run their routers there
-                log_prob, entropy = self._forward(mb, with_entropy=want_entropy, entropy_grad=entropy_grad)
+                log_prob, entropy, _ = self._forward(mb, with_entropy=want_entropy, entropy_grad=entropy_grad)
                 loss, loss_metrics = self._micro_batch_loss(inputs, mb, rows, width, log_prob, entropy, norm_sums,
                                                             global_tokens, global_seqs)
                 loss.backward()
@@ -569,7 +582,7 @@ class Learner:
                     continue
                 mb = inputs.shard.select(rows)
                 with self._replay(mb):
-                    log_prob, _ = self._forward(mb)
+                    log_prob, _, _ = self._forward(mb)
                 old = proximal_log_prob(self.config.prox_mode, log_prob, mb.rollout_log_probs, mb.token_versions,
                                         self.version, None)
                 sums += is_batch_norm_sums(log_prob if old is None else old, mb.rollout_log_probs,
@@ -598,9 +611,10 @@ class Learner:
                                   packed=self.packing)
         return [[rows[i] for i in mb] for mb in plan]
 
-    def _forward(self, mb: TrainBatch, with_entropy: bool = False, entropy_grad: bool = True, model=None):
-        """(log π(response tokens), entropy or None) of one micro-batch under the policy (or the
-        given model), with gradients if they are enabled."""
+    def _forward(self, mb: TrainBatch, with_entropy: bool = False, entropy_grad: bool = True, model=None,
+                 with_sum_pi_squared: bool = False):
+        """(log π(response tokens), entropy or None, Σp² or None) of one micro-batch under the policy
+        (or the given model), with gradients if they are enabled."""
         cfg = self.config
         lengths = mb.sequence_lengths()
         width = None
@@ -612,14 +626,18 @@ class Learner:
         with self._autocast():
             out = response_log_probs(model or self.model, mb.prompts, mb.responses, cfg.temperature,
                                      cfg.pad_token_id, with_entropy=with_entropy, entropy_grad=entropy_grad,
-                                     chunk_tokens=cfg.logprob_chunk_tokens, packed=self.packing, pack_width=width)
-        return out[0], (out[2] if with_entropy else None)
+                                     chunk_tokens=cfg.logprob_chunk_tokens, packed=self.packing, pack_width=width,
+                                     with_sum_pi_squared=with_sum_pi_squared)
+        return out[0], (out[2] if with_entropy else None), (out[-1] if with_sum_pi_squared else None)
 
-    def _no_grad_log_probs(self, batch: TrainBatch, model=None, record: bool = False, seen=None) -> torch.Tensor:
-        """[rows, T] log-probs of every row of `batch` without gradients, micro-batch by micro-batch.
-        The policy's pass replays routing as the step's mode says (`_replay`), recording the routers'
-        own top-k with `record` and handing each micro-batch's plan to `seen(rows, mb, plan)`."""
+    def _no_grad_log_probs(self, batch: TrainBatch, model=None, record: bool = False, seen=None,
+                           with_sum_pi_squared: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """[rows, T] log-probs of every row of `batch` without gradients, micro-batch by micro-batch,
+        and with `with_sum_pi_squared` their distributions' Σp² [rows, T] (else None). The policy's
+        pass replays routing as the step's mode says (`_replay`), recording the routers' own top-k
+        with `record` and handing each micro-batch's plan to `seen(rows, mb, plan)`."""
         out = torch.zeros(batch.response_mask.shape, dtype=self._log_prob_dtype, device=self.device)
+        sum_pi_squared = torch.zeros_like(out) if with_sum_pi_squared else None
         with torch.no_grad():
             for rows in self._micro_batches(batch, list(range(len(batch)))):
                 if not rows:
@@ -628,11 +646,13 @@ class Learner:
                 mb = batch.select(rows)
                 replay = self._replay(mb, record, proximal=True) if model is None else contextlib.nullcontext()
                 with replay as plan:
-                    log_prob, _ = self._forward(mb, model=model)
+                    log_prob, _, squares = self._forward(mb, model=model, with_sum_pi_squared=with_sum_pi_squared)
                 if seen is not None:
                     seen(rows, mb, plan)
                 out[rows, : log_prob.shape[1]] = log_prob
-        return out
+                if squares is not None:
+                    sum_pi_squared[rows, : squares.shape[1]] = squares
+        return out, sum_pi_squared
 
     def _idle_pass(self, grad: bool, model=None) -> None:
         """A zero-weight pass over one pad token for a rank with no rows in a micro-batch slot:

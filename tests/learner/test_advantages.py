@@ -130,6 +130,36 @@ def test_gpg_scales_the_group_centred_reward_by_the_share_of_non_zero_rewards():
     assert adv == [0.0, 0.0]
 
 
+def test_optimal_token_baseline_weighs_each_groups_returns_by_path_variance_per_token():
+    """Group a: lengths 3, 2, 1, rewards 1, 0, 1; every token has π = 0.5 and Σπ² = 0.5, so
+    w = 1 − 2·0.5 + 0.5 = 0.5 and W_t = 0.5·(t + 1). B_0 = (1·0.5 + 0·0.5 + 1·0.5) / 1.5 = 2/3,
+    B_1 = (1·1 + 0·1) / 2 = 1/2, and row 0 alone reaches t = 2: past the second longest (2) it has
+    no baseline. Group b has one response: no baseline at all."""
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 0, 0], [1, 1, 0]], dtype=torch.float64)
+    half = torch.full((4, 3), 0.5, dtype=torch.float64)
+    config = AdvantageConfig(estimator="optimal_token_baseline")
+    rewards = torch.tensor([1.0, 0.0, 1.0, 2.0], dtype=torch.float64)
+    ids = ["a", "a", "a", "b"]
+    adv = compute_advantages(rewards, ids, mask, config, old_log_probs=half.log(), sum_pi_squared=half)
+    want = [[1 / 3, 1 / 2, 1.0], [-2 / 3, -1 / 2, 0.0], [1 / 3, 0.0, 0.0], [2.0, 2.0, 0.0]]
+    torch.testing.assert_close(adv, torch.tensor(want, dtype=torch.float64), rtol=0, atol=1e-7)
+    # IS weights scale each token's w by ρ̄²: row 1 with ρ̄ = 2 weighs 4x, B_0 = 1 / (0.5 + 2 + 0.5)
+    is_weights = torch.ones(4, 3, dtype=torch.float64)
+    is_weights[1] = 2.0
+    adv = compute_advantages(rewards, ids, mask, config, old_log_probs=half.log(), sum_pi_squared=half,
+                             is_weights=is_weights)
+    assert float(adv[0, 0]) == pytest.approx(1 - 1 / 3) and float(adv[1, 0]) == pytest.approx(-1 / 3)
+    # Two equally long longest responses: both keep their baseline to the end.
+    mask[1, 2] = 1
+    adv = compute_advantages(rewards, ids, mask, config, old_log_probs=half.log(), sum_pi_squared=half)
+    assert float(adv[0, 2]) == pytest.approx(1 - 1.5 / (1.5 + 1.5))
+    with pytest.raises(ValueError, match=r"optimal_token_baseline needs sum_pi_squared \[4, 3\], got None"):
+        compute_advantages(rewards, ids, mask, config, old_log_probs=half.log())
+    with pytest.raises(ValueError, match=r"needs is_weights \[4, 3\], got \(4, 2\)"):
+        compute_advantages(rewards, ids, mask, config, old_log_probs=half.log(), sum_pi_squared=half,
+                           is_weights=half[:, :2])
+
+
 def test_gdpo_normalises_each_reward_component_in_its_groups_before_summing():
     """Two components: format (0/1, a wide spread) and accuracy (0.1 apart). Summed first (GRPO),
     format decides the order; GDPO normalises each in its group, so accuracy counts as much."""

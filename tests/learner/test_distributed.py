@@ -64,7 +64,12 @@ def assert_same_training(single: Learner, group: LearnerGroup, groups, steps: in
                             "bypass_mode": True, "loss_type": "reinforce"},
      "ppo_epochs": 2, "policy_loss": {"loss_agg_mode": "seq-mean-token-mean"},
      "max_tokens_per_micro_batch": SMALL_BUDGET, "kl_in_reward": {"coef": 0.2}},
-], ids=["decoupled-uneven-minibatches", "bypass-seq-mean"])
+    # the optimal token baseline: per-token baselines from each rank's own proximal pass (its
+    # groups are whole), a KL penalty in the reward, shuffled minibatches over two epochs
+    {"rollout_correction": {"rollout_is": "token", "rollout_is_threshold": 1.5}, "ppo_mini_batch_size": 3,
+     "ppo_epochs": 2, "shuffle_minibatches": True, "max_tokens_per_micro_batch": SMALL_BUDGET,
+     "kl_in_reward": {"coef": 0.2}, "advantage": {"estimator": "optimal_token_baseline"}},
+], ids=["decoupled-uneven-minibatches", "bypass-seq-mean", "optimal-token-baseline"])
 def test_two_gloo_ranks_make_the_update_of_one_rank(policy_dir, ray_cluster, overrides):
     groups = sample_groups(policy_dir, n_groups=4, n=3, seed=4, logprob_noise=0.2)
     config = dict(model_path=str(policy_dir), lr=1e-3, dtype="float64", **overrides)

@@ -3,12 +3,15 @@ the three proximal log-prob paths, versions, checkpoints, weight publication, mi
 the learning-rate schedule, bad input and config errors."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
 from pydantic import ValidationError
 
 from buffer.sample import Group, Sample
+from learner.advantages import compute_advantages, optimal_token_baseline_advantages, token_level_rewards
 from learner.batch import BatchError, build_batch, shape_bucket
 from learner.config import LearnerConfig
 from learner.trainer import Learner, loglinear_prox_log_prob, lr_factor
@@ -294,6 +297,48 @@ def test_gradient_checkpointing_and_mixed_precision(policy_dir, groups):
     cosine = torch.nn.functional.cosine_similarity(torch.cat([v.flatten() for v in want_update.values()]),
                                                    torch.cat([v.flatten() for v in got_update.values()]), dim=0)
     assert cosine > 0.9
+
+
+def test_optimal_token_baseline_takes_the_proximal_passs_distribution(policy_dir, groups, monkeypatch):
+    """The estimator's inputs come from the proximal pass: Σp² and π_old of every response token
+    equal the model's full softmax (float64), the IS weights are the correction's, and the step
+    trains on the advantages it returns. Without a proximal pass (bypass) the config refuses it."""
+    import learner.trainer as trainer
+
+    seen = {}
+
+    def spy(*args, **kwargs):
+        seen.update(kwargs, args=args)
+        seen["advantages"] = compute_advantages(*args, **kwargs)
+        return seen["advantages"]
+
+    monkeypatch.setattr(trainer, "compute_advantages", spy)
+    learner = make_learner(policy_dir, dtype="float64", advantage={"estimator": "optimal_token_baseline"},
+                           rollout_correction={"rollout_is": "token", "rollout_is_threshold": 1.5})
+    model = load_causal_lm(policy_dir, dtype="float64")
+    metrics = learner.train_step(groups)
+    samples = [s for g in groups for s in g.samples]
+    squares = seen["sum_pi_squared"]
+    assert squares.shape == seen["old_log_probs"].shape == (len(samples), max(len(s.response_ids) for s in samples))
+    with torch.no_grad():
+        for row, s in enumerate(samples):
+            ids = torch.tensor([list(s.prompt_ids) + list(s.response_ids)])
+            probs = torch.softmax(model(ids).logits[0, len(s.prompt_ids) - 1: -1], -1)
+            n = len(s.response_ids)
+            torch.testing.assert_close(squares[row, :n], probs.square().sum(-1), rtol=0, atol=1e-12)
+            torch.testing.assert_close(seen["old_log_probs"][row, :n].exp(),
+                                       probs.gather(-1, ids[0, len(s.prompt_ids):, None]).squeeze(-1),
+                                       rtol=0, atol=1e-12)
+            assert float(squares[row, n:].abs().sum()) == 0.0
+    assert seen["is_weights"] is not None and float(seen["is_weights"].max()) <= 1.5
+    rewards, index, mask = seen["args"][:3]
+    want = optimal_token_baseline_advantages(
+        token_level_rewards(rewards, mask), mask, index, seen["old_log_probs"], squares, seen["is_weights"])
+    torch.testing.assert_close(seen["advantages"], want, rtol=0, atol=1e-12)
+    assert math.isfinite(metrics["actor/pg_loss"]) and learner.version == 1
+    with pytest.raises(ValidationError, match="optimal_token_baseline .* needs prox_logp 'recompute'"):
+        LearnerConfig(model_path=str(policy_dir), advantage={"estimator": "optimal_token_baseline"},
+                      rollout_correction={"bypass_mode": True})
 
 
 def test_a_sequence_longer_than_the_budget_is_refused(policy_dir, groups):
