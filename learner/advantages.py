@@ -4,7 +4,7 @@ Public API:
 
 - `AdvantageConfig` (pydantic): `estimator` ("grpo" | "dr_grpo" | "rloo" |
   "reinforce_plus_plus_baseline" | "grpo_passk" | "opo" | "reinforce_plus_plus" | "gpg" | "gdpo" |
-  "optimal_token_baseline"),
+  "optimal_token_baseline" | "tir_optimal_token_baseline"),
   `eps` (1e-6), `gamma` (1.0, reinforce_plus_plus's discount), `gdpo_reward_keys`,
   `gdpo_reward_weights`, `gdpo_norm_by_std`.
 - `compute_advantages(rewards, group_ids, response_mask, config, token_rewards=None,
@@ -49,6 +49,9 @@ Estimators (r = reward, groups by id):
   proximal pass; each term times ρ̄_j² when the rollout correction gives IS weights). A group of
   one has no baseline; the tail of a group's single longest response beyond the second longest
   has none either. Needs prox_mode: recompute.
+- tir_optimal_token_baseline (verl's multi-turn form): the same with t counting a trajectory's
+  policy tokens only (the tool and observation tokens between turns skipped), so the baseline of
+  each response's k-th own token compares the group's k-th own tokens.
 These are verl's `compute_*_outcome_advantage` with outcome rewards (parity checked on its code).
 """
 from __future__ import annotations
@@ -62,7 +65,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from learner.correction import check_mask
 
 Estimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline", "grpo_passk", "opo",
-                    "reinforce_plus_plus", "gpg", "gdpo", "optimal_token_baseline"]
+                    "reinforce_plus_plus", "gpg", "gdpo", "optimal_token_baseline", "tir_optimal_token_baseline"]
+OTB_ESTIMATORS = ("optimal_token_baseline", "tir_optimal_token_baseline")  # need π_old's Σp²
 GroupIds = Union[Sequence[Hashable], torch.Tensor]
 
 
@@ -249,13 +253,32 @@ def reinforce_pp_advantages(rewards: torch.Tensor, mask: torch.Tensor, gamma: fl
 
 def optimal_token_baseline_advantages(token_rewards: torch.Tensor, mask: torch.Tensor, index: torch.Tensor,
                                       old_log_probs: torch.Tensor, sum_pi_squared: torch.Tensor,
-                                      is_weights: torch.Tensor | None = None, eps: float = 1e-8) -> torch.Tensor:
+                                      is_weights: torch.Tensor | None = None, eps: float = 1e-8,
+                                      policy_tokens_only: bool = False) -> torch.Tensor:
     """The optimal token baseline (verl's `compute_optimal_token_baseline_advantage`, with its
     handle_zero_tail): [B, T] advantages G_t − B_t, where G_t is the return-to-go of the token
     rewards and B_t the group's returns at t weighted by each response's cumulative path variance
     W_t = Σ_{j<=t} w_j, w_j = (1 − 2 exp(old_log_prob_j) + Σπ²_j)·ρ̄_j² (ρ̄: `is_weights`, 1 if None).
     A group of one gets no baseline; neither does the part of a group's single longest response
-    past the second longest (no other response has a return there to compare with)."""
+    past the second longest (no other response has a return there to compare with).
+    `policy_tokens_only` (verl's `compute_multi_turn_optimal_token_baseline_advantage`): t is the
+    index among the row's policy tokens (mask 1), not its column."""
+    if policy_tokens_only:
+        policy = mask.bool()
+        lengths = policy.sum(-1)
+        own = torch.arange(int(lengths.max()) if len(lengths) else 0, device=mask.device)[None, :] < lengths[:, None]
+
+        def compact(values):  # each row's policy-token values, moved to the front
+            out = values.new_zeros(own.shape)
+            out[own] = values[policy]
+            return out
+
+        advantages = optimal_token_baseline_advantages(
+            compact(token_rewards * mask.to(token_rewards.dtype)), own.to(mask.dtype), index, compact(old_log_probs),
+            compact(sum_pi_squared), None if is_weights is None else compact(is_weights), eps)
+        out = torch.zeros(mask.shape, dtype=advantages.dtype, device=advantages.device)
+        out[policy] = advantages[own]
+        return out
     valid = mask.to(token_rewards.dtype)
     returns = (token_rewards * valid).flip(-1).cumsum(-1).flip(-1)
     w = 1 - 2 * old_log_probs.to(returns).exp() + sum_pi_squared.to(returns)
@@ -353,14 +376,15 @@ def compute_advantages(
         raise ValueError(f"token_rewards has shape {tuple(token_rewards.shape)}, expected {tuple(mask.shape)}")
     if config.estimator == "reinforce_plus_plus":  # per-token values (γ < 1)
         return reinforce_pp_advantages(rewards, mask, config.gamma, token_rewards)
-    if config.estimator == "optimal_token_baseline":  # per-token baselines
+    if config.estimator in OTB_ESTIMATORS:  # per-token baselines
         for name, value in (("old_log_probs", old_log_probs), ("sum_pi_squared", sum_pi_squared),
                             ("is_weights", is_weights)):
             if (value is None and name != "is_weights") or (value is not None and value.shape != mask.shape):
                 got = None if value is None else tuple(value.shape)
-                raise ValueError(f"optimal_token_baseline needs {name} [{mask.shape[0]}, {mask.shape[1]}], got {got}")
-        return optimal_token_baseline_advantages(token_level_rewards(rewards, mask, token_rewards), mask, index,
-                                                 old_log_probs, sum_pi_squared, is_weights)
+                raise ValueError(f"{config.estimator} needs {name} [{mask.shape[0]}, {mask.shape[1]}], got {got}")
+        return optimal_token_baseline_advantages(
+            token_level_rewards(rewards, mask, token_rewards), mask, index, old_log_probs, sum_pi_squared, is_weights,
+            policy_tokens_only=config.estimator == "tir_optimal_token_baseline")
     if config.estimator == "grpo":
         per_seq = grpo_advantages(rewards, index, config.eps)
     elif config.estimator == "dr_grpo":

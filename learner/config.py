@@ -11,7 +11,7 @@ from typing import Annotated, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
-from learner.advantages import AdvantageConfig, KLRewardConfig
+from learner.advantages import OTB_ESTIMATORS, AdvantageConfig, KLRewardConfig
 from learner.correction import RolloutCorrectionConfig
 from learner.losses import PolicyLossConfig, check_loss_mode_fits
 
@@ -261,8 +261,8 @@ class LearnerConfig(BaseModel):
         if self.kl_in_reward.coef > 0 and self.advantage.estimator == "gdpo":
             raise ValueError("kl_in_reward lowers the reward, but advantage.estimator gdpo reads the reward's parts "
                              "only: the penalty would do nothing (use policy_loss.kl_coef for a KL term with gdpo)")
-        if self.advantage.estimator == "optimal_token_baseline" and self.prox_mode != "recompute":
-            raise ValueError(f"advantage.estimator optimal_token_baseline weighs each token by the proximal policy's "
+        if self.advantage.estimator in OTB_ESTIMATORS and self.prox_mode != "recompute":
+            raise ValueError(f"advantage.estimator {self.advantage.estimator} weighs each token by the proximal policy's "
                              f"distribution (Σp²), which only the proximal pass computes: it needs prox_logp "
                              f"'recompute' and a rollout correction outside bypass mode (got {self.prox_mode!r})")
         check_loss_mode_fits(self.policy_loss.loss_mode, self.rollout_correction)

@@ -35,7 +35,7 @@ from typing import Optional
 
 import torch
 
-from learner.advantages import adaptive_kl_coef, compute_advantages, kl_penalised_rewards
+from learner.advantages import OTB_ESTIMATORS, adaptive_kl_coef, compute_advantages, kl_penalised_rewards
 from learner.batch import (
     TrainBatch,
     balance_groups,
@@ -309,7 +309,7 @@ class Learner:
             if cfg.prox_mode == "recompute" or cfg.routing_replay == "r2":
                 # the proximal pass; r2 runs it without recompute too: it records the routing to replay
                 old_log_prob, routing, inputs.sum_pi_squared = self._proximal_pass(
-                    shard, owned, with_sum_pi_squared=cfg.advantage.estimator == "optimal_token_baseline")
+                    shard, owned, with_sum_pi_squared=cfg.advantage.estimator in OTB_ESTIMATORS)
             if cfg.prox_mode == "recompute":
                 inputs.old_log_prob = old_log_prob
                 inputs.is_weights, inputs.loss_mask, shard_stats = self._step_correction(
@@ -328,7 +328,7 @@ class Learner:
             rewards, token_rewards, kl_reward = self._kl_penalised_rewards(batch, inputs, shard_rows, owned)
         components = reward_components(groups, cfg.advantage.gdpo_reward_keys) \
             if cfg.advantage.estimator == "gdpo" else None
-        if cfg.advantage.estimator == "optimal_token_baseline":
+        if cfg.advantage.estimator in OTB_ESTIMATORS:
             # per-token baselines from π_old, known on this rank's shard only: its groups are whole
             width = shard.response_mask.shape[1]
             inputs.advantages = compute_advantages(

@@ -160,6 +160,21 @@ def test_optimal_token_baseline_weighs_each_groups_returns_by_path_variance_per_
                            is_weights=half[:, :2])
 
 
+def test_the_multi_turn_optimal_token_baseline_counts_each_rows_own_tokens():
+    """Row 0's policy tokens sit in columns 0, 2, 3 (an observation in column 1), row 1's in 0, 1;
+    rewards 1 and 0, w = 0.5 everywhere. tir_: the k-th own tokens share a baseline, B = 0.5, 0.5,
+    then row 0's third token has no other to compare with. The column form compares column 1 of
+    row 1 with nothing of row 0 and gives its token a baseline of 0."""
+    mask = torch.tensor([[1, 0, 1, 1], [1, 1, 0, 0]], dtype=torch.float64)
+    half = torch.full((2, 4), 0.5, dtype=torch.float64)
+    rewards, ids = torch.tensor([1.0, 0.0], dtype=torch.float64), ["a", "a"]
+    inputs = dict(old_log_probs=half.log(), sum_pi_squared=half)
+    tir = compute_advantages(rewards, ids, mask, AdvantageConfig(estimator="tir_optimal_token_baseline"), **inputs)
+    columns = compute_advantages(rewards, ids, mask, AdvantageConfig(estimator="optimal_token_baseline"), **inputs)
+    torch.testing.assert_close(tir, torch.tensor([[0.5, 0, 0.5, 1], [-0.5, -0.5, 0, 0]], dtype=torch.float64))
+    torch.testing.assert_close(columns, torch.tensor([[0.5, 0, 1, 1], [-0.5, 0, 0, 0]], dtype=torch.float64))
+
+
 def test_gdpo_normalises_each_reward_component_in_its_groups_before_summing():
     """Two components: format (0/1, a wide spread) and accuracy (0.1 apart). Summed first (GRPO),
     format decides the order; GDPO normalises each in its group, so accuracy counts as much."""

@@ -299,7 +299,8 @@ def test_gradient_checkpointing_and_mixed_precision(policy_dir, groups):
     assert cosine > 0.9
 
 
-def test_optimal_token_baseline_takes_the_proximal_passs_distribution(policy_dir, groups, monkeypatch):
+@pytest.mark.parametrize("estimator", ["optimal_token_baseline", "tir_optimal_token_baseline"])
+def test_optimal_token_baseline_takes_the_proximal_passs_distribution(policy_dir, groups, monkeypatch, estimator):
     """The estimator's inputs come from the proximal pass: Σp² and π_old of every response token
     equal the model's full softmax (float64), the IS weights are the correction's, and the step
     trains on the advantages it returns. Without a proximal pass (bypass) the config refuses it."""
@@ -313,7 +314,7 @@ def test_optimal_token_baseline_takes_the_proximal_passs_distribution(policy_dir
         return seen["advantages"]
 
     monkeypatch.setattr(trainer, "compute_advantages", spy)
-    learner = make_learner(policy_dir, dtype="float64", advantage={"estimator": "optimal_token_baseline"},
+    learner = make_learner(policy_dir, dtype="float64", advantage={"estimator": estimator},
                            rollout_correction={"rollout_is": "token", "rollout_is_threshold": 1.5})
     model = load_causal_lm(policy_dir, dtype="float64")
     metrics = learner.train_step(groups)
@@ -333,11 +334,12 @@ def test_optimal_token_baseline_takes_the_proximal_passs_distribution(policy_dir
     assert seen["is_weights"] is not None and float(seen["is_weights"].max()) <= 1.5
     rewards, index, mask = seen["args"][:3]
     want = optimal_token_baseline_advantages(
-        token_level_rewards(rewards, mask), mask, index, seen["old_log_probs"], squares, seen["is_weights"])
+        token_level_rewards(rewards, mask), mask, index, seen["old_log_probs"], squares, seen["is_weights"],
+        policy_tokens_only=estimator.startswith("tir_"))
     torch.testing.assert_close(seen["advantages"], want, rtol=0, atol=1e-12)
     assert math.isfinite(metrics["actor/pg_loss"]) and learner.version == 1
-    with pytest.raises(ValidationError, match="optimal_token_baseline .* needs prox_logp 'recompute'"):
-        LearnerConfig(model_path=str(policy_dir), advantage={"estimator": "optimal_token_baseline"},
+    with pytest.raises(ValidationError, match=f"{estimator} .* needs prox_logp 'recompute'"):
+        LearnerConfig(model_path=str(policy_dir), advantage={"estimator": estimator},
                       rollout_correction={"bypass_mode": True})
 
 
