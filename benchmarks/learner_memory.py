@@ -15,7 +15,9 @@ the prompt. Every measurement runs in a fresh child process, so each peak is its
     micro-batch, against the float32 [B, L, vocab] logits of the old path (and, measured, the old
     head on that micro-batch);
   * tokens/s of the learner's forward+backward over the planned micro-batches against a plain
-    transformers forward+backward (`labels` loss over the response tokens) over the same ones.
+    transformers forward+backward (`labels` loss over the response tokens) over the same ones, and
+    of the learner's whole step at that batch size against a plain transformers step (a no-grad
+    forward, the forward+backward, an AdamW step: the baseline issue 27 was measured against).
 
 Each step runs twice on the same lengths: the first on new shapes (on CUDA after a step of other
 lengths at the same batch size, as a running job meets them; before 2026-11-26 straight after a
@@ -101,10 +103,12 @@ def random_groups(batch_size: int, min_len: int, max_len: int, vocab: int, seed:
 
 
 def former_response_log_probs(model, prompts, responses, temperature=1.0, pad_id=0, with_entropy=False,
-                              entropy_grad=True, chunk_tokens=None, packed=False, pack_width=None):
+                              entropy_grad=True, chunk_tokens=None, packed=False, pack_width=None,
+                              with_sum_pi_squared=False):
     """The log-probs as etarl computed them before the chunked head: float32 [B, L, V] logits of
     every position, a log-softmax per row (the old path, for comparison; chunk_tokens is ignored,
-    and the old step never packs)."""
+    the old step never packs, and its advantages never need Σp²)."""
+    assert not with_sum_pi_squared, "the old path's step runs grpo"
     input_ids, attention, response_mask, width = pad_sequences(prompts, responses, pad_id)
     device = next(model.parameters()).device
     logits = model(input_ids=input_ids.to(device), attention_mask=attention.to(device)).logits.float() / temperature
@@ -234,7 +238,9 @@ def child_throughput(spec: dict) -> dict:
     its attention kernel) and a plain transformers pass with a `labels` loss (padded, sdpa). Both
     under the same autocast (--mixed-precision); the plain pass with transformers' full
     checkpointing where the learner checkpoints (--checkpointing full|selective); with selective,
-    the learner's pass with full too ("ours_full")."""
+    the learner's pass with full too ("ours_full"). And a plain transformers step, issue 27's
+    baseline for the learner's whole step: a no-grad forward, the forward+backward with `labels`
+    and an AdamW step over the same padded micro-batches ("plain_step")."""
     from learner.batch import shape_bucket
     from lm.causal_lm import enable_gradient_checkpointing
 
@@ -246,8 +252,11 @@ def child_throughput(spec: dict) -> dict:
     lengths = [len(p) + len(r) for p, r in zip(batch.prompts, batch.responses)]
     plan = plan_micro_batches(lengths, spec["budget"])  # the plain pass: padded micro-batches
     packed_plan = plan_micro_batches(lengths, spec["budget"], packed=spec["packing"])
-    attention = {"ours": spec["attn"] or "sdpa", "ours_full": spec["attn"] or "sdpa", "plain": "sdpa"}
-    checkpointing = {"ours": spec["checkpointing"], "plain": spec["checkpointing"] and "full"}
+    attention = {"ours": spec["attn"] or "sdpa", "ours_full": spec["attn"] or "sdpa", "plain": "sdpa",
+                 "plain_step": "sdpa"}
+    checkpointing = {"ours": spec["checkpointing"], "plain": spec["checkpointing"] and "full",
+                     "plain_step": spec["checkpointing"] and "full"}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-9)  # the plain step's; a tiny lr keeps the model
     if spec["checkpointing"] == "selective":
         checkpointing["ours_full"] = "full"
 
@@ -266,7 +275,24 @@ def child_throughput(spec: dict) -> dict:
         model(input_ids=ids.to(spec["device"]), attention_mask=attention_mask.to(spec["device"]),
               labels=labels.to(spec["device"])).loss.backward()
 
-    passes = {name: (plain if name == "plain" else ours) for name in checkpointing}
+    def plain_step(rows_list):
+        with torch.no_grad():
+            for rows in rows_list:
+                ids, attention_mask, _, _ = pad_sequences([batch.prompts[r] for r in rows],
+                                                          [batch.responses[r] for r in rows])
+                model(input_ids=ids.to(spec["device"]), attention_mask=attention_mask.to(spec["device"]))
+        for rows in rows_list:
+            plain(rows)
+        optimizer.step()
+
+    def over(fn):  # one pass: fn on each micro-batch
+        def run(rows_list):
+            for rows in rows_list:
+                fn(rows)
+        return run
+
+    passes = {name: plain_step if name == "plain_step" else over(plain if name == "plain" else ours)
+              for name in checkpointing}
     seconds = {name: [] for name in passes}
     for _ in range(spec["repeats"]):
         for name, fn in passes.items():  # taking turns: load changes hit all
@@ -276,8 +302,7 @@ def child_throughput(spec: dict) -> dict:
             model.zero_grad(set_to_none=True)
             start = time.perf_counter()
             with autocast:
-                for rows in (plan if name == "plain" else packed_plan):
-                    fn(rows)
+                fn(plan if name.startswith("plain") else packed_plan)
             if cuda:
                 torch.cuda.synchronize()
             seconds[name].append(time.perf_counter() - start)
@@ -362,7 +387,9 @@ def measure_throughput(common: dict, batch: int) -> dict:
           f"tokens/s over {r['packed_micro_batches']} micro-batches (packed: {common['packing']}), plain transformers "
           f"{r['plain_tokens_per_s']:.0f} tokens/s over {r['micro_batches']} padded ones"
           + (f"; the learner with full checkpointing {r['ours_full_tokens_per_s']:.0f} tokens/s"
-             if "ours_full_tokens_per_s" in r else "") + "; packed vs padded log-probs "
+             if "ours_full_tokens_per_s" in r else "")
+          + f"; a plain transformers step (no-grad forward, forward+backward, AdamW) {r['plain_step_tokens_per_s']:.0f} "
+          f"tokens/s; packed vs padded log-probs "
           f"of the largest micro-batch: max |diff| {r['packed_vs_padded_max_abs_diff']:.2e} (packed attention "
           f"{common['attn'] or 'sdpa'}, B={batch})"))
     return r
@@ -380,6 +407,8 @@ def summarize(setup: dict, steps: dict, old: dict, head: dict, throughput: dict)
     head_bytes = head["chunked"].get("head_bytes")
     head_fraction = head_bytes / naive if head_bytes else None
     speed = (throughput["ours_tokens_per_s"] / throughput["plain_tokens_per_s"]) if "error" not in throughput else None
+    learner_step = steps.get(setup["throughput_batch"], {}).get("warm_tokens_per_s")
+    step_speed = learner_step / throughput["plain_step_tokens_per_s"] if learner_step and speed else None
     gib = lambda x: round(x / GiB, 3)  # noqa: E731
     return {
         "benchmark": "learner_memory", **{k: v for k, v in setup.items() if k != "batch_sizes"},
@@ -410,6 +439,10 @@ def summarize(setup: dict, steps: dict, old: dict, head: dict, throughput: dict)
         "tokens_per_s_vs_plain": speed and round(speed, 3),
         "tokens_per_s_learner_full_checkpointing": throughput.get("ours_full_tokens_per_s") and round(
             throughput["ours_full_tokens_per_s"], 1),
+        # issue 27's measure: the learner's whole step (warm, at the throughput batch) against a plain step
+        "tokens_per_s_plain_step": throughput.get("plain_step_tokens_per_s") and round(
+            throughput["plain_step_tokens_per_s"], 1),
+        "learner_step_vs_plain_step": step_speed and round(step_speed, 3),
         "goals": {"peak_within_1.15x": peak_ratio is not None and peak_ratio <= 1.15,
                   "logprob_at_most_1/8_naive": head_fraction is not None and head_fraction <= 1 / 8,
                   "tokens_per_s_at_least_0.9x_plain": speed is not None and speed >= 0.9},

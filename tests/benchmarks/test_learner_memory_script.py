@@ -40,12 +40,17 @@ def test_learner_memory_script_reports_every_measurement():
     assert head and float(head.group(1)) == summary["logprob_head_gib"]
     speed = re.search(r"forward\+backward, (\d+) tokens: learner (\d+) tokens/s over (\d+) micro-batches \(packed: "
                       r"True\), plain transformers (\d+) tokens/s over (\d+) padded ones; the learner with full "
-                      r"checkpointing (\d+) tokens/s; .* max \|diff\| (\S+)", text)
+                      r"checkpointing (\d+) tokens/s; a plain transformers step \(no-grad forward, forward\+backward, "
+                      r"AdamW\) (\d+) tokens/s; .* max \|diff\| (\S+)", text)
     assert speed and int(speed.group(5)) >= 2
     assert abs(summary["tokens_per_s_vs_plain"] - int(speed.group(2)) / int(speed.group(4))) < 0.01
     # Packed micro-batches: no padding in the learner's steps, the same log-probs as padded ones.
     assert summary["packing"] is True and set(summary["padding_fraction"].values()) == {0.0}
-    assert float(speed.group(7)) == summary["packed_vs_padded_max_abs_diff"] < 1e-4
+    assert float(speed.group(8)) == summary["packed_vs_padded_max_abs_diff"] < 1e-4
+    # the learner's whole step at the throughput batch (the smallest, 8) against the plain step
+    assert abs(summary["tokens_per_s_plain_step"] - int(speed.group(7))) <= 1
+    assert abs(summary["learner_step_vs_plain_step"]
+               - summary["warm_tokens_per_s"]["8"] / summary["tokens_per_s_plain_step"]) < 0.01
     # --checkpointing selective: the learner's pass also ran with full checkpointing, for the ratio
     assert summary["checkpointing"] == "selective"
     assert abs(summary["tokens_per_s_learner_full_checkpointing"] - int(speed.group(6))) <= 1
