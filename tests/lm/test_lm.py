@@ -237,6 +237,11 @@ def test_selective_checkpointing_recomputes_only_the_elementwise_work_with_the_s
     assert counts["full"] == (counts[None][0] + layer_matmuls, counts[None][1] + 2)
     with pytest.raises(ValueError, match="'full' or 'selective'"):
         enable_gradient_checkpointing(model, "some")
+    # The flash varlen op the packed learner runs on GPUs is among the kept ones (its name is found
+    # in this torch: a rename would make selective re-run the GPU's attention, silently slower).
+    from lm import causal_lm
+
+    assert "torch_attn._varlen_attn.default" in {str(op) for op in causal_lm._kept_ops()}
 
 
 def test_bf16_autocast_keeps_float32_log_probs_and_weights(model_dir):
