@@ -6,8 +6,10 @@ benchmarks/weight_sync.py).
     .venv/bin/python benchmarks/learner_step.py --groups 8 --n 8 --prompt 17 --response 8 --vocab 32 --hidden 128 --layers 2 --steps 30
 
 Builds a small random Qwen2 policy as an HF folder, then in one run measures:
-  * seconds per learner step with prox_logp=recompute (one extra no-grad pass), loglinear
-    (AReaL's approximation, no extra pass) and bypass mode, and the ratio recompute / loglinear;
+  * seconds per learner step with prox_logp=recompute (one extra no-grad pass), recompute with π_old
+    taken from the update pass (`learner.prox_from_update_pass`, one minibatch: no extra pass),
+    loglinear (AReaL's approximation, no extra pass) and bypass mode, and the ratios recompute /
+    loglinear and from-update-pass / recompute;
   * seconds per recompute step with padded rows, packed rows under sdpa (a block-diagonal mask over
     the row) and packed rows under varlen (each sequence alone), and the ratio packed / padded: what
     `learner.packing: auto` decides by (packed on a GPU, padded on a CPU).
@@ -97,13 +99,15 @@ def main() -> None:
         print(f"batch: {args.groups} groups x {args.n} = {args.groups * args.n} sequences, "
               f"{args.prompt}+{args.response} tokens; torch threads {torch.get_num_threads()}")
         configs = {name: LearnerConfig(**base, **overrides) for name, overrides in (
-            ("recompute", {}), ("loglinear", {"prox_logp": "loglinear"}),
+            ("recompute", {"prox_from_update_pass": False}), ("recompute_from_update", {}),
+            ("loglinear", {"prox_logp": "loglinear"}),
             ("bypass", {"rollout_correction": "bypass_ppo_clip"}))}
         results = time_steps(configs, groups, args.steps)
         for name, (step_s, prox_s) in results.items():
-            print(f"  step {name:9s}: {step_s:7.3f} s/step  (proximal pass {prox_s:.3f} s)")
+            print(f"  step {name:21s}: {step_s:7.3f} s/step  (proximal pass {prox_s:.3f} s)")
         ratio = results["recompute"][0] / results["loglinear"][0]
-        print(f"  recompute / loglinear step time: {ratio:.2f}x")
+        fused = results["recompute_from_update"][0] / results["recompute"][0]
+        print(f"  recompute / loglinear step time: {ratio:.2f}x; π_old from the update pass / recompute: {fused:.2f}x")
         # micro-batches as the embedded default plans them: the token budget alone, no row cap
         layouts = {name: LearnerConfig(**{**base, "micro_batch_size": None}, **overrides) for name, overrides in (
             ("padded", {"packing": False}), ("packed_sdpa", {"packing": True}),
@@ -118,7 +122,7 @@ def main() -> None:
     print(json.dumps({"benchmark": "learner_step", "device": args.device, "groups": args.groups, "n": args.n,
                       "step_s": {name: round(step_s, 4) for name, (step_s, _) in results.items()},
                       "proximal_pass_s": {name: round(prox_s, 4) for name, (_, prox_s) in results.items()},
-                      "recompute_vs_loglinear": round(ratio, 3),
+                      "recompute_vs_loglinear": round(ratio, 3), "from_update_pass_vs_recompute": round(fused, 3),
                       "layout_step_s": {name: round(step_s, 4) for name, (step_s, _) in by_layout.items()},
                       "packed_vs_padded": round(packed_vs_padded, 3), "varlen_vs_padded": round(varlen_vs_padded, 3)}))
 

@@ -133,6 +133,7 @@ class StepInputs:
     old_log_prob: Optional[torch.Tensor] = None  # recompute mode
     is_weights: Optional[torch.Tensor] = None  # recompute mode, when rollout_is is set
     sum_pi_squared: Optional[torch.Tensor] = None  # π_old's Σ_v p_v² per token: optimal_token_baseline
+    prox_from_update: bool = False  # π_old and the IS weights are filled in by the update pass itself
     ref_log_prob: Optional[torch.Tensor] = None  # a KL penalty (in the loss or the reward)
     advantages: Optional[torch.Tensor] = None  # set once π_old and π_ref are known (a KL penalty in the reward)
     # the loss's random choices (clip_cov), seeded by the version and rank: a resumed run repeats them
@@ -305,12 +306,17 @@ class Learner:
         shard_stats: dict[str, float] = {}
         drift: dict[str, float] = {}
         routing: dict[str, float] = {}
+        inputs.prox_from_update = self._prox_from_update(minibatches)
+        if inputs.prox_from_update:  # filled micro-batch by micro-batch in the update pass
+            inputs.old_log_prob = torch.zeros(shard.response_mask.shape, dtype=self._log_prob_dtype, device=self.device)
+            if cfg.rollout_correction.rollout_is is not None:
+                inputs.is_weights = torch.zeros_like(inputs.old_log_prob)
         with _timed(timing, "timing_s/old_log_prob"):
-            if cfg.prox_mode == "recompute" or cfg.routing_replay == "r2":
+            if not inputs.prox_from_update and (cfg.prox_mode == "recompute" or cfg.routing_replay == "r2"):
                 # the proximal pass; r2 runs it without recompute too: it records the routing to replay
                 old_log_prob, routing, inputs.sum_pi_squared = self._proximal_pass(
                     shard, owned, with_sum_pi_squared=cfg.advantage.estimator in OTB_ESTIMATORS)
-            if cfg.prox_mode == "recompute":
+            if cfg.prox_mode == "recompute" and not inputs.prox_from_update:
                 inputs.old_log_prob = old_log_prob
                 inputs.is_weights, inputs.loss_mask, shard_stats = self._step_correction(
                     shard, inputs.old_log_prob, owned)
@@ -350,6 +356,9 @@ class Learner:
                 for mb_groups in epoch:
                     local = [row_of[r] for r in batch.rows_of_groups(self._my_part(mb_groups))]
                     grad_norms.append(self._minibatch_update(inputs, local, partial))
+        if inputs.prox_from_update:  # the metrics of π_old, now that the update pass has given it
+            _, _, shard_stats = self._step_correction(shard, inputs.old_log_prob, owned)
+            drift = self._drift(shard, inputs.old_log_prob, owned)
         self.scheduler.step()
         self.version += 1
 
@@ -455,6 +464,29 @@ class Learner:
                            self.version, shard.response_mask[owned])
         return drift_metrics(self.comm.all_reduce_sum(sums))
 
+    def _prox_from_update(self, minibatches) -> bool:
+        """Whether π_old can come from the update pass (`learner.prox_from_update_pass`): one
+        minibatch of one epoch (its pass runs the step's starting policy) and nothing that needs
+        π_old before the update begins."""
+        cfg, rc = self.config, self.config.rollout_correction
+        return (cfg.prox_from_update_pass and cfg.prox_mode == "recompute" and len(minibatches) == 1
+                and len(minibatches[0]) == 1 and not rc.rejection_criteria and rc.rollout_token_veto_threshold is None
+                and not rc.rollout_is_batch_normalize and cfg.kl_in_reward.coef == 0
+                and cfg.advantage.estimator not in OTB_ESTIMATORS and cfg.routing_replay == "none"
+                and self.routing.shape is None and self.drift_probe is None)
+
+    def _fill_proximal(self, inputs: StepInputs, mb: TrainBatch, rows: list[int], log_prob: torch.Tensor) -> None:
+        """π_old of a micro-batch's rows from the update pass's own log-probs (detached: the same
+        numbers a no-grad pass would give before the optimizer steps), and their IS weights, which
+        depend on each row alone when nothing is rejected or batch-normalised."""
+        width = log_prob.shape[1]
+        old = log_prob.detach().to(inputs.old_log_prob.dtype)
+        inputs.old_log_prob[rows, :width] = old
+        if inputs.is_weights is not None:
+            weights, _, _ = compute_rollout_correction(old, mb.rollout_log_probs, mb.response_mask,
+                                                       self.config.rollout_correction)
+            inputs.is_weights[rows, :width] = weights
+
     def _proximal_pass(self, shard: TrainBatch, owned: list[int], with_sum_pi_squared: bool = False):
         """π_old of every shard row (no grad), and the MoE routing's part of it: the engine's routing
         replayed (r3), the learner's own recorded into the shard for the update passes (r2), and
@@ -528,6 +560,8 @@ class Learner:
             width = mb.response_mask.shape[1]
             with self._replay(mb):  # open through backward: checkpointed layers re-run their routers there
                 log_prob, entropy, _ = self._forward(mb, with_entropy=want_entropy, entropy_grad=entropy_grad)
+                if inputs.prox_from_update:
+                    self._fill_proximal(inputs, mb, rows, log_prob)
                 loss, loss_metrics = self._micro_batch_loss(inputs, mb, rows, width, log_prob, entropy, norm_sums,
                                                             global_tokens, global_seqs)
                 loss.backward()

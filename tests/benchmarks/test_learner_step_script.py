@@ -19,7 +19,12 @@ def test_learner_step_script_times_every_proximal_path_and_micro_batch_layout():
                           "--steps", "1"], capture_output=True, text=True, timeout=600, cwd=REPO)
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
-    assert set(summary["step_s"]) == {"recompute", "loglinear", "bypass"}
+    assert set(summary["step_s"]) == {"recompute", "recompute_from_update", "loglinear", "bypass"}
+    steps = summary["step_s"]
+    assert summary["from_update_pass_vs_recompute"] == pytest.approx(
+        steps["recompute_from_update"] / steps["recompute"], rel=0.05)
+    # the separate pass is timed; taken from the update pass, there is none to time
+    assert summary["proximal_pass_s"]["recompute_from_update"] < summary["proximal_pass_s"]["recompute"]
     layouts = summary["layout_step_s"]
     assert set(layouts) == {"padded", "packed_sdpa", "packed_varlen"} and min(layouts.values()) > 0
     assert summary["packed_vs_padded"] == pytest.approx(layouts["packed_sdpa"] / layouts["padded"], rel=0.05)

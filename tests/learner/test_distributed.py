@@ -69,7 +69,11 @@ def assert_same_training(single: Learner, group: LearnerGroup, groups, steps: in
     {"rollout_correction": {"rollout_is": "token", "rollout_is_threshold": 1.5}, "ppo_mini_batch_size": 3,
      "ppo_epochs": 2, "shuffle_minibatches": True, "max_tokens_per_micro_batch": SMALL_BUDGET,
      "kl_in_reward": {"coef": 0.2}, "advantage": {"estimator": "optimal_token_baseline"}},
-], ids=["decoupled-uneven-minibatches", "bypass-seq-mean", "optimal-token-baseline"])
+    # one minibatch of one epoch: each rank takes π_old from its own update pass (no proximal pass
+    # on any rank), sequence IS, token-budget micro-batches of uneven counts per rank
+    {"rollout_correction": {"rollout_is": "sequence", "rollout_is_threshold": 1.5},
+     "max_tokens_per_micro_batch": SMALL_BUDGET, "policy_loss": {"entropy_coeff": 0.01}},
+], ids=["decoupled-uneven-minibatches", "bypass-seq-mean", "optimal-token-baseline", "pi-old-from-the-update-pass"])
 def test_two_gloo_ranks_make_the_update_of_one_rank(policy_dir, ray_cluster, overrides):
     groups = sample_groups(policy_dir, n_groups=4, n=3, seed=4, logprob_noise=0.2)
     config = dict(model_path=str(policy_dir), lr=1e-3, dtype="float64", **overrides)

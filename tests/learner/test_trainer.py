@@ -133,7 +133,8 @@ def test_the_three_proximal_paths(policy_dir):
         current, _ = response_log_probs(model, batch.prompts, batch.responses)
 
     results = {}
-    for name, overrides in {"recompute": {}, "loglinear": {"prox_logp": "loglinear"},
+    # recompute with its own no-grad pass (one minibatch would otherwise take π_old from the update pass)
+    for name, overrides in {"recompute": {"prox_from_update_pass": False}, "loglinear": {"prox_logp": "loglinear"},
                             "bypass": {"rollout_correction": "bypass_ppo_clip"}}.items():
         learner = make_learner(policy_dir, **overrides)
         learner.version = 2
@@ -341,6 +342,41 @@ def test_optimal_token_baseline_takes_the_proximal_passs_distribution(policy_dir
     with pytest.raises(ValidationError, match=f"{estimator} .* needs prox_logp 'recompute'"):
         LearnerConfig(model_path=str(policy_dir), advantage={"estimator": estimator},
                       rollout_correction={"bypass_mode": True})
+
+
+@pytest.mark.parametrize("overrides", [
+    {},  # the default: decoupled token-TIS
+    {"rollout_correction": {"rollout_is": "sequence", "rollout_is_threshold": 2.0}},
+    {"policy_loss": {"kl_coef": 0.1, "entropy_coeff": 0.01}, "max_tokens_per_micro_batch": 24},
+], ids=["token-is", "sequence-is", "kl-entropy-micro-batches"])
+def test_one_minibatch_takes_pi_old_from_its_update_pass_with_the_same_step(policy_dir, overrides):
+    """One minibatch of one epoch: the update pass runs the step's starting policy, so π_old comes
+    from it and the separate no-grad pass is skipped; two steps on stale samples give the same
+    weights and the same metrics (IS weights, rollout_corr/*, drift/*) bit for bit."""
+    groups = sample_groups(policy_dir, n_groups=4, n=4, seed=1, logprob_noise=0.3)
+    fused = make_learner(policy_dir, dtype="float64", **overrides)
+    separate = make_learner(policy_dir, dtype="float64", prox_from_update_pass=False, **overrides)
+    passes = {}
+    for name, learner in (("fused", fused), ("separate", separate)):
+        passes[name] = []
+        learner.model.model.layers[0].register_forward_pre_hook(lambda *_, seen=passes[name]: seen.append(1))
+    for _ in range(2):
+        got, want = fused.train_step(groups), separate.train_step(groups)
+    assert max_param_diff(params_of(fused.model), params_of(separate.model)) == 0.0
+    assert set(got) == set(want)
+    for key in [k for k in want if not k.startswith(("timing_s/", "perf/"))]:
+        assert got[key] == want[key] or math.isnan(got[key]) and math.isnan(want[key]), key
+    assert any(k.startswith("rollout_corr/") for k in want) and any(k.startswith("drift/") for k in want)
+    assert 2 * len(passes["fused"]) == len(passes["separate"])  # one pass per micro-batch, not two
+
+    # Two minibatches: the second's π_old is the step's start, not its own pass's: the pass runs.
+    counts = []
+    for flag in (True, False):
+        two = make_learner(policy_dir, dtype="float64", ppo_mini_batch_size=2, prox_from_update_pass=flag, **overrides)
+        counts.append([])
+        two.model.model.layers[0].register_forward_pre_hook(lambda *_, seen=counts[-1]: seen.append(1))
+        two.train_step(groups)
+    assert counts[0] == counts[1]
 
 
 def test_a_sequence_longer_than_the_budget_is_refused(policy_dir, groups):
