@@ -1,6 +1,7 @@
 """Load causal LMs and compute the log-probs of given tokens, the same way for every caller."""
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 from pathlib import Path
@@ -128,8 +129,6 @@ def enable_gradient_checkpointing(model, mode: str = "full") -> None:
     transformers checkpoints a layer only while that layer is in training mode; the learner keeps its
     model in eval mode (no dropout), so only the layer modules themselves are flagged as training:
     their children, dropout included, stay in eval mode. Calling it again switches the mode."""
-    from functools import partial
-
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
     from transformers.modeling_layers import GradientCheckpointingLayer
 
@@ -137,7 +136,7 @@ def enable_gradient_checkpointing(model, mode: str = "full") -> None:
         raise ValueError(f"gradient checkpointing is 'full' or 'selective', got {mode!r}")
     kwargs = {"use_reentrant": False}
     if mode == "selective":
-        kwargs["context_fn"] = partial(create_selective_checkpoint_contexts, _keep_matmul_outputs)
+        kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _keep_matmul_outputs)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
     if not layers:
@@ -146,6 +145,7 @@ def enable_gradient_checkpointing(model, mode: str = "full") -> None:
         layer.training = True  # this module only: Module.train() would reach the dropouts too
 
 
+@functools.cache
 def _kept_ops() -> frozenset:
     """The ops whose outputs selective checkpointing keeps: the linear layers' matmuls and the
     attention kernels (fused ones, and the CPU's; the flash varlen op where this torch has it).
@@ -164,16 +164,10 @@ def _kept_ops() -> frozenset:
     return frozenset(ops)
 
 
-_KEPT_OPS: frozenset | None = None
-
-
 def _keep_matmul_outputs(ctx, op, *args, **kwargs):
     from torch.utils.checkpoint import CheckpointPolicy
 
-    global _KEPT_OPS
-    if _KEPT_OPS is None:
-        _KEPT_OPS = _kept_ops()
-    return CheckpointPolicy.MUST_SAVE if op in _KEPT_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    return CheckpointPolicy.MUST_SAVE if op in _kept_ops() else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 # Files any one of which holds a tokenizer transformers can load (fast, sentencepiece, BPE, WordPiece).
@@ -407,10 +401,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
         ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
         ctx.temperature, ctx.chunk, ctx.compute = temperature, chunk, compute
         ctx.entropy_grad = with_entropy and entropy_grad
-        if not ctx.entropy_grad:
-            ctx.mark_non_differentiable(entropy, sum_pi_squared)
-        else:
-            ctx.mark_non_differentiable(sum_pi_squared)
+        ctx.mark_non_differentiable(sum_pi_squared, *([] if ctx.entropy_grad else [entropy]))
         return log_probs, entropy, sum_pi_squared
 
     @staticmethod
