@@ -294,13 +294,13 @@ def optimal_token_baseline_advantages(token_rewards: torch.Tensor, mask: torch.T
     baseline[sizes[index] == 1] = 0.0
     # The zero tail: a group's longest response, if it alone is that long, past the second longest.
     lengths = valid.sum(-1)
-    longest = torch.full((groups,), -1.0, dtype=lengths.dtype, device=lengths.device).scatter_reduce(
-        0, index, lengths, "amax")
-    at_longest = lengths == longest[index]
+
+    def group_max(values):  # each row's group's largest value (-1 for none)
+        return lengths.new_full((groups,), -1.0).scatter_reduce(0, index, values, "amax")[index]
+
+    at_longest = lengths == group_max(lengths)
     alone = at_longest & (torch.bincount(index[at_longest], minlength=groups)[index] == 1) & (sizes[index] > 1)
-    shorter = torch.where(at_longest, torch.full_like(lengths, -1.0), lengths)
-    second = torch.full((groups,), -1.0, dtype=lengths.dtype, device=lengths.device).scatter_reduce(
-        0, index, shorter, "amax")[index]
+    second = group_max(torch.where(at_longest, torch.full_like(lengths, -1.0), lengths))
     columns = torch.arange(returns.shape[1], device=returns.device)
     baseline[alone[:, None] & (columns[None, :] >= second[:, None])] = 0.0
     return (returns - baseline) * valid

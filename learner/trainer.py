@@ -307,12 +307,13 @@ class Learner:
         drift: dict[str, float] = {}
         routing: dict[str, float] = {}
         inputs.prox_from_update = self._prox_from_update(minibatches)
-        if inputs.prox_from_update:  # filled micro-batch by micro-batch in the update pass
-            inputs.old_log_prob = torch.zeros(shard.response_mask.shape, dtype=self._log_prob_dtype, device=self.device)
-            if cfg.rollout_correction.rollout_is is not None:
-                inputs.is_weights = torch.zeros_like(inputs.old_log_prob)
         with _timed(timing, "timing_s/old_log_prob"):
-            if not inputs.prox_from_update and (cfg.prox_mode == "recompute" or cfg.routing_replay == "r2"):
+            if inputs.prox_from_update:  # filled micro-batch by micro-batch in the update pass
+                inputs.old_log_prob = torch.zeros(shard.response_mask.shape, dtype=self._log_prob_dtype,
+                                                  device=self.device)
+                if cfg.rollout_correction.rollout_is is not None:
+                    inputs.is_weights = torch.zeros_like(inputs.old_log_prob)
+            elif cfg.prox_mode == "recompute" or cfg.routing_replay == "r2":
                 # the proximal pass; r2 runs it without recompute too: it records the routing to replay
                 old_log_prob, routing, inputs.sum_pi_squared = self._proximal_pass(
                     shard, owned, with_sum_pi_squared=cfg.advantage.estimator in OTB_ESTIMATORS)
