@@ -173,7 +173,8 @@ def child_step(spec: dict) -> dict:
                            max_tokens_per_micro_batch=None if spec["old"] else spec["budget"],
                            logprob_chunk_tokens=spec["chunk"], packing=packing,
                            mixed_precision=spec["mixed_precision"],
-                           gradient_checkpointing={None: False, "full": True}.get(spec["checkpointing"], "selective"),
+                           gradient_checkpointing={None: False, "full": True, "selective": "selective"}[
+                               spec["checkpointing"]],
                            attn_implementation=spec["attn"] if packing else None)
     if spec["old"]:
         trainer.response_log_probs = former_response_log_probs
@@ -252,13 +253,8 @@ def child_throughput(spec: dict) -> dict:
     lengths = [len(p) + len(r) for p, r in zip(batch.prompts, batch.responses)]
     plan = plan_micro_batches(lengths, spec["budget"])  # the plain pass: padded micro-batches
     packed_plan = plan_micro_batches(lengths, spec["budget"], packed=spec["packing"])
-    attention = {"ours": spec["attn"] or "sdpa", "ours_full": spec["attn"] or "sdpa", "plain": "sdpa",
-                 "plain_step": "sdpa"}
-    checkpointing = {"ours": spec["checkpointing"], "plain": spec["checkpointing"] and "full",
-                     "plain_step": spec["checkpointing"] and "full"}
+    ours_attention = spec["attn"] or "sdpa"
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-9)  # the plain step's; a tiny lr keeps the model
-    if spec["checkpointing"] == "selective":
-        checkpointing["ours_full"] = "full"
 
     def ours(rows):
         width = shape_bucket(sum(lengths[r] for r in rows), spec["budget"]) if cuda and spec["packing"] else None
@@ -266,21 +262,23 @@ def child_throughput(spec: dict) -> dict:
                                       chunk_tokens=spec["chunk"], packed=spec["packing"], pack_width=width)
         (-(lp * mask).sum() / mask.sum()).backward()
 
-    def plain(rows):
+    def padded(rows):  # a plain micro-batch: (input ids, attention mask) on the device, right-padded
         ids, attention_mask, _, _ = pad_sequences([batch.prompts[r] for r in rows], [batch.responses[r] for r in rows])
+        return ids.to(spec["device"]), attention_mask.to(spec["device"])
+
+    def plain(rows):
+        ids, attention_mask = padded(rows)
         labels = ids.clone()
         labels[attention_mask == 0] = -100
         for i, r in enumerate(rows):
             labels[i, : len(batch.prompts[r])] = -100  # the loss on response tokens, as the learner's
-        model(input_ids=ids.to(spec["device"]), attention_mask=attention_mask.to(spec["device"]),
-              labels=labels.to(spec["device"])).loss.backward()
+        model(input_ids=ids, attention_mask=attention_mask, labels=labels).loss.backward()
 
     def plain_step(rows_list):
         with torch.no_grad():
             for rows in rows_list:
-                ids, attention_mask, _, _ = pad_sequences([batch.prompts[r] for r in rows],
-                                                          [batch.responses[r] for r in rows])
-                model(input_ids=ids.to(spec["device"]), attention_mask=attention_mask.to(spec["device"]))
+                ids, attention_mask = padded(rows)
+                model(input_ids=ids, attention_mask=attention_mask)
         for rows in rows_list:
             plain(rows)
         optimizer.step()
@@ -291,18 +289,23 @@ def child_throughput(spec: dict) -> dict:
                 fn(rows)
         return run
 
-    passes = {name: plain_step if name == "plain_step" else over(plain if name == "plain" else ours)
-              for name in checkpointing}
+    # name: (one pass over the micro-batches, the micro-batches, attention, checkpointing)
+    plain_checkpointing = spec["checkpointing"] and "full"
+    passes = {"ours": (over(ours), packed_plan, ours_attention, spec["checkpointing"]),
+              "plain": (over(plain), plan, "sdpa", plain_checkpointing),
+              "plain_step": (plain_step, plan, "sdpa", plain_checkpointing)}
+    if spec["checkpointing"] == "selective":
+        passes["ours_full"] = (over(ours), packed_plan, ours_attention, "full")
     seconds = {name: [] for name in passes}
     for _ in range(spec["repeats"]):
-        for name, fn in passes.items():  # taking turns: load changes hit all
-            model.set_attn_implementation(attention[name])
-            if checkpointing[name]:
-                enable_gradient_checkpointing(model, checkpointing[name])
+        for name, (run, micro_batches, attention, checkpointing) in passes.items():  # taking turns: load hits all
+            model.set_attn_implementation(attention)
+            if checkpointing:
+                enable_gradient_checkpointing(model, checkpointing)
             model.zero_grad(set_to_none=True)
             start = time.perf_counter()
             with autocast:
-                fn(plan if name.startswith("plain") else packed_plan)
+                run(micro_batches)
             if cuda:
                 torch.cuda.synchronize()
             seconds[name].append(time.perf_counter() - start)
@@ -315,7 +318,7 @@ def child_throughput(spec: dict) -> dict:
     with torch.no_grad(), autocast:
         args = ([batch.prompts[r] for r in rows], [batch.responses[r] for r in rows])
         padded, _ = response_log_probs(model, *args, chunk_tokens=spec["chunk"])
-        model.set_attn_implementation(attention["ours"])
+        model.set_attn_implementation(ours_attention)
         packed, _ = response_log_probs(model, *args, chunk_tokens=spec["chunk"], packed=True)
     return {"tokens": tokens, "micro_batches": len(plan), "packed_micro_batches": len(packed_plan),
             **{f"{name}_tokens_per_s": tokens / best[name] for name in best},
@@ -388,8 +391,8 @@ def measure_throughput(common: dict, batch: int) -> dict:
           f"{r['plain_tokens_per_s']:.0f} tokens/s over {r['micro_batches']} padded ones"
           + (f"; the learner with full checkpointing {r['ours_full_tokens_per_s']:.0f} tokens/s"
              if "ours_full_tokens_per_s" in r else "")
-          + f"; a plain transformers step (no-grad forward, forward+backward, AdamW) {r['plain_step_tokens_per_s']:.0f} "
-          f"tokens/s; packed vs padded log-probs "
+          + "; a plain transformers step (no-grad forward, forward+backward, AdamW) "
+          f"{r['plain_step_tokens_per_s']:.0f} tokens/s; packed vs padded log-probs "
           f"of the largest micro-batch: max |diff| {r['packed_vs_padded_max_abs_diff']:.2e} (packed attention "
           f"{common['attn'] or 'sdpa'}, B={batch})"))
     return r
@@ -408,7 +411,8 @@ def summarize(setup: dict, steps: dict, old: dict, head: dict, throughput: dict)
     head_fraction = head_bytes / naive if head_bytes else None
     speed = (throughput["ours_tokens_per_s"] / throughput["plain_tokens_per_s"]) if "error" not in throughput else None
     learner_step = steps.get(setup["throughput_batch"], {}).get("warm_tokens_per_s")
-    step_speed = learner_step / throughput["plain_step_tokens_per_s"] if learner_step and speed else None
+    plain_step = throughput.get("plain_step_tokens_per_s")
+    step_speed = learner_step / plain_step if learner_step and plain_step else None
     gib = lambda x: round(x / GiB, 3)  # noqa: E731
     return {
         "benchmark": "learner_memory", **{k: v for k, v in setup.items() if k != "batch_sizes"},
