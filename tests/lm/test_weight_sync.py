@@ -336,6 +336,7 @@ def test_the_parameters_stay_still_under_a_send(model_dir, snapshot, monkeypatch
                 gate.set()
                 wait_for(lambda: engine.version == 5)
                 assert_engine_has(engine, learner)
+                learner.publication.wait_sent(5)  # the engine serves v5 a moment before its send is recorded
                 sent = [s["version"] for s in learner.publication.recent]
                 assert sent[0] == 1 and sent[1] == 2 and sent[-1] == 5 and len(sent) < 5, sent
     finally:
