@@ -37,6 +37,13 @@ def _make_problem(family: str, difficulty: int, rng: random.Random) -> Problem:
     raise ValueError(f"unknown task family {family!r}; built-in families are {FAMILIES}")
 
 
+def _distinct_prompts(family: str, difficulty: int) -> int:
+    """How many different prompts a family has at a difficulty (1-digit addition: 100)."""
+    if family == "add":
+        return (10**difficulty - (0 if difficulty == 1 else 10 ** (difficulty - 1))) ** 2
+    return len(LETTERS) ** (difficulty + 2)
+
+
 def synthetic_problems(
     family: str, difficulty: int, split: str, count: int, seed: int = 0, heldout_percent: int = 10
 ) -> list[Problem]:
@@ -49,15 +56,19 @@ def synthetic_problems(
     rng = random.Random(f"{seed}:{family}:{difficulty}")
     seen: set[str] = set()
     out: list[Problem] = []
+    space = None
     for _ in range(50 * count + 1000):
         problem = _make_problem(family, difficulty, rng)
         if problem.prompt in seen:
             continue
         seen.add(problem.prompt)
+        space = space or _distinct_prompts(family, difficulty)
         if _split_of(problem.prompt, heldout_percent) == split:
             out.append(problem)
             if len(out) == count:
                 break
+        if len(seen) == space:  # every prompt drawn: the rest of the draws would only repeat them
+            break
     return out
 
 

@@ -54,6 +54,10 @@ def test_synthetic_families_are_correct_deterministic_and_split(family):
 def test_difficulty_levels_mix_and_small_spaces():
     one_digit = synthetic_problems("add", 1, "train", 1000)
     assert 50 < len(one_digit) < 100  # only 100 one-digit sums exist, ~10% held out
+    # a small space is drawn to the end (and no further): both splits together hold every prompt
+    for family, difficulty, size in [("add", 1, 100), ("add", 2, 90 * 90), ("reverse", 1, 1000)]:
+        both = [p.prompt for split in ("train", "heldout") for p in synthetic_problems(family, difficulty, split, size)]
+        assert len(set(both)) == len(both) == size
     mixed = mixed_problems(["add", "reverse"], [1, 2], "train", 40)
     assert [(p.family, p.difficulty) for p in mixed[:4]] == [("add", 1), ("add", 2), ("reverse", 1), ("reverse", 2)]
     with pytest.raises(ValueError, match="unknown task family"):
