@@ -90,7 +90,11 @@ def parse_override(text: str) -> tuple[str, Any]:
     key, sep, raw = text.partition("=")
     key = key.strip()
     if not sep or not key or any(not part for part in key.split(".")):
-        raise ConfigError(f"override {text!r} is not of the form dotted.key=value")
+        hint = ""
+        if not sep and Path(text).exists():  # `etarl eval runs/X`, `etarl train my.yaml`
+            hint = (": it is a path; a config file goes after --config, a run's folder after --run (eval) or "
+                    "--resume (train)")
+        raise ConfigError(f"override {text!r} is not of the form dotted.key=value{hint}")
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError:

@@ -60,8 +60,10 @@ def test_bad_values_name_the_key_and_the_value():
         load_config(None, ["run.steps=0"])
     with pytest.raises(ConfigError, match=r"learner.rollout_correction"):
         load_config(None, ["learner.rollout_correction=no_such_preset"])
-    with pytest.raises(ConfigError, match="not of the form"):
+    with pytest.raises(ConfigError, match="not of the form dotted.key=value$"):
         load_config(None, ["learner.lr"])
+    with pytest.raises(ConfigError, match="it is a path; a config file goes after --config"):
+        load_config(None, [str(DEFAULT_CONFIG.parent)])  # `etarl eval runs/X` instead of `--run runs/X`
     with pytest.raises(ConfigError, match="is a value, not a section"):
         load_config(None, ["run.steps.x=1"])
 
