@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 EXIT_CONFIG_ERROR = 2
@@ -126,6 +127,8 @@ def _dispatch(args) -> int:
         return 0 if result.completed or result.interrupted else 1
     if args.command == "eval":
         from services.controller import evaluate_model
+
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the engine runs here: its warnings would bury the result
 
         if args.run and not args.config:  # a run is evaluated on its own task and settings
             from services.controller import resume_config

@@ -515,4 +515,7 @@ def evaluate_model(cfg: EtarlConfig, model: str | None = None, run_dir: str | No
     else:
         folder = resolve_model(cfg)
     evaluator = PolicyEvaluator.from_config(cfg, folder)
-    return evaluator.evaluate_payload(None)
+    try:
+        return evaluator.evaluate_payload(None)
+    finally:
+        evaluator.close()  # the engine's processes end here, not in a destructor at exit

@@ -74,3 +74,24 @@ def test_data_check_reports_rows_tokens_and_unusable_rows(tiny_model_dir, tmp_pa
            in capsys.readouterr().out
     assert main(["data", "check", str(tmp_path / "none.parquet"), model]) == EXIT_CONFIG_ERROR
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_eval_prints_only_its_metrics_and_ends_its_engine(tiny_model_dir, tmp_path):
+    """`etarl eval --model DIR` with the rollout engine (vLLM here): standard output is the metrics'
+    JSON alone (the engine's warnings stay off it) and the engine is shut down before the process
+    exits (it was left to a destructor at exit, which failed with a traceback)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_LOGGING_LEVEL"}
+    out = subprocess.run([sys.executable, "-m", "services.cli", "eval", "--model", str(tiny_model_dir),
+                          "eval.num_prompts=8", "eval.n_samples=2", "eval.k=2"],
+                         cwd=repo, capture_output=True, text=True, timeout=300,
+                         env={**env, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    metrics = json.loads(out.stdout)
+    assert metrics["eval/num_prompts"] == 8 and 0 <= metrics["eval/accuracy"] <= 1 and "eval/pass@2" in metrics
+    assert "Traceback" not in out.stderr and "Exception ignored" not in out.stderr, out.stderr[-3000:]
