@@ -128,6 +128,11 @@ class Controller:
                               "whose checkpoints hold the buffer, or start a new run")
         self.resume_from = ckpt.latest_checkpoint(resume) if resume else None
         self.run_dir = Path(cfg.run.run_dir or default_run_dir(cfg)).resolve()
+        earlier = [] if self.resume_from else ckpt.list_checkpoints(self.run_dir)
+        if earlier:  # a second run in one folder would mix its checkpoints and metrics with the first's
+            raise ConfigError(f"run.run_dir {self.run_dir} already holds a run (checkpoints up to {earlier[-1].name}): "
+                              f"continue it with `etarl train --resume {self.run_dir}`, or give run.run_dir a new "
+                              "folder")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.stop_requested = threading.Event()
         self.step = 0

@@ -22,7 +22,9 @@ PANELS = [
 
 class MetricLog:
     """Append-only JSONL, one record per line, flushed per record so a crash keeps what was logged.
-    On resume the log is truncated to the checkpoint's step so no step appears twice."""
+    On resume the log is truncated to the checkpoint's step so no step appears twice; a new run
+    in the folder of one that ended before its first checkpoint moves that one's log aside to
+    `metrics.jsonl.prev`."""
 
     def __init__(self, run_dir: str | os.PathLike, resume_after_step: int | None = None) -> None:
         self.path = Path(run_dir) / METRICS_FILE
@@ -30,6 +32,8 @@ class MetricLog:
         if resume_after_step is not None and self.path.exists():
             kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_after_step]
             self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        elif self.path.exists():
+            self.path.replace(self.path.with_name(METRICS_FILE + ".prev"))
         self._file = open(self.path, "a", encoding="utf-8")
 
     def write(self, record: dict) -> None:

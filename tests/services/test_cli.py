@@ -95,3 +95,17 @@ def test_eval_prints_only_its_metrics_and_ends_its_engine(tiny_model_dir, tmp_pa
     metrics = json.loads(out.stdout)
     assert metrics["eval/num_prompts"] == 8 and 0 <= metrics["eval/accuracy"] <= 1 and "eval/pass@2" in metrics
     assert "Traceback" not in out.stderr and "Exception ignored" not in out.stderr, out.stderr[-3000:]
+
+
+def test_a_new_run_in_the_folder_of_a_run_with_checkpoints_is_refused_naming_resume(tmp_path, capsys):
+    """`etarl train run.run_dir=D` where D holds a run's checkpoints (a RayJob applied again with its
+    fixed run folder): refused before anything starts, naming --resume; the folder is untouched."""
+    step = tmp_path / "run" / "checkpoints" / "step_000040"
+    step.mkdir(parents=True)
+    (step / "state.json").write_text("{}")
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 40}\n')
+    assert main(["train", f"run.run_dir={tmp_path / 'run'}"]) == EXIT_CONFIG_ERROR
+    err = capsys.readouterr().err
+    assert "already holds a run (checkpoints up to step_000040)" in err and f"--resume {tmp_path / 'run'}" in err
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == '{"step": 40}\n'
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["checkpoints", "metrics.jsonl"]

@@ -17,6 +17,12 @@ def test_metric_log_round_trip_nan_as_null_and_truncate_on_resume(tmp_path):
     # Resuming from the step-3 checkpoint drops steps 4 and 5 so they are not logged twice.
     MetricLog(tmp_path, resume_after_step=3).close()
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
+    # A new run in the folder (the first ended before a checkpoint): its log starts empty, the old one kept aside.
+    log = MetricLog(tmp_path)
+    log.write({"step": 1, "reward/mean": 0.5})
+    log.close()
+    assert read_metrics(tmp_path) == [{"step": 1, "reward/mean": 0.5}]
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl.prev")] == [1, 2, 3]
 
 
 def test_read_metrics_tolerates_a_torn_last_line_only(tmp_path):
