@@ -152,6 +152,25 @@ def read_yaml(path: str | os.PathLike) -> dict:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"config file {str(path)!r} must hold a mapping at the top, got {type(data).__name__}")
+    if "apiVersion" in data and "kind" in data:  # a Kubernetes manifest, e.g. deploy/k8s/etarl-config.yaml
+        return _config_in_manifest(path, data)
+    return data
+
+
+def _config_in_manifest(path: Path, manifest: dict) -> dict:
+    """The etarl config a ConfigMap carries as its one YAML entry (`data: {etarl.yaml: |...}`), so
+    the ConfigMap a cluster mounts is the file `etarl plan --config` checks."""
+    entries = manifest.get("data") if manifest.get("kind") == "ConfigMap" else None
+    texts = [v for k, v in (entries or {}).items() if str(k).endswith((".yaml", ".yml")) and isinstance(v, str)]
+    if len(texts) != 1:
+        raise ConfigError(f"config file {str(path)!r} is a Kubernetes {manifest.get('kind')} manifest, not an etarl "
+                          "config: give the config itself, or a ConfigMap with one .yaml entry holding it")
+    try:
+        data = yaml.safe_load(texts[0])
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"the ConfigMap {str(path)!r}'s config is not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"the ConfigMap {str(path)!r}'s config must hold a mapping at the top")
     return data
 
 

@@ -306,8 +306,7 @@ def test_the_run_config_fills_the_gpus_the_raycluster_declares(manifest, tmp_pat
     from services.cli import main
 
     _, config = _run_config()
-    run_yaml = tmp_path / "etarl.yaml"
-    run_yaml.write_text(yaml.safe_dump(config))
+    run_yaml = K8S / "etarl-config.yaml"  # the ConfigMap itself: its one .yaml entry is the config
     assert main(["plan", "--config", str(run_yaml), "--raycluster", str(K8S / manifest)]) == 0, capsys.readouterr().err
     report = json.loads(capsys.readouterr().out)
     spec = the("raycluster.yaml")["spec"]
@@ -322,6 +321,9 @@ def test_the_run_config_fills_the_gpus_the_raycluster_declares(manifest, tmp_pat
     assert main(["plan", "--config", str(run_yaml), "--raycluster", str(K8S / manifest),
                  f"rollout.num_workers={config['rollout']['num_workers'] + 1}"]) == 2
     assert "rollout.num_workers" in capsys.readouterr().err
+    # a manifest that carries no config (the cluster's own) is named as such
+    assert main(["plan", "--config", str(K8S / manifest)]) == 2
+    assert f"is a Kubernetes {the(manifest)['kind']} manifest, not an etarl config" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------ who gets in (issue 30)

@@ -180,3 +180,24 @@ def test_the_two_ends_of_vllms_weight_transfer_and_routing_replay_are_checked_to
         load_config(None, ["learner.routing_replay=r3", "rollout.interrupt_on_update=true", "rollout.streaming=false"])
     assert load_config(None, ["learner.routing_replay=r3", "rollout.interrupt_on_update=true",
                               "rollout.streaming=false", "rollout.engine.kind=hf"]).learner.routing_replay == "r3"
+
+
+def test_a_configmap_is_read_as_the_config_it_carries_and_other_manifests_are_named(tmp_path):
+    """`--config` accepts the ConfigMap a cluster mounts (its one .yaml entry); any other
+    Kubernetes manifest, or a ConfigMap without exactly one YAML entry, is refused naming what it is."""
+    import yaml
+
+    config_map = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "c"},
+                  "data": {"etarl.yaml": "run:\n  steps: 7\n", "README": "not a config"}}
+    path = tmp_path / "cm.yaml"
+    path.write_text(yaml.safe_dump(config_map))
+    assert load_config(path).run.steps == 7
+    path.write_text(yaml.safe_dump({**config_map, "data": {"a.yaml": "{}", "b.yml": "{}"}}))
+    with pytest.raises(ConfigError, match="a Kubernetes ConfigMap manifest, not an etarl config"):
+        load_config(path)
+    path.write_text(yaml.safe_dump({**config_map, "data": {"etarl.yaml": "- a list"}}))
+    with pytest.raises(ConfigError, match="config must hold a mapping"):
+        load_config(path)
+    path.write_text(yaml.safe_dump({"apiVersion": "ray.io/v1", "kind": "RayJob", "spec": {}}))
+    with pytest.raises(ConfigError, match="a Kubernetes RayJob manifest, not an etarl config"):
+        load_config(path)
