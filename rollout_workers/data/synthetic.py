@@ -56,13 +56,12 @@ def synthetic_problems(
     rng = random.Random(f"{seed}:{family}:{difficulty}")
     seen: set[str] = set()
     out: list[Problem] = []
-    space = None
+    space = _distinct_prompts(family, difficulty) if family in FAMILIES else None  # else _make_problem says why
     for _ in range(50 * count + 1000):
         problem = _make_problem(family, difficulty, rng)
         if problem.prompt in seen:
             continue
         seen.add(problem.prompt)
-        space = space or _distinct_prompts(family, difficulty)
         if _split_of(problem.prompt, heldout_percent) == split:
             out.append(problem)
             if len(out) == count:
