@@ -317,11 +317,11 @@ class Learner:
                 # the proximal pass; r2 runs it without recompute too: it records the routing to replay
                 old_log_prob, routing, inputs.sum_pi_squared = self._proximal_pass(
                     shard, owned, with_sum_pi_squared=cfg.advantage.estimator in OTB_ESTIMATORS)
-            if cfg.prox_mode == "recompute" and not inputs.prox_from_update:
-                inputs.old_log_prob = old_log_prob
-                inputs.is_weights, inputs.loss_mask, shard_stats = self._step_correction(
-                    shard, inputs.old_log_prob, owned)
-                drift = self._drift(shard, inputs.old_log_prob, owned)
+                if cfg.prox_mode == "recompute":
+                    inputs.old_log_prob = old_log_prob
+                    inputs.is_weights, inputs.loss_mask, shard_stats = self._step_correction(
+                        shard, inputs.old_log_prob, owned)
+                    drift = self._drift(shard, inputs.old_log_prob, owned)
         if self.drift_probe is not None and self.drift_probe.due(self.version):
             with _timed(timing, "timing_s/exact_drift_probe"):
                 drift.update(self.drift_probe.measure(shard, inputs.old_log_prob, owned, self.version))

@@ -127,8 +127,9 @@ def _dispatch(args) -> int:
         return 0 if result.completed or result.interrupted else 1
     if args.command == "eval":
         from services.controller import evaluate_model
+        from services.placement import QUIET_VLLM
 
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the engine runs here: its warnings would bury the result
+        os.environ["VLLM_LOGGING_LEVEL"] = QUIET_VLLM  # the engine runs here: its warnings would bury the result
 
         if args.run and not args.config:  # a run is evaluated on its own task and settings
             from services.controller import resume_config
