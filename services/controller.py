@@ -509,6 +509,15 @@ def run_training(cfg: EtarlConfig, resume: str | os.PathLike | None = None) -> R
             signal.signal(signal.SIGINT, previous)
 
 
+def without_engine_kind(cfg: EtarlConfig) -> EtarlConfig:
+    """`cfg` with rollout.engine.kind back to its default and not marked as the user's: a run's saved
+    config names the engine its layout chose (vLLM on its GPUs), which this machine may not have;
+    here the layout chooses again (the transformers engine where no vLLM is installed)."""
+    engine = cfg.rollout.engine
+    engine = type(engine)(**engine.model_dump(exclude={"kind"}, exclude_unset=True))
+    return cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"engine": engine})})
+
+
 def evaluate_model(cfg: EtarlConfig, model: str | None = None, run_dir: str | None = None) -> dict:
     """`etarl eval`: the held-out metrics of a model folder, or of a run's latest checkpoint."""
     from services.evaluation import PolicyEvaluator

@@ -4,6 +4,7 @@ that cannot fit before it starts anything. Device resolution outside Ray (lm/dev
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -337,6 +338,55 @@ def test_a_mixture_of_experts_on_a_cpu_engine_gets_the_transformers_engine_and_n
     evaluate_model(load_config(None, []), model=str(tiny_model_dir))
     evaluate_model(load_config(None, ["eval.engine=vllm"]), model=str(tiny_model_dir))
     assert [kind for kind, _ in made] == ["hf", "vllm", "vllm"]
+
+
+def test_etarl_eval_of_a_run_saved_with_vllm_takes_the_transformers_engine_where_no_vllm_is_installed(
+        tiny_model_dir, tmp_path, monkeypatch):
+    """A run's saved config names the engine its layout chose (vLLM on its GPUs); `etarl eval --run`
+    on a machine without vLLM evaluates its checkpoint with the transformers engine and says why,
+    where it used to fail starting vLLM. An engine named on the command line is kept."""
+    import shutil
+
+    import services.placement as placement
+
+    run = tmp_path / "run"
+    step = run / "checkpoints" / "step_000010"
+    shutil.copytree(tiny_model_dir, step / "policy")
+    (step / "state.json").write_text("{}")
+    (run / "config.yaml").write_text(load_config(None, [f"run.model={tiny_model_dir}",
+                                                        "rollout.engine.kind=vllm"]).to_yaml())
+    made = []
+    monkeypatch.setattr(placement, "_cuda_here", lambda: False)
+    monkeypatch.setattr(placement, "installed_vllm", lambda: None)
+    monkeypatch.setattr("services.evaluation.PolicyEvaluator.from_config",
+                        classmethod(lambda cls, c, folder: made.append((c.eval.engine, folder)) or _NoEvaluation()))
+    with _caught("etarl") as records:
+        assert main(["eval", "--run", str(run)]) == 0
+    assert made == [("hf", step / "policy")]
+    assert any("no vLLM for CPUs is installed here: the transformers engine" in r.getMessage() for r in records)
+    assert main(["eval", "--run", str(run), "rollout.engine.kind=vllm"]) == 0
+    assert made[-1][0] == "vllm"  # named here: kept (and the engine, starting, says what is missing)
+
+
+class _caught(logging.Handler):
+    """The records of a logger while in the `with` block."""
+
+    def __init__(self, name):
+        super().__init__(logging.INFO)
+        self.logger, self.records = logging.getLogger(name), []
+
+    def emit(self, record):
+        self.records.append(record)
+
+    def __enter__(self):
+        self.previous = self.logger.level
+        self.logger.setLevel(logging.INFO)
+        self.logger.addHandler(self)
+        return self.records
+
+    def __exit__(self, *exc):
+        self.logger.removeHandler(self)
+        self.logger.setLevel(self.previous)
 
 
 class _NoEvaluation:
