@@ -35,6 +35,9 @@ ARRAY_FIELDS: dict[str, np.dtype] = {
 }
 
 ROUTING_DTYPES = (np.dtype(np.uint8), np.dtype(np.int16))  # compact expert ids; int16 past 256 experts
+# The metadata key of the reward of the sample's group's greedy response (rollout.greedy_baseline),
+# ReMax's baseline: the worker writes it, the learner reads it.
+REWARD_BASELINE = "reward_baseline"
 
 
 def as_routing_array(value, sample_id: str | None) -> np.ndarray:

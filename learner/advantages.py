@@ -4,13 +4,13 @@ Public API:
 
 - `AdvantageConfig` (pydantic): `estimator` ("grpo" | "dr_grpo" | "rloo" |
   "reinforce_plus_plus_baseline" | "grpo_passk" | "opo" | "reinforce_plus_plus" | "gpg" | "gdpo" |
-  "optimal_token_baseline" | "tir_optimal_token_baseline"),
+  "optimal_token_baseline" | "tir_optimal_token_baseline" | "remax"),
   `eps` (1e-6), `gamma` (1.0, reinforce_plus_plus's discount), `gdpo_reward_keys`,
   `gdpo_reward_weights`, `gdpo_norm_by_std`.
 - `compute_advantages(rewards, group_ids, response_mask, config, token_rewards=None,
-  reward_components=None, old_log_probs=None, sum_pi_squared=None, is_weights=None) -> advantages
-  [B, T]`: one scalar per sequence, spread over its valid tokens (0 at padding);
-  reinforce_plus_plus and optimal_token_baseline give each token its own.
+  reward_components=None, old_log_probs=None, sum_pi_squared=None, is_weights=None,
+  reward_baselines=None) -> advantages [B, T]`: one scalar per sequence, spread over its valid
+  tokens (0 at padding); reinforce_plus_plus, optimal_token_baseline and remax give each token its own.
 - `KLRewardConfig`, `kl_penalised_rewards(rewards, mask, kl, beta, token_rewards)`,
   `adaptive_kl_coef(beta, current_kl, rows, cfg)`: a KL penalty in the reward before the
   advantages (the learner's `kl_in_reward`).
@@ -18,8 +18,8 @@ Public API:
   or an integer tensor); the estimators below take it.
 - `grpo_advantages`, `dr_grpo_advantages`, `rloo_advantages`, `reinforce_pp_baseline_advantages`,
   `grpo_passk_advantages`, `opo_advantages`, `gpg_advantages`, `gdpo_advantages`: the per-sequence
-  [B] advantages; `reinforce_pp_advantages`, `optimal_token_baseline_advantages`: [B, T], from
-  `token_level_rewards` (and `discounted_returns`).
+  [B] advantages; `reinforce_pp_advantages`, `optimal_token_baseline_advantages`, `remax_advantages`:
+  [B, T], from `token_level_rewards` (and `discounted_returns`).
 
 Estimators (r = reward, groups by id):
 - grpo: (r − mean_g) / (std_g + eps), std unbiased; a group of one has mean 0 and std 1.
@@ -52,6 +52,10 @@ Estimators (r = reward, groups by id):
 - tir_optimal_token_baseline (verl's multi-turn form): the same with t counting a trajectory's
   policy tokens only (the tool and observation tokens between turns skipped), so the baseline of
   each response's k-th own token compares the group's k-th own tokens.
+- remax (ReMax, arXiv 2310.10505): each policy token's return-to-go (γ = 1; with one outcome
+  reward, r on every token) less the reward of the group's greedy response, which the rollout
+  worker generates and scores beside the n samples (`rollout.greedy_baseline`, on with remax) and
+  hands over as each sample's `reward_baseline`; no whitening. The greedy response is not trained on.
 These are verl's `compute_*_outcome_advantage` with outcome rewards (parity checked on its code).
 """
 from __future__ import annotations
@@ -65,7 +69,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from learner.correction import check_mask
 
 Estimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline", "grpo_passk", "opo",
-                    "reinforce_plus_plus", "gpg", "gdpo", "optimal_token_baseline", "tir_optimal_token_baseline"]
+                    "reinforce_plus_plus", "gpg", "gdpo", "optimal_token_baseline", "tir_optimal_token_baseline",
+                    "remax"]
 OTB_ESTIMATORS = ("optimal_token_baseline", "tir_optimal_token_baseline")  # need π_old's Σp²
 GroupIds = Union[Sequence[Hashable], torch.Tensor]
 
@@ -251,6 +256,15 @@ def reinforce_pp_advantages(rewards: torch.Tensor, mask: torch.Tensor, gamma: fl
     return _whiten(returns, mask) * mask.to(returns.dtype)
 
 
+def remax_advantages(rewards: torch.Tensor, baselines: torch.Tensor, mask: torch.Tensor,
+                     token_rewards: torch.Tensor | None = None) -> torch.Tensor:
+    """ReMax (arXiv 2310.10505, verl's `compute_remax_outcome_advantage`): each policy token's
+    return-to-go of `token_level_rewards` (undiscounted) less its sequence's baseline (`baselines`
+    [B]: the reward of its group's greedy response). No whitening. Returns [B, T] (0 elsewhere)."""
+    returns = discounted_returns(token_level_rewards(rewards, mask, token_rewards), mask, 1.0)
+    return returns - baselines[:, None].to(returns) * mask.to(returns.dtype)
+
+
 def optimal_token_baseline_advantages(token_rewards: torch.Tensor, mask: torch.Tensor, index: torch.Tensor,
                                       old_log_probs: torch.Tensor, sum_pi_squared: torch.Tensor,
                                       is_weights: torch.Tensor | None = None, eps: float = 1e-8,
@@ -359,12 +373,14 @@ def compute_advantages(
     old_log_probs: torch.Tensor | None = None,
     sum_pi_squared: torch.Tensor | None = None,
     is_weights: torch.Tensor | None = None,
+    reward_baselines: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-token advantages [B, T]: the estimator's per-sequence value on every valid token
     (reinforce_plus_plus: each token's own, from `token_rewards` where a sample has them; gdpo:
     from `reward_components` [K, B], one row per `gdpo_reward_keys` entry; optimal_token_baseline:
     each token's own, from the proximal pass's `old_log_probs` and `sum_pi_squared` [B, T] and the
-    rollout correction's `is_weights` [B, T] or None)."""
+    rollout correction's `is_weights` [B, T] or None; remax: from `reward_baselines` [B], each
+    sample's greedy baseline)."""
     config = config or AdvantageConfig()
     rewards = _check_rewards(rewards)
     mask = check_mask(response_mask)
@@ -376,6 +392,11 @@ def compute_advantages(
         raise ValueError(f"token_rewards has shape {tuple(token_rewards.shape)}, expected {tuple(mask.shape)}")
     if config.estimator == "reinforce_plus_plus":  # per-token values (γ < 1)
         return reinforce_pp_advantages(rewards, mask, config.gamma, token_rewards)
+    if config.estimator == "remax":
+        if reward_baselines is None or tuple(reward_baselines.shape) != (len(rewards),):
+            got = None if reward_baselines is None else tuple(reward_baselines.shape)
+            raise ValueError(f"remax needs reward_baselines [{len(rewards)}] (the groups' greedy rewards), got {got}")
+        return remax_advantages(rewards, _check_rewards(reward_baselines).to(rewards), mask, token_rewards)
     if config.estimator in OTB_ESTIMATORS:  # per-token baselines
         for name, value in (("old_log_probs", old_log_probs), ("sum_pi_squared", sum_pi_squared),
                             ("is_weights", is_weights)):

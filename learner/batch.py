@@ -6,7 +6,7 @@ The response mask is 1 on real response tokens whose `loss_mask` is 1: tool or e
 tokens stay in the context but never in the loss. An MoE policy's batch carries the engine's
 routing ([B, T, layers, k], `learner.routing_replay`) when every sample has it, and per-token
 rewards where a sample has them (multi-turn steps). `reward_components` reads the reward's parts
-(GDPO's) from the samples' metrics.
+(GDPO's) from the samples' metrics, `reward_baselines` their groups' greedy rewards (ReMax's).
 
 `plan_micro_batches` groups rows into forward passes by a token budget (rows of similar length
 together, so little is padding), the same number on every rank.
@@ -23,7 +23,7 @@ import torch
 from buffer.codec import validate_group
 from buffer.config import SampleLimits
 from buffer.errors import SampleError
-from buffer.sample import Group
+from buffer.sample import REWARD_BASELINE, Group
 
 
 class BatchError(ValueError):
@@ -215,6 +215,21 @@ def reward_components(groups, keys: list[str]) -> torch.Tensor:
 
     samples = [s for g in groups for s in g.samples]
     return torch.tensor([[value(s, key) for s in samples] for key in keys], dtype=torch.float64).reshape(len(keys), -1)
+
+
+def reward_baselines(groups) -> torch.Tensor:
+    """[B] float64: each sample's `reward_baseline` (the reward of its group's greedy response, which
+    a worker with rollout.greedy_baseline scores beside the samples), in batch order."""
+    values = []
+    for group in groups:
+        for sample in group.samples:
+            v = sample.metadata.get(REWARD_BASELINE)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+                raise BatchError(f"sample {sample.sample_id} of group {group.group_id} has no finite "
+                                 f"{REWARD_BASELINE} ({v!r}): learner.advantage.estimator=remax needs the workers' "
+                                 "greedy baseline (rollout.greedy_baseline, on with remax in one config)")
+            values.append(float(v))
+    return torch.tensor(values, dtype=torch.float64)
 
 
 def _padded_routing(routing: list, real: torch.Tensor) -> torch.Tensor | None:

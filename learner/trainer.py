@@ -42,6 +42,7 @@ from learner.batch import (
     build_batch,
     padding_counts,
     plan_micro_batches,
+    reward_baselines,
     reward_components,
     shape_bucket,
 )
@@ -286,6 +287,7 @@ class Learner:
         # 1. Validate and pad the groups.
         groups = list(groups)
         require_routing(groups, cfg.routing_replay)
+        baselines = reward_baselines(groups) if cfg.advantage.estimator == "remax" else None
         batch = build_batch(groups, learner_version=self.version, vocab_size=self._vocab_size,
                             routing_shape=self.routing.shape)
         self._check_budget(batch)
@@ -344,7 +346,7 @@ class Learner:
                 old_log_probs=inputs.old_log_prob, sum_pi_squared=inputs.sum_pi_squared, is_weights=inputs.is_weights)
         else:
             advantages = compute_advantages(rewards, batch.group_index, batch.response_mask, cfg.advantage,
-                                            token_rewards, components)
+                                            token_rewards, components, reward_baselines=baselines)
             inputs.advantages = advantages[shard_rows, : shard.response_mask.shape[1]].to(self.device)
 
         # 3-4. Per minibatch: the loss in token-budget micro-batches, normalised by the whole
@@ -368,6 +370,9 @@ class Learner:
         metrics.update(drift)
         metrics.update(routing)
         metrics.update(kl_reward)
+        metrics.update(self._advantage_metrics(inputs.advantages, shard.response_mask, owned))
+        if baselines is not None:
+            metrics["critic/reward_baseline/mean"] = float(baselines.mean())  # the greedy responses' reward
         tokens = self._reduce({"real": float(self._slots[0]), "slots": float(self._slots[1])}, "sum")
         metrics["perf/padding_fraction"] = 1.0 - tokens["real"] / tokens["slots"] if tokens["slots"] else 0.0
         # rank 0's, in GiB under verl's names (perf/max_memory_allocated_gb, perf/max_memory_reserved_gb)
@@ -732,6 +737,19 @@ class Learner:
         keys = sorted(values)
         reduced = self.comm.all_reduce(torch.tensor([values[k] for k in keys], dtype=torch.float64), op)
         return dict(zip(keys, reduced.tolist()))
+
+    def _advantage_metrics(self, advantages: torch.Tensor, mask: torch.Tensor, owned: list[int]) -> dict[str, float]:
+        """verl's critic/advantages/{mean,max,min} over the batch's valid tokens: each rank's owned
+        rows (disjoint, covering the batch), reduced over ranks."""
+        values = advantages[owned][mask[owned].bool()].double()
+        some = values.numel() > 0
+        total = self._reduce({"sum": float(values.sum()), "count": float(values.numel())}, "sum")
+        top = self._reduce({"max": float(values.max()) if some else -math.inf}, "max")["max"]
+        bottom = self._reduce({"min": float(values.min()) if some else math.inf}, "min")["min"]
+        if not total["count"]:
+            return {}
+        return {"critic/advantages/mean": total["sum"] / total["count"], "critic/advantages/max": top,
+                "critic/advantages/min": bottom}
 
     def _batch_metrics(self, batch: TrainBatch) -> dict[str, float]:
         """Statistics of the whole pulled batch (identical on every rank). Staleness is measured

@@ -148,6 +148,10 @@ class RolloutConfig(_Strict):
     reward_memory_mb: int | None = Field(
         4096, gt=0, description="address space of the reward process in MB (the interpreter and its imports "
         "included; an allocation past it fails the response); null: no limit")
+    greedy_baseline: bool = Field(
+        False, description="beside each group's n samples, one greedy response (temperature 0) to the same "
+        "prompt, scored and not trained on: its reward goes with every sample as metadata reward_baseline "
+        "(ReMax's baseline; on with learner.advantage.estimator=remax); single-turn only")
     groups_per_batch: int = Field(
         4, ge=1, description="permits taken at once (when free) and generated in one engine batch")
     interrupt_on_update: bool = Field(

@@ -33,7 +33,7 @@ from collections import deque
 import numpy as np
 
 from buffer.errors import GROUP_REFUSALS, BufferError, BufferUnavailable
-from buffer.sample import Group, Sample, new_id
+from buffer.sample import REWARD_BASELINE, Group, Sample, new_id
 from lm.causal_lm import load_tokenizer
 from lm.device import gpu_memory_peaks
 from lm.weight_sync import WeightSubscription
@@ -152,6 +152,12 @@ class RolloutWorker:
             max_new_tokens=s.max_new_tokens, stop_token_ids=tuple(stop), seed=seed,
         )
 
+    def _baseline_params(self, ticket: int) -> tuple[SamplingParams, ...]:
+        """The group's greedy baseline request (rollout.greedy_baseline), else none."""
+        if not self.config.greedy_baseline:
+            return ()
+        return (self._sampling_params(ticket).with_(n=1, temperature=0.0, seed=None),)
+
     # ---------------------------------------------------------------- weights
 
     def _store_version(self, max_age_s: float) -> int:
@@ -247,9 +253,12 @@ class RolloutWorker:
         problems: list[Problem] = [self.prompts.problem(t) for t in tickets]
         prompts = [self.prompt_format.encode(p) for p in problems]
         requests = [(prompt, self._sampling_params(t)) for prompt, t in zip(prompts, tickets)]
+        baselines = [(prompt, p) for prompt, t in zip(prompts, tickets) for p in self._baseline_params(t)]
         started_version = self.engine.version
         started = time.perf_counter()
-        generated = self._generate_with_updates(requests)
+        generated = self._generate_with_updates(requests + baselines)  # one engine batch
+        if baselines:  # each group's greedy response after its samples, as a streamed group has it
+            generated = [row + greedy for row, greedy in zip(generated, generated[len(requests):])]
         self.counters["generation_s"] += time.perf_counter() - started
         self._probe_prompt = prompts[0]
         return [
@@ -259,8 +268,14 @@ class RolloutWorker:
 
     def _make_group(self, ticket: int, problem: Problem, prompt_ids: list[int], responses, started_version: int,
                     rewards: RewardRunner | None = None) -> Group:
+        """The group of `responses` (with rollout.greedy_baseline, the last is the greedy one: scored
+        with the others, its reward each sample's reward_baseline, itself not trained on)."""
         texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c, _ in responses]
         scored = (rewards or self.rewards).score(texts, problem)
+        baseline = {}
+        if self.config.greedy_baseline:
+            baseline = {REWARD_BASELINE: float(scored[-1].value)}
+            responses, scored = responses[:-1], scored[:-1]
         group_id = new_id()
         samples = [
             Sample(
@@ -276,7 +291,7 @@ class RolloutWorker:
                 worker_id=self.worker_id,
                 finish_reason=completion.finish_reason,
                 metadata={"ticket": int(ticket), "family": problem.family, "difficulty": int(problem.difficulty),
-                          **reward.metrics},
+                          **reward.metrics, **baseline},
             )
             for (completion, versions), reward in zip(responses, scored)
         ]
@@ -474,7 +489,8 @@ class RolloutWorker:
         prompt = self.prompt_format.encode(problem)
         try:
             version = self.engine.version
-            return self.engine.submit(prompt, self._sampling_params(permit.ticket)), problem, prompt, version
+            request = self.engine.submit(prompt, self._sampling_params(permit.ticket), *self._baseline_params(permit.ticket))
+            return request, problem, prompt, version
         except Exception as err:  # refused before it went in (a prompt past the context, ...)
             group = self._recover_group(permit, err, served_others=self._probe_prompt is not None)
             return None if group is None else ("made", group)

@@ -293,6 +293,12 @@ class EtarlConfig(BaseModel):
                                  f"{engine.weight_transfer}: both ends of vLLM's weight transfer use one backend")
             engine.weight_transfer = sync.backend
         sampling = self.rollout.sampling
+        if self.learner.advantage.estimator == "remax":
+            self.rollout.greedy_baseline = True  # remax's baseline: the group's greedy response's reward
+        if self.rollout.greedy_baseline and self.rollout.multi_turn.enabled:
+            raise ValueError("rollout.greedy_baseline (learner.advantage.estimator=remax) is single-turn: a "
+                             "multi-turn rollout has no one greedy response to score; use another estimator "
+                             "(grpo, rloo, tir_optimal_token_baseline, ...) with rollout.multi_turn")
         if self.learner.advantage.estimator == "grpo_passk" and sampling.n < 2:
             raise ValueError("learner.advantage.estimator=grpo_passk compares each group's best response with its "
                              f"second best: rollout.sampling.n must be >= 2, got {sampling.n}")

@@ -353,16 +353,19 @@ class VLLMEngine(GenerationEngine):
             await asyncio.gather(*tasks, return_exceptions=True)
             await asyncio.gather(all_done, stopped, return_exceptions=True)
 
-    def submit(self, prompt_ids, params: SamplingParams) -> "GroupRequest":
-        """Start a group's n requests now; `result()` gives [(Completion, token versions)] once all
-        n have ended (`cancel()` aborts them). The prompt is checked before anything is sent."""
-        prompt = self._checked(prompt_ids, params)
-        partials = [_Partial() for _ in range(params.n)]
+    def submit(self, prompt_ids, params: SamplingParams, *more: SamplingParams) -> "GroupRequest":
+        """Start a group's n requests now (and those of `more` settings for the same prompt, e.g. a
+        greedy one beside the samples); `result()` gives [(Completion, token versions)], params'
+        n first, once all have ended (`cancel()` aborts them). The prompt is checked before
+        anything is sent."""
+        settings = [params, *more]
+        prompt = self._checked(prompt_ids, max(settings, key=lambda p: p.max_new_tokens))
+        partials = [[_Partial() for _ in range(p.n)] for p in settings]
         started, stop = self.version, asyncio.Event()
 
         async def group():
-            await self._requests([prompt], [params], [partials], stop)
-            return [(p.completion(), p.versions(started)) for p in partials]
+            await self._requests([prompt] * len(settings), settings, partials, stop)
+            return [(p.completion(), p.versions(started)) for row in partials for p in row]
 
         return GroupRequest(self._loop, self._loop.submit(group()), stop)
 

@@ -122,6 +122,32 @@ def test_reinforce_pp_credits_each_turn_with_the_step_rewards_from_it_on():
     assert adv[0, 3].item() == pytest.approx((2.0 - mean) / std, rel=1e-6) and adv[0, 2] == 0
 
 
+def test_remax_subtracts_each_groups_greedy_reward_from_every_tokens_return():
+    """ReMax (verl's compute_remax_outcome_advantage): the return-to-go less the sample's baseline,
+    no whitening. An outcome reward: r − b on every valid token; a two-turn trajectory with step
+    rewards 1 and 2: turn 1's tokens 3 − b, turn 2's 2 − b, the tool token 0; a KL-penalised
+    reward's per-token terms enter the returns as verl's token_level_rewards do."""
+    from learner.advantages import kl_penalised_rewards
+
+    remax = AdvantageConfig(estimator="remax")
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)
+    rewards, baselines = torch.tensor([1.0, 0.0, 1.0]), torch.tensor([0.5, 0.5, 1.0])
+    adv = compute_advantages(rewards, ["a", "a", "b"], mask, remax, reward_baselines=baselines)
+    assert adv.tolist() == [[0.5, 0.5, 0.5, 0], [-0.5, -0.5, 0, 0], [0, 0, 0, 0]]
+    turns = torch.tensor([[1, 1, 0, 1, 1]], dtype=torch.bool)
+    steps = torch.tensor([[0, 1, 0, 0, 2]], dtype=torch.float32)
+    adv = compute_advantages(torch.tensor([3.0]), ["a"], turns, remax, steps, reward_baselines=torch.tensor([1.0]))
+    assert adv.tolist() == [[2, 2, 0, 1, 1]]
+    kl = torch.tensor([[0.2, 0.4, 0.0, 0.0]] * 3, dtype=torch.float32)
+    penalised, placed = kl_penalised_rewards(rewards, mask, kl, 0.5)
+    adv = compute_advantages(penalised, ["a", "a", "b"], mask, remax, placed, reward_baselines=baselines)
+    assert adv[0].tolist() == pytest.approx([1 - 0.3 - 0.5, 1 - 0.2 - 0.5, 1 - 0.5, 0])
+    with pytest.raises(ValueError, match=r"remax needs reward_baselines \[3\] .*, got None"):
+        compute_advantages(rewards, ["a", "a", "b"], mask, remax)
+    with pytest.raises(ValueError, match="not finite"):
+        compute_advantages(rewards, ["a", "a", "b"], mask, remax, reward_baselines=torch.tensor([0.0, math.nan, 0.0]))
+
+
 def test_gpg_scales_the_group_centred_reward_by_the_share_of_non_zero_rewards():
     # 6 responses, 2 with a non-zero reward: α = 6 / 2 = 3; a group of one keeps α·r
     _, adv = per_seq("gpg", [1.0, 0.0, 0.0, 0.0, 0.0, 0.5], ["a", "a", "b", "b", "b", "c"])

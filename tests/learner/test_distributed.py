@@ -34,6 +34,8 @@ def assert_same_training(single: Learner, group: LearnerGroup, groups, steps: in
         assert got["learner/version"] == want["learner/version"]
         for key in [k for k in want if k.startswith("drift/")]:  # recompute mode: sums over both ranks' rows
             assert got[key] == pytest.approx(want[key], rel=1e-9, abs=1e-12, nan_ok=True), key
+        for key in ("critic/advantages/mean", "critic/advantages/max", "critic/advantages/min"):  # over both ranks
+            assert got[key] == pytest.approx(want[key], rel=1e-9, abs=1e-12), key
         for key in ("actor/reward_kl_penalty", "actor/reward_kl_penalty_coeff"):  # one β, from the whole batch
             if key in want:
                 assert got[key] == pytest.approx(want[key], rel=1e-9, abs=1e-12), key

@@ -112,6 +112,38 @@ def test_gdpo_learns_from_the_reward_components_the_samples_carry(policy_dir, gr
     assert gain_of_the_rewarded(learner, tagged, groups)[0] > 0.1  # the reward itself is 0 here: the part teaches
 
 
+def test_remax_learns_against_the_greedy_baseline_the_samples_carry(policy_dir, groups):
+    """Each sample carries its group's greedy reward (metadata reward_baseline, from a worker with
+    rollout.greedy_baseline); remax trains on r − baseline. A batch whose samples lack it is
+    refused naming the sample and the setting (BatchError: the run hands it back and goes on)."""
+    from buffer.sample import REWARD_BASELINE
+
+    def with_baseline(group, baseline):
+        samples = [Sample(**{**{f: getattr(s, f) for f in Sample.__dataclass_fields__},
+                             "metadata": {**s.metadata, REWARD_BASELINE: baseline}}) for s in group.samples]
+        return Group(group_id=group.group_id, samples=samples, prompt_index=group.prompt_index)
+
+    tagged = [with_baseline(g, float(np.mean([s.reward for s in g.samples]))) for g in groups]
+    learner = make_learner(policy_dir, advantage={"estimator": "remax"})
+    gain, metrics = gain_of_the_rewarded(learner, tagged, groups)
+    assert gain > 0.1
+    # verl's advantage metrics over valid tokens: each sample's r − b on each of its response tokens
+    per_token = [s.reward - s.metadata[REWARD_BASELINE] for g in tagged for s in g.samples
+                 for _ in range(int(s.loss_mask.sum()))]
+    assert metrics["critic/advantages/mean"] == pytest.approx(np.mean(per_token), abs=1e-6)
+    assert (metrics["critic/advantages/max"], metrics["critic/advantages/min"]) == pytest.approx(
+        (max(per_token), min(per_token)), abs=1e-6)
+    assert metrics["critic/reward_baseline/mean"] == pytest.approx(np.mean([s.reward for g in groups for s in g.samples]))
+    with pytest.raises(BatchError, match=f"sample {groups[0].samples[0].sample_id} .* no finite reward_baseline .*"
+                                         "remax needs the workers' greedy baseline"):
+        learner.train_step(groups)
+    # baselines above every reward push every response down: a baseline is used as given
+    everything_worse = [with_baseline(g, 10.0) for g in groups]
+    before = group_log_probs(learner.model, groups)
+    learner.train_step(everything_worse)
+    assert (group_log_probs(learner.model, groups) - before).mean() < 0
+
+
 def test_clip_covs_random_choice_repeats_in_a_run_with_the_same_seed(policy_dir, groups):
     cfg = {"policy_loss": {"loss_mode": "clip_cov", "clip_cov_ratio": 0.2, "clip_cov_lb": -10.0}}
     runs = []

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from rollout_helpers import PublishWhenArmed, perturbed, pull_all
+from rollout_helpers import PublishWhenArmed, length_reward, perturbed, pull_all
 
 from buffer.config import BufferConfig, GateConfig
 from lm.causal_lm import load_causal_lm, response_log_probs
@@ -61,6 +61,34 @@ def test_worker_pushes_scored_tagged_groups(tiny_model_dir, vllm_engine, hf_mode
     assert stats["groups_total"] == 4 and stats["samples_total"] == 16 and stats["loaded_version"] == 0
     assert stats["tokens_per_s"] > 0 and 0.0 <= stats["reward_mean"] <= 1.0
     assert buffer.stats()["running"] == 0
+    worker.close()
+
+
+@pytest.mark.parametrize("engine_kind,streaming", [("vllm", True), ("vllm", False), ("hf", False)])
+def test_a_greedy_baseline_goes_with_every_sample_of_its_group(tiny_model_dir, vllm_engine, tokenizer, buffer,
+                                                              engine_kind, streaming):
+    """rollout.greedy_baseline (remax): beside each group's n samples the worker generates one
+    greedy response to the prompt, in the same engine batch (streamed: the same request), scores it
+    and hands its reward to every sample as reward_baseline; the greedy response is not a sample."""
+    from buffer.sample import REWARD_BASELINE
+
+    cfg = config(tiny_model_dir, greedy_baseline=True, streaming=streaming, engine=EngineConfig(kind=engine_kind),
+                 reward="rollout_helpers:length_reward")  # a reward that tells responses apart
+    engine = vllm_engine if engine_kind == "vllm" else None
+    worker = RolloutWorker(cfg, "worker-g", buffer, WeightStore(), engine=engine)
+    stats = worker.run(max_groups=4)
+    prompts = train_prompts(cfg.task)
+    baselines = []
+    for group in sorted(pull_all(buffer, 4), key=lambda g: g.prompt_index):
+        problem = prompts.problem(group.prompt_index)
+        (greedy,) = worker.engine.generate(group.samples[0].prompt_ids.tolist(),
+                                           worker._baseline_params(group.prompt_index)[0])
+        expected = length_reward(tokenizer.decode(greedy.token_ids, skip_special_tokens=True), problem.answer)
+        assert len(group.samples) == 4
+        assert [s.metadata[REWARD_BASELINE] for s in group.samples] == [expected] * 4
+        baselines.append(expected)
+    assert stats["samples_total"] == 16  # the greedy responses are not counted as samples
+    assert len(set(baselines)) > 1, baselines  # greedy responses of several lengths: each group has its own
     worker.close()
 
 

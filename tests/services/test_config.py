@@ -81,6 +81,13 @@ def test_pass_at_k_advantages_need_two_responses_per_prompt():
     assert load_config(None, ["learner.advantage.estimator=grpo_passk"]).learner.advantage.estimator == "grpo_passk"
 
 
+def test_remax_turns_on_the_workers_greedy_baseline_and_is_single_turn():
+    assert load_config(None, []).rollout.greedy_baseline is False
+    assert load_config(None, ["learner.advantage.estimator=remax"]).rollout.greedy_baseline is True
+    with pytest.raises(ConfigError, match="rollout.greedy_baseline .* is single-turn"):
+        load_config(None, ["learner.advantage.estimator=remax", "rollout.multi_turn.environment=calculator"])
+
+
 def test_gdpo_needs_a_reward_with_parts():
     gdpo = ["learner.advantage.estimator=gdpo", "learner.advantage.gdpo_reward_keys=[format,accuracy]"]
     with pytest.raises(ConfigError, match="rollout.reward=exact returns a number, with no parts"):
