@@ -132,11 +132,10 @@ def _dispatch(args) -> int:
         os.environ["VLLM_LOGGING_LEVEL"] = QUIET_VLLM  # the engine runs here: its warnings would bury the result
 
         if args.run and not args.config:  # a run is evaluated on its own task and settings
-            from services.controller import resume_config, without_engine_kind
+            from services.controller import engine_for_this_machine, resume_config
 
             cfg = resume_config(args.run, None, args.overrides)
-            if not any(o.startswith("rollout.engine.kind=") for o in args.overrides):
-                cfg = without_engine_kind(cfg)  # the run's machine chose its engine; this one chooses here
+            cfg = engine_for_this_machine(cfg, {o.partition("=")[0] for o in args.overrides})
         else:
             cfg = load_config(args.config, args.overrides)
         metrics = evaluate_model(cfg, model=args.model, run_dir=args.run)

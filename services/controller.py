@@ -509,12 +509,15 @@ def run_training(cfg: EtarlConfig, resume: str | os.PathLike | None = None) -> R
             signal.signal(signal.SIGINT, previous)
 
 
-def without_engine_kind(cfg: EtarlConfig) -> EtarlConfig:
-    """`cfg` with rollout.engine.kind back to its default and not marked as the user's: a run's saved
-    config names the engine its layout chose (vLLM on its GPUs), which this machine may not have;
-    here the layout chooses again (the transformers engine where no vLLM is installed)."""
+def engine_for_this_machine(cfg: EtarlConfig, named: set[str]) -> EtarlConfig:
+    """`cfg` with the engine settings a run's layout chose for its own machine (the kind: vLLM on its
+    GPUs; the weight-transfer backend: NCCL or IPC there) back to their defaults and not marked as
+    the user's, unless `named` (the command line's dotted keys) has them: a run's saved config names
+    them all, and this machine may lack what they need; here they are chosen again (the
+    transformers engine where no vLLM is installed)."""
     engine = cfg.rollout.engine
-    engine = type(engine)(**engine.model_dump(exclude={"kind"}, exclude_unset=True))
+    again = {key for key in ("kind", "weight_transfer") if f"rollout.engine.{key}" not in named}
+    engine = type(engine)(**engine.model_dump(exclude=again, exclude_unset=True))
     return cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"engine": engine})})
 
 

@@ -342,9 +342,10 @@ def test_a_mixture_of_experts_on_a_cpu_engine_gets_the_transformers_engine_and_n
 
 def test_etarl_eval_of_a_run_saved_with_vllm_takes_the_transformers_engine_where_no_vllm_is_installed(
         tiny_model_dir, tmp_path, monkeypatch):
-    """A run's saved config names the engine its layout chose (vLLM on its GPUs); `etarl eval --run`
-    on a machine without vLLM evaluates its checkpoint with the transformers engine and says why,
-    where it used to fail starting vLLM. An engine named on the command line is kept."""
+    """A run's saved config names the engine its layout chose (vLLM on its GPUs, NCCL weight
+    transfer); `etarl eval --run` on a machine without vLLM evaluates its checkpoint with the
+    transformers engine and says why, where it used to fail starting vLLM, and the weight transfer
+    is chosen here again. What the command line names is kept."""
     import shutil
 
     import services.placement as placement
@@ -354,18 +355,20 @@ def test_etarl_eval_of_a_run_saved_with_vllm_takes_the_transformers_engine_where
     shutil.copytree(tiny_model_dir, step / "policy")
     (step / "state.json").write_text("{}")
     (run / "config.yaml").write_text(load_config(None, [f"run.model={tiny_model_dir}",
-                                                        "rollout.engine.kind=vllm"]).to_yaml())
+                                                        "rollout.engine.kind=vllm",
+                                                        "rollout.engine.weight_transfer=nccl"]).to_yaml())
     made = []
     monkeypatch.setattr(placement, "_cuda_here", lambda: False)
     monkeypatch.setattr(placement, "installed_vllm", lambda: None)
     monkeypatch.setattr("services.evaluation.PolicyEvaluator.from_config",
-                        classmethod(lambda cls, c, folder: made.append((c.eval.engine, folder)) or _NoEvaluation()))
+                        classmethod(lambda cls, c, folder: made.append((c.eval.engine, folder, c.rollout.engine.weight_transfer))
+                                    or _NoEvaluation()))
     with _caught("etarl") as records:
         assert main(["eval", "--run", str(run)]) == 0
-    assert made == [("hf", step / "policy")]
+    assert made == [("hf", step / "policy", "auto")]
     assert any("no vLLM for CPUs is installed here: the transformers engine" in r.getMessage() for r in records)
-    assert main(["eval", "--run", str(run), "rollout.engine.kind=vllm"]) == 0
-    assert made[-1][0] == "vllm"  # named here: kept (and the engine, starting, says what is missing)
+    assert main(["eval", "--run", str(run), "rollout.engine.kind=vllm", "rollout.engine.weight_transfer=gloo"]) == 0
+    assert made[-1][0::2] == ("vllm", "gloo")  # named here: kept (and the engine, starting, says what is missing)
 
 
 class _caught(logging.Handler):
