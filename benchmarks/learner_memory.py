@@ -22,7 +22,9 @@ the prompt. Every measurement runs in a fresh child process, so each peak is its
 Each step runs twice on the same lengths: the first on new shapes (on CUDA after a step of other
 lengths at the same batch size, as a running job meets them; before 2026-11-26 straight after a
 short warm-up, so its first-step allocations counted too), the second warm (their speed ratio;
-issue 27's goal >= 0.95 on a GPU), and model TFLOP/s (8 x parameters x tokens / warm step).
+issue 27's goal >= 0.95 on a GPU), and model TFLOP/s (8 x parameters x tokens / warm step);
+--repeats N does that on N sets of new lengths and sums the times (since 2026-11-28; one pair of
+steps was one sample of a noisy ratio). The peak memory is the highest of all of them.
 Micro-batches are packed (learner.packing; --no-packing: right-padded), so the padding fraction is
 0 on CPU (shape buckets, on with CUDA, add at most 25 % filler); the throughput child also checks
 packed against padded log-probs of one micro-batch (max |diff|). --mixed-precision and
@@ -167,7 +169,6 @@ def child_step(spec: dict) -> dict:
     import learner.trainer as trainer
     from learner.config import LearnerConfig
 
-    groups = random_groups(spec["batch"], spec["min_len"], spec["max_len"], spec["vocab"], seed=spec["batch"])
     packing = spec["packing"] and not spec["old"]
     config = LearnerConfig(model_path=spec["model"], device=spec["device"], lr=1e-5,
                            max_tokens_per_micro_batch=None if spec["old"] else spec["budget"],
@@ -190,21 +191,27 @@ def child_step(spec: dict) -> dict:
                                          seed=spec["batch"] + 1))
     memory = PeakMemory(spec["device"])
     base = memory.start()
-    start = time.perf_counter()
-    metrics = learner.train_step(groups)
-    seconds = time.perf_counter() - start  # new shapes: the first step of these lengths
+    seconds = warm = 0.0
+    tokens, longest, padding = 0, 0, []
+    for repeat in range(spec.get("repeats", 1)):  # each repeat new lengths: one step's timing is noisy
+        groups = random_groups(spec["batch"], spec["min_len"], spec["max_len"], spec["vocab"],
+                               seed=spec["batch"] + 1000 * repeat)
+        start = time.perf_counter()
+        metrics = learner.train_step(groups)
+        seconds += time.perf_counter() - start  # new shapes: the first step of these lengths
+        start = time.perf_counter()
+        learner.train_step(groups)  # the same lengths again: shapes warm
+        warm += time.perf_counter() - start
+        batch = build_batch(groups)
+        tokens += sum(len(p) + len(r) for p, r in zip(batch.prompts, batch.responses))
+        longest = max([longest] + [len(p) + len(r) for p, r in zip(batch.prompts, batch.responses)])
+        padding.append(metrics["perf/padding_fraction"])
     peak = memory.peak()
-    start = time.perf_counter()
-    learner.train_step(groups)  # the same lengths again: shapes warm
-    warm = time.perf_counter() - start
-    batch = build_batch(groups)
-    tokens = sum(len(p) + len(r) for p, r in zip(batch.prompts, batch.responses))
     params = sum(p.numel() for p in learner.model.parameters())
     return {"peak_bytes": peak, "base_bytes": base, "step_s": seconds, "warm_step_s": warm, "tokens": tokens,
             "tokens_per_s": tokens / seconds, "warm_tokens_per_s": tokens / warm,
-            "padding_fraction": metrics["perf/padding_fraction"],
-            "model_tflops": 8 * params * tokens / warm / 1e12,
-            "longest": max(len(p) + len(r) for p, r in zip(batch.prompts, batch.responses))}
+            "padding_fraction": sum(padding) / len(padding),
+            "model_tflops": 8 * params * tokens / warm / 1e12, "longest": longest}
 
 
 def child_head(spec: dict) -> dict:
@@ -361,7 +368,8 @@ def measure_steps(common: dict, batch_sizes, old: bool) -> dict[int, dict]:
         if old and not fits(logits, common["device"]):
             print(f"  {label} B={batch:4d}: not run, its float32 [B, L, V] logits alone are {logits / GiB:.1f} GiB")
             continue
-        r = results[batch] = run_child({"child": "step", **common, "batch": batch, "old": old})
+        r = results[batch] = run_child({"child": "step", **common, "batch": batch, "old": old,
+                                        "repeats": 1 if old else common["repeats"]})
         print(f"  {label} B={batch:4d}: " + (r.get("error") or
               f"peak {r['peak_bytes'] / GiB:6.3f} GiB (before the step {r['base_bytes'] / GiB:.3f}), "
               f"{r['tokens_per_s']:8.0f} tokens/s new shapes, {r['warm_tokens_per_s']:8.0f} warm, "
@@ -479,6 +487,8 @@ def main() -> None:
     parser.add_argument("--throughput-batch", type=int, help="sequences of the learner-vs-plain forward+backward "
                         "(default the smallest of --batch-sizes; issue 27's goal is at 32)")
     parser.add_argument("--no-old", action="store_true", help="skip the former path's step")
+    parser.add_argument("--repeats", type=int, default=1, help="steps on new lengths per batch size, each then "
+                        "repeated warm: the new-shapes and warm times are their sums (one step's time is noisy)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -500,7 +510,8 @@ def main() -> None:
              "max_len": max_len, "budget": budget,
              "chunk": args.chunk or max(1, budget // 16),  # the config defaults' proportion (16,384 / 1,024)
              "batch_sizes": sorted(int(b) for b in args.batch_sizes.split(",")), "packing": not args.no_packing,
-             "mixed_precision": "bfloat16" if args.mixed_precision else None, "checkpointing": args.checkpointing}
+             "mixed_precision": "bfloat16" if args.mixed_precision else None, "checkpointing": args.checkpointing,
+             "repeats": args.repeats}
     started = time.perf_counter()
     print(f"Qwen2 vocab {setup['vocab']}, hidden {setup['hidden']}, {setup['layers']} layers (MLP "
           f"{setup['intermediate'] or setup['hidden'] * 11 // 4}, heads {setup['heads'] or max(1, setup['hidden'] // 64)}"
@@ -512,7 +523,7 @@ def main() -> None:
                                  setup["intermediate"], setup["heads"], setup["kv_heads"]))
         common = {"model": model, **{k: setup[k] for k in ("device", "vocab", "hidden", "min_len", "max_len", "budget",
                                                            "chunk", "packing", "mixed_precision", "checkpointing",
-                                                           "attn")}}
+                                                           "attn", "repeats")}}
         steps = measure_steps(common, setup["batch_sizes"], old=False)
         # The old path at the smallest batch only: its cost and memory grow with B x L x V.
         old = {} if args.no_old else measure_steps(common, setup["batch_sizes"][:1], old=True)

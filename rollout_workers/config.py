@@ -163,7 +163,8 @@ class RolloutConfig(_Strict):
         "room, each group is scored and pushed as soon as its n responses end; false: engine batches of "
         "groups_per_batch groups, generated, scored and pushed together")
     max_requests_in_flight: int = Field(
-        64, ge=1, description="streaming: responses being generated at once at most (a group adds its n); "
+        64, ge=1, description="streaming: responses being generated at once at most (a group adds its n, and "
+        "its greedy baseline); "
         "permits bound it too")
     reward_processes: int = Field(
         1, ge=1, description="streaming: reward processes scoring groups at once, beside generation (each "

@@ -376,7 +376,8 @@ class RolloutWorker:
         from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
         cfg = self.config
-        room_groups = max(1, cfg.max_requests_in_flight // cfg.sampling.n)
+        per_group = cfg.sampling.n + (1 if cfg.greedy_baseline else 0)  # its n samples and its greedy baseline
+        room_groups = max(1, cfg.max_requests_in_flight // per_group)
         generating: dict = {}  # GroupRequest -> (permit, problem, prompt, started version)
         scoring: dict = {}  # Future of a Group -> permit
         scored: list[tuple] = []  # (permit, group) ready to push

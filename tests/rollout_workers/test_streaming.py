@@ -19,22 +19,26 @@ pytestmark = pytest.mark.timeout(180)
 
 
 class WatchedEngine:
-    """The real engine, counting the groups in flight at once and the pushes' sizes' source."""
+    """The real engine, counting the groups and responses in flight at once and the pushes' sizes' source."""
 
     def __init__(self, engine):
         self.engine, self.lock = engine, threading.Lock()
-        self.in_flight = self.most_in_flight = self.submitted = 0
+        self.in_flight = self.most_in_flight = self.submitted = self.responses = self.most_responses = 0
 
-    def submit(self, prompt_ids, params):
-        request = self.engine.submit(prompt_ids, params)
+    def submit(self, prompt_ids, params, *more):
+        request = self.engine.submit(prompt_ids, params, *more)
+        responses = params.n + sum(m.n for m in more)
         with self.lock:
             self.in_flight += 1
+            self.responses += responses
             self.submitted += 1
             self.most_in_flight = max(self.most_in_flight, self.in_flight)
+            self.most_responses = max(self.most_responses, self.responses)
 
         def ended(_):
             with self.lock:
                 self.in_flight -= 1
+                self.responses -= responses
 
         request.future.add_done_callback(ended)
         return request
@@ -55,23 +59,28 @@ class PushSizes:
         return getattr(self.client, name)
 
 
-def test_the_streaming_worker_keeps_its_bound_and_pushes_groups_as_they_end(tiny_model_dir, vllm_engine, buffer):
-    """Groups of 4 with room for 12 responses: 3 groups in flight at once, never more; every group
-    is tagged version 0 per token, the tickets are the data cursor, the pushes carry what has
-    ended (one request may carry several groups), two reward processes score them."""
+@pytest.mark.parametrize("greedy_baseline", [False, True])
+def test_the_streaming_worker_keeps_its_bound_and_pushes_groups_as_they_end(tiny_model_dir, vllm_engine, buffer,
+                                                                           greedy_baseline):
+    """Groups of 4 with room for 12 responses: 3 groups in flight at once, never more (with a
+    greedy baseline each group is 5 responses: 2 groups); every group is tagged version 0 per
+    token, the tickets are the data cursor, the pushes carry what has ended (one request may carry
+    several groups), two reward processes score them."""
     cfg = RolloutConfig(model_path=str(tiny_model_dir), sampling=SamplingConfig(n=4, max_new_tokens=8, seed=0),
                         weight_poll_s=0.0, acquire_timeout_s=0.2, error_backoff_s=0.0, max_requests_in_flight=12,
-                        reward_processes=2)
+                        reward_processes=2, greedy_baseline=greedy_baseline)
     engine, client = WatchedEngine(vllm_engine), PushSizes(buffer)
     worker = RolloutWorker(cfg, "worker-s", client, WeightStore(), engine=engine)
     stats = worker.run(max_groups=9)
     groups = pull_all(buffer, 9)
     assert sorted(g.prompt_index for g in groups) == list(range(9))
     assert all(set(s.token_versions.tolist()) == {0} and s.weight_version == 0 for g in groups for s in g.samples)
-    assert engine.most_in_flight == 3 and engine.submitted == 9
+    per_group = 5 if greedy_baseline else 4
+    assert engine.most_in_flight == 12 // per_group and engine.submitted == 9
+    assert engine.most_responses == 12 // per_group * per_group
     assert sum(client.sizes) == 9 and stats["groups_total"] == 9
     assert stats["tokens_per_s"] > 0 and buffer.stats()["running"] == 0
-    assert stats["reward_calls_total"] == 9 * 4  # both reward processes' calls
+    assert stats["reward_calls_total"] == 9 * per_group  # both reward processes' calls
     assert stats["engine_pause_s"] == vllm_engine.pause_s_total
     worker.close()
 

@@ -330,7 +330,12 @@ def test_a_broadcast_reaches_vllm_mid_generation_and_tokens_keep_their_versions(
         assert vllm_engine._transfer_joined and folder_loads == []
         assert_versions_then_log_probs(tiny_model_dir, new_weights, group)
     finally:
+        worker.stop(timeout=30)
+        runner.join(timeout=30)
         publication.close()
+        # A failure above may leave the shared engine paused: the package's next tests would hang on it.
+        if vllm_engine._loop.run(llm.is_paused(), timeout=30):
+            vllm_engine._loop.run(llm.resume_generation(), timeout=30)
 
 
 def test_a_version_vllm_refuses_leaves_its_weights_and_the_next_one_loads(tiny_model_dir, vllm_engine,
