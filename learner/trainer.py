@@ -744,12 +744,13 @@ class Learner:
         values = advantages[owned][mask[owned].bool()].double()
         some = values.numel() > 0
         total = self._reduce({"sum": float(values.sum()), "count": float(values.numel())}, "sum")
-        top = self._reduce({"max": float(values.max()) if some else -math.inf}, "max")["max"]
-        bottom = self._reduce({"min": float(values.min()) if some else math.inf}, "min")["min"]
+        # one MAX reduction for both ends: the minimum is minus the maximum of the negated values
+        ends = self._reduce({"max": float(values.max()) if some else -math.inf,
+                             "negated_min": float(-values.min()) if some else -math.inf}, "max")
         if not total["count"]:
             return {}
-        return {"critic/advantages/mean": total["sum"] / total["count"], "critic/advantages/max": top,
-                "critic/advantages/min": bottom}
+        return {"critic/advantages/mean": total["sum"] / total["count"], "critic/advantages/max": ends["max"],
+                "critic/advantages/min": -ends["negated_min"]}
 
     def _batch_metrics(self, batch: TrainBatch) -> dict[str, float]:
         """Statistics of the whole pulled batch (identical on every rank). Staleness is measured

@@ -376,7 +376,7 @@ class RolloutWorker:
         from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
         cfg = self.config
-        per_group = cfg.sampling.n + (1 if cfg.greedy_baseline else 0)  # its n samples and its greedy baseline
+        per_group = cfg.sampling.n + sum(p.n for p in self._baseline_params(0))  # its samples and greedy baseline
         room_groups = max(1, cfg.max_requests_in_flight // per_group)
         generating: dict = {}  # GroupRequest -> (permit, problem, prompt, started version)
         scoring: dict = {}  # Future of a Group -> permit

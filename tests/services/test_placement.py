@@ -341,7 +341,7 @@ def test_a_mixture_of_experts_on_a_cpu_engine_gets_the_transformers_engine_and_n
 
 
 def test_etarl_eval_of_a_run_saved_with_vllm_takes_the_transformers_engine_where_no_vllm_is_installed(
-        tiny_model_dir, tmp_path, monkeypatch):
+        tiny_model_dir, tmp_path, monkeypatch, caplog):
     """A run's saved config names the engine its layout chose (vLLM on its GPUs, NCCL weight
     transfer); `etarl eval --run` on a machine without vLLM evaluates its checkpoint with the
     transformers engine and says why, where it used to fail starting vLLM, and the weight transfer
@@ -363,33 +363,12 @@ def test_etarl_eval_of_a_run_saved_with_vllm_takes_the_transformers_engine_where
     monkeypatch.setattr("services.evaluation.PolicyEvaluator.from_config",
                         classmethod(lambda cls, c, folder: made.append((c.eval.engine, folder, c.rollout.engine.weight_transfer))
                                     or _NoEvaluation()))
-    with _caught("etarl") as records:
+    with caplog.at_level(logging.INFO, logger="etarl"):
         assert main(["eval", "--run", str(run)]) == 0
     assert made == [("hf", step / "policy", "auto")]
-    assert any("no vLLM for CPUs is installed here: the transformers engine" in r.getMessage() for r in records)
+    assert "no vLLM for CPUs is installed here: the transformers engine" in caplog.text
     assert main(["eval", "--run", str(run), "rollout.engine.kind=vllm", "rollout.engine.weight_transfer=gloo"]) == 0
     assert made[-1][0::2] == ("vllm", "gloo")  # named here: kept (and the engine, starting, says what is missing)
-
-
-class _caught(logging.Handler):
-    """The records of a logger while in the `with` block."""
-
-    def __init__(self, name):
-        super().__init__(logging.INFO)
-        self.logger, self.records = logging.getLogger(name), []
-
-    def emit(self, record):
-        self.records.append(record)
-
-    def __enter__(self):
-        self.previous = self.logger.level
-        self.logger.setLevel(logging.INFO)
-        self.logger.addHandler(self)
-        return self.records
-
-    def __exit__(self, *exc):
-        self.logger.removeHandler(self)
-        self.logger.setLevel(self.previous)
 
 
 class _NoEvaluation:
