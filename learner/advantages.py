@@ -4,8 +4,8 @@ Public API:
 
 - `AdvantageConfig` (pydantic): `estimator` ("grpo" | "dr_grpo" | "rloo" |
   "reinforce_plus_plus_baseline" | "grpo_passk" | "opo" | "reinforce_plus_plus" | "gpg" | "gdpo" |
-  "optimal_token_baseline" | "tir_optimal_token_baseline" | "remax"),
-  `eps` (1e-6), `gamma` (1.0, reinforce_plus_plus's discount), `gdpo_reward_keys`,
+  "optimal_token_baseline" | "tir_optimal_token_baseline" | "remax" | "gae"),
+  `eps` (1e-6), `gamma` (1.0, reinforce_plus_plus's and gae's discount), `lam` (1.0, gae's λ), `gdpo_reward_keys`,
   `gdpo_reward_weights`, `gdpo_norm_by_std`.
 - `compute_advantages(rewards, group_ids, response_mask, config, token_rewards=None,
   reward_components=None, old_log_probs=None, sum_pi_squared=None, is_weights=None,
@@ -56,6 +56,10 @@ Estimators (r = reward, groups by id):
   reward, r on every token) less the reward of the group's greedy response, which the rollout
   worker generates and scores beside the n samples (`rollout.greedy_baseline`, on with remax) and
   hands over as each sample's `reward_baseline`; no whitening. The greedy response is not trained on.
+- gae (PPO with a critic, arXiv 1506.02438): δ_t = r_t + γ·V(s_{t+1}) − V(s_t) over the policy
+  tokens, A_t = Σ (γλ)^k δ_{t+k}, whitened over the batch's policy tokens; the critic learns the
+  returns A_t + V(s_t) (before whitening). V comes from the learner's critic (learner/critic.py);
+  no groups: rollout.sampling.n may be 1.
 These are verl's `compute_*_outcome_advantage` with outcome rewards (parity checked on its code).
 """
 from __future__ import annotations
@@ -70,7 +74,7 @@ from learner.correction import check_mask
 
 Estimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline", "grpo_passk", "opo",
                     "reinforce_plus_plus", "gpg", "gdpo", "optimal_token_baseline", "tir_optimal_token_baseline",
-                    "remax"]
+                    "remax", "gae"]
 OTB_ESTIMATORS = ("optimal_token_baseline", "tir_optimal_token_baseline")  # need π_old's Σp²
 GroupIds = Union[Sequence[Hashable], torch.Tensor]
 
@@ -80,8 +84,10 @@ class AdvantageConfig(BaseModel):
 
     estimator: Estimator = "grpo"
     eps: float = Field(1e-6, gt=0, description="added to the group std (grpo, grpo_passk) before dividing")
-    gamma: float = Field(1.0, gt=0, le=1, description="reinforce_plus_plus: discount per response token "
+    gamma: float = Field(1.0, gt=0, le=1, description="reinforce_plus_plus and gae: discount per response token "
                          "(verl's algorithm.gamma); 1: every token gets the sequence's reward")
+    lam: float = Field(1.0, ge=0, le=1, description="gae: λ, the trade of bias (0: one-step TD errors, leaning "
+                       "on the critic) against variance (1: Monte-Carlo returns less V) (verl's algorithm.lam)")
     gdpo_reward_keys: Optional[list[str]] = Field(
         None, description="gdpo: the reward components to normalise one by one, keys of the dict a verl-form "
         "reward returns (they reach the learner as the samples' reward/<key> metrics)")
@@ -265,6 +271,70 @@ def remax_advantages(rewards: torch.Tensor, baselines: torch.Tensor, mask: torch
     return returns - baselines[:, None].to(returns) * mask.to(returns.dtype)
 
 
+def gae_advantages_and_returns(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                               gamma: float = 1.0, lam: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalized advantage estimation (verl's `compute_gae_advantage_return`): ([B, T] advantages
+    whitened over the policy tokens, [B, T] returns = advantages before whitening + values), both 0
+    off the policy tokens. `token_rewards` [B, T] (`token_level_rewards`), `values` [B, T]: V of the
+    state before each token. A non-policy token (a tool's output between turns) neither carries a
+    TD error nor breaks the recursion: the next policy token's value and advantage pass over it.
+
+    verl walks the T columns one by one (8,192 steps of [B] work at 8k-token responses); here each
+    row's policy tokens move to the front, δ_t = r_t + γ V_{t+1} − V_t is one vector operation, and
+    A_t = Σ_k (γλ)^k δ_{t+k} is a matmul per block of columns (`discounted_suffix_sums`)."""
+    policy = mask.bool()
+    valid = policy.to(values.dtype)
+    lengths = policy.sum(-1)
+    width = int(lengths.max()) if len(lengths) else 0
+    own = torch.arange(width, device=policy.device)[None, :] < lengths[:, None]  # compacted policy tokens
+    # single-turn rows are their own compaction (no tool tokens between): no gather, no scatter
+    holes = not (torch.equal(policy[:, :width], own) and not policy[:, width:].any())
+
+    def compact(x):
+        if not holes:
+            return x[:, :width]
+        out = x.new_zeros(own.shape)
+        out[own] = x[policy]
+        return out
+
+    v, r = compact(values), compact(token_rewards.to(values.dtype))
+    next_v = torch.cat([v[:, 1:], v.new_zeros(len(v), 1)], dim=1) * torch.cat(
+        [own[:, 1:], own.new_zeros(len(own), 1)], dim=1).to(v.dtype)  # 0 after a row's last policy token
+    raw_compact = discounted_suffix_sums((r + gamma * next_v - v) * own.to(v.dtype), gamma * lam)
+    raw = torch.zeros_like(values)
+    if holes:
+        raw[policy] = raw_compact[own]
+    else:
+        raw[:, :width] = raw_compact
+    returns = (raw + values) * valid
+    return _whiten(raw, policy) * valid, returns
+
+
+def discounted_suffix_sums(x: torch.Tensor, factor: float, block: int = 256) -> torch.Tensor:
+    """y_t = x_t + factor·y_{t+1} along the last dimension of [B, T] `x` (y past the end: 0): within a
+    block of columns one matmul with the [block, block] matrix of powers factor^(j−i) (j >= i), then
+    the next block's first value carried in with factor^(distance); T / block steps, each power at
+    most factor^block (no underflow however long T is)."""
+    width = x.shape[-1]
+    if width == 0 or factor == 0.0:
+        return x.clone()
+    idx = torch.arange(min(block, width), device=x.device)
+    distance = (idx[None, :] - idx[:, None]).to(x.dtype)  # [i, j]: j − i
+    powers = torch.where(distance >= 0, torch.pow(torch.tensor(factor, dtype=x.dtype, device=x.device),
+                                                  distance.clamp_min(0)), torch.zeros((), dtype=x.dtype, device=x.device))
+    out = torch.empty_like(x)
+    carry = None  # y at the first column of the block to the right
+    for start in range(((width - 1) // block) * block, -1, -block):
+        end = min(width, start + block)
+        n = end - start
+        y = x[:, start:end] @ powers[:n, :n].T
+        if carry is not None:
+            y += carry[:, None] * factor ** (n - idx[:n].to(x.dtype))
+        out[:, start:end] = y
+        carry = y[:, 0]
+    return out
+
+
 def optimal_token_baseline_advantages(token_rewards: torch.Tensor, mask: torch.Tensor, index: torch.Tensor,
                                       old_log_probs: torch.Tensor, sum_pi_squared: torch.Tensor,
                                       is_weights: torch.Tensor | None = None, eps: float = 1e-8,
@@ -392,6 +462,8 @@ def compute_advantages(
         raise ValueError(f"token_rewards has shape {tuple(token_rewards.shape)}, expected {tuple(mask.shape)}")
     if config.estimator == "reinforce_plus_plus":  # per-token values (γ < 1)
         return reinforce_pp_advantages(rewards, mask, config.gamma, token_rewards)
+    if config.estimator == "gae":
+        raise ValueError("gae needs the critic's values: the learner calls gae_advantages_and_returns")
     if config.estimator == "remax":
         if reward_baselines is None or tuple(reward_baselines.shape) != (len(rewards),):
             got = None if reward_baselines is None else tuple(reward_baselines.shape)

@@ -1,8 +1,9 @@
 """The learner's checkpoints: sharded training state to resume from, and an HF policy folder.
 
-    folder/trainer_shards/   model + optimizer (torch.distributed.checkpoint): every rank writes
-                             and reads only its own shards; `.metadata` is written last
-    folder/trainer.pt        scheduler state, the learner version and the reward KL penalty's β
+    folder/trainer_shards/   model + optimizer, and the critic's (gae) (torch.distributed.checkpoint):
+                             every rank writes and reads only its own shards; `.metadata` is
+                             written last
+    folder/trainer.pt        scheduler states, the learner version and the reward KL penalty's β
                              (rank 0; small)
     folder/policy/           the policy as an HF folder for `etarl eval` and users, written
                              bucket by bucket from the shards (rank 0 holds one file's worth)
@@ -26,6 +27,8 @@ from lm.checkpoint_names import to_checkpoint_names
 TRAINER_STATE_FILE = "trainer.pt"
 SHARDS_DIR = "trainer_shards"
 POLICY_DIR = "policy"
+# the critic's parts (PPO with gae): in the same DCP save and trainer.pt as the policy's
+CRITIC_MODEL, CRITIC_OPTIMIZER, CRITIC_SCHEDULER = "critic_model", "critic_optimizer", "critic_scheduler"
 # The policy is written in files of about this size: rank 0 holds one of them in host memory.
 POLICY_FILE_BYTES = 2 << 30
 # Weight files of an HF folder; every other file of the source (tokenizer, chat template, ...) is
@@ -46,20 +49,35 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def save_training_state(folder: Path, model, optimizer, scheduler, version: int, rank: int,
-                        kl_reward_coef: float = 0.0) -> None:
-    """Every rank: its shards of model and optimizer into `folder/trainer_shards/`; rank 0 also
-    `folder/trainer.pt` (scheduler, version, the reward KL penalty's β). A collective under a
-    process group."""
-    import torch.distributed.checkpoint as dcp
+def _shard_states(model, optimizer, critic) -> dict:
+    """The DCP state: the policy's model and optimizer, and the critic's (None: no critic), as this
+    rank's shards under FSDP."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_state, optim_state = get_state_dict(model, optimizer, options=_state_dict_options())
-    dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(folder / SHARDS_DIR),
+    state = {"model": model_state, "optimizer": optim_state}
+    if critic is not None:
+        state[CRITIC_MODEL], state[CRITIC_OPTIMIZER] = get_state_dict(critic.model, critic.optimizer,
+                                                                      options=_state_dict_options())
+    return state
+
+
+def save_training_state(folder: Path, model, optimizer, scheduler, version: int, rank: int,
+                        kl_reward_coef: float = 0.0, critic=None) -> None:
+    """Every rank: its shards of model and optimizer (and of the `critic`'s: anything with model,
+    optimizer and scheduler) into `folder/trainer_shards/`, one DCP save; rank 0 also
+    `folder/trainer.pt` (schedulers, version, the reward KL penalty's β). A collective under a
+    process group."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(_shard_states(model, optimizer, critic), checkpoint_id=str(folder / SHARDS_DIR),
              no_dist=not _distributed())
     if rank == 0:
-        torch.save({"scheduler": scheduler.state_dict(), "version": int(version), "shards": SHARDS_DIR,
-                    "kl_reward_coef": float(kl_reward_coef)}, folder / TRAINER_STATE_FILE)
+        state = {"scheduler": scheduler.state_dict(), "version": int(version), "shards": SHARDS_DIR,
+                 "kl_reward_coef": float(kl_reward_coef)}
+        if critic is not None:
+            state[CRITIC_SCHEDULER] = critic.scheduler.state_dict()
+        torch.save(state, folder / TRAINER_STATE_FILE)
 
 
 def read_trainer_file(folder: Path) -> dict:
@@ -69,21 +87,32 @@ def read_trainer_file(folder: Path) -> dict:
     return torch.load(trainer_file, map_location="cpu", weights_only=True)
 
 
-def load_training_state(folder: Path, model, optimizer) -> None:
-    """Every rank: its shards of model and optimizer from `folder/trainer_shards/` (a collective)."""
+def load_training_state(folder: Path, model, optimizer, critic=None) -> None:
+    """Every rank: its shards of model and optimizer (and the `critic`'s, scheduler included) from
+    `folder/trainer_shards/` (a collective). A run with a critic cannot resume from a checkpoint
+    without one, nor the other way round: the two runs train different things."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import set_state_dict
 
     shards = folder / SHARDS_DIR
     if not (shards / ".metadata").is_file():
         raise FileNotFoundError(f"checkpoint {str(folder)!r} has no complete {SHARDS_DIR}/ (no .metadata)")
-    # DCP loads in place: the state dicts of the live model and optimizer say which shards this
+    trainer = read_trainer_file(folder)
+    if (critic is not None) != (CRITIC_SCHEDULER in trainer):
+        has = "has a critic" if CRITIC_SCHEDULER in trainer else "has no critic"
+        wants = "with one (advantage.estimator gae)" if critic is not None else "without one"
+        raise ValueError(f"checkpoint {str(folder)!r} {has}; this learner runs {wants}: resume with the "
+                         f"estimator the run was written with")
+    # DCP loads in place: the state dicts of the live models and optimizers say which shards this
     # rank wants; the optimizer's state is created first (get_state_dict does) so it has slots.
-    model_state, optim_state = get_state_dict(model, optimizer, options=_state_dict_options())
-    state = {"model": model_state, "optimizer": optim_state}
+    state = _shard_states(model, optimizer, critic)
     dcp.load(state, checkpoint_id=str(shards), no_dist=not _distributed())
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
                    options=_state_dict_options())
+    if critic is not None:
+        set_state_dict(critic.model, critic.optimizer, model_state_dict=state[CRITIC_MODEL],
+                       optim_state_dict=state[CRITIC_OPTIMIZER], options=_state_dict_options())
+        critic.scheduler.load_state_dict(trainer[CRITIC_SCHEDULER])
 
 
 def write_policy(folder: Path, model, source_dir: str, rank: int, sharded: bool,

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_val
 
 from learner.advantages import OTB_ESTIMATORS, AdvantageConfig, KLRewardConfig
 from learner.correction import RolloutCorrectionConfig
+from learner.critic import CriticConfig
 from learner.losses import PolicyLossConfig, check_loss_mode_fits
 
 
@@ -221,6 +222,8 @@ class LearnerConfig(BaseModel):
         "π_old before the update: no rejection, veto or batch-normalised IS weights, no KL in the reward, no "
         "optimal token baseline, no MoE routing replay, no exact drift probe; elsewhere the pass runs")
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
+    critic: CriticConfig = Field(default_factory=CriticConfig, description="the value model of advantage.estimator "
+                                 "gae (PPO with a critic; unused otherwise)")
     kl_in_reward: KLRewardConfig = Field(default_factory=KLRewardConfig)
     rollout_correction: RolloutCorrectionConfig = Field(default_factory=RolloutCorrectionConfig.decoupled_token_is)
     policy_loss: PolicyLossConfig = Field(default_factory=PolicyLossConfig)

@@ -21,6 +21,8 @@ Public API:
   ref_log_prob, estimator)`, `staleness_metrics(token_versions, current_version, mask)`,
   `policy_token_loss(log_prob, anchor_log_prob, advantages, mask, cfg) -> TokenLoss`,
   `check_loss_mode_fits(loss_mode, correction_config)`.
+- `value_loss(values_pred, old_values, returns, mask, cliprange_value, mode, global_token_count=None,
+  global_seq_count=None) -> (loss, clipfrac)`: the critic's clipped value loss (PPO with gae).
 
 Micro-batches and data parallelism: every mode divides a *sum* over the rows it is given by a
 denominator. Pass the counts of the whole minibatch (summed over micro-batches and ranks, e.g.
@@ -397,6 +399,23 @@ def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, estimator: st
         k2 = 0.5 * log_r.square()
         return k2 - k2.detach() + value.detach()
     return value
+
+
+def value_loss(values_pred: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+               cliprange_value: float, mode: LossAggMode = "token-mean", global_token_count=None,
+               global_seq_count=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The critic's clipped value loss (verl's `compute_value_loss`, after PPO's): per token
+    max((V − R)², (clip(V, V_old ± ε) − R)²), aggregated by `mode` over `mask` and halved; and the
+    fraction of the tokens where the clipped term is the larger (critic/vf_clipfrac; 0 without tokens)."""
+    mask = check_mask(mask, values_pred.shape)
+    clipped = torch.maximum(torch.minimum(values_pred, old_values + cliprange_value), old_values - cliprange_value)
+    unclipped_loss = (values_pred - returns).square()
+    clipped_loss = (clipped - returns).square()
+    loss = 0.5 * aggregate_loss(torch.maximum(unclipped_loss, clipped_loss), mask, mode, global_token_count,
+                                global_seq_count)
+    tokens = mask.sum().clamp_min(1)
+    clipfrac = ((clipped_loss > unclipped_loss) & mask).sum().to(values_pred.dtype) / tokens
+    return loss, clipfrac.detach()
 
 
 def staleness_metrics(token_versions: torch.Tensor, current_version: int, response_mask: torch.Tensor) -> dict[str, torch.Tensor]:

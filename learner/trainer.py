@@ -35,7 +35,14 @@ from typing import Optional
 
 import torch
 
-from learner.advantages import OTB_ESTIMATORS, adaptive_kl_coef, compute_advantages, kl_penalised_rewards
+from learner.advantages import (
+    OTB_ESTIMATORS,
+    adaptive_kl_coef,
+    compute_advantages,
+    gae_advantages_and_returns,
+    kl_penalised_rewards,
+    token_level_rewards,
+)
 from learner.batch import (
     TrainBatch,
     balance_groups,
@@ -56,6 +63,7 @@ from learner.checkpoint import (  # noqa: F401 (the part names: services.checkpo
     write_policy,
 )
 from learner.config import LearnerConfig
+from learner.critic import Critic, value_metrics
 from learner.correction import compute_rollout_correction, is_batch_norm_sums, to_floats
 from learner.distributed import (
     FullWeightBuckets,
@@ -137,6 +145,8 @@ class StepInputs:
     prox_from_update: bool = False  # π_old and the IS weights are filled in by the update pass itself
     ref_log_prob: Optional[torch.Tensor] = None  # a KL penalty (in the loss or the reward)
     advantages: Optional[torch.Tensor] = None  # set once π_old and π_ref are known (a KL penalty in the reward)
+    values: Optional[torch.Tensor] = None  # gae: the critic's values at the step's start
+    returns: Optional[torch.Tensor] = None  # gae: what the critic learns
     # the loss's random choices (clip_cov), seeded by the version and rank: a resumed run repeats them
     loss_generator: Optional[torch.Generator] = None
 
@@ -210,6 +220,8 @@ class Learner:
         if config.policy_loss.kl_coef > 0 or config.kl_in_reward.coef > 0:
             self.ref_model = self._build_model(trainable=False)
         self.kl_reward_coef = config.kl_in_reward.coef  # β of the reward's KL penalty (adaptive: it moves)
+        # PPO with GAE: a value model beside the policy, sharded and trained the same way
+        self.critic = Critic(self) if config.advantage.estimator == "gae" else None
 
     # ------------------------------------------------------------------ set-up
 
@@ -233,31 +245,38 @@ class Learner:
                                diag.exact_drift_rows, self.config.temperature, self.config.pad_token_id)
 
     def _build_model(self, trainable: bool):
-        """The policy (or, not `trainable`, the frozen KL reference) on this rank. Without FSDP a
-        full copy per rank. With FSDP sharded from the first byte: every rank builds it on the meta
-        device and shards it, rank 0 alone reads the folder and sends each rank its shards
-        (`learner.distributed.fill_shards`), tensor by tensor from the safetensors files when they
-        name every tensor as the model does (no rank holds the model on the host), else from the
-        model loaded whole on rank 0 (one copy per node); the reference model the same way."""
+        """The policy (or, not `trainable`, the frozen KL reference) on this rank (`build_model`)."""
         cfg = self.config
+        return self.build_model(
+            load=lambda device: load_causal_lm(cfg.model_path, dtype=cfg.dtype, device=device,
+                                               attn_implementation=cfg.attn_implementation),
+            on_meta=lambda: causal_lm_on_meta(cfg.model_path, cfg.dtype, cfg.attn_implementation),
+            source=lambda names: checkpoint_tensors(cfg.model_path, names), trainable=trainable)
+
+    def build_model(self, load, on_meta, source, trainable: bool):
+        """A model of this rank (the policy, its reference, the critic): `load(device)` loads it whole,
+        `on_meta()` builds it without values, `source(names)` reads the folder's tensors by name (None:
+        the folder does not name them as the model does). Without FSDP a full copy per rank. With
+        FSDP sharded from the first byte: every rank builds it on the meta device and shards it,
+        rank 0 alone reads the folder and sends each rank its shards (`learner.distributed.
+        fill_shards`), tensor by tensor from the safetensors files where they name every tensor (no
+        rank holds the model on the host), else from the model loaded whole on rank 0 (one copy per
+        node)."""
         if not self._sharded:
-            model = load_causal_lm(cfg.model_path, dtype=cfg.dtype, device=str(self.device),
-                                   attn_implementation=cfg.attn_implementation)
-            return self._prepare(model, trainable)
-        model = self._prepare(causal_lm_on_meta(cfg.model_path, cfg.dtype, cfg.attn_implementation),
-                              trainable)  # no values: ~0 bytes
-        source, whole = None, 0.0
+            return self._prepare(load(str(self.device)), trainable)
+        model = self._prepare(on_meta(), trainable)  # no values: ~0 bytes
+        tensors, whole = None, 0.0
         if self.comm.rank == 0:
-            source = checkpoint_tensors(cfg.model_path, unique_state_names(model))
-            whole = float(source is None)
+            tensors = source(unique_state_names(model))
+            whole = float(tensors is None)
         # measured from here: the first build also imported transformers' model code (~200 MB)
         with PeakRSS() as peak:
-            model = shard_model(model, cfg.mixed_precision)
+            model = shard_model(model, self.config.mixed_precision)
             if whole:
-                source = load_causal_lm(cfg.model_path, dtype=cfg.dtype).state_dict()
-            fill_shards(model, source, self.device)
-            del source
-        if trainable:
+                tensors = load("cpu").state_dict()
+            fill_shards(model, tensors, self.device)
+            del tensors
+        if trainable and not self.load_report:  # the policy's, built first
             self.load_report = {"peak_host_bytes": float(peak.peak_bytes), "source_reads": float(self.comm.rank == 0),
                                 "whole_model_read": whole}
         return model
@@ -332,12 +351,23 @@ class Learner:
                 inputs.ref_log_prob, _ = self._no_grad_log_probs(shard, model=self.ref_model)
 
         # 2b. Advantages over the whole batch (every rank the same), the reward's KL penalty first.
-        rewards, token_rewards, kl_reward = batch.rewards, batch.token_rewards, {}
+        rewards, token_rewards, kl_reward, critic_metrics = batch.rewards, batch.token_rewards, {}, {}
         if cfg.kl_in_reward.coef > 0:
             rewards, token_rewards, kl_reward = self._kl_penalised_rewards(batch, inputs, shard_rows, owned)
         components = reward_components(groups, cfg.advantage.gdpo_reward_keys) \
             if cfg.advantage.estimator == "gdpo" else None
-        if cfg.advantage.estimator in OTB_ESTIMATORS:
+        if self.critic is not None:  # GAE from the critic's values, over the whole batch
+            with _timed(timing, "timing_s/values"):
+                inputs.values = self.critic.values(shard)
+            values = self._whole_batch(batch.response_mask.shape, inputs.values, shard_rows, owned)
+            advantages, returns = gae_advantages_and_returns(
+                token_level_rewards(rewards, batch.response_mask, token_rewards), values, batch.response_mask,
+                cfg.advantage.gamma, cfg.advantage.lam)
+            width = shard.response_mask.shape[1]
+            inputs.advantages = advantages[shard_rows, :width].to(self.device)
+            inputs.returns = returns[shard_rows, :width].to(self.device)
+            critic_metrics = value_metrics(values, returns, batch.response_mask)
+        elif cfg.advantage.estimator in OTB_ESTIMATORS:
             # per-token baselines from π_old, known on this rank's shard only: its groups are whole
             width = shard.response_mask.shape[1]
             inputs.advantages = compute_advantages(
@@ -353,6 +383,8 @@ class Learner:
         # minibatch's counts over all ranks, then one optimizer step.
         lr = self.optimizer.param_groups[0]["lr"]
         partial: dict[str, list[float]] = defaultdict(list)
+        if self.critic is not None:  # the critic first, as verl does (the two models do not meet)
+            critic_metrics.update(self._update_critic(inputs, minibatches, batch, row_of, partial, timing))
         grad_norms = []
         with _timed(timing, "timing_s/update_actor"):
             for epoch in minibatches:
@@ -373,6 +405,8 @@ class Learner:
         metrics.update(self._advantage_metrics(inputs.advantages, shard.response_mask, owned))
         if baselines is not None:
             metrics["critic/reward_baseline/mean"] = float(baselines.mean())  # the greedy responses' reward
+        if self.critic is not None:
+            metrics.update(critic_metrics)
         tokens = self._reduce({"real": float(self._slots[0]), "slots": float(self._slots[1])}, "sum")
         metrics["perf/padding_fraction"] = 1.0 - tokens["real"] / tokens["slots"] if tokens["slots"] else 0.0
         # rank 0's, in GiB under verl's names (perf/max_memory_allocated_gb, perf/max_memory_reserved_gb)
@@ -383,6 +417,27 @@ class Learner:
         metrics["learner/version"] = float(self.version)
         metrics["timing_s/step"] = time.perf_counter() - step_start
         return metrics
+
+    def _update_critic(self, inputs: StepInputs, minibatches, batch: TrainBatch, row_of: dict[int, int], partial,
+                       timing: dict[str, float]) -> dict[str, float]:
+        """The critic's optimizer steps, one per minibatch of every epoch (the policy's), and its
+        scheduler's step; its loss metrics go into `partial` with the policy's."""
+        lr = self.critic.optimizer.param_groups[0]["lr"]
+        norms = []
+        with _timed(timing, "timing_s/update_critic"):
+            for epoch in minibatches:
+                for mb_groups in epoch:
+                    local = [row_of[r] for r in batch.rows_of_groups(self._my_part(mb_groups))]
+                    norms.append(self.critic.update(inputs.shard, inputs.values, inputs.returns, local, partial))
+        self.critic.scheduler.step()
+        return {"critic/grad_norm": sum(norms) / len(norms), "critic/lr": lr}
+
+    def _whole_batch(self, shape, rows_of_shard: torch.Tensor, shard_rows: list[int], owned: list[int]) -> torch.Tensor:
+        """A per-row tensor of this rank's shard made whole: [B, T] on the host, the same on every rank
+        (each rank fills the rows it answers for, one all-reduce sums them)."""
+        out = torch.zeros(shape, dtype=rows_of_shard.dtype)
+        out[[shard_rows[i] for i in owned], : rows_of_shard.shape[1]] = rows_of_shard[owned].cpu()
+        return self.comm.all_reduce_sum(out)
 
     def _check_budget(self, batch: TrainBatch) -> None:
         """Every rank checks every row before any collective, so a sequence the budget cannot
@@ -414,9 +469,7 @@ class Learner:
         old = inputs.old_log_prob if inputs.old_log_prob is not None else shard.rollout_log_probs
         per_token = kl_penalty(old, inputs.ref_log_prob.to(old.dtype), cfg.estimator)
         per_token = per_token * shard.response_mask.to(old.dtype)
-        kl = torch.zeros(batch.response_mask.shape, dtype=per_token.dtype)
-        kl[[shard_rows[i] for i in owned], : per_token.shape[1]] = per_token[owned].cpu()
-        kl = self.comm.all_reduce_sum(kl)  # back on the host, where the batch is
+        kl = self._whole_batch(batch.response_mask.shape, per_token, shard_rows, owned)  # on the host, as the batch
         beta = self.kl_reward_coef
         rewards, token_rewards = kl_penalised_rewards(batch.rewards, batch.response_mask.bool(), kl, beta,
                                                       batch.token_rewards)
@@ -657,10 +710,7 @@ class Learner:
         (or the given model), with gradients if they are enabled."""
         cfg = self.config
         lengths = mb.sequence_lengths()
-        width = None
-        if self.packing:
-            buckets = cfg.shape_buckets == "on" or cfg.shape_buckets == "auto" and self.device.type == "cuda"
-            width = shape_bucket(sum(lengths), cfg.max_tokens_per_micro_batch) if buckets else sum(lengths)
+        width = self.pack_width(lengths)
         real, slots = padding_counts(lengths, width)
         self._slots += torch.tensor([real, slots], dtype=torch.float64)
         with self._autocast():
@@ -669,6 +719,15 @@ class Learner:
                                      chunk_tokens=cfg.logprob_chunk_tokens, packed=self.packing, pack_width=width,
                                      with_sum_pi_squared=with_sum_pi_squared)
         return out[0], (out[2] if with_entropy else None), (out[-1] if with_sum_pi_squared else None)
+
+    def pack_width(self, lengths: list[int]) -> int | None:
+        """A packed micro-batch's width: its tokens, rounded up to a shape bucket where buckets are on
+        (`learner.shape_buckets`); None when micro-batches are padded."""
+        if not self.packing:
+            return None
+        cfg = self.config
+        buckets = cfg.shape_buckets == "on" or cfg.shape_buckets == "auto" and self.device.type == "cuda"
+        return shape_bucket(sum(lengths), cfg.max_tokens_per_micro_batch) if buckets else sum(lengths)
 
     def _no_grad_log_probs(self, batch: TrainBatch, model=None, record: bool = False, seen=None,
                            with_sum_pi_squared: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -770,15 +829,16 @@ class Learner:
 
     # ------------------------------------------------------------------ weights out
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The policy's weights as full CPU tensors: views of the live parameters on CPU, host
-        copies on a GPU (a tied weight copied once, still shared), a gather under FSDP (a
+    def full_state_dict(self, model=None) -> dict[str, torch.Tensor]:
+        """The policy's weights (or `model`'s) as full CPU tensors: views of the live parameters on
+        CPU, host copies on a GPU (a tied weight copied once, still shared), a gather under FSDP (a
         collective: call on every rank)."""
+        model = model or self.model
         if self._sharded:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-            return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        state = self.model.state_dict(keep_vars=True)  # tied names share one object
+            return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        state = model.state_dict(keep_vars=True)  # tied names share one object
         copies: dict[int, torch.Tensor] = {}
         for tensor in state.values():
             if id(tensor) not in copies:
@@ -926,14 +986,18 @@ class Learner:
     # ------------------------------------------------------------------ checkpoints
 
     def state_dict(self) -> dict:
-        """A snapshot (copies, not live views) of model, optimizer, scheduler and version."""
-        return copy.deepcopy({
+        """A snapshot (copies, not live views) of model, optimizer, scheduler and version (and the
+        critic's weights, to inspect: a run resumes its critic from `save_checkpoint`)."""
+        state = {
             "model": self.full_state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "version": self.version,
             "kl_reward_coef": self.kl_reward_coef,
-        })
+        }
+        if self.critic is not None:
+            state["critic_model"] = self.full_state_dict(self.critic.model)
+        return copy.deepcopy(state)
 
     def load_state_dict(self, state: dict) -> None:
         missing = {"model", "optimizer", "scheduler", "version"} - set(state)
@@ -969,7 +1033,7 @@ class Learner:
         folder = Path(folder)
         self.save_policy(folder / POLICY_DIR)
         save_training_state(folder, self.model, self.optimizer, self.scheduler, self.version, self.comm.rank,
-                            kl_reward_coef=self.kl_reward_coef)
+                            kl_reward_coef=self.kl_reward_coef, critic=self.critic)
         return folder if self.comm.rank == 0 else None
 
     def load_checkpoint(self, folder) -> None:
@@ -978,12 +1042,13 @@ class Learner:
         folder = Path(folder)
         state = read_trainer_file(folder)
         if "shards" not in state:
-            if self._sharded:
+            if self._sharded or self.critic is not None:
                 raise ValueError(f"checkpoint {str(folder)!r} holds rank 0's optimizer state only (written before "
-                                 f"sharded checkpoints): it cannot resume an FSDP learner; resume it without FSDP")
+                                 f"sharded checkpoints): it cannot resume an FSDP learner or one with a critic; "
+                                 f"resume it without FSDP")
             self.load_state_dict({"model": read_policy_weights(folder / POLICY_DIR), **state})
             return
-        load_training_state(folder, self.model, self.optimizer)
+        load_training_state(folder, self.model, self.optimizer, self.critic)
         self.scheduler.load_state_dict(state["scheduler"])
         self.version = int(state["version"])
         self.kl_reward_coef = float(state.get("kl_reward_coef", self.kl_reward_coef))

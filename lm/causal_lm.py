@@ -4,6 +4,7 @@ from __future__ import annotations
 import functools
 import importlib
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -64,18 +65,22 @@ def causal_lm_on_meta(path: str | os.PathLike, dtype: str = "float32", attn_impl
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(check_model_dir(path))
+    return on_meta(lambda: AutoModelForCausalLM.from_config(config, dtype=torch_dtype(dtype),
+                                                            **_implementations(dtype, attn_implementation)))
 
+
+def on_meta(build):
+    """`build()`'s model with every parameter on the meta device as it is registered (its CPU
+    allocation never written to) and its buffers real: a torch.device("meta") context would put
+    the buffers there too."""
     def to_meta(module, name, param):
         if param is None or param.device.type == "meta":
             return None
         return torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
 
-    # A parameter goes to meta as it is registered (its CPU allocation was never written to);
-    # a torch.device("meta") context would put the buffers there too.
     handle = torch.nn.modules.module.register_module_parameter_registration_hook(to_meta)
     try:
-        model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype(dtype),
-                                                 **_implementations(dtype, attn_implementation))
+        model = build()
     finally:
         handle.remove()
     if any(p.device.type != "meta" for p in model.parameters()):
@@ -262,36 +267,65 @@ def response_log_probs(
     The LM head runs only on the positions that predict a response token, `chunk_tokens` of them
     at a time, and its [chunk, vocab] logits are recomputed in the backward pass: memory for the
     log-probs is O(chunk_tokens x vocab), never O(rows x length x vocab)."""
+    inputs = response_inputs(model, prompts, responses, pad_id, packed, pack_width)
+    hidden = _final_hidden_states(model, **inputs.forward)
+    # Token t is predicted by position t-1: the hidden state just before each response token.
+    picked = hidden[inputs.in_rows, inputs.in_cols]
+    head = model.get_output_embeddings()
+    targets = inputs.input_ids[inputs.in_rows, inputs.in_cols + 1]
+    log_probs, entropy, *sum_pi_squared = chunked_token_log_probs(
+        picked, head.weight, getattr(head, "bias", None), targets, temperature, chunk_tokens, with_entropy,
+        entropy_grad, with_sum_pi_squared)
+    result = [inputs.scatter(log_probs), inputs.response_mask]
+    if with_entropy:
+        result.append(inputs.scatter(entropy))
+    if with_sum_pi_squared:
+        result.append(inputs.scatter(sum_pi_squared[0]))
+    return tuple(result)
+
+
+@dataclass
+class ResponseInputs:
+    """One forward pass's input for a set of rows and where each response token sits in it (the
+    log-probs' and the critic's values' common part: both read the position just before each
+    response token)."""
+
+    input_ids: torch.Tensor  # [B, L] padded or [1, W] packed, on the model's device
+    forward: dict  # the model's keyword arguments (ids, mask or positions, packed attention's boundaries)
+    rows: torch.Tensor  # each response token's row and column in the [B, T] output
+    cols: torch.Tensor
+    in_rows: torch.Tensor  # where the position that predicts it sits in the forward's input
+    in_cols: torch.Tensor
+    response_mask: torch.Tensor  # [B, T] float32
+
+    def scatter(self, values: torch.Tensor) -> torch.Tensor:
+        """[N] per response token -> [B, T], zeros at padding."""
+        out = torch.zeros(self.response_mask.shape, dtype=values.dtype, device=values.device)
+        return out.index_put((self.rows, self.cols), values)
+
+
+def response_inputs(model, prompts, responses, pad_id: int = 0, packed: bool = False,
+                    pack_width: int | None = None) -> ResponseInputs:
+    """The rows right-padded to [B, longest], or with `packed` one row of their concatenation
+    (`pack_sequences`, `pack_width` tokens wide, default their total) whose attention stops at each
+    row's boundary; on the model's device."""
     device = next(model.parameters()).device
     if packed:
         input_ids, position_ids, starts = pack_sequences(prompts, responses, pack_width, pad_id)
         boundaries = packed_attention.packed_attention_kwargs(position_ids, device) \
             if packed_attention.uses_varlen(model) else {}
-        hidden = _final_hidden_states(model, input_ids.to(device), position_ids=position_ids.to(device), **boundaries)
+        forward = {"position_ids": position_ids.to(device), **boundaries}
     else:
         input_ids, attention, _, _ = pad_sequences(prompts, responses, pad_id)
-        hidden = _final_hidden_states(model, input_ids.to(device), attention_mask=attention.to(device))
+        forward = {"attention_mask": attention.to(device)}
+    input_ids = input_ids.to(device)
     rows, cols, positions = _response_positions(prompts, responses)
     r_len = torch.tensor([len(r) for r in responses], dtype=torch.long)
-    resp_width = int(r_len.max())
-    response_mask = (torch.arange(resp_width)[None, :] < r_len[:, None]).to(torch.float32)
-    # Where each predicting position sits in the forward's input: (row, column) padded, (0, the
-    # row's start + column) packed.
+    response_mask = (torch.arange(int(r_len.max()))[None, :] < r_len[:, None]).to(torch.float32)
+    # (row, column) padded, (0, the row's start + column) packed
     in_rows, in_cols = (torch.zeros_like(rows), starts[rows] + positions) if packed else (rows, positions)
-    # Token t is predicted by position t-1: the hidden state just before each response token.
-    picked = hidden[in_rows.to(device), in_cols.to(device)]
-    head = model.get_output_embeddings()
-    targets = input_ids[in_rows, in_cols + 1].to(device)
-    log_probs, entropy, *sum_pi_squared = chunked_token_log_probs(
-        picked, head.weight, getattr(head, "bias", None), targets, temperature, chunk_tokens, with_entropy,
-        entropy_grad, with_sum_pi_squared)
-    shape = (len(prompts), resp_width)
-    result = [_scatter_rows(log_probs, rows, cols, shape, device), response_mask.to(device)]
-    if with_entropy:
-        result.append(_scatter_rows(entropy, rows, cols, shape, device))
-    if with_sum_pi_squared:
-        result.append(_scatter_rows(sum_pi_squared[0], rows, cols, shape, device))
-    return tuple(result)
+    return ResponseInputs(input_ids, {"input_ids": input_ids, **forward}, rows.to(device), cols.to(device),
+                          in_rows.to(device), in_cols.to(device), response_mask.to(device))
 
 
 def _response_positions(prompts, responses) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -305,11 +339,6 @@ def _response_positions(prompts, responses) -> tuple[torch.Tensor, torch.Tensor,
     cols = torch.arange(int(r_len.sum())) - torch.repeat_interleave(torch.cumsum(r_len, 0) - r_len, r_len)
     positions = torch.repeat_interleave(p_len - 1, r_len) + cols
     return rows, cols, positions
-
-
-def _scatter_rows(values: torch.Tensor, rows, cols, shape, device) -> torch.Tensor:
-    out = torch.zeros(shape, dtype=values.dtype, device=device)
-    return out.index_put((rows.to(device), cols.to(device)), values)
 
 
 _NO_POSITIONS = torch.empty(0, dtype=torch.long)

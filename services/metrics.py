@@ -129,6 +129,9 @@ STEP_METRICS: tuple[MetricSpec, ...] = (
     _step("actor/entropy", "policy entropy per token"),
     _step("actor/grad_norm", "gradient norm before clipping"),
     _step("actor/lr", "learning rate"),
+    _step("critic/vf_loss", "the critic's clipped value loss (advantage.estimator gae)"),
+    _step("critic/vf_explained_var", "1 - Var(returns - values) / Var(returns): how much of the returns the "
+          "critic's values foresee (gae)"),
     _step("reward/mean", "mean reward of the consumed batch"),
     _step("multi_turn/turns_mean", "policy turns per multi-turn trajectory in the consumed batch"),
     _step("multi_turn/env_seconds_mean", "seconds of environment calls per multi-turn trajectory"),
@@ -152,6 +155,7 @@ STEP_METRICS: tuple[MetricSpec, ...] = (
     _step("timing_s/wait_data", "seconds the learner waited for a batch"),
     _step("timing_s/old_log_prob", "seconds recomputing the proximal log-probs"),
     _step("timing_s/update_actor", "seconds in the policy update"),
+    _step("timing_s/update_critic", "seconds in the critic's update (gae)"),
     _step("timing_s/weight_sync", "seconds publishing the new weights"),
 )
 

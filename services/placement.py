@@ -301,7 +301,7 @@ def check_plan(cfg: EtarlConfig, cluster: Cluster) -> Plan:
 # master weights with bfloat16 autocast and gradient checkpointing, its packed micro-batches through
 # flash varlen attention where the model has no sliding window; learner ranks > 1 talk over
 # NCCL, and shard (FSDP) where the full float32 state (16 bytes per parameter: weights, gradients,
-# AdamW's two moments) would take more than half a GPU.
+# AdamW's two moments; twice that with gae's critic) would take more than half a GPU.
 
 COLOCATED_ENGINE_SHARE = 0.3
 SEPARATE_ENGINE_SHARE = 0.85
@@ -455,12 +455,15 @@ def resolve_layout(cfg: EtarlConfig, cluster: Cluster, params: float | None = No
             gpu_defaults["learner.distributed.backend"] = "nccl"
         else:
             reasons.append("the GPUs are declared, CUDA is missing here: the learner ranks keep gloo")
-        if params is not None and 16 * params > 0.5 * gpu_gib * 2**30:
+        # PPO with gae trains a critic of about the policy's size beside it
+        models, which = (2, "policy and critic: ") if learner.advantage.estimator == "gae" else (1, "")
+        state = 16 * params * models if params is not None else 0.0
+        if state > 0.5 * gpu_gib * 2**30:
             gpu_defaults["learner.distributed.strategy"] = "fsdp"
-            reasons.append(f"learner state {16 * params / 2**30:.0f} GiB (float32 weights, gradients, AdamW) > half "
+            reasons.append(f"learner state {state / 2**30:.0f} GiB ({which}float32 weights, gradients, AdamW) > half "
                            f"a GPU: sharded over the {ranks} ranks (FSDP)")
-            if 16 * params / ranks > 0.8 * gpu_gib * 2**30:
-                reasons.append(f"warning: {16 * params / ranks / 2**30:.0f} GiB of learner state per rank is more than a "
+            if state / ranks > 0.8 * gpu_gib * 2**30:
+                reasons.append(f"warning: {state / ranks / 2**30:.0f} GiB of learner state per rank is more than a "
                                f"{gpu_gib:g} GiB GPU holds with activations: add GPUs (learner.distributed.world_size)")
     filled = {k: v for k, v in gpu_defaults.items() if not _user_set(cfg, k)}
     sync = cfg.learner.weight_sync

@@ -148,6 +148,45 @@ def test_remax_subtracts_each_groups_greedy_reward_from_every_tokens_return():
         compute_advantages(rewards, ["a", "a", "b"], mask, remax, reward_baselines=torch.tensor([0.0, math.nan, 0.0]))
 
 
+def test_gae_discounts_td_errors_over_policy_tokens_and_whitens_over_the_batch():
+    """GAE by hand (verl's compute_gae_advantage_return): δ_t = r_t + γ V_{t+1} − V_t,
+    A_t = δ_t + γλ A_{t+1}, returns A + V before whitening; a tool token between turns carries no
+    TD error and its value is skipped; the advantages are whitened over the batch's policy tokens."""
+    from learner.advantages import gae_advantages_and_returns
+
+    mask = torch.tensor([[1, 1, 1]], dtype=torch.bool)
+    rewards = torch.tensor([[0.0, 0.0, 1.0]], dtype=torch.float64)
+    values = torch.tensor([[0.5, 0.2, 0.4]], dtype=torch.float64)
+    _, returns = gae_advantages_and_returns(rewards, values, mask, gamma=0.9, lam=0.8)
+    a2 = 1.0 - 0.4
+    a1 = 0.9 * 0.4 - 0.2 + 0.72 * a2
+    a0 = 0.9 * 0.2 - 0.5 + 0.72 * a1
+    assert returns[0].tolist() == pytest.approx([a0 + 0.5, a1 + 0.2, a2 + 0.4])
+    # γ = λ = 1: every token's return is the reward to come; a tool token's value (9) is never read
+    turns = torch.tensor([[1, 0, 1], [1, 1, 0]], dtype=torch.bool)
+    rewards = torch.tensor([[0.0, 0.0, 1.0], [0.0, 2.0, 0.0]], dtype=torch.float64)
+    values = torch.tensor([[0.5, 9.0, 0.4], [1.0, 1.5, 7.0]], dtype=torch.float64)
+    advantages, returns = gae_advantages_and_returns(rewards, values, turns)
+    assert returns.tolist() == [[1.0, 0.0, 1.0], [2.0, 2.0, 0.0]]
+    raw = torch.tensor([1.0 - 0.5, 1.0 - 0.4, 2.0 - 1.0, 2.0 - 1.5], dtype=torch.float64)
+    assert advantages[turns].tolist() == pytest.approx(((raw - raw.mean()) / raw.std()).tolist(), abs=1e-6)
+    assert advantages[~turns].tolist() == [0.0, 0.0]
+    with pytest.raises(ValueError, match="gae needs the critic's values"):
+        compute_advantages(torch.tensor([1.0]), ["a"], mask, AdvantageConfig(estimator="gae"))
+
+
+@pytest.mark.parametrize("factor", [0.0, 0.5, 0.95, 1.0])
+def test_discounted_suffix_sums_equal_the_column_loop_across_blocks(factor):
+    from learner.advantages import discounted_suffix_sums
+
+    x = torch.randn(3, 11, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    want, running = torch.zeros_like(x), torch.zeros(3, dtype=torch.float64)
+    for t in range(10, -1, -1):
+        running = x[:, t] + factor * running
+        want[:, t] = running
+    assert torch.allclose(discounted_suffix_sums(x, factor, block=4), want, rtol=0, atol=1e-12)
+
+
 def test_gpg_scales_the_group_centred_reward_by_the_share_of_non_zero_rewards():
     # 6 responses, 2 with a non-zero reward: α = 6 / 2 = 3; a group of one keeps α·r
     _, adv = per_seq("gpg", [1.0, 0.0, 0.0, 0.0, 0.0, 0.5], ["a", "a", "b", "b", "b", "c"])
@@ -287,6 +326,6 @@ def test_bad_input_is_named():
     with pytest.raises(ValueError, match="1-D integer tensor"):
         group_index(torch.tensor([0.5, 1.0]))
     with pytest.raises(ValidationError, match="estimator"):
-        AdvantageConfig(estimator="gae")
+        AdvantageConfig(estimator="vtrace")
     with pytest.raises(ValidationError, match="eps"):
         AdvantageConfig(eps=0.0)

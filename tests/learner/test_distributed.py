@@ -39,6 +39,8 @@ def assert_same_training(single: Learner, group: LearnerGroup, groups, steps: in
         for key in ("actor/reward_kl_penalty", "actor/reward_kl_penalty_coeff"):  # one β, from the whole batch
             if key in want:
                 assert got[key] == pytest.approx(want[key], rel=1e-9, abs=1e-12), key
+        for key in [k for k in want if k.startswith("critic/")]:  # gae: the critic's loss and values over both ranks
+            assert got[key] == pytest.approx(want[key], rel=1e-9, abs=1e-12), key
         if "rollout_corr/rollout_is_batch_norm_factor" in want:
             assert got["rollout_corr/rollout_is_batch_norm_factor"] == pytest.approx(
                 want["rollout_corr/rollout_is_batch_norm_factor"], rel=1e-12)
@@ -46,6 +48,8 @@ def assert_same_training(single: Learner, group: LearnerGroup, groups, steps: in
     assert state["version"] == single.version == steps
     # The update moved the weights by ~1e-3 (lr 1e-3, two steps); the two runs agree to float64 rounding.
     assert max_param_diff(params_of(single.model), state["model"]) < 1e-10
+    if single.critic is not None:
+        assert max_param_diff(params_of(single.critic.model), state["critic_model"]) < 1e-10
 
 
 @pytest.mark.slow
@@ -98,10 +102,12 @@ def test_two_gloo_ranks_make_the_update_of_one_rank(policy_dir, ray_cluster, ove
 def test_fsdp_on_two_gloo_ranks_with_unequal_shares(policy_dir, ray_cluster):
     """B = 3 groups on 2 ranks: rank 0 trains on 2 groups, rank 1 on 1, in token-budget
     micro-batches, so rank 1 runs zero-weight passes to join every FSDP collective. No hang, and
-    the sharded update is the one of a single unsharded rank."""
+    the sharded update is the one of a single unsharded rank; PPO with a critic (gae), sharded the
+    same way, its values gathered over the ranks for the batch's GAE, its update the single rank's."""
     groups = sample_groups(policy_dir, n_groups=3, n=3, seed=7, logprob_noise=0.2)
     config = dict(model_path=str(policy_dir), lr=1e-3, dtype="float64", max_tokens_per_micro_batch=SMALL_BUDGET,
-                  rollout_correction="bypass_pg_is", policy_loss={"entropy_coeff": 0.01})
+                  rollout_correction="bypass_pg_is", policy_loss={"entropy_coeff": 0.01},
+                  advantage={"estimator": "gae", "gamma": 0.9, "lam": 0.95}, critic={"lr": 1e-3})
     single = Learner(LearnerConfig(**config))
     group = LearnerGroup(LearnerConfig(**config, distributed={"world_size": 2, "strategy": "fsdp",
                                                              "timeout_s": 60}), ray_options={"num_cpus": 0})

@@ -52,6 +52,24 @@ def test_dual_clip_ppo_token_loss_by_hand():
     assert lower.tolist() == [[c[4] for c in PPO_CASES]]
 
 
+def test_value_loss_by_hand():
+    """verl's compute_value_loss: ½·max((V − R)², (clip(V, V_old ± ε) − R)²), token-mean. Token 0
+    moved 1.0 from its old value (ε = 0.5): its clipped term is larger and has no gradient; token 1
+    did not move: both terms agree (not counted as clipped) and its gradient is (V − R) / N."""
+    from learner.losses import value_loss
+
+    predicted = torch.tensor([[1.0, 0.0, 5.0]], dtype=torch.float64, requires_grad=True)
+    old = torch.zeros(1, 3, dtype=torch.float64)
+    returns = torch.tensor([[2.0, -1.0, 0.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 0]])
+    loss, clipfrac = value_loss(predicted, old, returns, mask, 0.5)
+    assert float(loss) == pytest.approx(0.5 * (2.25 + 1.0) / 2) and float(clipfrac) == 0.5
+    loss.backward()
+    assert predicted.grad.tolist() == [[0.0, 0.5, 0.0]]
+    loss, _ = value_loss(predicted.detach(), old, returns, mask, 0.5, "token-mean", global_token_count=4)
+    assert float(loss) == pytest.approx(0.5 * (2.25 + 1.0) / 4)
+
+
 def test_decoupled_loss_metrics_by_hand_without_correction():
     adv = rows([c[0] for c in PPO_CASES])
     old = torch.full_like(adv, -1.0)

@@ -1,6 +1,7 @@
 """Sharded checkpoints: an FSDP learner group (2 gloo ranks, shards of unequal sizes) that stops
-after N steps and resumes on fresh ranks makes, over M more steps, the run that never stopped;
-every rank writes and reads its own shards, and the HF policy folder is written file by file."""
+after N steps and resumes on fresh ranks makes, over M more steps, the run that never stopped (its
+critic too: PPO with gae); every rank writes and reads its own shards, and the HF policy folder is
+written file by file."""
 from __future__ import annotations
 
 import json
@@ -26,7 +27,8 @@ def uneven_policy(tmp_path_factory):
 def _config(policy, **extra) -> LearnerConfig:
     # float32, as a run trains; warm-up and cosine decay so the scheduler's state matters too
     return LearnerConfig(model_path=str(policy), lr=1e-3, warmup_steps=1, lr_schedule="cosine", total_steps=8,
-                         max_tokens_per_micro_batch=16, rollout_correction="decoupled_token_is", **extra)
+                         max_tokens_per_micro_batch=16, rollout_correction="decoupled_token_is",
+                         advantage={"estimator": "gae"}, critic={"lr": 1e-3, "warmup_steps": 2}, **extra)
 
 
 @pytest.mark.slow
@@ -42,9 +44,9 @@ def test_fsdp_resume_from_shards_equals_the_uninterrupted_run(uneven_policy, ray
         for step in range(n_steps):
             run.train_step(batches[step % 2])
         run.save_checkpoint(str(ckpt))
-        at_stop = run.state_dict()["model"]
+        at_stop, critic_at_stop = (run.state_dict()[k] for k in ("model", "critic_model"))
         want = [run.train_step(batches[step % 2]) for step in range(n_steps, n_steps + m_steps)]
-        uninterrupted = run.state_dict()["model"]
+        uninterrupted, critic_uninterrupted = (run.state_dict()[k] for k in ("model", "critic_model"))
     finally:
         run.shutdown()
 
@@ -59,7 +61,7 @@ def test_fsdp_resume_from_shards_equals_the_uninterrupted_run(uneven_policy, ray
         resumed.load_checkpoint(str(ckpt))
         assert resumed.version == n_steps
         got = [resumed.train_step(batches[step % 2]) for step in range(n_steps, n_steps + m_steps)]
-        final = resumed.state_dict()["model"]
+        final, critic_final = (resumed.state_dict()[k] for k in ("model", "critic_model"))
         assert resumed.publish_weights()["version"] == n_steps + m_steps
         published = resolve_weights(resumed.published(timeout=120))
     finally:
@@ -70,7 +72,11 @@ def test_fsdp_resume_from_shards_equals_the_uninterrupted_run(uneven_policy, ray
     for w, g in zip(want, got):
         assert g["actor/lr"] == w["actor/lr"]
         assert g["actor/pg_loss"] == pytest.approx(w["actor/pg_loss"], abs=1e-6)
+        assert g["critic/lr"] == w["critic/lr"]
+        assert g["critic/vf_loss"] == pytest.approx(w["critic/vf_loss"], abs=1e-6)
     assert max_param_diff(uninterrupted, final) <= 1e-6
+    assert max_param_diff(critic_uninterrupted, critic_final) <= 1e-6
+    assert max_param_diff(critic_uninterrupted, critic_at_stop) > 1e-4
     assert max_param_diff(uninterrupted, at_stop) > 1e-4  # the M steps moved the weights
 
     # The HF folder holds the weights at the stop (tied head stored once) and the source's files.
@@ -82,7 +88,9 @@ def test_fsdp_resume_from_shards_equals_the_uninterrupted_run(uneven_policy, ray
     single.load_checkpoint(ckpt)
     assert single.version == n_steps
     assert max_param_diff(params_of(single.model), at_stop) == 0.0
+    assert max_param_diff(params_of(single.critic.model), critic_at_stop) == 0.0
     assert single.optimizer.state_dict()["state"][0]["step"] == n_steps
+    assert single.critic.optimizer.state_dict()["state"][0]["step"] == n_steps
 
 
 def test_policy_files_and_buckets_hold_one_bucket_at_a_time(uneven_policy, tmp_path):

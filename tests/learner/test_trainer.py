@@ -144,6 +144,64 @@ def test_remax_learns_against_the_greedy_baseline_the_samples_carry(policy_dir, 
     assert (group_log_probs(learner.model, groups) - before).mean() < 0
 
 
+def test_gae_trains_a_critic_towards_the_returns_and_the_policy_by_its_advantages(policy_dir, groups):
+    """PPO with a critic: the step's advantages are GAE over the critic's values at the step's start
+    (a fresh value head drawn from the seed: the values of `load_value_model`), whitened; the critic
+    learns the returns (its loss falls, its values approach them), and the responses above their
+    group's mean reward gain log-prob against those below, though no group baseline is used."""
+    from learner.advantages import gae_advantages_and_returns
+    from lm.value_model import load_value_model, response_values
+
+    learner = make_learner(policy_dir, advantage={"estimator": "gae", "gamma": 0.95, "lam": 0.9},
+                           critic={"lr": 1e-3})
+    batch = build_batch(groups)
+    with torch.no_grad():
+        values = response_values(load_value_model(policy_dir), batch.prompts, batch.responses)
+    assert torch.equal(learner.critic.values(batch), values)
+    _, returns = gae_advantages_and_returns(token_level_rewards(batch.rewards, batch.response_mask), values,
+                                            batch.response_mask, 0.95, 0.9)
+    mask = batch.response_mask.bool()
+    before = group_log_probs(learner.model, groups)
+    first = learner.train_step(groups)
+    assert first["critic/values/mean"] == pytest.approx(float(values[mask].mean()), abs=1e-6)
+    assert first["critic/returns/mean"] == pytest.approx(float(returns[mask].mean()), abs=1e-6)
+    assert first["critic/advantages/mean"] == pytest.approx(0.0, abs=1e-6)  # whitened
+    for _ in range(5):
+        last = learner.train_step(groups)
+    for key in ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "critic/grad_norm", "critic/lr",
+                "critic/vf_explained_var", "timing_s/values", "timing_s/update_critic"):
+        assert np.isfinite(last[key]), key
+    assert last["critic/vf_loss"] < 0.5 * first["critic/vf_loss"]
+    assert abs(last["critic/values/mean"] - last["critic/returns/mean"]) < \
+        0.5 * abs(first["critic/values/mean"] - first["critic/returns/mean"])
+    assert last["critic/lr"] == 1e-3 and last["actor/lr"] == 1e-3
+    change = group_log_probs(learner.model, groups) - before
+    rewards = batch.rewards.view(len(groups), -1)
+    above = (rewards > rewards.mean(1, keepdim=True)).flatten()
+    below = (rewards < rewards.mean(1, keepdim=True)).flatten()
+    assert float(change[above].mean() - change[below].mean()) > 0.1
+
+
+def test_a_checkpoint_resumes_the_critic_and_refuses_the_other_estimator(policy_dir, groups, tmp_path):
+    gae = {"advantage": {"estimator": "gae"}, "critic": {"lr": 1e-3, "warmup_steps": 3}}
+    first = make_learner(policy_dir, **gae)
+    first.train_step(groups)
+    first.save_checkpoint(tmp_path / "ckpt")
+    want = first.train_step(groups)
+    again = make_learner(policy_dir, **gae)
+    again.load_checkpoint(tmp_path / "ckpt")
+    got = again.train_step(groups)
+    assert got["critic/lr"] == want["critic/lr"] == pytest.approx(1e-3 * 2 / 3)  # the warm-up resumed
+    assert got["critic/vf_loss"] == want["critic/vf_loss"]
+    assert max_param_diff(params_of(first.critic.model), params_of(again.critic.model)) == 0.0
+    assert max_param_diff(params_of(first.model), params_of(again.model)) == 0.0
+    with pytest.raises(ValueError, match="has a critic; this learner runs without one"):
+        make_learner(policy_dir).load_checkpoint(tmp_path / "ckpt")
+    make_learner(policy_dir).save_checkpoint(tmp_path / "grpo")
+    with pytest.raises(ValueError, match=r"has no critic; this learner runs with one \(advantage.estimator gae\)"):
+        again.load_checkpoint(tmp_path / "grpo")
+
+
 def test_clip_covs_random_choice_repeats_in_a_run_with_the_same_seed(policy_dir, groups):
     cfg = {"policy_loss": {"loss_mode": "clip_cov", "clip_cov_ratio": 0.2, "clip_cov_lb": -10.0}}
     runs = []

@@ -88,6 +88,13 @@ def test_remax_turns_on_the_workers_greedy_baseline_and_is_single_turn():
         load_config(None, ["learner.advantage.estimator=remax", "rollout.multi_turn.environment=calculator"])
 
 
+def test_ppo_with_a_critic_takes_groups_of_one_and_names_a_misspelled_critic_key():
+    cfg = load_config(None, ["learner.advantage.estimator=gae", "rollout.sampling.n=1", "learner.critic.lr=3e-4"])
+    assert (cfg.learner.advantage.estimator, cfg.rollout.sampling.n, cfg.learner.critic.lr) == ("gae", 1, 3e-4)
+    with pytest.raises(ConfigError, match="cliprange_value"):
+        load_config(None, ["learner.advantage.estimator=gae", "learner.critic.cliprange=0.2"])
+
+
 def test_gdpo_needs_a_reward_with_parts():
     gdpo = ["learner.advantage.estimator=gdpo", "learner.advantage.gdpo_reward_keys=[format,accuracy]"]
     with pytest.raises(ConfigError, match="rollout.reward=exact returns a number, with no parts"):

