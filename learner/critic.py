@@ -42,6 +42,10 @@ class CriticConfig(BaseModel):
     cliprange_value: float = Field(
         0.5, gt=0, description="a value prediction moves at most this far from the step's starting value before "
         "its loss stops pulling it further (verl's critic.cliprange_value)")
+    train_alone_steps: int = Field(
+        0, ge=0, description="the first N learner steps train the critic alone (verl's trainer.critic_warmup): the "
+        "policy's weights and lr schedule wait while a fresh value head learns the returns, so its noise does not "
+        "steer the first policy updates; the version still goes up each step")
     loss_agg_mode: Optional[LossAggMode] = Field(
         None, description="how the value loss is averaged (None: the policy loss's loss_agg_mode)")
 

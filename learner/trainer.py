@@ -386,18 +386,19 @@ class Learner:
         if self.critic is not None:  # the critic first, as verl does (the two models do not meet)
             critic_metrics.update(self._update_critic(inputs, minibatches, batch, row_of, partial, timing))
         grad_norms = []
-        with _timed(timing, "timing_s/update_actor"):
-            for epoch in minibatches:
-                for mb_groups in epoch:
-                    local = [row_of[r] for r in batch.rows_of_groups(self._my_part(mb_groups))]
-                    grad_norms.append(self._minibatch_update(inputs, local, partial))
+        if self._policy_trains():
+            with _timed(timing, "timing_s/update_actor"):
+                for epoch in minibatches:
+                    for mb_groups in epoch:
+                        local = [row_of[r] for r in batch.rows_of_groups(self._my_part(mb_groups))]
+                        grad_norms.append(self._minibatch_update(inputs, local, partial))
+            self.scheduler.step()
         if inputs.prox_from_update:  # the metrics of π_old, now that the update pass has given it
             _, _, shard_stats = self._step_correction(shard, inputs.old_log_prob, owned)
             drift = self._drift(shard, inputs.old_log_prob, owned)
-        self.scheduler.step()
         self.version += 1
 
-        metrics = self._combine(partial, len(grad_norms), shard_stats, timing)
+        metrics = self._combine(partial, sum(len(epoch) for epoch in minibatches), shard_stats, timing)
         metrics.update(self._batch_metrics(batch))
         metrics.update(drift)
         metrics.update(routing)
@@ -411,12 +412,18 @@ class Learner:
         metrics["perf/padding_fraction"] = 1.0 - tokens["real"] / tokens["slots"] if tokens["slots"] else 0.0
         # rank 0's, in GiB under verl's names (perf/max_memory_allocated_gb, perf/max_memory_reserved_gb)
         metrics.update({f"perf/{k}_gb": v / 2**30 for k, v in gpu_memory_peaks(self.device).items()})
-        metrics["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
+        if grad_norms:
+            metrics["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
         metrics["actor/optimizer_steps"] = float(len(grad_norms))
         metrics["actor/lr"] = lr
         metrics["learner/version"] = float(self.version)
         metrics["timing_s/step"] = time.perf_counter() - step_start
         return metrics
+
+    def _policy_trains(self) -> bool:
+        """False while the critic trains alone (`critic.train_alone_steps`, verl's critic_warmup): the
+        policy's weights and schedule stay, the version still goes up."""
+        return self.critic is None or self.version >= self.config.critic.train_alone_steps
 
     def _update_critic(self, inputs: StepInputs, minibatches, batch: TrainBatch, row_of: dict[int, int], partial,
                        timing: dict[str, float]) -> dict[str, float]:
@@ -529,6 +536,7 @@ class Learner:
         π_old before the update begins."""
         cfg, rc = self.config, self.config.rollout_correction
         return (cfg.prox_from_update_pass and cfg.prox_mode == "recompute" and len(minibatches) == 1
+                and self._policy_trains()
                 and len(minibatches[0]) == 1 and not rc.rejection_criteria and rc.rollout_token_veto_threshold is None
                 and not rc.rollout_is_batch_normalize and cfg.kl_in_reward.coef == 0
                 and cfg.advantage.estimator not in OTB_ESTIMATORS and cfg.routing_replay == "none"

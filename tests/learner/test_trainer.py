@@ -182,6 +182,24 @@ def test_gae_trains_a_critic_towards_the_returns_and_the_policy_by_its_advantage
     assert float(change[above].mean() - change[below].mean()) > 0.1
 
 
+def test_the_critic_trains_alone_for_its_first_steps(policy_dir, groups):
+    """critic.train_alone_steps (verl's critic_warmup): the policy's weights and lr schedule wait, the
+    critic learns, the version goes up; then both train."""
+    learner = make_learner(policy_dir, advantage={"estimator": "gae"}, critic={"lr": 1e-3, "train_alone_steps": 2},
+                           warmup_steps=2)
+    policy, critic = params_of(learner.model), params_of(learner.critic.model)
+    for step in (1, 2):
+        metrics = learner.train_step(groups)
+        assert learner.version == step and metrics["actor/optimizer_steps"] == 0.0 and "actor/grad_norm" not in metrics
+        assert metrics["actor/lr"] == pytest.approx(1e-3 / 2)  # the warm-up's first lr, still
+        assert "rollout_corr/kl" in metrics  # π_old from a proximal pass (no update pass to take it from)
+    assert max_param_diff(policy, params_of(learner.model)) == 0.0
+    assert max_param_diff(critic, params_of(learner.critic.model)) > 1e-4
+    metrics = learner.train_step(groups)
+    assert metrics["actor/optimizer_steps"] == 1.0 and np.isfinite(metrics["actor/grad_norm"])
+    assert max_param_diff(policy, params_of(learner.model)) > 1e-5
+
+
 def test_a_checkpoint_resumes_the_critic_and_refuses_the_other_estimator(policy_dir, groups, tmp_path):
     gae = {"advantage": {"estimator": "gae"}, "critic": {"lr": 1e-3, "warmup_steps": 3}}
     first = make_learner(policy_dir, **gae)
