@@ -11,6 +11,8 @@ A step (`Learner.train_step`):
      and data parallelism do not change the update;
   4. one optimizer step per minibatch (gradients summed over ranks, clipped), one scheduler step
      per learner step, and the version goes up by one.
+With a critic (`advantage.estimator: gae`, learner/critic.py) the advantages are GAE over its
+values, and it takes its own step per minibatch before the policy's.
 
 Memory follows the token budget, not the batch: every pass (proximal, reference, update) runs in
 micro-batches of at most `max_tokens_per_micro_batch` padded tokens (`learner.batch.
