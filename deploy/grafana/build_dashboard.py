@@ -59,7 +59,12 @@ PANELS = [
      [("etarl_timing_step_total_seconds", "whole step"), ("etarl_timing_wait_data_seconds", "wait for data"),
       ("etarl_timing_step_seconds", "learner update step"),
       ("etarl_timing_old_log_prob_seconds", "proximal log-probs"), ("etarl_timing_update_actor_seconds", "update"),
+      ("etarl_timing_update_critic_seconds", "critic update (gae)"),
       ("etarl_timing_weight_sync_seconds", "weight sync")], {}),
+    ("Critic (PPO with gae)", "short",
+     "The value loss, and how much of the returns' spread the values foresee (1: all, 0: no better than their mean). "
+     "Empty unless learner.advantage.estimator is gae.",
+     [("etarl_critic_vf_loss", "value loss"), ("etarl_critic_vf_explained_var", "explained variance")], {}),
     ("Weight sync and load seconds", "s", "The learner's publish time per step; each worker's load time per version.",
      [("etarl_timing_weight_sync_seconds", "learner publish"),
       ("rate(etarl_worker_weight_load_seconds_total[5m]) / clamp_min(rate(etarl_learner_steps_total[5m]), 1e-9)",
