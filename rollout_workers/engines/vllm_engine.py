@@ -246,7 +246,6 @@ class VLLMEngine(GenerationEngine):
             **({"gpu_memory_utilization": gpu_memory_utilization} if gpu_memory_utilization and not cpu
                else {"kv_cache_memory_bytes": kv_cache_bytes}),
             enable_prefix_caching=True,
-            use_tqdm_on_load=False,  # a progress bar per weight load is noise in a job's or eval's output
             # vLLM-CPU cannot rewind a seeded request's sampler after a partial prefill ("CPU
             # Generator does not use offset"): on CPU, prompts are prefilled whole.
             enable_chunked_prefill=not cpu,
