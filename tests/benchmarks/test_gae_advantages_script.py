@@ -20,5 +20,5 @@ def test_gae_script_times_the_column_loop_and_the_blocked_form_on_one_batch():
     for name in ("single_turn", "multi_turn"):
         part = summary[name]
         assert part["max_abs_difference"] < 1e-4, name  # float32, over 700 columns
-        assert part["speedup"] == pytest.approx(part["column_loop_s"] / part["blocked_s"], rel=0.02)
+        assert part["speedup"] == pytest.approx(part["column_loop_s"] / part["blocked_s"], rel=1e-9)  # unrounded
     assert summary["multi_turn"]["policy_tokens"] < summary["single_turn"]["policy_tokens"]  # tool tokens left out
