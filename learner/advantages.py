@@ -271,6 +271,35 @@ def remax_advantages(rewards: torch.Tensor, baselines: torch.Tensor, mask: torch
     return returns - baselines[:, None].to(returns) * mask.to(returns.dtype)
 
 
+class _PolicyTokensFirst:
+    """Each row's policy tokens (mask 1) moved to the front in order, the tool tokens between a
+    multi-turn row's turns taken out, so a recursion over a row's own tokens runs over columns
+    (`compact`), and back (`expand`); zeros everywhere else both ways. Single-turn rows (no tool
+    token between policy tokens) are their own compaction: a slice, no gather or scatter."""
+
+    def __init__(self, mask: torch.Tensor):
+        self.policy = mask.bool()
+        lengths = self.policy.sum(-1)
+        width = int(lengths.max()) if len(lengths) else 0
+        self.own = torch.arange(width, device=mask.device)[None, :] < lengths[:, None]  # [B, width]
+        self.prefix = torch.equal(self.policy[:, :width], self.own) and not self.policy[:, width:].any()
+
+    def compact(self, x: torch.Tensor) -> torch.Tensor:
+        if self.prefix:
+            return torch.where(self.own, x[:, : self.own.shape[1]], torch.zeros((), dtype=x.dtype, device=x.device))
+        out = x.new_zeros(self.own.shape)
+        out[self.own] = x[self.policy]
+        return out
+
+    def expand(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(self.policy.shape, dtype=x.dtype, device=x.device)
+        if self.prefix:
+            out[:, : self.own.shape[1]] = torch.where(self.own, x, torch.zeros((), dtype=x.dtype, device=x.device))
+        else:
+            out[self.policy] = x[self.own]
+        return out
+
+
 def gae_advantages_and_returns(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
                                gamma: float = 1.0, lam: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalized advantage estimation (verl's `compute_gae_advantage_return`): ([B, T] advantages
@@ -282,32 +311,14 @@ def gae_advantages_and_returns(token_rewards: torch.Tensor, values: torch.Tensor
     verl walks the T columns one by one (8,192 steps of [B] work at 8k-token responses); here each
     row's policy tokens move to the front, δ_t = r_t + γ V_{t+1} − V_t is one vector operation, and
     A_t = Σ_k (γλ)^k δ_{t+k} is a matmul per block of columns (`discounted_suffix_sums`)."""
-    policy = mask.bool()
-    valid = policy.to(values.dtype)
-    lengths = policy.sum(-1)
-    width = int(lengths.max()) if len(lengths) else 0
-    own = torch.arange(width, device=policy.device)[None, :] < lengths[:, None]  # compacted policy tokens
-    # single-turn rows are their own compaction (no tool tokens between): no gather, no scatter
-    holes = not (torch.equal(policy[:, :width], own) and not policy[:, width:].any())
-
-    def compact(x):
-        if not holes:
-            return x[:, :width]
-        out = x.new_zeros(own.shape)
-        out[own] = x[policy]
-        return out
-
-    v, r = compact(values), compact(token_rewards.to(values.dtype))
-    next_v = torch.cat([v[:, 1:], v.new_zeros(len(v), 1)], dim=1) * torch.cat(
-        [own[:, 1:], own.new_zeros(len(own), 1)], dim=1).to(v.dtype)  # 0 after a row's last policy token
-    raw_compact = discounted_suffix_sums((r + gamma * next_v - v) * own.to(v.dtype), gamma * lam)
-    raw = torch.zeros_like(values)
-    if holes:
-        raw[policy] = raw_compact[own]
-    else:
-        raw[:, :width] = raw_compact
-    returns = (raw + values) * valid
-    return _whiten(raw, policy) * valid, returns
+    tokens = _PolicyTokensFirst(mask)
+    # compacted, every value is 0 past a row's last policy token: so is δ there, and the next value
+    # of its last token
+    v, r = tokens.compact(values), tokens.compact(token_rewards.to(values.dtype))
+    next_v = torch.cat([v[:, 1:], v.new_zeros(len(v), 1)], dim=1)
+    raw = tokens.expand(discounted_suffix_sums(r + gamma * next_v - v, gamma * lam))
+    valid = mask.to(values.dtype)
+    return _whiten(raw, mask.bool()) * valid, (raw + values) * valid
 
 
 def discounted_suffix_sums(x: torch.Tensor, factor: float, block: int = 256) -> torch.Tensor:
@@ -320,8 +331,7 @@ def discounted_suffix_sums(x: torch.Tensor, factor: float, block: int = 256) -> 
         return x.clone()
     idx = torch.arange(min(block, width), device=x.device)
     distance = (idx[None, :] - idx[:, None]).to(x.dtype)  # [i, j]: j − i
-    powers = torch.where(distance >= 0, torch.pow(torch.tensor(factor, dtype=x.dtype, device=x.device),
-                                                  distance.clamp_min(0)), torch.zeros((), dtype=x.dtype, device=x.device))
+    powers = torch.triu(torch.pow(torch.tensor(factor, dtype=x.dtype, device=x.device), distance.clamp_min(0)))
     out = torch.empty_like(x)
     carry = None  # y at the first column of the block to the right
     for start in range(((width - 1) // block) * block, -1, -block):
@@ -348,21 +358,12 @@ def optimal_token_baseline_advantages(token_rewards: torch.Tensor, mask: torch.T
     `policy_tokens_only` (verl's `compute_multi_turn_optimal_token_baseline_advantage`): t is the
     index among the row's policy tokens (mask 1), not its column."""
     if policy_tokens_only:
-        policy = mask.bool()
-        lengths = policy.sum(-1)
-        own = torch.arange(int(lengths.max()) if len(lengths) else 0, device=mask.device)[None, :] < lengths[:, None]
-
-        def compact(values):  # each row's policy-token values, moved to the front
-            out = values.new_zeros(own.shape)
-            out[own] = values[policy]
-            return out
-
+        tokens = _PolicyTokensFirst(mask)
+        compact = tokens.compact
         advantages = optimal_token_baseline_advantages(
-            compact(token_rewards * mask.to(token_rewards.dtype)), own.to(mask.dtype), index, compact(old_log_probs),
-            compact(sum_pi_squared), None if is_weights is None else compact(is_weights), eps)
-        out = torch.zeros(mask.shape, dtype=advantages.dtype, device=advantages.device)
-        out[policy] = advantages[own]
-        return out
+            compact(token_rewards * mask.to(token_rewards.dtype)), tokens.own.to(mask.dtype), index,
+            compact(old_log_probs), compact(sum_pi_squared), None if is_weights is None else compact(is_weights), eps)
+        return tokens.expand(advantages)
     valid = mask.to(token_rewards.dtype)
     returns = (token_rewards * valid).flip(-1).cumsum(-1).flip(-1)
     w = 1 - 2 * old_log_probs.to(returns).exp() + sum_pi_squared.to(returns)
