@@ -15,7 +15,6 @@ the learner's sharded checkpoints (`learner.checkpoint`), so a resumed run conti
 """
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from typing import Optional
 
@@ -23,6 +22,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from learner.losses import LossAggMode, count_tokens_and_sequences, value_loss
+from learner.optimizer import adamw_with_schedule, clip_and_step
 from lm.value_model import load_value_model, response_values, value_model_on_meta, value_model_source
 
 
@@ -65,11 +65,8 @@ class Critic:
             source=lambda names: value_model_source(path, names, cfg.dtype, cfg.seed),
             trainable=True)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.params, lr=critic.lr, betas=tuple(cfg.betas), eps=cfg.adam_eps,
-                                           weight_decay=critic.weight_decay)
-        warmup = critic.warmup_steps
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0)
+        self.optimizer, self.scheduler = adamw_with_schedule(self.params, critic.lr, cfg.betas, cfg.adam_eps,
+                                                             critic.weight_decay, critic.warmup_steps)
         self.loss_agg_mode = critic.loss_agg_mode or cfg.policy_loss.loss_agg_mode
 
     def _forward(self, mb) -> torch.Tensor:
@@ -133,13 +130,7 @@ class Critic:
         comm.sum_gradients(self.params)
         for key, value in sums.items():
             partial[key].append(value)
-        max_norm = self.config.grad_clip if self.config.grad_clip is not None else float("inf")
-        norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
-        if not math.isfinite(norm):
-            self.optimizer.zero_grad(set_to_none=True)
-            return float("inf")
-        self.optimizer.step()
-        return norm
+        return clip_and_step(self.params, self.optimizer, self.config.grad_clip)
 
 
 def value_metrics(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:

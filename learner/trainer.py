@@ -65,8 +65,8 @@ from learner.checkpoint import (  # noqa: F401 (the part names: services.checkpo
     write_policy,
 )
 from learner.config import LearnerConfig
-from learner.critic import Critic, value_metrics
 from learner.correction import compute_rollout_correction, is_batch_norm_sums, to_floats
+from learner.critic import Critic, value_metrics
 from learner.distributed import (
     FullWeightBuckets,
     LocalComm,
@@ -76,6 +76,7 @@ from learner.distributed import (
     unique_state_names,
 )
 from learner.losses import compute_policy_loss, count_tokens_and_sequences, kl_penalty, staleness_metrics
+from learner.optimizer import adamw_with_schedule, clip_and_step
 from learner.routing_replay import MismatchCounts, RoutingReplay, require_routing
 from lm.causal_lm import (
     causal_lm_on_meta,
@@ -153,22 +154,6 @@ class StepInputs:
     loss_generator: Optional[torch.Generator] = None
 
 
-def lr_factor(step: int, warmup_steps: int, schedule: str, total_steps: int | None, min_ratio: float) -> float:
-    """Learning-rate multiplier at learner step `step` (0-based): linear warm-up to 1 over
-    `warmup_steps`, then constant, or linear / cosine decay to `min_ratio` at `total_steps`."""
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    if schedule == "constant":
-        return 1.0
-    span = max(1, total_steps - warmup_steps)
-    progress = min(1.0, (step - warmup_steps) / span)
-    if schedule == "linear":
-        shape = 1.0 - progress
-    else:  # cosine
-        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
-    return min_ratio + (1.0 - min_ratio) * shape
-
-
 @contextlib.contextmanager
 def _timed(timing: dict, key: str):
     # GPU kernels run after the Python that queued them returns: a section's time is taken
@@ -204,15 +189,9 @@ class Learner:
         self._slots = torch.zeros(2, dtype=torch.float64)
         self._group_tokens: list[int] = []  # the current batch's tokens per group (set by train_step)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(
-            self.params, lr=config.lr, betas=tuple(config.betas), eps=config.adam_eps,
-            weight_decay=config.weight_decay,
-        )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer,
-            lambda step: lr_factor(step, config.warmup_steps, config.lr_schedule, config.total_steps,
-                                   config.min_lr_ratio),
-        )
+        self.optimizer, self.scheduler = adamw_with_schedule(
+            self.params, config.lr, config.betas, config.adam_eps, config.weight_decay, config.warmup_steps,
+            config.lr_schedule, config.total_steps, config.min_lr_ratio)
         self.version = int(version)
         self.drift_probe = self._drift_probe()
         self.weight_guard = ParameterGuard()
@@ -642,7 +621,8 @@ class Learner:
         self.comm.sum_gradients(self.params)
         for key, value in sums.items():
             partial[key].append(value)
-        return self._clip_and_step()
+        # the step waits while a weight send still reads the parameters
+        return clip_and_step(self.params, self.optimizer, cfg.grad_clip, self.weight_guard.writing)
 
     def _micro_batch_loss(self, inputs: StepInputs, mb: TrainBatch, rows: list[int], width: int, log_prob, entropy,
                           norm_sums, global_tokens: float, global_seqs: float):
@@ -691,18 +671,6 @@ class Learner:
                 sums += is_batch_norm_sums(log_prob if old is None else old, mb.rollout_log_probs,
                                            mb.response_mask, rc).cpu()
         return self.comm.all_reduce_sum(sums)
-
-    def _clip_and_step(self) -> float:
-        """Clip to the global norm and step; a non-finite gradient skips the step (no update
-        beats a corrupted one) and is reported as grad_norm = inf."""
-        max_norm = self.config.grad_clip if self.config.grad_clip is not None else float("inf")
-        norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
-        if not math.isfinite(norm):
-            self.optimizer.zero_grad(set_to_none=True)
-            return float("inf")
-        with self.weight_guard.writing():  # waits while a weight send still reads the parameters
-            self.optimizer.step()
-        return norm
 
     # ------------------------------------------------------------------ passes
 

@@ -14,7 +14,8 @@ from buffer.sample import Group, Sample
 from learner.advantages import compute_advantages, optimal_token_baseline_advantages, token_level_rewards
 from learner.batch import BatchError, build_batch, shape_bucket
 from learner.config import LearnerConfig
-from learner.trainer import Learner, loglinear_prox_log_prob, lr_factor
+from learner.optimizer import lr_factor
+from learner.trainer import Learner, loglinear_prox_log_prob
 from learner_helpers import build_tiny_policy, max_param_diff, params_of, sample_groups
 from lm.causal_lm import load_causal_lm, response_log_probs
 from lm.weight_sync import resolve_weights
