@@ -77,13 +77,7 @@ class Critic:
 
     def _idle_pass(self, grad: bool) -> None:
         """A rank with no rows in a micro-batch slot still joins FSDP's gathers (and reductions)."""
-        if not self.owner._sharded:
-            return
-        pad = [self.owner.config.pad_token_id]
-        with torch.set_grad_enabled(grad), self.owner._autocast():
-            values = response_values(self.model, [pad], [pad])
-        if grad:
-            (values.sum() * 0.0).backward()
+        self.owner._idle_pass(grad, run=lambda prompts, responses: response_values(self.model, prompts, responses))
 
     def values(self, batch) -> torch.Tensor:
         """[rows, T] values of every response token of `batch` (no grad), micro-batch by micro-batch."""

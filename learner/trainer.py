@@ -731,17 +731,20 @@ class Learner:
                     sum_pi_squared[rows, : squares.shape[1]] = squares
         return out, sum_pi_squared
 
-    def _idle_pass(self, grad: bool, model=None) -> None:
+    def _idle_pass(self, grad: bool, model=None, run=None) -> None:
         """A zero-weight pass over one pad token for a rank with no rows in a micro-batch slot:
         under FSDP every pass gathers parameters (and every backward reduces gradients) across
-        all ranks, so a rank that skipped it would leave the others waiting."""
+        all ranks, so a rank that skipped it would leave the others waiting. `run(prompts,
+        responses)` is the pass (default: the log-probs of `model`, the policy if None)."""
         if self.config.distributed.strategy != "fsdp":
             return
         pad = [self.config.pad_token_id]
+        run = run or (lambda prompts, responses: response_log_probs(model or self.model, prompts, responses,
+                                                                    chunk_tokens=1)[0])
         with torch.set_grad_enabled(grad), self._autocast():
-            log_prob, _ = response_log_probs(model or self.model, [pad], [pad], chunk_tokens=1)
+            out = run([pad], [pad])
         if grad:
-            (log_prob.sum() * 0.0).backward()
+            (out.sum() * 0.0).backward()
 
     def _autocast(self):
         """bfloat16 compute over float32 weights when mixed precision is on and FSDP does not do it
