@@ -87,17 +87,17 @@ def read_trainer_file(folder: Path) -> dict:
     return torch.load(trainer_file, map_location="cpu", weights_only=True)
 
 
-def load_training_state(folder: Path, model, optimizer, critic=None) -> None:
-    """Every rank: its shards of model and optimizer (and the `critic`'s, scheduler included) from
-    `folder/trainer_shards/` (a collective). A run with a critic cannot resume from a checkpoint
-    without one, nor the other way round: the two runs train different things."""
+def load_training_state(folder: Path, trainer: dict, model, optimizer, critic=None) -> None:
+    """Every rank: its shards of model and optimizer (and the `critic`'s, its scheduler from
+    `trainer`, the checkpoint's `read_trainer_file`) from `folder/trainer_shards/` (a collective).
+    A run with a critic cannot resume from a checkpoint without one, nor the other way round: the
+    two runs train different things."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     shards = folder / SHARDS_DIR
     if not (shards / ".metadata").is_file():
         raise FileNotFoundError(f"checkpoint {str(folder)!r} has no complete {SHARDS_DIR}/ (no .metadata)")
-    trainer = read_trainer_file(folder)
     if (critic is not None) != (CRITIC_SCHEDULER in trainer):
         has = "has a critic" if CRITIC_SCHEDULER in trainer else "has no critic"
         wants = "with one (advantage.estimator gae)" if critic is not None else "without one"

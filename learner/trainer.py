@@ -1026,10 +1026,10 @@ class Learner:
             if self._sharded or self.critic is not None:
                 raise ValueError(f"checkpoint {str(folder)!r} holds rank 0's optimizer state only (written before "
                                  f"sharded checkpoints): it cannot resume an FSDP learner or one with a critic; "
-                                 f"resume it without FSDP")
+                                 f"resume it without FSDP (and without a critic: it has none)")
             self.load_state_dict({"model": read_policy_weights(folder / POLICY_DIR), **state})
             return
-        load_training_state(folder, self.model, self.optimizer, self.critic)
+        load_training_state(folder, state, self.model, self.optimizer, self.critic)
         self.scheduler.load_state_dict(state["scheduler"])
         self.version = int(state["version"])
         self.kl_reward_coef = float(state.get("kl_reward_coef", self.kl_reward_coef))
