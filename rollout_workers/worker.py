@@ -104,7 +104,7 @@ class RolloutWorker:
             weight_load_s=0.0, weight_loads_total=0, failed_generations_total=0,
             interrupted_generations_total=0, permits_released_total=0, prompt_failures_total=0,
             prompts_quarantined_total=0, weight_load_failures_total=0, weight_loads_rejected_total=0,
-            groups_refused_total=0,
+            groups_refused_total=0, permits_refused_total=0,
         )
         self._probe_prompt: list[int] | None = None  # a prompt the engine served (the health probe)
         # Prompt positions this worker quarantined, with why: a later ticket for the same prompt (the
@@ -398,6 +398,16 @@ class RolloutWorker:
             finally:
                 runners.put(runner)
 
+        def room_for_permits(pushing: int = 0) -> int:
+            """Permits to take now (`pushing`: groups being pushed, ending their permits). Groups
+            generated faster than a slow reward scores them queue for a scorer: at most an engine's
+            worth, so the permits held stay bounded (each is a group growing stale)."""
+            held = len(generating) + len(scoring) + len(scored) + len(waiting)
+            room = min(room_groups - len(generating) - len(waiting), 2 * room_groups - held)
+            if max_groups is not None:
+                room = min(room, max_groups - pushed - pushing - held)
+            return room
+
         scorer = ThreadPoolExecutor(cfg.reward_processes, thread_name_prefix=f"{self.worker_id}-rewards")
         try:
             tick, busy = time.perf_counter(), False
@@ -407,10 +417,7 @@ class RolloutWorker:
                 tick = now
                 if self.load_weights_or_restart():
                     log.info("%s: loaded weights version %d", self.worker_id, self.engine.version)
-                owed = len(generating) + len(scoring) + len(scored) + len(waiting)
-                wanted = room_groups - len(generating) - len(waiting)
-                if max_groups is not None:
-                    wanted = min(wanted, max_groups - pushed - owed)
+                wanted = room_for_permits()
                 if wanted > 0 and not scored:
                     idle = not generating and not scoring
                     if idle or time.monotonic() - asked_at >= poll_s:  # the gate may have opened
@@ -447,11 +454,8 @@ class RolloutWorker:
                         self.last_error = f"scoring: {type(err).__name__}: {err}"
                         log.warning("%s: ticket %d: %s", self.worker_id, permit.ticket, self.last_error)
                 if scored:
-                    room = room_groups - len(generating) - len(waiting)
-                    if max_groups is not None:
-                        room = min(room, max_groups - pushed - len(generating) - len(scoring) - len(scored)
-                                   - len(waiting))
                     made, scored = scored, []
+                    room = room_for_permits(pushing=len(made))
                     done, more = self._push_streamed(made, 0 if self._stop.is_set() else max(room, 0))
                     pushed += done
                     waiting += more
@@ -469,9 +473,20 @@ class RolloutWorker:
 
     def _acquire_streaming(self, count: int, wait: bool) -> list:
         """Up to `count` permits: waiting for the first when nothing is in flight, else only those
-        free now (the loop has work to tend)."""
+        free now (the loop has work to tend). Empty when the buffer's per-client cap
+        (limits.per_client.max_permits, below this worker's room) refuses more: the loop goes on
+        with what it holds."""
         waited = time.perf_counter()
-        permits = self.client.acquire_permits(self.worker_id, count, timeout=self._acquire_wait_s() if wait else 0.0)
+        try:
+            permits = self.client.acquire_permits(self.worker_id, count,
+                                                  timeout=self._acquire_wait_s() if wait else 0.0)
+        except BufferError as err:
+            if err.reason != "too_many_permits":
+                raise
+            self.counters["permits_refused_total"] += 1
+            if wait:  # holding nothing it knows of: permits whose replies were lost, until their leases end
+                self._stop.wait(self._acquire_wait_s())
+            permits = []
         if wait:
             self.counters["gate_blocked_s"] += time.perf_counter() - waited
         return permits

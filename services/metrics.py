@@ -228,6 +228,8 @@ WORKER_METRICS: tuple[MetricSpec, ...] = (
     _worker("worker_interrupted_generations_total", "counter", "interrupted_generations_total",
             "generations interrupted by new weights and continued"),
     _worker("worker_permits_released_total", "counter", "permits_released_total", "permits given back unused"),
+    _worker("worker_permits_refused_total", "counter", "permits_refused_total",
+            "permit requests the buffer's per-client cap refused (the worker went on with what it held)"),
     _worker("worker_prompt_failures_total", "counter", "prompt_failures_total",
             "generations of one prompt on its own that failed (after its engine batch failed)"),
     _worker("worker_prompts_quarantined_total", "counter", "prompts_quarantined_total",

@@ -31,6 +31,12 @@ def not_a_number(response: str, answer: str):
     return "1.0"
 
 
+def slow_reward(response: str, answer: str) -> float:
+    """A reward that takes 0.1 s a response: groups are generated faster than they are scored."""
+    time.sleep(0.1)
+    return 0.0
+
+
 def length_reward(response: str, answer: str) -> float:
     return float(len(response))
 

@@ -159,6 +159,37 @@ def test_permits_held_when_the_buffer_is_gone_are_left_to_their_leases_after_one
         worker.close()
 
 
+@pytest.mark.parametrize("max_permits", [64, 3])
+def test_a_slow_reward_bounds_the_permits_a_streaming_worker_holds(tiny_model_dir, vllm_engine, max_permits):
+    """Groups generated faster than the reward scores them wait for a scorer: at most an engine's
+    worth (here 2 groups generating and 2 waiting), not a permit for every group the engine could
+    start meanwhile. Under a buffer whose per-client cap is below that, the refused requests are
+    counted and the worker goes on with the permits it holds."""
+    from buffer.client import BufferClient
+    from buffer.config import PerClientLimits
+    from buffer.server import BufferServer
+
+    server = BufferServer(BufferConfig(port=0, gate=GateConfig(batch_size=4, eta=None, permit_lease_s=60),
+                                       per_client=PerClientLimits(max_permits=max_permits))).start()
+    client, observer = BufferClient(server.endpoint), BufferClient(server.endpoint)
+    cfg = config(tiny_model_dir, reward="rollout_helpers:slow_reward", max_requests_in_flight=8)  # room: 2 groups
+    worker = RolloutWorker(cfg, "worker-s", client, WeightStore(), engine=vllm_engine)
+    held = []
+    try:
+        def observed(w):
+            held.append(observer.stats()["running"])
+            return w.counters["groups_total"] >= 6
+        stats = run_until(worker, observed)
+        assert 0 < max(held) <= min(4, max_permits), held
+        assert (stats["permits_refused_total"] > 0) == (max_permits < 4), stats
+        assert observer.stats()["running"] == 0  # every permit held at the stop came back
+    finally:
+        worker.close()
+        client.close()
+        observer.close()
+        server.stop()
+
+
 def test_worker_loads_published_weights_before_generating(tiny_model_dir, vllm_engine, buffer, tmp_path,
                                                            restore_vllm_weights):
     """A (re)started worker resumes with the store's current weights, from a folder payload."""
