@@ -10,8 +10,10 @@ i.e. while
 Tickets of released or reclaimed permits, and of groups dropped as stale, are reissued first
 (smallest first), so the run neither skips nor repeats a prompt. A permit ends in exactly one of:
 `consume` (its group was accepted), `release` (generation failed or was rejected), `quarantine`
-(its prompt failed the engine again and again: the ticket is never reissued), or reclaim after
-`lease_s` without any of those.
+(its prompt failed the engine again and again: the ticket is never reissued), `filter` (its group
+was generated and is uninformative, e.g. every sample scored alike: dynamic sampling; the ticket
+ends untrained, not reissued), or reclaim after `lease_s` without any of those. Filtered groups are
+never accepted, so the gate grants permits until B informative groups per version are.
 
 Recovery: a run resumed at version v starts with accepted = v·B and the cursor at v·B, so it
 never over-admits. The gate is plain state, not thread-safe: `buffer.core.BufferCore` locks it.
@@ -56,6 +58,7 @@ class AdmissionGate:
         self.permits: dict[str, Permit] = {}
         self.deadlines: dict[str, float] = {}
         self.quarantined: set[int] = set()  # tickets whose prompt the engine cannot take
+        self.filtered: set[int] = set()  # tickets whose group was uninformative (dynamic sampling)
 
     @property
     def running(self) -> int:
@@ -112,6 +115,15 @@ class AdmissionGate:
         permit = self._drop(permit_id)
         if permit is not None:
             self.quarantined.add(permit.ticket)
+        return permit
+
+    def filter(self, permit_id: str) -> Permit | None:
+        """The permit's group was generated and is uninformative (dynamic sampling): the permit
+        ends and its ticket with it, never trained on and never reissued (the prompt comes again
+        under a new ticket when the prompt set wraps around)."""
+        permit = self._drop(permit_id)
+        if permit is not None:
+            self.filtered.add(permit.ticket)
         return permit
 
     def consume(self, permit_id: str) -> Permit:
@@ -190,7 +202,7 @@ class AdmissionGate:
             "version": self.version, "accepted": self.accepted, "rejected": self.rejected,
             "released": self.released, "reclaimed": self.reclaimed, "next_ticket": self.next_ticket,
             "free_tickets": sorted(self.free_tickets), "permits": [p.to_dict() for p in self.permits.values()],
-            "quarantined": sorted(self.quarantined), "eta": self.eta,
+            "quarantined": sorted(self.quarantined), "filtered": sorted(self.filtered), "eta": self.eta,
         }
 
     def load_state(self, state: dict, now: float) -> None:
@@ -199,6 +211,7 @@ class AdmissionGate:
         self.free_tickets = list(state["free_tickets"])
         heapq.heapify(self.free_tickets)
         self.quarantined = set(state.get("quarantined", []))
+        self.filtered = set(state.get("filtered", []))
         self.eta = state.get("eta", self.eta)
         self.permits.clear()
         self.deadlines.clear()

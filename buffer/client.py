@@ -68,6 +68,12 @@ class BufferClient:
         args = {"permit_id": permit_id} if quarantine is None else {"permit_id": permit_id, "quarantine": quarantine}
         return self._call("release_permit", args)[0]
 
+    def filter_group(self, permit_id: str, reason: str) -> bool:
+        """End a permit whose group is uninformative (dynamic sampling: `reason`, e.g. every
+        sample scored alike) instead of pushing it: its ticket ends untrained, not reissued.
+        False if the permit is not held."""
+        return self._call("filter_group", {"permit_id": permit_id, "reason": reason})[0]
+
     def push_group(self, group: Group, permit_id: str) -> dict:
         """Push a finished group under its permit. Returns {"samples": n, "duplicate": bool};
         a retried push of the same sample ids is a no-op with duplicate=True."""
@@ -108,7 +114,7 @@ class BufferClient:
             return None
         groups = [decode_group(unpack_frames(packed), pulled_limits(self.limits)) for packed in frames]
         return PulledBatch(result["lease_id"], groups, result["dropped_stale"], result["version"],
-                           result.get("prompts_quarantined", 0))
+                           result.get("prompts_quarantined", 0), result.get("groups_filtered", 0))
 
     def ack(self, lease_id: str, version: int | None = None) -> int:
         """The batch was trained on: its groups are consumed. Returns the number of groups. With

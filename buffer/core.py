@@ -28,6 +28,7 @@ the gate's, which are restored from the log):
   permits_released, permits_reclaimed            counters
   next_ticket, free_tickets    data cursor and tickets waiting to be reissued
   prompts_quarantined          counter: tickets set aside for good (their prompt fails the engine)
+  groups_filtered              counter: tickets whose group was uninformative (dynamic sampling)
   groups_ready, groups_leased, samples_ready, bytes_held     store contents
   pushed_samples, pushed_groups, duplicate_pushes            counters
   consumed_samples, consumed_groups                          counters (acked)
@@ -83,6 +84,7 @@ class PullResult:
     dropped_stale: int
     version: int
     prompts_quarantined: int = 0
+    groups_filtered: int = 0
 
 
 class _Counters:
@@ -231,6 +233,19 @@ class BufferCore:
             self._changed.notify_all()
             return True
 
+    def filter_group(self, permit_id: str, reason: str) -> bool:
+        """End a permit whose group was generated and is uninformative (dynamic sampling: `reason`,
+        e.g. every sample scored alike): its ticket ends untrained and is not reissued. False if
+        the permit is not held."""
+        with self._request():
+            permit = self.gate.filter(permit_id)
+            if permit is None:
+                return False
+            self._append({"op": "filter", "permit": permit_id, "ticket": permit.ticket,
+                          "reason": reason[: self.limits.max_string_chars]})
+            self._changed.notify_all()
+            return True
+
     def set_version(self, version: int) -> None:
         with self._request():
             if version != self.gate.version:
@@ -365,7 +380,7 @@ class BufferCore:
 
     def _result(self, lease: Lease, dropped: int) -> PullResult:
         return PullResult(lease.lease_id, [g.packed for g in lease.groups], dropped, lease.version,
-                          len(self.gate.quarantined))
+                          len(self.gate.quarantined), len(self.gate.filtered))
 
     def _drop_stale(self) -> None:
         dropped = self.store.drop_stale(self.gate.version, self.gate.eta)
@@ -515,7 +530,7 @@ class BufferCore:
                 "accepted": gate.accepted, "rejected": gate.rejected,
                 "permits_released": gate.released, "permits_reclaimed": gate.reclaimed,
                 "next_ticket": gate.next_ticket, "free_tickets": len(gate.free_tickets),
-                "prompts_quarantined": len(gate.quarantined),
+                "prompts_quarantined": len(gate.quarantined), "groups_filtered": len(gate.filtered),
                 "groups_ready": len(store.ready), "groups_leased": store.groups_leased,
                 "samples_ready": store.samples_ready(),
                 "bytes_held": store.bytes_held + sum(g.nbytes for lease in store.leases.values() for g in lease.groups),
@@ -607,6 +622,8 @@ class BufferCore:
             self.gate.release(record["permit"])
         elif op == "quarantine":
             self.gate.quarantine(record["permit"])
+        elif op == "filter":
+            self.gate.filter(record["permit"])
         elif op == "push":
             if record["permit"] in self.gate.permits:
                 self.gate.consume(record["permit"])

@@ -163,13 +163,15 @@ class PulledBatch:
     trained on (consumed, exactly once), `nack(lease_id)` to hand them back. `dropped_stale`
     counts groups dropped as too stale since the previous batch; `version` is the learner version
     the buffer judged staleness against; `prompts_quarantined` the buffer's total of prompts set
-    aside for good (they fail the engine)."""
+    aside for good (they fail the engine), `groups_filtered` its total of groups left untrained as
+    uninformative (dynamic sampling)."""
 
     lease_id: str
     groups: list[Group]
     dropped_stale: int
     version: int
     prompts_quarantined: int = 0
+    groups_filtered: int = 0
 
     @property
     def samples(self) -> list[Sample]:

@@ -2,7 +2,7 @@
 
 Requests are `[header, *payload]` (`buffer.codec`), header = {"v", "id", "op", "args"}; the reply
 echoes "id" with {"ok": true, "result": ...} or {"ok": false, "error": {"reason", "message"}}.
-Operations: acquire_permits, release_permit, push_groups, pull_batch (which can first ack the
+Operations: acquire_permits, release_permit, filter_group, push_groups, pull_batch (which can first ack the
 previous batch and set the version: a learner's step end and its next batch in one request),
 ack (which can also set the version), nack, set_version, set_eta, recover, stats, health.
 acquire_permits and pull_batch long-poll: a request that cannot be served yet is parked until it
@@ -74,6 +74,7 @@ def _number(value) -> bool:
 _ARG_TYPES = {
     "worker_id": (lambda v: isinstance(v, str), "a string"),
     "quarantine": (lambda v: isinstance(v, str) and 0 < len(v) <= 4096, "a reason string (1 to 4096 chars)"),
+    "reason": (lambda v: isinstance(v, str) and 0 < len(v) <= 4096, "a reason string (1 to 4096 chars)"),
     "permit_id": (lambda v: isinstance(v, str) and 0 < len(v) <= 256, "a string id"),
     "permit_ids": (_id_list, f"a list of 1 to {_MAX_IDS} string ids"),
     "next_permit_ids": (_id_list, f"a list of 1 to {_MAX_IDS} string ids"),
@@ -88,6 +89,7 @@ _ARG_TYPES = {
 _OP_ARGS = {
     "acquire_permits": {"worker_id": _REQUIRED, "timeout": 0.0, "permit_ids": _REQUIRED},
     "release_permit": {"permit_id": _REQUIRED, "quarantine": None},
+    "filter_group": {"permit_id": _REQUIRED, "reason": _REQUIRED},
     "push_groups": {"permit_ids": _REQUIRED, "worker_id": None, "next_permit_ids": None},
     "pull_batch": {"batch_size": _REQUIRED, "timeout": 0.0, "lease_id": None, "ack_lease_id": None, "version": None},
     "ack": {"lease_id": _REQUIRED, "version": None},
@@ -153,7 +155,8 @@ class BufferServer:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._handlers = {
-            "acquire_permits": self._acquire, "release_permit": self._release, "push_groups": self._push,
+            "acquire_permits": self._acquire, "release_permit": self._release, "filter_group": self._filter,
+            "push_groups": self._push,
             "pull_batch": self._pull, "ack": self._ack, "nack": self._nack, "set_version": self._set_version,
             "recover": self._recover, "stats": self._stats, "health": self._health, "set_eta": self._set_eta,
         }
@@ -326,6 +329,9 @@ class BufferServer:
     def _release(self, identity, request_id, args, _payload):
         return self.core.release_permit(args["permit_id"], args["quarantine"]),
 
+    def _filter(self, identity, request_id, args, _payload):
+        return self.core.filter_group(args["permit_id"], args["reason"]),
+
     def _push(self, identity, request_id, args, payload):
         if len(payload) != len(args["permit_ids"]):
             raise ProtocolError(f"push_groups takes one packed group frame per permit id ({len(args['permit_ids'])}), "
@@ -358,7 +364,7 @@ class BufferServer:
         if result is None:
             return None, ()
         meta = {"lease_id": result.lease_id, "dropped_stale": result.dropped_stale, "version": result.version,
-                "prompts_quarantined": result.prompts_quarantined}
+                "prompts_quarantined": result.prompts_quarantined, "groups_filtered": result.groups_filtered}
         return meta, result.groups  # one packed group per frame
 
     def _ack(self, identity, request_id, args, _payload):

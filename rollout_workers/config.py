@@ -130,6 +130,22 @@ class MultiTurnConfig(_Strict):
         return self.environment is not None
 
 
+class FilterGroupsConfig(_Strict):
+    """Dynamic sampling (DAPO; verl's `algorithm.filter_groups`): a group whose samples all score
+    alike teaches a group-normalised estimator nothing (its advantages are 0), so the worker does
+    not push it; its ticket ends untrained (`filter_group`) and the gate grants permits until B
+    informative groups per version are accepted, where verl generates batches until it has them."""
+
+    enabled: bool = Field(False, description="leave groups whose samples all score alike untrained")
+    metric: str = Field(
+        "reward", description="what must differ within a group: 'reward' (each sample's reward) or a metric "
+        "the reward function returns with it (e.g. 'acc': verl's metric names)")
+    max_in_a_row: int = Field(
+        32, ge=1, description="after this many groups filtered in a row the worker pushes the next group "
+        "whatever its spread, so a task the policy always or never solves slows the run instead of stopping "
+        "it (verl raises after max_num_gen_batches instead); counted and logged")
+
+
 class RolloutConfig(_Strict):
     model_path: str | None = Field(None, description="HF model folder; services fills it from run.model")
     num_workers: int = Field(1, ge=1)
@@ -137,6 +153,7 @@ class RolloutConfig(_Strict):
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     task: TaskConfig = Field(default_factory=TaskConfig)
     multi_turn: MultiTurnConfig = Field(default_factory=MultiTurnConfig)
+    filter_groups: FilterGroupsConfig = Field(default_factory=FilterGroupsConfig)
     reward: str = Field("math", description="built-in name (math, exact), 'module:function' or "
                         "'path/to/file.py:function'; fn(response, answer) or verl's compute_score(data_source, "
                         "solution_str, ground_truth, extra_info=None), sync or async; not used by multi-turn "

@@ -104,8 +104,10 @@ class RolloutWorker:
             weight_load_s=0.0, weight_loads_total=0, failed_generations_total=0,
             interrupted_generations_total=0, permits_released_total=0, prompt_failures_total=0,
             prompts_quarantined_total=0, weight_load_failures_total=0, weight_loads_rejected_total=0,
-            groups_refused_total=0, permits_refused_total=0,
+            groups_refused_total=0, permits_refused_total=0, groups_filtered_total=0, uninformative_pushed_total=0,
         )
+        self._filtered_in_a_row = 0  # rollout.filter_groups: groups left untrained since the last pushed
+        self._warned_filter_metric = False
         self._probe_prompt: list[int] | None = None  # a prompt the engine served (the health probe)
         # Prompt positions this worker quarantined, with why: a later ticket for the same prompt (the
         # prompt set wraps around) is quarantined at once instead of failing again.
@@ -537,8 +539,12 @@ class RolloutWorker:
 
     def _push_streamed(self, made: list[tuple], next_count: int) -> tuple[int, list]:
         """Push the scored groups in one request, taking up to `next_count` permits with it.
-        (groups pushed, new permits); a failed push releases their permits."""
+        (groups pushed, new permits); a failed push releases their permits. Uninformative groups
+        are not pushed (`_filter_uninformative`)."""
         try:
+            made = self._filter_uninformative(made)
+            if not made:
+                return 0, []
             try:
                 _, next_permits = self.client.push_and_acquire([g for _, g in made], [p.permit_id for p, _ in made],
                                                                self.worker_id, next_count)
@@ -619,7 +625,7 @@ class RolloutWorker:
             # before v is published): else its samples start stale and, at η = 0, are all dropped.
             self._wait_for_weights(max(p.version for p in permits))
             self._set_aside_known_bad(held)
-            made = self._generate_isolating(held) if held else []
+            made = self._filter_uninformative(self._generate_isolating(held) if held else [], held)
             if not made:
                 return 0, []
             count = 0 if self._stop.is_set() else next_count
@@ -704,6 +710,52 @@ class RolloutWorker:
                 continue
             ended.append((permit, group))
         return ended
+
+    def _filter_uninformative(self, made: list[tuple], held: list | None = None) -> list[tuple]:
+        """Dynamic sampling (rollout.filter_groups): the (permit, group) pairs to push. A group of
+        two or more samples whose metric is the same for all is not pushed: its permit ends with
+        `filter_group` (and leaves `held`), unless `max_in_a_row` groups were filtered in a row. A
+        group with a sample that lacks the metric (a reward that failed returns none) is pushed."""
+        rule = self.config.filter_groups
+        if not rule.enabled:
+            return made
+        kept = []
+        for permit, group in made:
+            values = {self._filter_value(s, rule.metric) for s in group.samples}
+            if None in values and not self._warned_filter_metric:
+                self._warned_filter_metric = True
+                log.warning("%s: rollout.filter_groups.metric=%r is missing from a sample of ticket %d (it has %s): "
+                            "such groups are pushed unfiltered", self.worker_id, rule.metric, permit.ticket,
+                            sorted({k for s in group.samples for k in s.metadata}))
+            if len(group.samples) < 2 or len(values) > 1 or None in values:
+                self._filtered_in_a_row = 0
+                kept.append((permit, group))
+                continue
+            if self._filtered_in_a_row >= rule.max_in_a_row:
+                self.counters["uninformative_pushed_total"] += 1
+                log.warning("%s: %d groups in a row scored alike (rollout.filter_groups.max_in_a_row); pushing "
+                            "ticket %d's anyway: does the policy solve every prompt, or none?", self.worker_id,
+                            self._filtered_in_a_row, permit.ticket)
+                self._filtered_in_a_row = 0
+                kept.append((permit, group))
+                continue
+            (value,) = values
+            self.client.filter_group(permit.permit_id, f"all {len(group.samples)} samples scored {rule.metric} "
+                                                      f"= {value:g}")
+            self.counters["groups_filtered_total"] += 1
+            self._filtered_in_a_row += 1
+            if held is not None:
+                held.remove(permit)
+        return kept
+
+    @staticmethod
+    def _filter_value(sample, metric: str) -> float | None:
+        if metric == "reward":
+            return float(sample.reward)
+        try:
+            return float(sample.metadata[metric])
+        except (KeyError, TypeError, ValueError):  # absent, or not a number
+            return None
 
     def _set_aside_known_bad(self, held: list) -> None:
         """Quarantine at once the permits whose prompt this worker quarantined before."""

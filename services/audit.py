@@ -7,14 +7,16 @@ Two records are compared:
   - the buffer's log: the durable log of the buffer service (`buffer.log.path`) with its settled
     archive (`<log>.settled`: the acks and drops compactions removed), or the buffer records a
     checkpoint holds (`buffer.msgpack`); both are the buffer's own log records (`acquire`,
-    `release`, `push`, `ack`, `drop`, `lease`, `nack`, `expire`, `version`, `recover`, `snapshot`).
+    `release`, `quarantine`, `filter`, `push`, `ack`, `drop`, `lease`, `nack`, `expire`, `version`,
+    `recover`, `snapshot`).
 
 A group is *lost* if the buffer accepted it (or a client was told its push succeeded) and it is
 neither consumed by the run, nor still held by the buffer, nor dropped as stale (dropped groups
 are counted, not lost). A group or ticket is *duplicated* if it was consumed more than once.
 Every ticket (prompt number) the gate handed out must be consumed, held (a permit or a stored
-group), waiting to be reissued (released, reclaimed, or its group dropped as stale) or quarantined
-(its prompt fails the engine), exactly one of those.
+group), waiting to be reissued (released, reclaimed, or its group dropped as stale), quarantined
+(its prompt fails the engine) or filtered (its group was uninformative: dynamic sampling), exactly
+one of those.
 """
 from __future__ import annotations
 
@@ -102,6 +104,7 @@ class BufferHistory:
     free_tickets: set[int] = field(default_factory=set)
     held_tickets: dict[str, int] = field(default_factory=dict)  # permit id -> ticket
     quarantined: set[int] = field(default_factory=set)  # tickets set aside for good
+    filtered: set[int] = field(default_factory=set)  # tickets whose group was uninformative, ended
 
 
 def replay(records: Iterable[dict]) -> BufferHistory:
@@ -117,6 +120,7 @@ def replay(records: Iterable[dict]) -> BufferHistory:
             h.free_tickets = set(gate["free_tickets"])
             h.held_tickets = {p["permit_id"]: p["ticket"] for p in gate["permits"]}
             h.quarantined = set(gate.get("quarantined", []))
+            h.filtered = set(gate.get("filtered", []))
         elif op == "acquire":
             permit = r["permit"]
             h.held_tickets[permit["permit_id"]] = permit["ticket"]
@@ -126,10 +130,10 @@ def replay(records: Iterable[dict]) -> BufferHistory:
             ticket = h.held_tickets.pop(r["permit"], None)
             if ticket is not None:
                 h.free_tickets.add(ticket)
-        elif op == "quarantine":
+        elif op in ("quarantine", "filter"):
             ticket = h.held_tickets.pop(r["permit"], None)
             if ticket is not None:
-                h.quarantined.add(ticket)
+                (h.quarantined if op == "quarantine" else h.filtered).add(ticket)
         elif op == "push":
             header = group_header(r)
             gid, ticket = header["group_id"], header["prompt_index"]
@@ -203,7 +207,7 @@ def audit(consumptions: list[Consumption], buffer_records: Iterable[dict], eta: 
     lost = sorted(expected - accounted)
 
     holders = Counter(tickets)
-    for source in (h.live.values(), h.free_tickets, h.held_tickets.values(), h.quarantined):
+    for source in (h.live.values(), h.free_tickets, h.held_tickets.values(), h.quarantined, h.filtered):
         holders.update(source)
     issued = max(h.next_ticket, max(holders, default=-1) + 1)
     lost_tickets = [t for t in range(issued) if holders[t] == 0]

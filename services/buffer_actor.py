@@ -108,6 +108,10 @@ class BufferActor:
         return self.core.release_permit(permit_id, quarantine)
 
     @ray.method(concurrency_group=WORKERS)
+    def filter_group(self, permit_id: str, reason: str) -> bool:
+        return self.core.filter_group(permit_id, reason)
+
+    @ray.method(concurrency_group=WORKERS)
     def push_group(self, packed: bytes, permit_id: str) -> dict:
         return self.core.push_group(packed, permit_id)
 
@@ -235,6 +239,9 @@ class RayBufferClient:
     def release_permit(self, permit_id: str, quarantine: str | None = None) -> bool:
         return self._call("release_permit", permit_id, quarantine)
 
+    def filter_group(self, permit_id: str, reason: str) -> bool:
+        return self._call("filter_group", permit_id, reason)
+
     def push_group(self, group: Group, permit_id: str) -> dict:
         return self._call("push_group", pack_frames(encode_group(group)), permit_id)
 
@@ -257,7 +264,8 @@ class RayBufferClient:
         if result is None:
             return None
         groups = [decode_group(unpack_frames(packed), pulled_limits(self.config.limits)) for packed in result.groups]
-        return PulledBatch(result.lease_id, groups, result.dropped_stale, result.version, result.prompts_quarantined)
+        return PulledBatch(result.lease_id, groups, result.dropped_stale, result.version, result.prompts_quarantined,
+                           result.groups_filtered)
 
     def ack(self, lease_id: str, version: int | None = None) -> int:
         return self._call("ack", lease_id, None if version is None else int(version))

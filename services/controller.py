@@ -350,7 +350,7 @@ class Controller:
             **{k: v for k, v in metrics.items() if isinstance(v, (int, float))},
             "staleness/max": max(staleness), "staleness/mean": sum(staleness) / len(staleness),
             "buffer/dropped_stale_groups": batch.dropped_stale, "buffer/restarts": self.buffer.restarts(),
-            "rollout/quarantined": batch.prompts_quarantined,
+            "rollout/quarantined": batch.prompts_quarantined, "rollout/filtered": batch.groups_filtered,
             "timing_s/wait_data": t_data - t0, "timing_s/train": t_train - t_data,
             **sync, "timing_s/step_total": t_end - t0,
             "throughput/samples_per_s": samples / (t_end - t0), "throughput/tokens_per_s": tokens / (t_end - t0),

@@ -119,6 +119,24 @@ def test_released_tickets_are_reissued_first_smallest_first():
     assert [gate.try_acquire("w", 0).ticket for _ in range(3)] == [1, 2, 4]
 
 
+def test_a_filtered_group_ends_its_ticket_and_frees_its_slot_for_an_informative_one():
+    """Dynamic sampling under η = 0: a group left untrained is never accepted, so the version's B
+    slots stay for informative groups; its ticket is not reissued."""
+    gate = AdmissionGate(batch_size=2, eta=0, max_concurrent=10, lease_s=10)
+    p = [gate.try_acquire("w", 0) for _ in range(2)]
+    assert gate.try_acquire("w", 0) is None
+    assert gate.filter(p[0].permit_id) == p[0] and gate.filter(p[0].permit_id) is None
+    again = gate.try_acquire("w", 0)
+    assert again.ticket == 2, "the filtered ticket 0 is not reissued; the cursor moves on"
+    gate.consume(p[1].permit_id)
+    gate.consume(again.permit_id)
+    assert gate.accepted == 2 and gate.try_acquire("w", 0) is None and gate.filtered == {0}
+    state = gate.state()
+    restored = AdmissionGate(batch_size=2, eta=0, max_concurrent=10, lease_s=10)
+    restored.load_state(state, now=0)
+    assert restored.filtered == {0}
+
+
 def test_reclaim_after_lease_returns_capacity_and_ticket():
     gate = AdmissionGate(batch_size=1, eta=0, max_concurrent=4, lease_s=5)
     dead = gate.try_acquire("dead-worker", now=0)

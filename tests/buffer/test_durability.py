@@ -97,6 +97,40 @@ def test_replay_restores_gate_tickets_versions_and_store(tmp_path):
     assert again.ack(batch.lease_id) == 2, "an ack before the crash is still known (a retried ack)"
 
 
+def test_a_filtered_ticket_stays_ended_across_a_restart_and_a_compaction(tmp_path):
+    """filter_group (dynamic sampling) is logged: a restart neither reissues the ticket nor holds
+    its permit, a compaction's snapshot keeps it, and the audit counts the ticket as ended."""
+    from services.audit import Consumption, audit, read_buffer_log
+
+    path = tmp_path / "b.log"
+    core = core_with_log(path, compact_min_bytes=0)
+    permits = [core.acquire_permit("w") for _ in range(3)]
+    assert core.filter_group(permits[1].permit_id, "all 2 samples scored reward = 1")
+    assert not core.filter_group(permits[1].permit_id, "again"), "a permit ends once"
+    pushed = [make_group(p.ticket) for p in (permits[0], permits[2])]
+    for p, group in zip((permits[0], permits[2]), pushed):
+        core.push_group(encode_group(group), p.permit_id)
+    assert core.stats()["groups_filtered"] == 1
+    batch = core.pull_batch(2)
+    assert batch.groups_filtered == 1
+    core.ack(batch.lease_id)
+    core.set_version(1)
+    assert core.wait_for_compaction(timeout=60) and core.stats()["log_compactions"] > 0
+    core.close()
+    records = read_buffer_log(path)
+    ops = {r["op"] for r in records}
+    assert "snapshot" in ops and "filter" not in ops, "compacted: the snapshot alone says ticket 1 ended"
+    trained = Consumption(version=0, group_ids=[g.group_id for g in pushed], tickets=[0, 2], sample_versions=[0] * 4)
+    report = audit([trained], records, eta=None)
+    assert report.ok and report.consumed_groups == 2, report
+    unaware = [dict(r, gate={k: v for k, v in r["gate"].items() if k != "filtered"}) if r["op"] == "snapshot" else r
+               for r in records]
+    assert audit([trained], unaware, eta=None).lost_tickets == [1], "without its record the ticket is lost"
+    again = core_with_log(path, compact_min_bytes=0)
+    assert again.stats()["groups_filtered"] == 1 and again.gate.running == 0 and again.gate.filtered == {1}
+    assert again.acquire_permit("w").ticket == 3, "ticket 1 is not reissued"
+
+
 def test_compaction_keeps_live_groups_and_consumed_ids(tmp_path):
     path = tmp_path / "b.log"
     core = core_with_log(path, compact_min_bytes=0)

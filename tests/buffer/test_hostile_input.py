@@ -119,9 +119,9 @@ def test_bad_groups_in_pushes(raw, server):
 
 header_values = st.one_of(st.none(), st.booleans(), st.integers(-2**40, 2**40), st.floats(-1, 0.05),
                           st.text(max_size=20), st.binary(max_size=20), st.lists(st.integers(-9, 9), max_size=3))
-ops = st.sampled_from(["acquire_permits", "release_permit", "push_groups", "pull_batch", "ack", "nack",
+ops = st.sampled_from(["acquire_permits", "release_permit", "filter_group", "push_groups", "pull_batch", "ack", "nack",
                        "set_version", "stats", "health", "bogus"])
-arg_names = st.sampled_from(["worker_id", "permit_id", "permit_ids", "lease_id", "ack_lease_id", "timeout",
+arg_names = st.sampled_from(["worker_id", "permit_id", "permit_ids", "lease_id", "ack_lease_id", "timeout", "reason",
                              "batch_size", "version", "zzz"])
 
 

@@ -37,6 +37,18 @@ def slow_reward(response: str, answer: str) -> float:
     return 0.0
 
 
+def zero_reward(response: str, answer: str) -> float:
+    return 0.0
+
+
+def even_answers_alike(response: str, answer: str) -> float:
+    """1.0 for every response to a prompt whose answer is even (its groups are uninformative);
+    else a random number (they differ even where the responses are the same)."""
+    import random
+
+    return 1.0 if int(answer) % 2 == 0 else random.random()
+
+
 def length_reward(response: str, answer: str) -> float:
     return float(len(response))
 

@@ -190,6 +190,42 @@ def test_a_slow_reward_bounds_the_permits_a_streaming_worker_holds(tiny_model_di
         server.stop()
 
 
+@pytest.mark.parametrize("streaming", [True, False])
+def test_groups_that_score_alike_are_filtered_and_their_tickets_end(tiny_model_dir, vllm_engine, buffer, streaming):
+    """Dynamic sampling (rollout.filter_groups): a group whose samples all score alike is not
+    pushed; its ticket ends in the buffer (not reissued), so every ticket the gate issued is pushed,
+    filtered or back for reissue, and only informative groups reach the learner."""
+    from rollout_workers.config import FilterGroupsConfig
+
+    cfg = config(tiny_model_dir, reward="rollout_helpers:even_answers_alike", streaming=streaming,
+                 filter_groups=FilterGroupsConfig(enabled=True))
+    worker = RolloutWorker(cfg, "worker-f", buffer, WeightStore(), engine=vllm_engine)
+    stats = run_until(worker, lambda w: w.counters["groups_total"] >= 3 and w.counters["groups_filtered_total"] >= 2)
+    buffered = buffer.stats()
+    groups = pull_all(buffer, stats["groups_total"])
+    prompts = train_prompts(cfg.task)
+    for group in groups:
+        assert len({s.reward for s in group.samples}) > 1, "an uninformative group reached the buffer"
+        assert int(prompts.problem(group.prompt_index).answer) % 2 == 1
+    assert buffered["groups_filtered"] == stats["groups_filtered_total"] and stats["uninformative_pushed_total"] == 0
+    assert buffered["next_ticket"] == stats["groups_total"] + stats["groups_filtered_total"] + buffered["free_tickets"]
+    worker.close()
+
+
+def test_after_max_in_a_row_filtered_groups_the_next_is_pushed(tiny_model_dir, vllm_engine, buffer):
+    """A task every sample scores alike on (solved, or hopeless) slows the run, never stops it."""
+    from rollout_workers.config import FilterGroupsConfig
+
+    cfg = config(tiny_model_dir, reward="rollout_helpers:zero_reward",
+                 filter_groups=FilterGroupsConfig(enabled=True, max_in_a_row=2))
+    worker = RolloutWorker(cfg, "worker-m", buffer, WeightStore(), engine=vllm_engine)
+    stats = run_until(worker, lambda w: w.counters["groups_total"] >= 2)
+    pushed, filtered = stats["groups_total"], stats["groups_filtered_total"]
+    assert stats["uninformative_pushed_total"] == pushed and 2 * pushed <= filtered <= 2 * pushed + 2, stats
+    assert buffer.stats()["groups_filtered"] == filtered
+    worker.close()
+
+
 def test_worker_loads_published_weights_before_generating(tiny_model_dir, vllm_engine, buffer, tmp_path,
                                                            restore_vllm_weights):
     """A (re)started worker resumes with the store's current weights, from a folder payload."""
