@@ -146,6 +146,25 @@ class FilterGroupsConfig(_Strict):
         "it (verl raises after max_num_gen_batches instead); counted and logged")
 
 
+class OverlongBufferConfig(_Strict):
+    """DAPO's overlong reward shaping (verl's `reward_model.overlong_buffer`): a response that
+    runs into the last `len` tokens before sampling.max_new_tokens loses up to `penalty_factor`
+    of reward, linearly in how far in it ran: min(0, −(L − (max_new_tokens − len)) / len ·
+    penalty_factor), added to its reward (the step's record: `reward/overlong_reward`, the mean
+    penalty, and `reward/overlong`, the share penalised). Single-turn."""
+
+    enabled: bool = Field(False, description="shape the reward of responses near the length limit")
+    len: int = Field(16, ge=1, description="the buffer: the last this many tokens before max_new_tokens")
+    penalty_factor: float = Field(1.0, ge=0, description="the penalty of a response that reaches max_new_tokens")
+
+    def penalty(self, length: int, max_new_tokens: int) -> float:
+        """What a response of `length` tokens gets added to its reward (0.0 when off)."""
+        if not self.enabled:
+            return 0.0
+        over = length - (max_new_tokens - self.len)
+        return min(0.0, -over / self.len * self.penalty_factor)
+
+
 class RolloutConfig(_Strict):
     model_path: str | None = Field(None, description="HF model folder; services fills it from run.model")
     num_workers: int = Field(1, ge=1)
@@ -154,6 +173,7 @@ class RolloutConfig(_Strict):
     task: TaskConfig = Field(default_factory=TaskConfig)
     multi_turn: MultiTurnConfig = Field(default_factory=MultiTurnConfig)
     filter_groups: FilterGroupsConfig = Field(default_factory=FilterGroupsConfig)
+    overlong_buffer: OverlongBufferConfig = Field(default_factory=OverlongBufferConfig)
     reward: str = Field("math", description="built-in name (math, exact), 'module:function' or "
                         "'path/to/file.py:function'; fn(response, answer) or verl's compute_score(data_source, "
                         "solution_str, ground_truth, extra_info=None), sync or async; not used by multi-turn "
@@ -197,6 +217,17 @@ class RolloutConfig(_Strict):
         "generates with the ones it has")
     weight_load_retries: int = Field(
         3, ge=0, description="retries of a failed weight load before the worker asks to be restarted")
+
+    @model_validator(mode="after")
+    def _overlong_buffer_fits(self):
+        shaping = self.overlong_buffer
+        if shaping.enabled and shaping.len > self.sampling.max_new_tokens:
+            raise ValueError(f"rollout.overlong_buffer.len={shaping.len} must be at most rollout.sampling.max_new_tokens="
+                             f"{self.sampling.max_new_tokens}: the buffer is the last tokens before the limit")
+        if shaping.enabled and self.multi_turn.enabled:
+            raise ValueError("rollout.overlong_buffer is single-turn: a multi-turn trajectory's length is bounded by "
+                             "rollout.multi_turn.max_total_tokens, not by max_new_tokens per turn")
+        return self
 
     @classmethod
     def tiny_vllm(cls, **changes) -> "RolloutConfig":

@@ -274,10 +274,16 @@ class RolloutWorker:
         with the others, its reward each sample's reward_baseline, itself not trained on)."""
         texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c, _ in responses]
         scored = (rewards or self.rewards).score(texts, problem)
+        shaping = self.config.overlong_buffer  # DAPO's overlong penalty, on the greedy baseline's too
+        penalties = [shaping.penalty(len(c.token_ids), self.config.sampling.max_new_tokens) for c, _ in responses]
+        values = [reward.value + penalty for reward, penalty in zip(scored, penalties)]
         baseline = {}
         if self.config.greedy_baseline:
-            baseline = {REWARD_BASELINE: float(scored[-1].value)}
-            responses, scored = responses[:-1], scored[:-1]
+            baseline = {REWARD_BASELINE: float(values[-1])}
+            responses, scored, values, penalties = responses[:-1], scored[:-1], values[:-1], penalties[:-1]
+        # verl's metrics of it (means in the step's record)
+        shaped = [{"reward/overlong_reward": penalty, "reward/overlong": float(penalty < 0)} if shaping.enabled else {}
+                  for penalty in penalties]
         group_id = new_id()
         samples = [
             Sample(
@@ -286,18 +292,18 @@ class RolloutWorker:
                 response_ids=np.asarray(completion.token_ids, dtype=np.int32),
                 rollout_log_probs=np.asarray(completion.log_probs, dtype=np.float32),
                 loss_mask=np.ones(len(completion.token_ids), dtype=np.uint8),
-                reward=reward.value,
+                reward=value,
                 weight_version=started_version,
                 token_versions=np.asarray(versions, dtype=np.int32),
                 routed_experts=completion.routed_experts,
                 worker_id=self.worker_id,
                 finish_reason=completion.finish_reason,
                 metadata={"ticket": int(ticket), "family": problem.family, "difficulty": int(problem.difficulty),
-                          **reward.metrics, **baseline},
+                          **reward.metrics, **extra, **baseline},
             )
-            for (completion, versions), reward in zip(responses, scored)
+            for (completion, versions), reward, value, extra in zip(responses, scored, values, shaped)
         ]
-        self._recent_rewards.extend(reward.value for reward in scored)
+        self._recent_rewards.extend(values)
         self.counters["samples_total"] += len(samples)
         self.counters["tokens_total"] += sum(len(s.response_ids) for s in samples)
         return Group(group_id=group_id, samples=samples, prompt_index=int(ticket))

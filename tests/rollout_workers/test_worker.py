@@ -226,6 +226,27 @@ def test_after_max_in_a_row_filtered_groups_the_next_is_pushed(tiny_model_dir, v
     worker.close()
 
 
+def test_overlong_shaping_adds_dapos_penalty_to_each_samples_reward(tiny_model_dir, vllm_engine, buffer):
+    """rollout.overlong_buffer: a response in the last `len` tokens before max_new_tokens loses
+    reward linearly, up to penalty_factor at the limit (verl's DAPO reward manager's formula)."""
+    from rollout_workers.config import OverlongBufferConfig
+
+    shaping = OverlongBufferConfig(enabled=True, len=4, penalty_factor=0.5)
+    assert [shaping.penalty(n, 8) for n in (0, 4, 5, 6, 8)] == [0.0, 0.0, -0.125, -0.25, -0.5]
+    shaping = OverlongBufferConfig(enabled=True, len=6, penalty_factor=0.5)  # the tiny model answers in ~3 tokens
+    cfg = config(tiny_model_dir, reward="rollout_helpers:zero_reward", overlong_buffer=shaping)
+    worker = RolloutWorker(cfg, "worker-o", buffer, WeightStore(), engine=vllm_engine)
+    worker.run(max_groups=4)
+    samples = [s for g in pull_all(buffer, 4) for s in g.samples]
+    for s in samples:
+        assert s.reward == pytest.approx(min(0.0, -(len(s.response_ids) - 2) / 6 * 0.5))
+        assert s.metadata["reward/overlong_reward"] == s.reward and s.metadata["reward/overlong"] == float(s.reward < 0)
+    assert any(s.reward < 0 for s in samples), [len(s.response_ids) for s in samples]
+    worker.close()
+    with pytest.raises(ValueError, match="at most rollout.sampling.max_new_tokens"):
+        config(tiny_model_dir, overlong_buffer=OverlongBufferConfig(enabled=True, len=9))
+
+
 def test_worker_loads_published_weights_before_generating(tiny_model_dir, vllm_engine, buffer, tmp_path,
                                                            restore_vllm_weights):
     """A (re)started worker resumes with the store's current weights, from a folder payload."""
