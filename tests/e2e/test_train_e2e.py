@@ -160,4 +160,4 @@ def test_a_run_with_bad_prompts_in_its_file_finishes_its_steps(ray_cluster, tmp_
         assert any(line.startswith(f"{row}: ") and why in line for line in named), (why, named)
     records = step_records(tmp_path / "run")
     assert [r["step"] for r in records] == [1, 2, 3]
-    assert all(r["rollout/quarantined"] == 0 for r in records)
+    assert all(r["rollout/quarantined"] == 0 and r["rollout/filtered"] == 0 for r in records)
