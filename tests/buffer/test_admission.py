@@ -1,5 +1,6 @@
 """The η admission gate: the staleness bound, the capacity formula, tickets (no prompt skipped or
-repeated), recovery and permit reclaim, under random event sequences and real threads."""
+repeated; filtered and quarantined ones ended once), recovery and permit reclaim, under random
+event sequences and real threads."""
 import random
 import threading
 import time
@@ -52,6 +53,13 @@ class GateMachine(RuleBasedStateMachine):
     def release(self, data):
         assert self.gate.release(data.draw(st.sampled_from(self._held()))) is not None
 
+    @precondition(lambda self: self.gate.permits)
+    @rule(data=st.data(), filtered=st.booleans())
+    def set_aside(self, data, filtered):
+        """A group left untrained as uninformative (dynamic sampling), or a prompt quarantined."""
+        pid = data.draw(st.sampled_from(self._held()))
+        assert (self.gate.filter(pid) if filtered else self.gate.quarantine(pid)) is not None
+
     @rule(dt=st.floats(0.0, 15.0))
     def time_passes(self, dt):
         self.now += dt
@@ -85,7 +93,8 @@ class GateMachine(RuleBasedStateMachine):
     @invariant()
     def every_ticket_exactly_once(self):
         g = self.gate
-        tickets = self.consumed_tickets + [p.ticket for p in g.permits.values()] + list(g.free_tickets)
+        tickets = (self.consumed_tickets + [p.ticket for p in g.permits.values()] + list(g.free_tickets)
+                   + list(g.filtered) + list(g.quarantined))
         assert sorted(tickets) == list(range(g.next_ticket)), "a prompt was skipped or repeated"
         assert len(self.consumed_tickets) == g.accepted
 
