@@ -429,7 +429,7 @@ class RolloutWorker:
                 if wanted > 0 and not scored:
                     idle = not generating and not scoring
                     if idle or time.monotonic() - asked_at >= poll_s:  # the gate may have opened
-                        waiting += self._acquire_streaming(wanted, wait=idle)
+                        waiting += self._acquire_permits(wanted, wait=idle)
                         asked_at = time.monotonic()
                 while waiting and len(generating) < room_groups and not self._stop.is_set():
                     permit = waiting.pop(0)
@@ -479,11 +479,11 @@ class RolloutWorker:
             self._release_all([permit for permit, *_ in generating.values()] + list(scoring.values())
                               + [permit for permit, _ in scored] + waiting)
 
-    def _acquire_streaming(self, count: int, wait: bool) -> list:
-        """Up to `count` permits: waiting for the first when nothing is in flight, else only those
-        free now (the loop has work to tend). Empty when the buffer's per-client cap
-        (limits.per_client.max_permits, below this worker's room) refuses more: the loop goes on
-        with what it holds."""
+    def _acquire_permits(self, count: int, wait: bool = True) -> list:
+        """Up to `count` permits in one request: waiting for the first (`wait`: the batch loop, or
+        the streaming loop with nothing in flight), else only those free now (the streaming loop
+        has work to tend). Empty when the buffer's per-client cap (limits.per_client.max_permits,
+        below this worker's room) refuses more: the loop goes on with what it holds."""
         waited = time.perf_counter()
         try:
             permits = self.client.acquire_permits(self.worker_id, count,
@@ -584,7 +584,8 @@ class RolloutWorker:
                 while not self._stop.is_set() and (max_groups is None or pushed < max_groups):
                     if self.load_weights_or_restart():
                         log.info("%s: loaded weights version %d", self.worker_id, self.engine.version)
-                    permits = permits or self._acquire_permits()
+                    # a request of its own only when the last push brought none (gate closed, or at start)
+                    permits = permits or self._acquire_permits(self.config.groups_per_batch)
                     if permits:
                         more = self.config.groups_per_batch  # permits to take with the push
                         if max_groups is not None:
@@ -610,15 +611,6 @@ class RolloutWorker:
             log.error("%s; ending this process so that Ray restarts the worker", exc)
             logging.shutdown()
             os._exit(70)
-
-    def _acquire_permits(self) -> list:
-        """One request: wait for a permit, and take up to groups_per_batch - 1 more that are free
-        now. Only when the last push brought no permits (the gate was closed, or at start)."""
-        waited = time.perf_counter()
-        permits = self.client.acquire_permits(self.worker_id, self.config.groups_per_batch,
-                                              timeout=self._acquire_wait_s())
-        self.counters["gate_blocked_s"] += time.perf_counter() - waited
-        return permits
 
     def _run_permits(self, permits: list, next_count: int) -> tuple[int, list]:
         """Generate and push a group per permit; the push also takes up to `next_count` permits
