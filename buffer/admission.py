@@ -112,18 +112,18 @@ class AdmissionGate:
     def quarantine(self, permit_id: str) -> Permit | None:
         """The permit's prompt failed generation `max_prompt_failures` times on its own: the
         permit ends and its ticket is set aside for good (never reissued)."""
-        permit = self._drop(permit_id)
-        if permit is not None:
-            self.quarantined.add(permit.ticket)
-        return permit
+        return self._end_for_good(permit_id, self.quarantined)
 
     def filter(self, permit_id: str) -> Permit | None:
         """The permit's group was generated and is uninformative (dynamic sampling): the permit
         ends and its ticket with it, never trained on and never reissued (the prompt comes again
         under a new ticket when the prompt set wraps around)."""
+        return self._end_for_good(permit_id, self.filtered)
+
+    def _end_for_good(self, permit_id: str, ended: set[int]) -> Permit | None:
         permit = self._drop(permit_id)
         if permit is not None:
-            self.filtered.add(permit.ticket)
+            ended.add(permit.ticket)
         return permit
 
     def consume(self, permit_id: str) -> Permit:

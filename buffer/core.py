@@ -216,20 +216,12 @@ class BufferCore:
         """End a permit without a group: its ticket is reissued, or, with `quarantine` (the
         engine's error for a prompt that failed on its own again and again), set aside for good.
         False if the permit is not held."""
+        if quarantine is not None:
+            return self._end_for_good("quarantine", permit_id, quarantine)
         with self._request():
-            if quarantine is None:
-                permit = self.gate.release(permit_id)
-                record = {"op": "release", "permit": permit_id}
-            else:
-                permit = self.gate.quarantine(permit_id)
-                record = {"op": "quarantine", "permit": permit_id, "ticket": None if permit is None else permit.ticket,
-                          "reason": quarantine[: self.limits.max_string_chars]}
-            if permit is None:
+            if self.gate.release(permit_id) is None:
                 return False
-            self._append(record)
-            if quarantine is not None:
-                log.warning("buffer: ticket %d quarantined (its prompt is never reissued): %s", permit.ticket,
-                            record["reason"])
+            self._append({"op": "release", "permit": permit_id})
             self._changed.notify_all()
             return True
 
@@ -237,14 +229,24 @@ class BufferCore:
         """End a permit whose group was generated and is uninformative (dynamic sampling: `reason`,
         e.g. every sample scored alike): its ticket ends untrained and is not reissued. False if
         the permit is not held."""
+        return self._end_for_good("filter", permit_id, reason)
+
+    def _end_for_good(self, op: str, permit_id: str, reason: str) -> bool:
+        """End a permit and its ticket for good (`op`: quarantine or filter), logged with why."""
         with self._request():
-            permit = self.gate.filter(permit_id)
+            permit = self._ending(op)(permit_id)
             if permit is None:
                 return False
-            self._append({"op": "filter", "permit": permit_id, "ticket": permit.ticket,
-                          "reason": reason[: self.limits.max_string_chars]})
+            reason = reason[: self.limits.max_string_chars]
+            self._append({"op": op, "permit": permit_id, "ticket": permit.ticket, "reason": reason})
+            if op == "quarantine":
+                log.warning("buffer: ticket %d quarantined (its prompt is never reissued): %s", permit.ticket, reason)
             self._changed.notify_all()
             return True
+
+    def _ending(self, op: str):
+        """The gate's end of a permit for good, by its log op."""
+        return {"quarantine": self.gate.quarantine, "filter": self.gate.filter}[op]
 
     def set_version(self, version: int) -> None:
         with self._request():
@@ -620,10 +622,8 @@ class BufferCore:
             self.gate.restore_permit(Permit(**record["permit"]), now)
         elif op == "release":
             self.gate.release(record["permit"])
-        elif op == "quarantine":
-            self.gate.quarantine(record["permit"])
-        elif op == "filter":
-            self.gate.filter(record["permit"])
+        elif op in ("quarantine", "filter"):
+            self._ending(op)(record["permit"])
         elif op == "push":
             if record["permit"] in self.gate.permits:
                 self.gate.consume(record["permit"])

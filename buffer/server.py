@@ -71,10 +71,11 @@ def _number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+_REASON = (lambda v: isinstance(v, str) and 0 < len(v) <= 4096, "a reason string (1 to 4096 chars)")
 _ARG_TYPES = {
     "worker_id": (lambda v: isinstance(v, str), "a string"),
-    "quarantine": (lambda v: isinstance(v, str) and 0 < len(v) <= 4096, "a reason string (1 to 4096 chars)"),
-    "reason": (lambda v: isinstance(v, str) and 0 < len(v) <= 4096, "a reason string (1 to 4096 chars)"),
+    "quarantine": _REASON,
+    "reason": _REASON,
     "permit_id": (lambda v: isinstance(v, str) and 0 < len(v) <= 256, "a string id"),
     "permit_ids": (_id_list, f"a list of 1 to {_MAX_IDS} string ids"),
     "next_permit_ids": (_id_list, f"a list of 1 to {_MAX_IDS} string ids"),
