@@ -39,6 +39,10 @@ class RunConfig(BaseModel):
     eval_every: int = Field(10, ge=0, description="evaluate every N steps (0: only at start and end)")
     checkpoint_every: int = Field(0, ge=0, description="checkpoint every N steps (0: only at the end)")
     keep_checkpoints: int = Field(2, ge=1)
+    wait_for_workers_s: float = Field(0.0, ge=0, description="before the first step, wait up to this long "
+                                      "until every rollout worker's engine is up and has joined the weight "
+                                      "channel (every version then goes to all of them); 0: the first step "
+                                      "takes the first groups that come and a slower engine joins later")
     progress: bool = True
 
 

@@ -257,6 +257,8 @@ class Controller:
         try:
             if self.resume_from is None and cfg.eval.enabled:
                 self.evaluations.request(self.step, self.version)
+            if cfg.run.wait_for_workers_s:
+                self._wait_for_workers(cfg.run.wait_for_workers_s)
             self._train_loop(metric_log, progress)
             self._give_back_next_batch()
             completed = self.step >= cfg.run.steps
@@ -279,6 +281,13 @@ class Controller:
             log.warning("could not draw plots: %s", exc)
         return RunResult(self.run_dir, self.step, self.version, completed, self.stop_requested.is_set(),
                          self.evals, time.perf_counter() - started, self._gpu_memory_peaks())
+
+    def _wait_for_workers(self, timeout_s: float) -> None:
+        log.info("waiting up to %.0f s for %d rollout workers' engines", timeout_s, self.cfg.rollout.num_workers)
+        missing = self.workers.wait_until_joined(timeout_s)
+        if missing and not self.stop_requested.is_set():  # a slow engine must not hold the run for good
+            log.warning("starting without %s: not up after run.wait_for_workers_s=%.0f s; they join when they are",
+                        ", ".join(missing), timeout_s)
 
     def _gpu_memory_peaks(self) -> dict[str, float]:
         """Each role's peak GPU memory reserved (GiB): the learner's (rank 0's) and each worker's

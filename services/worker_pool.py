@@ -84,6 +84,21 @@ class WorkerPool:
             if not self.stop_requested.is_set():
                 raise RuntimeError(f"rollout worker-{index} stopped on its own")
 
+    def wait_until_joined(self, timeout_s: float, poll_s: float = 0.5) -> list[str]:
+        """Wait (at most `timeout_s`) until every worker has joined the weight channel: its engine
+        is up and each newer version waits for it. The workers still missing (empty: none); a
+        worker that fails for good stops the run here as in a step."""
+        import ray
+
+        names = {f"worker-{index}" for index in range(len(self.workers))}
+        deadline = time.monotonic() + timeout_s
+        while True:
+            missing = sorted(names - set(ray.get(self.weight_store.members.remote())))
+            if not missing or time.monotonic() >= deadline or self.stop_requested.is_set():
+                return missing
+            self.check()
+            self.stop_requested.wait(poll_s)
+
     def _restart_loop(self, index: int, exc, now: float) -> None:
         import ray
 
