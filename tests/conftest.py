@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -10,9 +12,20 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+# vLLM's ZMQ sockets go to a folder of this session (removed at its end), not loose into /tmp:
+# an engine whose process is killed (a fault test) never unlinks its own. Every process the
+# session starts (Ray's workers, `etarl train` children) inherits it.
+_VLLM_SOCKETS = None
+if "VLLM_RPC_BASE_PATH" not in os.environ:
+    _VLLM_SOCKETS = os.environ["VLLM_RPC_BASE_PATH"] = tempfile.mkdtemp(prefix="etarl-test-vllm-")
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _VLLM_SOCKETS is not None:
+        shutil.rmtree(_VLLM_SOCKETS, ignore_errors=True)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -75,6 +75,27 @@ def _vllm_env() -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
+def _one_process_on_cpu(tensor_parallel_size: int) -> None:
+    """vLLM-CPU runs the model in a worker process under the engine-core process (its
+    multiprocessing executor sets the OpenMP binding there), each started by spawn and importing
+    vLLM: ~10 s and a process per engine that `nobind` does not need. With
+    VLLM_ENABLE_V1_MULTIPROCESSING=0 the model runs in the engine-core process (vLLM's
+    single-process executor); the engine core stays a process of its own (AsyncLLM starts one)."""
+    if tensor_parallel_size != 1 or os.environ["VLLM_CPU_OMP_THREADS_BIND"] != "nobind":
+        return
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    # vLLM then warns that it seeds "the process that launched vLLM", which is true only of its
+    # synchronous engine (AsyncLLM seeds the engine-core process, as with multiprocessing).
+    arg_utils_log = logging.getLogger("vllm.engine.arg_utils")
+    if not any(isinstance(f, _NotTheSeedWarning) for f in arg_utils_log.filters):
+        arg_utils_log.addFilter(_NotTheSeedWarning())
+
+
+class _NotTheSeedWarning(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("The global random seed is set")
+
+
 def _is_moe(model_dir) -> bool:
     import json
 
@@ -198,6 +219,8 @@ class VLLMEngine(GenerationEngine):
 
         _check_device(device)
         cpu = current_platform.is_cpu()
+        if cpu:
+            _one_process_on_cpu(tensor_parallel_size)
         if cpu and _is_moe(model_dir):
             raise ValueError(
                 f"{model_dir} is a mixture-of-experts model, which vLLM-CPU serves only until its first weight "
