@@ -241,16 +241,11 @@ def discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: f
     """Each policy token's return Σ γ^k·reward over the policy tokens from it on (k: the policy
     tokens between), as verl's REINFORCE++ loop computes it: tool tokens neither count nor
     discount, and a reward on one is not seen. 0 at non-policy positions."""
-    mask = mask.bool()
     valid = mask.to(token_rewards.dtype)
-    rewards = token_rewards * valid
-    if gamma == 1.0:
-        return rewards.flip(-1).cumsum(-1).flip(-1) * valid
-    returns, running = torch.zeros_like(rewards), torch.zeros_like(rewards[:, 0])
-    for t in range(rewards.shape[1] - 1, -1, -1):  # O(T) steps over all rows at once
-        running = torch.where(mask[:, t], rewards[:, t] + gamma * running, running)
-        returns[:, t] = running * valid[:, t]
-    return returns
+    if gamma == 1.0:  # nothing to discount: a suffix sum over the columns, tool tokens' rewards zeroed
+        return (token_rewards * valid).flip(-1).cumsum(-1).flip(-1) * valid
+    tokens = _PolicyTokensFirst(mask)  # the recursion runs over each row's own tokens only
+    return tokens.expand(discounted_suffix_sums(tokens.compact(token_rewards), gamma))
 
 
 def reinforce_pp_advantages(rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,

@@ -99,6 +99,33 @@ def test_reinforce_pp_discounts_each_token_by_the_valid_tokens_after_it_then_whi
         AdvantageConfig(gamma=1.5)
 
 
+def _verl_reinforce_pp_returns(token_level_rewards, response_mask, gamma):
+    """verl's loop in compute_reinforce_plus_plus_outcome_advantage (core_algos.py), column by column:
+    an observation token (mask 0) carries the running return through unchanged."""
+    returns, running = torch.zeros_like(token_level_rewards), 0
+    for t in reversed(range(token_level_rewards.shape[1])):
+        new = token_level_rewards[:, t] + gamma * running
+        returns[:, t] = new * response_mask[:, t]
+        running = new * response_mask[:, t] + running * (1 - response_mask[:, t])
+    return returns
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), batch=st.integers(1, 6), tokens=st.integers(1, 600),
+       gamma=st.sampled_from([0.0, 0.5, 0.9, 0.99, 1.0]))
+def test_discounted_returns_equal_verls_loop_over_multi_turn_masks(seed, batch, tokens, gamma):
+    """Block matmuls over each row's own tokens (more than one block at 600 tokens) give verl's
+    column-by-column returns on rows with tool tokens anywhere between (rewards on policy tokens)."""
+    from learner.advantages import discounted_returns
+
+    g = torch.Generator().manual_seed(seed)
+    mask = (torch.rand(batch, tokens, generator=g) < 0.8).double()
+    rewards = torch.randn(batch, tokens, generator=g, dtype=torch.float64) * (torch.rand(batch, tokens, generator=g) < 0.1)
+    rewards = rewards * mask
+    ours, verls = discounted_returns(rewards, mask, gamma), _verl_reinforce_pp_returns(rewards, mask, gamma)
+    assert torch.allclose(ours, verls, rtol=0, atol=1e-10)
+
+
 def test_reinforce_pp_credits_each_turn_with_the_step_rewards_from_it_on():
     """A two-turn trajectory: step rewards 1 (turn 1's last token) and 2 (turn 2's), a tool token
     between. γ = 1: turn 1's tokens return 3, turn 2's 2. A reward the steps do not sum to (an
