@@ -16,6 +16,11 @@ log = logging.getLogger("etarl")
 _WORKER_BACK_AFTER_S = 5.0  # a restarted worker whose loop ran this long is back
 
 
+def worker_id(index: int) -> str:
+    """Worker `index`'s name: its samples, metrics and weight-channel membership carry it."""
+    return f"worker-{index}"
+
+
 class WorkerPool:
     """`worker_options[i]`: worker i's Ray options from the run's placement plan (its CPUs, its
     engine's GPUs, its placement-group bundle; services/placement.py). None (tests): each worker
@@ -49,7 +54,7 @@ class WorkerPool:
         for index, placed in enumerate(self.worker_options):
             handle = actor.options(
                 name=None, max_restarts=cfg.ray.worker_max_restarts, max_task_retries=0, max_concurrency=4, **placed,
-            ).remote(rollout_cfg, f"worker-{index}")
+            ).remote(rollout_cfg, worker_id(index))
             self.workers.append(handle)
         self.refs = [self._run(w) for w in self.workers]
         self.failures = [0] * len(self.workers)
@@ -90,7 +95,7 @@ class WorkerPool:
         worker that fails for good stops the run here as in a step."""
         import ray
 
-        names = {f"worker-{index}" for index in range(len(self.workers))}
+        names = {worker_id(index) for index in range(len(self.workers))}
         deadline = time.monotonic() + timeout_s
         while True:
             missing = sorted(names - set(ray.get(self.weight_store.members.remote())))
@@ -110,7 +115,7 @@ class WorkerPool:
             log.warning("rollout worker-%d died (%s); Ray restarts it, its permits come back", index,
                         type(exc).__name__)
             if self.exporter is not None:
-                self.exporter.record_worker_restart(f"worker-{index}")
+                self.exporter.record_worker_restart(worker_id(index))
         self.resubmitted_at[index] = now
         self.refs[index] = self._run(self.workers[index])
 
@@ -128,7 +133,7 @@ class WorkerPool:
                 stats.append(ray.get(ref, timeout=timeout))
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
                 if self.exporter is not None:
-                    self.exporter.record_worker_down(f"worker-{index}")
+                    self.exporter.record_worker_down(worker_id(index))
         return stats
 
     def stop(self, grace_s: float = 30.0) -> None:
