@@ -91,6 +91,8 @@ class RolloutWorker:
         # never change in the middle of an evaluation, and an engine that runs one batch at a time
         # (transformers) is never called from two threads. Streaming requests need no turn.
         self._engine_turn = threading.RLock()
+        self._setting_up = threading.Lock()  # `prepare` and `run` may come on two of the actor's threads
+        self._setup_error: Exception | None = None  # what `prepare` met: `run` raises it
         self._known_version = -1
         # The last version the engine finished loading: what the worker's gauge shows, also while a
         # load is in flight (the engine says -1 then: its weights are a mix) and after it closed.
@@ -122,7 +124,23 @@ class RolloutWorker:
 
     # ---------------------------------------------------------------- set-up
 
+    def prepare(self) -> None:
+        """Build the engine, tokenizer, prompts and rewards ahead of `run` (a run starts its workers'
+        engines while its learner loads). Touches neither the buffer nor the weight channel. What
+        fails is kept and raised by `run`, where the pool watches (this call's result is not read)."""
+        try:
+            self._ensure_started()
+        except Exception as err:  # noqa: BLE001 - raised again by run()
+            self._setup_error = err
+
     def _ensure_started(self) -> None:
+        with self._setting_up:
+            if self._setup_error is not None:
+                err, self._setup_error = self._setup_error, None
+                raise err
+            self._set_up()
+
+    def _set_up(self) -> None:
         cfg = self.config
         if self.engine is None:
             self.engine = make_engine(cfg.engine, cfg.model_path, seed=cfg.sampling.seed or 0)

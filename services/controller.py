@@ -172,6 +172,13 @@ class Controller:
         learner_cfg = cfg.learner.model_copy(update={"model_path": str(self.model_dir)})
         self.buffer = BufferHandle(cfg, self.run_dir)
         self.weights = WeightPublisher(cfg.rollout.num_workers)
+        self._start_exporter()
+        self.workers = WorkerPool(cfg, self.model_dir, self.buffer.worker_client, self.weights.store,
+                                  self.stop_requested, self.placement.all_options("rollout"), self.exporter)
+        if not plan.engines_share_gpus_with_learner():
+            # engines load while the learner does; on a shared GPU after it, as vLLM sizes its
+            # memory from what it finds free
+            self.workers.prepare()
         self.learner = LearnerGroup(learner_cfg, rank_options=self.placement.all_options("learner"))
         state = None
         if self.resume_from is not None:
@@ -180,10 +187,7 @@ class Controller:
             self.buffer.client.set_version(self.version)
         self._start_eta_control()
         self.weights.publish(self.learner)
-        self._start_exporter()
-        self.workers = WorkerPool(cfg, self.model_dir, self.buffer.worker_client, self.weights.store,
-                                  self.stop_requested, self.placement.all_options("rollout"), self.exporter)
-        self.workers.start()
+        self.workers.start()  # their loops: permits and weights only now, after a restore
         if cfg.eval.enabled:  # on the workers' engines, between their requests (services/evaluation.py)
             from services.evaluation import WorkerEvaluations
 

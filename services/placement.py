@@ -153,6 +153,14 @@ class Plan:
     def total(self) -> dict[str, float]:
         return {"CPU": sum(r.count * r.cpus for r in self.roles), "GPU": sum(r.count * r.gpus for r in self.roles)}
 
+    def engines_share_gpus_with_learner(self) -> bool:
+        """Whether an engine and a learner rank may land on one GPU: colocated, or each a fraction of
+        a GPU (Ray packs fractions together)."""
+        rollout, learner = self.role("rollout"), self.role("learner")
+        if not (rollout.count and learner.count and rollout.gpus and learner.gpus):
+            return False
+        return "colocated" in (rollout.placement, learner.placement) or bool(rollout.gpus % 1 or learner.gpus % 1)
+
     def shared_bundle(self) -> dict[str, float]:
         """The bundle colocated roles share (actor i of each in bundle i): their per-actor
         resources summed, the GPU whole (the roles' fractions add up to one GPU)."""

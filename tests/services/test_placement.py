@@ -37,6 +37,7 @@ def test_without_gpus_in_the_cluster_nothing_asks_for_a_gpu():
     plan = check_plan(config(**{"rollout.num_workers": 3}), nodes((8, 0)))
     assert asks(plan) == {"rollout": (3, 1.0, 0), "learner": (1, 1.0, 0), "buffer": (1, 0, 0),
                           "weight_store": (1, 0, 0)}  # evaluation runs on a rollout engine: no actor of its own
+    assert not plan.engines_share_gpus_with_learner()
 
 
 def test_with_gpus_engines_and_ranks_ask_for_the_gpus_they_use():
@@ -46,6 +47,7 @@ def test_with_gpus_engines_and_ranks_ask_for_the_gpus_they_use():
     assert asks(plan) == {"rollout": (3, 2.0, 2), "learner": (2, 1.0, 1), "buffer": (1, 0, 0),
                           "weight_store": (1, 0, 0)}
     assert plan.total() == {"CPU": 8.0, "GPU": 8}
+    assert not plan.engines_share_gpus_with_learner()  # whole GPUs each: engines load while the learner does
     # device cpu: that role asks for none
     cpu = config(**{"learner.device": "cpu", "rollout.engine.device": "cpu", "eval.enabled": False})
     assert asks(make_plan(cpu, True)) == {"rollout": (1, 1.0, 0), "learner": (1, 1.0, 0), "buffer": (1, 0, 0),
@@ -188,6 +190,7 @@ def test_one_gpu_colocates_an_engine_and_a_learner_rank_with_gpu_defaults():
     assert (rollout.count, learner.count) == (1, 1) and rollout.placement == learner.placement == "colocated"
     assert rollout.gpus == cfg.rollout.engine.gpu_memory_utilization == 0.3 and learner.gpus == 0.7
     assert plan.bundles() == [{"CPU": 2.0, "GPU": 1.0}]  # one bundle, both actors in it
+    assert plan.engines_share_gpus_with_learner()  # so the engine starts after the learner has loaded
     # the GPU defaults, visible in the config
     assert cfg.rollout.engine.dtype == "bfloat16"
     assert (cfg.learner.dtype, cfg.learner.mixed_precision, cfg.learner.gradient_checkpointing) == (
