@@ -1,5 +1,7 @@
 """Faults in a real run: `etarl train` as a child process (local Ray on 127.0.0.1, the buffer
-actor, a vLLM-CPU rollout worker, the learner actor, the Prometheus exporter).
+actor, a rollout worker with the transformers engine, the learner actor, the Prometheus exporter).
+The engine is not what is under test: the transformers one starts 25 s sooner than vLLM-CPU, and
+this run starts one three times (vLLM's runs: tests/e2e).
 
 1. SIGKILL the rollout worker while it holds a permit: Ray restarts it, the run continues, the
    restarted worker loads the current weights, and the dead worker's permit comes back (its lease
@@ -11,7 +13,7 @@ actor, a vLLM-CPU rollout worker, the learner actor, the Prometheus exporter).
 3. The audit over the run's log and the final checkpoint's buffer records: every ticket consumed
    exactly once or still accounted for, every consumed sample's staleness <= η.
 4. Every socket the local run listens on, by process (psutil).
-One run with both faults (the costly part is starting Ray and vLLM), several tests reading it.
+One run with both faults (the costly part is starting Ray and the engines), several tests reading it.
 """
 from __future__ import annotations
 
@@ -42,7 +44,7 @@ def run_args(run_dir, model, port) -> list[str]:
     return [f"run.model={model}", f"run.run_dir={run_dir}", "run.steps=2000", "run.checkpoint_every=3",
             "run.eval_every=0", "eval.enabled=false", "run.progress=false", f"buffer.gate.eta={ETA}",
             f"buffer.gate.batch_size={B}", "buffer.gate.permit_lease_s=5", "rollout.sampling.n=4",
-            "rollout.groups_per_batch=2", "rollout.streaming=false", "ray.num_cpus=2", "ray.worker_num_cpus=0", "ray.learner_num_cpus=0",
+            "rollout.groups_per_batch=2", "rollout.streaming=false", "rollout.engine.kind=hf", "ray.num_cpus=2", "ray.worker_num_cpus=0", "ray.learner_num_cpus=0",
             "ray.worker_max_restarts=2", f"metrics.port={port}"]
 
 

@@ -32,9 +32,12 @@ def actor_info(actor=None) -> dict:
 
 @ray.remote
 class Probe:
-    """Stands in for an actor of the plan: reports its GPUs and the device `auto` resolves to."""
+    """Stands in for an actor of the plan: reports its GPUs and, asked to, the device `auto`
+    resolves to (torch's import: 3 s a probe, so only where the test reads it)."""
 
-    def info(self) -> dict:
+    def info(self, resolve: bool = False) -> dict:
+        if not resolve:
+            return actor_info()
         from lm.device import resolve_device
 
         warnings = []
@@ -61,15 +64,16 @@ def live_placement_groups() -> int:
     return sum(g["state"] != "REMOVED" for g in ray.util.placement_group_table().values())
 
 
-def place_probes(plan) -> list[dict]:
-    """Reserve the plan, start a probe per actor that asks for anything, report, release."""
+def place_probes(plan, resolve: bool = False) -> list[dict]:
+    """Reserve the plan, start a probe per actor that asks for anything, report (`resolve`: with the
+    device `auto` resolves to), release."""
     from services.placement import Placement
 
     placement = Placement(plan, timeout_s=120)
     try:
         probes = [(role.name, i, Probe.options(**placement.options(role.name, i)).remote())
                   for role in plan.roles if role.bundle for i in range(role.count)]
-        seen = [{"role": name, "index": i, **ray.get(p.info.remote())} for name, i, p in probes]
+        seen = [{"role": name, "index": i, **ray.get(p.info.remote(resolve))} for name, i, p in probes]
         for _, _, p in probes:
             ray.kill(p)
         return seen
@@ -91,7 +95,7 @@ def four_gpus() -> dict:
 
     out = {}
     # 3 workers + 1 learner; starts the embedded cluster (the plan is checked before it starts)
-    out["three_workers_one_learner"] = place_probes(start_ray(config(rollout__num_workers=3)))
+    out["three_workers_one_learner"] = place_probes(start_ray(config(rollout__num_workers=3)), resolve=True)
     out["two_ranks_two_workers"] = place_probes(start_ray(config(
         rollout__num_workers=2, learner__distributed={"world_size": 2, "placement": "spread"})))
     out["tensor_parallel"] = place_probes(start_ray(config(
