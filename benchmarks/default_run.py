@@ -51,7 +51,7 @@ def main() -> None:
     args, overrides = parser.parse_known_args()
     with tempfile.TemporaryDirectory(prefix="etarl-default-run-") as tmp:
         run_dir = Path(tmp) / "run"
-        # `etarl` is services.cli:main; by module, it also runs from a checkout on PYTHONPATH that no
+        # `etarl` is services.cli:run; by module, it also runs from a checkout on PYTHONPATH that no
         # pip install put an `etarl` script beside the interpreter for (a GPU box without a registry)
         command = [sys.executable, "-m", "services.cli", "train", *overrides, f"run.run_dir={run_dir}",
                    "run.progress=false"]

@@ -1,5 +1,6 @@
 """The `etarl` command: config errors exit 2 with a message naming the key; config and plot work."""
 import json
+import os
 
 import pytest
 import yaml
@@ -97,6 +98,34 @@ def test_eval_prints_only_its_metrics_and_ends_its_engine(tiny_model_dir, tmp_pa
     assert metrics["eval/num_prompts"] == 8 and 0 <= metrics["eval/accuracy"] <= 1 and "eval/pass@2" in metrics
     assert "Traceback" not in out.stderr and "Exception ignored" not in out.stderr, out.stderr[-3000:]
     assert "leaked shared_memory" not in out.stderr, out.stderr[-3000:]
+
+
+@pytest.mark.parametrize("args, code", [(["config"], 0), (["config", "no_such.key=1"], EXIT_CONFIG_ERROR)])
+def test_the_command_exits_with_its_code_after_the_atexit_handlers(args, code):
+    """`etarl` (services.cli:run) skips Python's final collection but not what an exit runs: a
+    non-daemon thread is joined, the atexit handlers run (Ray's shutdown is one), the code is main's."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    program = ("import atexit, sys, threading, time\n"
+               "import services.cli as cli\n"
+               "main_done, real_main = threading.Event(), cli.main\n"
+               "def main():\n"
+               "    try:\n"
+               "        return real_main()\n"
+               "    finally:\n"
+               "        main_done.set()\n"
+               "cli.main = main\n"  # a thread still working when main returns
+               "threading.Thread(target=lambda: (main_done.wait(), time.sleep(0.3), print('thread done', flush=True))).start()\n"
+               "atexit.register(lambda: print('atexit ran', flush=True))\n"
+               f"sys.argv = ['etarl', *{args!r}]\n"
+               "cli.run()\n")
+    repo = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", program], cwd=repo, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(repo)})
+    assert out.returncode == code, out.stderr[-2000:]
+    assert out.stdout.rstrip().endswith("thread done\natexit ran"), out.stdout[-500:]
 
 
 def test_a_new_run_in_the_folder_of_a_run_with_checkpoints_is_refused_naming_resume(tmp_path, capsys):
