@@ -154,12 +154,9 @@ class Plan:
         return {"CPU": sum(r.count * r.cpus for r in self.roles), "GPU": sum(r.count * r.gpus for r in self.roles)}
 
     def engines_share_gpus_with_learner(self) -> bool:
-        """Whether an engine and a learner rank may land on one GPU: colocated, or each a fraction of
-        a GPU (Ray packs fractions together)."""
-        rollout, learner = self.role("rollout"), self.role("learner")
-        if not (rollout.count and learner.count and rollout.gpus and learner.gpus):
-            return False
-        return "colocated" in (rollout.placement, learner.placement) or bool(rollout.gpus % 1 or learner.gpus % 1)
+        """Whether engine i and learner rank i share GPU i: the colocated layout, the one `make_plan`
+        gives both roles only where both ask for GPUs (the only plan with fractions of a GPU)."""
+        return self.role("rollout").placement == "colocated"
 
     def shared_bundle(self) -> dict[str, float]:
         """The bundle colocated roles share (actor i of each in bundle i): their per-actor
