@@ -55,6 +55,7 @@ def parse_args(argv):
     p.add_argument("--eval-every", type=int)
     p.add_argument("--gap-batches", type=int, default=4, help="batches sampled to measure the token gap")
     p.add_argument("--groups", type=int, help="prompts per learner step (default 16)")
+    lib.add_model_argument(p)
     p.add_argument("--out", type=Path, default=lib.RESULTS_DIR)
     p.add_argument("--name", help="file stem (default backend_mismatch[_quick])")
     p.add_argument("--from-json", type=Path,
@@ -158,7 +159,7 @@ def train(args, argv) -> dict:
     if args.eval_every or args.quick:
         changes["eval_every"] = args.eval_every or 4
     settings = lib.ToySettings(**changes)
-    model_dir = lib.tiny_model_dir()
+    model_dir = lib.tiny_model_dir(args.model)
     tokenizer = load_tokenizer(model_dir)
     heldout = lib.HeldOut(tokenizer, settings.difficulties, settings.heldout_prompts)
     learner_model = load_causal_lm(model_dir).eval()

@@ -44,7 +44,9 @@ from lm.causal_lm import pad_sequences, response_log_probs  # noqa: E402
 from rollout_workers.engines.base import GenerationEngine, SamplingParams  # noqa: E402
 from rollout_workers.rewards import resolve_reward  # noqa: E402
 from rollout_workers.tasks import PromptSet, mixed_problems  # noqa: E402
-from rollout_workers.tiny_model import TinyModelSpec, encode_problem, ensure_tiny_model, tiny_model_info  # noqa: E402
+from rollout_workers.tiny_model import (  # noqa: E402
+    SPEC_FILE, TinyModelSpec, encode_problem, ensure_tiny_model, tiny_model_info,
+)
 
 MODEL_CACHE = REPO / ".cache" / "tiny-model"
 # The model the committed results were measured on, pinned (the kit's default may move): 2 layers,
@@ -94,8 +96,19 @@ def setup_torch() -> None:
     torch.set_num_threads(1)
 
 
-def tiny_model_dir() -> Path:
-    """The pinned warm-started tiny model (built once into .cache/, reused after)."""
+def add_model_argument(parser) -> None:
+    parser.add_argument("--model", type=Path, help="a tiny-model folder to run on instead of the pinned one "
+                        "(the committed results are the pinned model's; the JSON records which one ran)")
+
+
+def tiny_model_dir(folder: Path | None = None) -> Path:
+    """`folder` when given (a tiny-model kit folder: the task's tokenizer and format); else the
+    pinned warm-started tiny model (built once into .cache/, reused after)."""
+    if folder is not None:
+        if not (Path(folder) / SPEC_FILE).is_file():
+            raise SystemExit(f"--model {folder}: not a tiny-model folder (no {SPEC_FILE}): the experiments "
+                             "need the kit's tokenizer and task format")
+        return Path(folder)
     return ensure_tiny_model(MODEL_CACHE, EXPERIMENT_MODEL, log=lambda *_: None)
 
 

@@ -55,6 +55,7 @@ def parse_args(argv):
     p.add_argument("--eval-every", type=int)
     p.add_argument("--difficulties", help="comma-separated addition difficulties (digits), default 2")
     p.add_argument("--groups", type=int, help="prompts per learner step (default 16)")
+    lib.add_model_argument(p)
     p.add_argument("--out", type=Path, default=lib.RESULTS_DIR)
     p.add_argument("--name", help="file stem (default staleness_ablation[_quick])")
     p.add_argument("--merge", type=Path, nargs="+",
@@ -146,7 +147,7 @@ def plot_final(path: Path, summary: dict, etas: list[str]) -> Path:
 def train(args, argv) -> dict:
     lib.setup_torch()
     settings = settings_from(args)
-    model_dir = lib.tiny_model_dir()
+    model_dir = lib.tiny_model_dir(args.model)
     tokenizer = load_tokenizer(model_dir)
     heldout = lib.HeldOut(tokenizer, settings.difficulties, settings.heldout_prompts)
     engine = HFEngine(model_dir, dtype="float32")  # one engine; each run loads its own versions

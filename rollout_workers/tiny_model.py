@@ -251,10 +251,32 @@ def _save_quietly(model, folder: Path) -> None:
             hf_logging.enable_progress_bar()
 
 
+class _EveryCore:
+    """A dense build on every core this process may use, then torch back to its setting. A build
+    runs before anything else of a run (or of a test session) starts: processes that share the
+    cores keep their one thread. On 2 cores the 750-step build took 72 s against 96 s, with the
+    same weights bit for bit. Not a mixture of experts: its expert dispatch sums in an order that
+    follows the thread count, so it stays on one thread and builds the same model on any machine."""
+
+    def __init__(self, spec: TinyModelSpec):
+        self.moe = spec.num_experts > 0
+
+    def __enter__(self):
+        self.before = torch.get_num_threads()
+        torch.set_num_threads(1 if self.moe else max(self.before, len(os.sched_getaffinity(0))))
+
+    def __exit__(self, *exc):
+        torch.set_num_threads(self.before)
+
+
 def build_tiny_model(folder: str | os.PathLike, spec: TinyModelSpec | None = None, log=print) -> Path:
     """Build, warm-start and save the tiny model folder (tokenizer included) at `folder`."""
     spec = spec or TinyModelSpec()
-    folder = Path(folder)
+    with _EveryCore(spec):
+        return _build(Path(folder), spec, log)
+
+
+def _build(folder: Path, spec: TinyModelSpec, log) -> Path:
     started = time.perf_counter()
     tokenizer = build_tokenizer(tool_tokens=spec.tool_transcripts > 0)
     vocab = len(tokenizer)

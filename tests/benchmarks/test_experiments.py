@@ -63,8 +63,9 @@ def test_teacher_forced_accuracy_equals_greedy_decoding(tiny_model_dir):
 
 
 @pytest.mark.slow
-def test_staleness_ablation_smallest_mode(tmp_path):
-    out = staleness_ablation.main(["--quick", "--etas", "0,2,unbounded", "--seeds", "1", "--steps", "3",
+def test_staleness_ablation_smallest_mode(tiny_model_dir, tmp_path):
+    # the session's tiny model, not the pinned one the committed results ran on (a build fewer)
+    out = staleness_ablation.main(["--quick", "--model", str(tiny_model_dir), "--etas", "0,2,unbounded", "--seeds", "1", "--steps", "3",
                                    "--groups", "2", "--eval-every", "1", "--out", str(tmp_path)])
     data = json.loads((tmp_path / "staleness_ablation_quick.json").read_text())
     assert data["etas"] == ["0", "2", "unbounded"] and data["seeds"] == [0]
@@ -89,10 +90,10 @@ def test_staleness_ablation_smallest_mode(tmp_path):
 
 
 @pytest.mark.slow
-def test_backend_mismatch_smallest_mode(tmp_path):
+def test_backend_mismatch_smallest_mode(tiny_model_dir, tmp_path):
     import backend_mismatch
 
-    backend_mismatch.main(["--quick", "--methods", "token_tis", "--steps", "1", "--groups", "2",
+    backend_mismatch.main(["--quick", "--model", str(tiny_model_dir), "--methods", "token_tis", "--steps", "1", "--groups", "2",
                            "--gap-batches", "1", "--eval-every", "1", "--out", str(tmp_path)])
     data = json.loads((tmp_path / "backend_mismatch_quick.json").read_text())
     assert set(data["runs"]) == set(data["summary"]) == {"token_tis", "fp32_reference"}
@@ -104,6 +105,12 @@ def test_backend_mismatch_smallest_mode(tmp_path):
     for stats in data["summary"].values():
         assert {"final_accuracy", "k1_kl_mean_over_training", "entropy_last5", "response_length_last5"} <= set(stats)
     assert (tmp_path / "backend_mismatch_quick_curves.png").stat().st_size > 0
+    assert data["model"]["cache_key"] == tiny_model_dir.name, "the JSON names the model that ran"
+
+
+def test_a_folder_the_kit_did_not_build_is_refused_naming_it(tmp_path):
+    with pytest.raises(SystemExit, match="not a tiny-model folder"):
+        lib.tiny_model_dir(tmp_path)
 
 
 @pytest.mark.slow

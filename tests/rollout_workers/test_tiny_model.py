@@ -2,7 +2,10 @@
 to solve some held-out prompts but not all, built once per spec and reused."""
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
 
 from lm.causal_lm import load_causal_lm, load_tokenizer
 from rollout_workers.config import TaskConfig
@@ -46,6 +49,23 @@ def test_ensure_tiny_model_builds_once_per_spec(tiny_model_dir, tmp_path):
     assert ensure_tiny_model(tmp_path, small, log=logs.append) == folder and len(list(tmp_path.iterdir())) == 2
     with pytest.raises(ValueError, match="extra"):
         TinyModelSpec(hidden=3)
+
+
+@pytest.mark.parametrize("experts", [0, 4], ids=["dense", "moe"])
+def test_a_dense_build_takes_every_core_and_a_moe_build_one(tmp_path, experts):
+    spec = TinyModelSpec(difficulties=[1], warm_start_steps=2, num_experts=experts)
+    threads = []
+    ensure_tiny_model(tmp_path, spec, log=lambda line: threads.append(torch.get_num_threads()))
+    assert set(threads) == {1 if experts else len(os.sched_getaffinity(0))}
+    assert torch.get_num_threads() == 1, "the session's one thread, back after the build"
+
+
+def test_a_dense_build_is_the_same_model_on_one_core_and_on_all(tmp_path, monkeypatch):
+    spec = TinyModelSpec(difficulties=[1], warm_start_steps=5)
+    every = ensure_tiny_model(tmp_path / "every", spec, log=lambda line: None)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    one = ensure_tiny_model(tmp_path / "one", spec, log=lambda line: None)
+    assert (one / "model.safetensors").read_bytes() == (every / "model.safetensors").read_bytes()
 
 
 def test_the_kit_tokenizer_has_a_small_chat_template(tiny_model_dir):
