@@ -13,8 +13,6 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from rollout_workers.data.chat import PromptFormat
 from rollout_workers.data.files import BadRow, read_prompt_file
 from rollout_workers.data.problems import Problem, PromptSet
@@ -43,6 +41,8 @@ class PromptReport:
     def token_stats(self) -> dict[str, int]:
         if not self.token_counts:
             return {}
+        import numpy as np  # here, not at the top: environment and reward child processes import this package
+
         counts = np.asarray(self.token_counts)
         # "higher": each percentile is the length of a real prompt (99% of the prompts are at most p99)
         p50, p99 = (int(np.percentile(counts, q, method="higher")) for q in (50, 99))

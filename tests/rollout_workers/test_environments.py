@@ -114,3 +114,15 @@ def test_each_misbehaving_environment_ends_its_own_trajectory():
         assert pool.stats()["env_failures_total"] == 6 and pool.stats()["env_timeouts_total"] == 2
     finally:
         pool.close()
+
+
+@pytest.mark.parametrize("module", ["rollout_workers.environments.child", "rollout_workers.rewards"])
+def test_a_child_process_imports_neither_numpy_nor_torch(module):
+    """A worker starts one environment process per concurrent trajectory (and reward processes):
+    thousands at real sizes, so what each imports is paid that many times."""
+    import subprocess
+    import sys
+
+    probe = f"import sys, {module}; print(sorted({{'numpy', 'torch'}} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "[]"
