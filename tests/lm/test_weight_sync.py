@@ -488,3 +488,19 @@ def test_the_learner_tensors_stay_leased_until_vllms_device_transfers_return(bac
     sender._send({"members": {"engine-0": 1}, "generation": 0}, 1, tensors, lambda: events.append("released"),
                   Layout.of(tensors.items(), torch.float32))
     assert events == (["released", "iterated"] if released_when_iterated else ["iterated"])
+
+
+def test_the_boards_process_imports_no_torch():
+    """The board (`WeightStore`) is a Ray actor of its own in every run: its process imports
+    `lm.weight_sync.board` and, through the package, nothing of torch (3-5 s of CPU a run)."""
+    import subprocess
+    import sys
+
+    import lm.weight_sync as weight_sync
+
+    probe = "import sys, lm.weight_sync.board; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "False"
+    assert set(dir(weight_sync)) == set(weight_sync.__all__) and all(getattr(weight_sync, n) for n in weight_sync.__all__)
+    with pytest.raises(AttributeError, match="no attribute 'Nothing'"):
+        weight_sync.Nothing  # noqa: B018
