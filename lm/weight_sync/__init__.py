@@ -33,7 +33,3 @@ def __getattr__(name: str):
     value = getattr(importlib.import_module(f"{__name__}.{_HOMES[name]}"), name)
     globals()[name] = value  # once
     return value
-
-
-def __dir__():
-    return __all__
