@@ -50,6 +50,9 @@ def ray_cluster():
             num_cpus=2,
             log_to_driver=False,
             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}},
+            # No idle workers kept ready (tasks start theirs on demand; an actor has its own anyway):
+            # two idle ones took 1 s of CPU every 30 s for the whole session (2.5 s with them, 1.7 without).
+            _system_config={"prestart_worker_first_driver": False, "enable_worker_prestart": False},
         )
     yield ray
     ray.shutdown()
