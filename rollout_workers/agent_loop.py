@@ -1,7 +1,8 @@
 """The multi-turn agent loop: turns of the policy and steps of an environment, as one token-exact
 trajectory per sample.
 
-Each engine batch's trajectories (groups_per_batch × n of them) advance together, one turn at a
+Each engine batch's trajectories (groups_per_batch × n of them; at most
+`max_concurrent_trajectories`, else in waves of whole prompts) advance together, one turn at a
 time: every active trajectory's context goes into one engine batch; a turn ends at EOS, at a
 `rollout.multi_turn.stop` token (kept in the turn) or at max_new_tokens; the environments then
 step in parallel (`EnvironmentPool`, one child process per trajectory) and each observation is
@@ -160,8 +161,30 @@ class AgentLoop:
     def run(self, requests: list[tuple[Problem, SamplingParams]], generate: Generate,
             between_turns: Callable[[], None] = lambda: None, version: int = 0) -> list[list[Trajectory]]:
         """params.n trajectories per (problem, params), turn by turn; per request, its trajectories.
-        `between_turns()` runs before every turn but the first (the worker loads new weights
-        there); `version` tags a trajectory that ends before its first token."""
+        `between_turns()` runs before every turn but the first, and between waves (the worker loads
+        new weights there); `version` tags a trajectory that ends before its first token."""
+        out = []
+        for i, wave in enumerate(self._waves(requests)):
+            if i:
+                between_turns()
+            out += self._run_wave(wave, generate, between_turns, version)
+        return out
+
+    def _waves(self, requests: list[tuple[Problem, SamplingParams]]) -> list[list]:
+        """Consecutive runs of requests with at most max_concurrent_trajectories trajectories in
+        all (a request with more is a wave of its own): the environments' processes are bounded."""
+        waves, size = [], math.inf
+        for request in requests:
+            n = request[1].n
+            if size + n > self.config.max_concurrent_trajectories:
+                waves.append([])
+                size = 0
+            waves[-1].append(request)
+            size += n
+        return waves
+
+    def _run_wave(self, requests: list[tuple[Problem, SamplingParams]], generate: Generate,
+                  between_turns: Callable[[], None], version: int) -> list[list[Trajectory]]:
         episodes = [Trajectory(problem, self._episode_params(params, i), version)
                     for problem, params in requests for i in range(params.n)]
         self._reset(episodes)

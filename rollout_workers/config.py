@@ -115,6 +115,11 @@ class MultiTurnConfig(_Strict):
                                   "ends its trajectory with failure_reward")
     failure_reward: float = Field(0.0, description="reward of a trajectory whose environment hung, crashed or "
                                   "returned garbage")
+    max_concurrent_trajectories: int = Field(
+        256, ge=1, description="trajectories under way at once at most, each with its environment's process: "
+        "a batch of more (an evaluation of many prompts) runs in waves of this many, whole prompts each (a "
+        "prompt's n trajectories are never split), and the processes serve the next wave. A process of the "
+        "built-in calculator is 13 MB and 0.27 s of CPU to start")
 
     @field_validator("environment_kwargs")
     @classmethod

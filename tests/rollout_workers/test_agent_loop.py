@@ -155,6 +155,34 @@ def test_an_environment_may_write_the_prompt(cfg, model_dir, tokenizer, engine, 
     assert loop.stats()["env_failures_total"] == (0 if ids else 4)
 
 
+def test_a_batch_past_max_concurrent_trajectories_runs_in_waves_of_whole_prompts(cfg, model_dir, tokenizer, engine):
+    """7 prompts x 2 trajectories, at most 5 at once: waves of 2, 2, 2 and 1 prompts, never more
+    than 4 trajectories in an engine batch or environment processes alive, the weights' hook
+    between waves as between turns, and every prompt's trajectories back in order."""
+    loop = make_loop(cfg, model_dir, tokenizer, max_concurrent_trajectories=5)
+    batches, hooks, resets = [], [], []
+    reset = loop.envs.reset
+    loop.envs.reset = lambda problems: (resets.append(len(problems)), reset(problems))[1]
+
+    def generate(requests):
+        batches.append(len(requests))
+        return [[(c, [engine.version] * len(c.token_ids)) for c in row] for row in engine.generate_batch(requests)]
+
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=cfg.rollout.sampling.max_new_tokens,
+                            stop_token_ids=(tokenizer.eos_token_id,), seed=3)
+    problems = heldout_problems(cfg.rollout.task, 7)
+    try:
+        rows = loop.run([(p, params) for p in problems], generate, between_turns=lambda: hooks.append(len(batches)))
+        processes = len(loop.envs.children)
+    finally:
+        loop.close()
+    assert resets == [4, 4, 4, 2] and processes == 4 and max(batches) <= 4
+    assert [[e.problem for e in row] for row in rows] == [[p, p] for p in problems]
+    assert all(e.ended for row in rows for e in row)
+    assert sum(batches) == sum(e.turns for row in rows for e in row)  # each turn in one engine batch
+    assert hooks == list(range(1, len(batches))), "before every engine batch but the first"
+
+
 def test_stop_texts_must_be_one_token(tokenizer):
     assert stop_token_ids(tokenizer, ["</calc>"]) == (tokenizer.convert_tokens_to_ids("</calc>"),)
     with pytest.raises(ValueError, match="'12' is 2 tokens"):
