@@ -255,8 +255,9 @@ class _EveryCore:
     """A dense build on every core this process may use, then torch back to its setting. A build
     runs before anything else of a run (or of a test session) starts: processes that share the
     cores keep their one thread. On 2 cores the 750-step build took 72 s against 96 s, with the
-    same weights bit for bit (as with 4, 8 or 16 threads: 30 steps compared). Not a mixture of experts: its expert dispatch sums in an order that
-    follows the thread count, so it stays on one thread and builds the same model on any machine."""
+    same weights bit for bit (as with 4, 8 or 16 threads: 30 steps compared). Not a mixture of
+    experts: its expert dispatch sums in an order that follows the thread count, so it stays on
+    one thread and builds the same model on any machine."""
 
     def __init__(self, spec: TinyModelSpec):
         self.moe = spec.num_experts > 0
