@@ -23,6 +23,14 @@ REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
 
 
+def pytest_collection_modifyitems(config, items):
+    """Files with a slow test (a whole run, an engine, gloo ranks) first, each file's tests kept in
+    order: scripts/test.sh deals whole files to 2 workers in this order (xdist's --dist loadfile), so
+    the long files start early and the many short ones fill the end, and both workers finish together."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)  # stable
+
+
 def pytest_sessionfinish(session, exitstatus):
     if _VLLM_SOCKETS is not None:
         shutil.rmtree(_VLLM_SOCKETS, ignore_errors=True)

@@ -8,9 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_the_default_run_script_reports_the_run_from_its_log():
     out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "default_run.py"), "--warmup", "2",
                           "run.steps=6", "eval.enabled=false", "rollout.engine.kind=hf",

@@ -9,9 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_learner_memory_script_reports_every_measurement():
     out = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "learner_memory.py"), "--vocab", "512", "--hidden", "32",

@@ -86,6 +86,7 @@ def restarts_logged(run_dir) -> list[int]:
 # ------------------------------------------------------------------ zmq: the supervised child
 
 
+@pytest.mark.slow
 def test_a_killed_zmq_buffer_is_restarted_and_the_run_loses_nothing(tiny_model_dir, tmp_path):
     run_dir = tmp_path / "run"
     log = tmp_path / "buffer.log"
@@ -108,6 +109,7 @@ def test_a_killed_zmq_buffer_is_restarted_and_the_run_loses_nothing(tiny_model_d
     assert_complete_and_audited(run_dir, log)
 
 
+@pytest.mark.slow
 def test_a_killed_zmq_buffer_without_a_durable_log_stops_the_run_naming_the_fix(tiny_model_dir, tmp_path):
     run_dir = tmp_path / "run"
     run = TrainProcess(run_dir, run_args(run_dir, tiny_model_dir, "buffer.transport=zmq", "buffer.port=0",
@@ -196,6 +198,7 @@ def buffer_actor(run: TrainProcess):
     return found[0] if found else None
 
 
+@pytest.mark.slow
 def test_a_killed_ray_buffer_actor_is_restarted_and_the_run_loses_nothing(tiny_model_dir, tmp_path):
     run_dir = tmp_path / "run"
     run = TrainProcess(run_dir, run_args(run_dir, tiny_model_dir, "buffer.max_restarts=2"), "ray")
@@ -213,6 +216,7 @@ def test_a_killed_ray_buffer_actor_is_restarted_and_the_run_loses_nothing(tiny_m
     assert_complete_and_audited(run_dir, run_dir / "buffer-actor.log")
 
 
+@pytest.mark.slow
 def test_a_killed_ray_buffer_actor_without_restarts_stops_the_run_loudly(tiny_model_dir, tmp_path):
     run_dir = tmp_path / "run"
     run = TrainProcess(run_dir, run_args(run_dir, tiny_model_dir, "buffer.max_restarts=0"), "ray-no-restart")

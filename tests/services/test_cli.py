@@ -77,6 +77,7 @@ def test_data_check_reports_rows_tokens_and_unusable_rows(tiny_model_dir, tmp_pa
     assert "does not exist" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_eval_prints_only_its_metrics_and_ends_its_engine(tiny_model_dir, tmp_path):
     """`etarl eval --model DIR` with the rollout engine (vLLM here): standard output is the metrics'
     JSON alone (the engine's warnings stay off it) and the engine is shut down before the process
