@@ -25,8 +25,8 @@ SHARED = REPO.parent / "shared"
 
 def pytest_collection_modifyitems(config, items):
     """Files with a slow test (a whole run, an engine, gloo ranks) first, each file's tests kept in
-    order: scripts/test.sh deals whole files to 2 workers in this order (xdist's --dist loadfile), so
-    the long files start early and the many short ones fill the end, and both workers finish together."""
+    order: scripts/test.sh deals whole files to its workers in this order (xdist's --dist loadfile), so
+    the long files start early and the many short ones fill the end, and the workers finish together."""
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.path not in slow_files)  # stable
 
