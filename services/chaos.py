@@ -22,6 +22,14 @@ import psutil
 REPO = Path(__file__).resolve().parents[1]
 
 
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now, for a child process to bind (it may be taken in between:
+    the services that take one fail loudly if so)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 class TrainProcess:
     """`python -m services.cli train ...` in its own session, output to RUN_DIR/../NAME.out."""
 
@@ -221,9 +229,7 @@ class BufferService:
     def __init__(self, config: dict, workdir: Path):
         self.config = dict(config)
         if not self.config.get("port"):
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                self.config["port"] = s.getsockname()[1]
+            self.config["port"] = free_port()
         self.path = Path(workdir) / "buffer-service.yaml"
         self.path.write_text(json.dumps(self.config))  # JSON is YAML
         self.output = Path(workdir) / "buffer-service.out"

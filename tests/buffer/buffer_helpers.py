@@ -1,7 +1,6 @@
 """Helpers for the buffer tests: group factory, free ports, waiting."""
 from __future__ import annotations
 
-import socket
 import time
 from pathlib import Path
 
@@ -23,12 +22,6 @@ def make_group(ticket: int, version: int = 0, n: int = 2, tokens: int = 4, rng=N
         for _ in range(n)
     ]
     return Group(gid, samples, ticket)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_until(predicate, timeout: float = 10.0, interval: float = 0.02) -> bool:

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from observability.prometheus_server import PrometheusServer, free_port  # tests/ is on sys.path (its conftest)
+from observability.prometheus_server import PrometheusServer  # tests/ is on sys.path (its conftest)
+from services.chaos import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 SUBMIT = REPO / "deploy" / "ray" / "submit.sh"

@@ -1,10 +1,11 @@
-"""The broadcast weight channel end to end: the same short synchronous run (2 vLLM-CPU workers,
-η = 0, seeded) once with the object-store channel and once with `learner.weight_sync.channel:
-broadcast` (vLLM's weight transfer: the learner drives both engines' weight updates and etarl's
-gloo engine, a vLLM plugin, receives the chunks inside each engine's vLLM worker process, down a
-chain, while the learner starts its next step). Samples are seeded by ticket, so if every engine
-serves exactly the learner's weights of each version, both runs train on the same groups and learn the
-same policy, step for step. Both runs are also the check of synchronous mode (fresh samples only)."""
+"""The broadcast weight channel end to end: the same short synchronous run (η = 0, seeded) once
+with the object-store channel on one vLLM-CPU worker and once with `learner.weight_sync.channel:
+broadcast` on two (vLLM's weight transfer: the learner drives both engines' weight updates and
+etarl's gloo engine, a vLLM plugin, receives the chunks inside each engine's vLLM worker process,
+down a chain, while the learner starts its next step). Samples are seeded by ticket and η = 0
+admits the same B tickets per version whoever asks, so if every engine serves exactly the learner's
+weights of each version, both runs train on the same groups and learn the same policy, step for
+step. Both runs are also the check of synchronous mode (fresh samples only)."""
 from __future__ import annotations
 
 import pytest
@@ -18,8 +19,10 @@ pytestmark = pytest.mark.slow
 
 STEPS = 4
 SAME_RUN = ("mode=synchronous", f"run.steps={STEPS}", "eval.enabled=false", "run.checkpoint_every=0",
-            "rollout.num_workers=2", "buffer.gate.batch_size=4", "rollout.sampling.n=4",
-            "run.wait_for_workers_s=600")  # both engines are in the weight group from the first send on
+            "buffer.gate.batch_size=4", "rollout.sampling.n=4",
+            "run.wait_for_workers_s=600")  # every engine is in the weight group from the first send on
+# The reference needs one engine (an engine start is 36 s of CPU); the broadcast chain needs two.
+WORKERS = {"object_store": 1, "broadcast": 2}
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +34,8 @@ def runs(ray_cluster, tmp_path_factory):
         # on a loaded machine: the test is that each version reaches both.
         chunks = ["learner.weight_sync.bucket_mb=0.25", "learner.weight_sync.ready_timeout_s=300"] \
             if channel == "broadcast" else []
-        result = run_training(e2e_config(run_dir, *SAME_RUN, f"learner.weight_sync.channel={channel}", *chunks))
+        result = run_training(e2e_config(run_dir, *SAME_RUN, f"rollout.num_workers={WORKERS[channel]}",
+                                         f"learner.weight_sync.channel={channel}", *chunks))
         assert result.completed and result.version == STEPS, channel
         out[channel] = (run_dir, step_records(run_dir))
     return out

@@ -227,7 +227,8 @@ def test_a_service_whose_disk_fills_answers_an_error_exits_and_replays_on_restar
     import json
 
     from buffer.server import LOG_FAILED_EXIT
-    from buffer_helpers import REPO, free_port
+    from buffer_helpers import REPO
+    from services.chaos import free_port
 
     config = {"port": free_port(), "log": {"path": str(tmp_path / "buffer.log")},
               "gate": {"batch_size": 1, "eta": None, "max_concurrent": 4}}

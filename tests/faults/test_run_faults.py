@@ -23,21 +23,13 @@ import pytest
 
 from services import checkpoint as ckpt
 from services.audit import audit, read_checkpoint_buffer, read_run_log
-from services.chaos import TrainProcess, listening_sockets, scrape
+from services.chaos import TrainProcess, free_port, listening_sockets, scrape
 
 pytestmark = pytest.mark.slow
 
 ETA, B = 2, 2
 LOOPBACK = ("127.0.0.1", "::1", "::ffff:127.0.0.1")  # the last: an IPv6 socket bound to IPv4 loopback
 WORKER = (("worker", "worker-0"),)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_args(run_dir, model, port) -> list[str]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import time
 import urllib.parse
@@ -14,6 +13,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from services.chaos import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 RULES = REPO / "deploy" / "prometheus" / "rules.yml"
@@ -24,12 +25,6 @@ def binary(name: str) -> str:
     if path is None:
         pytest.skip(f"`{name}` is not installed (Debian package `prometheus`; scripts/setup.sh installs it)")
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class PrometheusServer:

@@ -13,7 +13,8 @@ import yaml
 
 from buffer.client import BufferClient
 from buffer.sample import Group, Sample, new_id
-from prometheus_server import REPO, PrometheusServer, free_port
+from prometheus_server import REPO, PrometheusServer
+from services.chaos import free_port
 
 ETA = 1
 

@@ -23,17 +23,10 @@ from buffer import auth
 from buffer.client import BufferClient
 from buffer.config import ClientConfig, CurveConfig
 from buffer.errors import BufferUnavailable
+from services.chaos import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 QUICK = ClientConfig(request_timeout_s=0.5, retries=0)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def serve(config: dict, tmp_path: Path, env: dict, level: str = "DEBUG") -> tuple[subprocess.Popen, Path]:
