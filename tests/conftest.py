@@ -94,10 +94,12 @@ def ray_cluster():
 
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
-    """The warm-started tiny model as an HF folder, built once per cache key and reused."""
+    """The embedded default's warm-started tiny model (configs/default.yaml: the folder `etarl
+    train` builds, and the e2e runs use) as an HF folder, built once per cache key and reused."""
     from rollout_workers.tiny_model import ensure_tiny_model
+    from services.config import load_config
 
-    return ensure_tiny_model(REPO / ".cache" / "tiny-model")
+    return ensure_tiny_model(REPO / ".cache" / "tiny-model", load_config(None).run.tiny_model)
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ from rollout_helpers import perturbed, processed_log_probs
 from lm.causal_lm import response_log_probs
 from rollout_workers.engines.base import Completion, SamplingParams
 
-PROMPT_TEXT = "347+589="
+PROMPT_TEXT = "rev:abcd="  # the task tiny_model_dir was warm-started on: its answers end in EOS
 
 
 def encode(tokenizer, text):

@@ -72,8 +72,10 @@ def test_a_greedy_baseline_goes_with_every_sample_of_its_group(tiny_model_dir, v
     and hands its reward to every sample as reward_baseline; the greedy response is not a sample."""
     from buffer.sample import REWARD_BASELINE
 
+    # tiny_model_dir's own task (its greedy answers end, at lengths that differ with the word's) and
+    # a reward that tells responses apart
     cfg = config(tiny_model_dir, greedy_baseline=True, streaming=streaming, engine=EngineConfig(kind=engine_kind),
-                 reward="rollout_helpers:length_reward")  # a reward that tells responses apart
+                 task=TaskConfig(families=["reverse"], difficulties=[2, 3]), reward="rollout_helpers:length_reward")
     engine = vllm_engine if engine_kind == "vllm" else None
     worker = RolloutWorker(cfg, "worker-g", buffer, WeightStore(), engine=engine)
     stats = worker.run(max_groups=4)
