@@ -50,16 +50,21 @@ def test_ensure_tiny_model_builds_once_per_spec(tiny_model_dir, tmp_path):
         TinyModelSpec(hidden=3)
 
 
-@pytest.mark.parametrize("experts", [0, 4], ids=["dense", "moe"])
-def test_a_dense_build_takes_every_core_and_a_moe_build_one(tmp_path, experts):
+@pytest.mark.parametrize(("experts", "pinned", "want"), [(0, None, "cores"), (0, "3", 3), (4, None, 1)],
+                         ids=["dense", "dense-omp-pinned", "moe"])
+def test_a_dense_build_takes_every_core_unless_pinned_and_a_moe_build_one(tmp_path, monkeypatch, experts, pinned, want):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # the suite pins 1
+    if pinned:
+        monkeypatch.setenv("OMP_NUM_THREADS", pinned)
     spec = TinyModelSpec(difficulties=[1], warm_start_steps=2, num_experts=experts)
     threads = []
     ensure_tiny_model(tmp_path, spec, log=lambda line: threads.append(torch.get_num_threads()))
-    assert set(threads) == {1 if experts else len(os.sched_getaffinity(0))}
+    assert set(threads) == {len(os.sched_getaffinity(0)) if want == "cores" else want}
     assert torch.get_num_threads() == 1, "the session's one thread, back after the build"
 
 
 def test_a_dense_build_is_the_same_model_on_one_core_and_on_all(tmp_path, monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # the suite pins 1
     spec = TinyModelSpec(difficulties=[1], warm_start_steps=5)
     every = ensure_tiny_model(tmp_path / "every", spec, log=lambda line: None)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
