@@ -661,6 +661,17 @@ def _quantity(value) -> float:
 # ---------------------------------------------------------------- Ray
 
 
+def check_local_plan(cfg: EtarlConfig) -> None:
+    """A run that would start the embedded cluster: its plan against this machine (PlanError if it
+    cannot fit), checked before anything is built or started; start_ray checks it again, and logs
+    it. A built-in model is built in the driver first (tiny-moe: 23 s here), and a refusal that
+    needs no model should not wait for it."""
+    import ray
+
+    if cfg.ray.address == "local" and not ray.is_initialized():
+        plan_for(cfg, local_cluster(cfg))
+
+
 def start_ray(cfg: EtarlConfig) -> Plan:
     """Start (or join) the run's Ray cluster, and check the run's plan against it: the embedded
     cluster's declared resources before it starts, a cluster's nodes once joined (nothing of the

