@@ -38,7 +38,7 @@ from services.config import (TINY_MODEL, TINY_MOE_MODEL, ConfigError, EtarlConfi
                              read_yaml)
 from services.inputs import check_run_inputs
 from services.learner_failures import LearnerFailures
-from services.placement import Placement, check_local_plan, start_ray
+from services.placement import Placement, check_plan_before_start, start_ray
 from services.plots import MetricLog, plot_run
 from services.weights import WeightPublisher
 from services.worker_pool import WorkerPool
@@ -154,7 +154,7 @@ class Controller:
         store, the learner ranks and the workers, each with the resources the plan gives it
         (services/placement.py)."""
         cfg = self.cfg
-        check_local_plan(cfg)
+        check_plan_before_start(cfg)
         self.model_dir = resolve_model(cfg)
         self.learner_failures = LearnerFailures(self.run_dir)
         self.learner_failures.recover()  # a batch the last process died on counts a failed delivery

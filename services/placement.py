@@ -661,14 +661,17 @@ def _quantity(value) -> float:
 # ---------------------------------------------------------------- Ray
 
 
-def check_local_plan(cfg: EtarlConfig) -> None:
-    """A run that would start the embedded cluster: its plan against this machine (PlanError if it
-    cannot fit), checked before anything is built or started; start_ray checks it again, and logs
-    it. A built-in model is built in the driver first (tiny-moe: 23 s here), and a refusal that
-    needs no model should not wait for it."""
+def check_plan_before_start(cfg: EtarlConfig) -> None:
+    """The run's plan (PlanError if it cannot fit) against the cluster this process is connected to,
+    or the embedded one it would start, checked before anything is built or started; start_ray
+    checks it again, and logs it. A built-in model is built in the driver first (tiny-moe: 23 s
+    here), and a refusal that needs no model should not wait for it. A cluster still to be joined
+    is checked once joined (start_ray)."""
     import ray
 
-    if cfg.ray.address == "local" and not ray.is_initialized():
+    if ray.is_initialized():
+        plan_for(cfg, running_cluster("the Ray cluster this process is connected to"))
+    elif cfg.ray.address == "local":
         plan_for(cfg, local_cluster(cfg))
 
 
