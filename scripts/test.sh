@@ -11,5 +11,6 @@ unset PYTHONDONTWRITEBYTECODE
 # Two workers, each taking whole files (a file's module fixtures run once; tests/rollout_workers,
 # whose files share one vLLM engine, is taken whole) in the order tests/conftest.py gives them,
 # slow ones first. The suite's processes often wait on each other (Ray, engines, restarts): one
-# worker kept this machine's 2 cores 68 % busy (35 min), two keep them 96 % busy (24 min). A later `-n N` (`-n 0`: no workers) on the command line wins.
+# worker kept this machine's 2 cores 68 % busy (35 min), two keep them 96 % busy (24 min). A later
+# `-n N` (`-n 0`: no workers) on the command line wins.
 exec .venv/bin/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder "$@"
