@@ -19,6 +19,7 @@ from lm.weight_sync import WeightStore, save_weights_folder
 from rollout_workers.config import EngineConfig, RolloutConfig, SamplingConfig, TaskConfig
 from rollout_workers.rewards import math_reward
 from rollout_workers.tasks import train_prompts
+from rollout_workers.tiny_model import tiny_model_info
 from rollout_workers.worker import RolloutWorker, WorkerNeedsRestart
 
 pytestmark = pytest.mark.timeout(180)  # a stuck worker loop fails its test instead of the suite
@@ -72,10 +73,12 @@ def test_a_greedy_baseline_goes_with_every_sample_of_its_group(tiny_model_dir, v
     and hands its reward to every sample as reward_baseline; the greedy response is not a sample."""
     from buffer.sample import REWARD_BASELINE
 
-    # tiny_model_dir's own task (its greedy answers end, at lengths that differ with the word's) and
-    # a reward that tells responses apart
+    # the task the model was warm-started on, as its build recorded it (its greedy answers end, at
+    # lengths that differ between prompts), and a reward that tells responses apart
+    spec = tiny_model_info(tiny_model_dir)["spec"]
+    task = TaskConfig(families=spec["families"], difficulties=spec["difficulties"])
     cfg = config(tiny_model_dir, greedy_baseline=True, streaming=streaming, engine=EngineConfig(kind=engine_kind),
-                 task=TaskConfig(families=["reverse"], difficulties=[2, 3]), reward="rollout_helpers:length_reward")
+                 task=task, reward="rollout_helpers:length_reward")
     engine = vllm_engine if engine_kind == "vllm" else None
     worker = RolloutWorker(cfg, "worker-g", buffer, WeightStore(), engine=engine)
     stats = worker.run(max_groups=4)
