@@ -45,7 +45,6 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -64,6 +63,7 @@ sys.path.insert(0, str(REPO))
 from buffer.client import BufferClient  # noqa: E402
 from buffer.codec import decode_group, encode_group  # noqa: E402
 from buffer.sample import Group, Sample, new_id  # noqa: E402
+from services.chaos import free_port  # noqa: E402
 
 SMALL = (64, 295)  # (prompt, response) tokens: 64*4 + 295*(4+4+1+4) = 4091 bytes of arrays per sample
 LARGE = (1024, 8192)  # 110,592 bytes per sample; 1.77 MB per group of 16
@@ -96,12 +96,6 @@ def fresh_group(template: Group, ticket: int) -> Group:
     gid = new_id()
     return Group(gid, [Sample(**{**s.__dict__, "sample_id": new_id(), "group_id": gid}) for s in template.samples],
                  ticket)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---- producers (child processes) ------------------------------------------------------------
