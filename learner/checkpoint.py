@@ -15,8 +15,10 @@ without FSDP; under FSDP it is refused: rank 0 held only its own optimizer shard
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -43,10 +45,17 @@ def _state_dict_options():
     return StateDictOptions(full_state_dict=False, cpu_offload=False)
 
 
-def _distributed() -> bool:
+@contextlib.contextmanager
+def _dcp_processes():
+    """DCP's `no_dist` for the call inside: True for a learner of one process (no process
+    group). DCP warns of that on every save and load even when told so; here it is the plan."""
     import torch.distributed as dist
 
-    return dist.is_available() and dist.is_initialized()
+    no_dist = not (dist.is_available() and dist.is_initialized())
+    with warnings.catch_warnings():
+        if no_dist:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield no_dist
 
 
 def _shard_states(model, optimizer, critic) -> dict:
@@ -70,8 +79,8 @@ def save_training_state(folder: Path, model, optimizer, scheduler, version: int,
     process group."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(_shard_states(model, optimizer, critic), checkpoint_id=str(folder / SHARDS_DIR),
-             no_dist=not _distributed())
+    with _dcp_processes() as no_dist:
+        dcp.save(_shard_states(model, optimizer, critic), checkpoint_id=str(folder / SHARDS_DIR), no_dist=no_dist)
     if rank == 0:
         state = {"scheduler": scheduler.state_dict(), "version": int(version), "shards": SHARDS_DIR,
                  "kl_reward_coef": float(kl_reward_coef)}
@@ -106,7 +115,8 @@ def load_training_state(folder: Path, trainer: dict, model, optimizer, critic=No
     # DCP loads in place: the state dicts of the live models and optimizers say which shards this
     # rank wants; the optimizer's state is created first (get_state_dict does) so it has slots.
     state = _shard_states(model, optimizer, critic)
-    dcp.load(state, checkpoint_id=str(shards), no_dist=not _distributed())
+    with _dcp_processes() as no_dist:
+        dcp.load(state, checkpoint_id=str(shards), no_dist=no_dist)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
                    options=_state_dict_options())
     if critic is not None:

@@ -63,7 +63,7 @@ def test_value_loss_by_hand():
     returns = torch.tensor([[2.0, -1.0, 0.0]], dtype=torch.float64)
     mask = torch.tensor([[1, 1, 0]])
     loss, clipfrac = value_loss(predicted, old, returns, mask, 0.5)
-    assert float(loss) == pytest.approx(0.5 * (2.25 + 1.0) / 2) and float(clipfrac) == 0.5
+    assert loss.item() == pytest.approx(0.5 * (2.25 + 1.0) / 2) and float(clipfrac) == 0.5
     loss.backward()
     assert predicted.grad.tolist() == [[0.0, 0.5, 0.0]]
     loss, _ = value_loss(predicted.detach(), old, returns, mask, 0.5, "token-mean", global_token_count=4)

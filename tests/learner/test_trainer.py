@@ -569,6 +569,8 @@ def test_reinforce_pp_takes_a_trajectorys_step_rewards_where_the_sample_put_them
     assert max_param_diff(updates["grpo", 0], updates["grpo", -1]) == 0.0
 
 
+# A learner of one process saves and loads without a process group on purpose: no DCP warning of it.
+@pytest.mark.filterwarnings("error:torch.distributed is disabled:UserWarning")
 def test_checkpoint_round_trip_gives_the_identical_next_step(policy_dir, groups, tmp_path):
     (policy_dir / "tokenizer.json").write_text("{}")  # stands in for the source's tokenizer
     first = make_learner(policy_dir, warmup_steps=2, lr_schedule="cosine", total_steps=10)
