@@ -57,7 +57,7 @@ def load_weights_folder(folder: str | os.PathLike) -> tuple[int, dict[str, torch
     return int(version), load_file(str(path))
 
 
-def checkpoint_shapes(model_dir: str | os.PathLike) -> tuple[dict[str, tuple[int, ...]], set[str]]:
+def folder_weight_shapes(model_dir: str | os.PathLike) -> tuple[dict[str, tuple[int, ...]], set[str]]:
     """Shapes by name of an HF folder's safetensors weights (headers only, nothing loaded), and the
     names a model built from it may lack: lm_head.weight when the embeddings are tied (the learner
     may send it, the checkpoint need not hold it)."""

@@ -50,7 +50,7 @@ from buffer.sample import as_routing_array
 from lm.causal_lm import check_model_dir
 from lm.device import resolve_device
 from lm.weight_sync import save_weights_folder
-from lm.weight_sync.payloads import checkpoint_shapes
+from lm.weight_sync.payloads import folder_weight_shapes
 from rollout_workers.engines.base import (
     Completion,
     GenerationEngine,
@@ -413,7 +413,7 @@ class VLLMEngine(GenerationEngine):
 
     def expected_weights(self) -> tuple[dict[str, tuple[int, ...]], set[str]]:
         """Shapes by name of the checkpoint this engine was built from, and the names it may lack."""
-        return checkpoint_shapes(self.model_dir)
+        return folder_weight_shapes(self.model_dir)
 
     def load_weights(self, version: int, weights: WeightsIn) -> None:
         """Write the weights as a safetensors folder the engine core reads (tensors do not cross

@@ -250,7 +250,7 @@ def test_a_published_moe_version_loads_into_an_engine_with_the_learners_log_prob
     names engines expect (vLLM's `expected_weights` are the checkpoint's); the transformers engine
     loads them into its fused experts and scores as the learner does."""
     from lm.weight_sync import resolve_weights
-    from lm.weight_sync.payloads import checkpoint_shapes
+    from lm.weight_sync.payloads import folder_weight_shapes
 
     moe = learner(moe_dir, weight_sync={"channel": "folder", "folder": str(tmp_path / "versions")})
     moe.train_step(groups)
@@ -258,7 +258,7 @@ def test_a_published_moe_version_loads_into_an_engine_with_the_learners_log_prob
     payload = moe.published(timeout=60)
     moe.close_weight_sync()
     weights = resolve_weights(payload)
-    names, _ = checkpoint_shapes(moe_dir)
+    names, _ = folder_weight_shapes(moe_dir)
     assert set(weights) == set(names) | {"lm_head.weight"}
     assert {k: tuple(v.shape) for k, v in weights.items() if k in names} == names
 
@@ -274,7 +274,7 @@ def test_a_published_moe_version_loads_into_an_engine_with_the_learners_log_prob
         from_folder, _ = response_log_probs(saved, prompts, responses)
     assert float((want - got).abs().max()) < 1e-6
     assert float((want - from_folder).abs().max()) < 1e-6
-    assert set(checkpoint_shapes(tmp_path / "policy")[0]) == set(names)
+    assert set(folder_weight_shapes(tmp_path / "policy")[0]) == set(names)
 
 
 @pytest.mark.parametrize("checkpointing", [True, "selective"])
