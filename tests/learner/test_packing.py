@@ -37,13 +37,13 @@ def test_packed_log_probs_and_entropy_equal_the_padded_ones(policy_dir, dtype, t
     for width in (None, 128):  # 128: a shape bucket's filler block after the rows
         got = response_log_probs(model, prompts, responses, with_entropy=True, packed=True, pack_width=width)
         assert torch.equal(got[1], want[1])
-        assert float((got[0] - want[0]).abs().max()) <= tol
-        assert float((got[2] - want[2]).abs().max()) <= tol
+        assert (got[0] - want[0]).abs().max().item() <= tol
+        assert (got[2] - want[2]).abs().max().item() <= tol
     # The eager kernel reads the packed rows' boundaries too (its softmax runs in float32: 1e-7).
     eager = load_causal_lm(policy_dir, dtype=dtype, attn_implementation="eager")
     padded_eager = response_log_probs(eager, prompts, responses)[0]
     packed_eager = response_log_probs(eager, prompts, responses, packed=True, pack_width=128)[0]
-    assert float((packed_eager - padded_eager).abs().max()) <= max(tol, 1e-7)
+    assert (packed_eager - padded_eager).abs().max().item() <= max(tol, 1e-7)
     ids, positions, starts = pack_sequences(prompts[:2], responses[:2], width=22, pad_id=0)
     assert positions.tolist() == [[*range(10), *range(8), *range(4)]] and starts.tolist() == [0, 10]
     assert ids[0, 18:].tolist() == [0] * 4
