@@ -661,18 +661,27 @@ def _quantity(value) -> float:
 # ---------------------------------------------------------------- Ray
 
 
-def check_plan_before_start(cfg: EtarlConfig) -> None:
-    """The run's plan (PlanError if it cannot fit) against the cluster this process is connected to,
-    or the embedded one it would start, checked before anything is built or started; start_ray
-    checks it again, and logs it. A built-in model is built in the driver first (tiny-moe: 23 s
-    here), and a refusal that needs no model should not wait for it. A cluster still to be joined
-    is checked once joined (start_ray)."""
+def _cluster_before_start(cfg: EtarlConfig) -> Cluster | None:
+    """The cluster a run's plan is checked against before anything of the run starts: the one this
+    process is connected to, or the embedded one it would start; None for one still to be joined
+    (its nodes are known once joined)."""
     import ray
 
     if ray.is_initialized():
-        plan_for(cfg, running_cluster("the Ray cluster this process is connected to"))
-    elif cfg.ray.address == "local":
-        plan_for(cfg, local_cluster(cfg))
+        return running_cluster("the Ray cluster this process is connected to")
+    if cfg.ray.address == "local":
+        return local_cluster(cfg)
+    return None
+
+
+def check_plan_before_start(cfg: EtarlConfig) -> None:
+    """The run's plan (PlanError if it cannot fit), checked before anything is built or started;
+    start_ray checks it again, and logs it. A built-in model is built in the driver first (tiny-moe:
+    23 s here), and a refusal that needs no model should not wait for it. A cluster still to be
+    joined is checked once joined (start_ray)."""
+    cluster = _cluster_before_start(cfg)
+    if cluster is not None:
+        plan_for(cfg, cluster)
 
 
 def start_ray(cfg: EtarlConfig) -> Plan:
@@ -681,17 +690,16 @@ def start_ray(cfg: EtarlConfig) -> Plan:
     run has started yet either way). Returns the plan; PlanError if it cannot fit."""
     import ray
 
-    if ray.is_initialized():
-        return plan_for(cfg, running_cluster("the Ray cluster this process is connected to")).check_logged()
-    if cfg.ray.address == "local":
-        cluster = local_cluster(cfg)
+    cluster = _cluster_before_start(cfg)
+    if cluster is not None:
         plan = plan_for(cfg, cluster).check_logged()
-        from services.local_ray import init_local_ray  # every Ray server on 127.0.0.1
+        if not ray.is_initialized():  # the embedded cluster, started as planned
+            from services.local_ray import init_local_ray  # every Ray server on 127.0.0.1
 
-        (node,) = cluster.nodes
-        env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "VLLM_LOGGING_LEVEL": QUIET_VLLM}
-        init_local_ray(num_cpus=int(node.cpus), num_gpus=int(node.gpus), namespace=cfg.ray.namespace,
-                       log_to_driver=cfg.ray.log_to_driver, runtime_env=ray_runtime_env(cfg, env))
+            (node,) = cluster.nodes
+            env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "VLLM_LOGGING_LEVEL": QUIET_VLLM}
+            init_local_ray(num_cpus=int(node.cpus), num_gpus=int(node.gpus), namespace=cfg.ray.namespace,
+                           log_to_driver=cfg.ray.log_to_driver, runtime_env=ray_runtime_env(cfg, env))
         return plan
     # Inside a cluster (or a `ray job submit` job) the job's runtime environment applies (plus the
     # reward's module when it must travel).
