@@ -28,7 +28,7 @@ EXIT_CONFIG_ERROR = 2
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", "-c", help="YAML config file (default: the embedded default)")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
-                        help="dotted overrides, e.g. learner.lr=3e-5 buffer.eta=2 mode=synchronous")
+                        help="dotted overrides, e.g. learner.lr=3e-5 buffer.gate.eta=4 run.steps=500")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,6 +1,6 @@
 """The config tree: one YAML file composes every component's pydantic config.
 
-    etarl train --config configs/default.yaml learner.lr=3e-5 buffer.eta=2 mode=one_step_off
+    etarl train --config configs/default.yaml learner.lr=3e-5 buffer.gate.eta=4 mode=async
 
 Overrides are `dotted.key=value`; the value is read as YAML (so `4` is an int, `true` a bool,
 `null` None, `[1, 2]` a list) and pydantic then coerces it to the field's type. Unknown keys and
@@ -8,14 +8,17 @@ bad values are errors that name the full dotted key.
 """
 from __future__ import annotations
 
+import collections.abc
 import difflib
 import json
 import os
+import types
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, Tag, ValidationError, model_validator
 
 from rollout_workers.tiny_model import TinyModelSpec
 
@@ -117,30 +120,119 @@ def set_dotted(tree: dict, key: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
-def _known_keys(model: type[BaseModel], loc: tuple) -> list[str]:
-    """Field names of the sub-model at `loc`, to suggest the key the user meant."""
-    for part in loc[:-1]:
-        field = model.model_fields.get(str(part)) if isinstance(part, str) else None
-        ann = getattr(field, "annotation", None)
-        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
-            return []
-        model = ann
-    return list(model.model_fields)
+def _holds(annotation) -> list[tuple[Optional[str], Any]]:
+    """What a field may hold, unwrapped from Optional/Union/Annotated: (its union tag or None, type)."""
+    origin = get_origin(annotation)
+    if origin is Annotated:
+        inner, *meta = get_args(annotation)
+        tag = next((m.tag for m in meta if isinstance(m, Tag)), None)
+        return [(tag or t, x) for t, x in _holds(inner)]
+    if origin in (Union, types.UnionType):
+        return [held for arg in get_args(annotation) for held in _holds(arg)]
+    return [(None, annotation)]
+
+
+def _models(holds) -> list[type[BaseModel]]:
+    return [t for _, t in holds if isinstance(t, type) and issubclass(t, BaseModel)]
+
+
+def _is_mapping(t) -> bool:
+    return get_origin(t) in (dict, collections.abc.Mapping) or t is dict
+
+
+@dataclass
+class _Place:
+    """Where an error is, as a user writes the key: pydantic's location without its union labels
+    (`eta.int`, `eta.literal['auto']`, `weight_sync.object_store`), and what was known there."""
+
+    parts: list[str]
+    parent: list  # what the value one level up may hold (for an unknown key: the keys it could be)
+    form: Optional[tuple[str, str, list]] = None  # a tagged union read as one of its forms: (key, tag, holds)
+
+    @property
+    def key(self) -> str:
+        return ".".join(self.parts) or "<root>"
+
+
+def _place(model: type[BaseModel], loc: tuple) -> _Place:
+    place = _Place([], [])
+    holds: list = [(None, model)]
+    for part in loc:
+        if isinstance(part, int):  # a list's item
+            place.parts[-1:] = [f"{place.parts[-1] if place.parts else ''}[{part}]"]
+            holds = [h for _, t in holds if get_origin(t) in (list, tuple) for h in _holds(get_args(t)[0])]
+            continue
+        # a union's form first: pydantic names the form a value was read as (its tag, or its class)
+        # before the form's own keys, and a tag may also be a key of its form (`folder`)
+        forms = [(tag, t) for tag, t in holds if len(holds) > 1 and part in (tag, getattr(t, "__name__", None))]
+        owner = next((m for m in _models(holds) if part in m.model_fields), None)
+        if forms:
+            place.form = (place.key, part, holds)
+            holds = forms
+        elif owner is not None:
+            place.parts.append(part)
+            place.parent, holds = holds, _holds(owner.model_fields[part].annotation)
+        elif _models(holds) or any(_is_mapping(t) for _, t in holds):  # an unknown key, or a mapping's own key
+            place.parts.append(str(part))
+            place.parent, holds = holds, [(None, Any)]
+        # else a union member's label (`int`, `literal['auto']`): not part of the key
+    return place
+
+
+def _keys_below(models: list, name: str, prefix: str = "", depth: int = 4) -> list[str]:
+    """The dotted keys below these models whose last part is `name` (a key given at the wrong level)."""
+    found = []
+    for m in models:
+        for field_name, info in m.model_fields.items():
+            key = f"{prefix}{field_name}"
+            if field_name == name:
+                found.append(key)
+            elif depth > 1:
+                found += _keys_below(_models(_holds(info.annotation)), name, key + ".", depth - 1)
+    return list(dict.fromkeys(found))
+
+
+def _unknown_key_hint(place: _Place) -> str:
+    name, parent_key = place.parts[-1], ".".join(place.parts[:-1])
+    prefix = parent_key + "." if parent_key else ""
+    known = [k for m in _models(place.parent) for k in m.model_fields]
+    close = difflib.get_close_matches(name, known, n=1)
+    if close:
+        return f" (did you mean {prefix}{close[0]}?)"
+    if place.form is not None:
+        form_key, tag, holds = place.form
+
+        def selector(form: str, model) -> str:  # the key that selects a form: `channel: Literal["broadcast"]`
+            fields = [f for f, info in model.model_fields.items() if get_args(info.annotation) == (form,)]
+            return f"{form_key}.{fields[0]}={form}" if fields else f"{form_key} in its {form} form"
+
+        this = next((selector(tag, t) for other, t in holds if other == tag and t in _models(holds)), tag)
+        others = [selector(other, t) for other, t in holds if other != tag and t in _models(holds)
+                  and name in t.model_fields]
+        if others:
+            return f" with {this} (a key of {' or '.join(others)})"
+    below = _keys_below(_models(place.parent), name)
+    if below:
+        return f" (did you mean {' or '.join(prefix + k for k in below[:3])}?)"
+    return ""
 
 
 def format_validation_error(exc: ValidationError, model: type[BaseModel], source: str) -> ConfigError:
-    lines = []
+    by_key: dict[str, list[str]] = {}  # one line per key: a union's members' complaints joined
+    got_by_key: dict[str, str] = {}
     for err in exc.errors():
         loc = tuple(err["loc"])
-        key = ".".join(str(p) for p in loc) or "<root>"
+        place = _place(model, loc)
         if err["type"] == "extra_forbidden":
-            hint = difflib.get_close_matches(str(loc[-1]), _known_keys(model, loc), n=1)
-            lines.append(f"  {key}: unknown key" + (f" (did you mean {'.'.join(map(str, loc[:-1] + (hint[0],)))}?)" if hint else ""))
-        else:
-            got = err.get("input")
-            shown = "" if isinstance(got, dict) else f" (got {got!r})"
-            msg = err["msg"].removeprefix("Value error, ")
-            lines.append(f"  {key}: {msg}{shown}" if loc else f"  {msg}")
+            by_key.setdefault(place.key, []).append("unknown key" + _unknown_key_hint(place))
+            continue
+        got = err.get("input")
+        if not isinstance(got, dict):
+            got_by_key.setdefault(place.key, f" (got {got!r})")
+        msg = err["msg"].removeprefix("Value error, ")
+        by_key.setdefault(place.key if loc else "", []).append(msg)
+    lines = [f"  {key + ': ' if key else ''}{'; or '.join(dict.fromkeys(msgs))}{got_by_key.get(key, '')}"
+             for key, msgs in by_key.items()]
     return ConfigError(f"invalid config ({source}):\n" + "\n".join(lines))
 
 
@@ -190,6 +282,7 @@ class MetricsConfig(BaseModel):
 
 from buffer.config import BufferConfig, GateConfig  # noqa: E402  (after the generic part on purpose: it needs none of it)
 from learner.config import LearnerConfig  # noqa: E402
+from learner.correction import RolloutCorrectionConfig  # noqa: E402
 from rollout_workers.config import RolloutConfig  # noqa: E402
 
 TINY_MODEL = "tiny"
@@ -410,6 +503,27 @@ def fill_sample_limits(cfg: EtarlConfig, model_dir: str | os.PathLike) -> None:
         cfg.buffer.limits = limits.model_copy(update=update)
 
 
+def _open_preset(tree: dict, key: str) -> None:
+    """A key set below a section given as a preset's name (`learner.rollout_correction:
+    decoupled_token_is`), or left to its default, opens the preset into its keys first: the
+    override then changes that key alone (`learner.rollout_correction.rollout_is_threshold=3` keeps
+    token-level IS), as it would in a section written out."""
+    section = "learner.rollout_correction"
+    if not key.startswith(section + "."):
+        return
+    learner = tree.setdefault("learner", {})
+    if not isinstance(learner, dict):
+        return  # `learner: 5`: the validation error names it
+    name = learner.get("rollout_correction")
+    if name is None or isinstance(name, str):
+        try:
+            preset = (RolloutCorrectionConfig.preset(name) if name is not None
+                      else LearnerConfig.model_fields["rollout_correction"].default_factory())
+        except ValueError as err:
+            raise ConfigError(f"{section}: {err}") from None
+        learner["rollout_correction"] = preset.model_dump(mode="json")
+
+
 def build_config(tree: dict, overrides: dict[str, Any] | list[str] | None = None, source: str = "config") -> EtarlConfig:
     """Validate a config tree after applying dotted overrides (`{"a.b": v}` or `["a.b=v"]`)."""
     import copy
@@ -417,6 +531,7 @@ def build_config(tree: dict, overrides: dict[str, Any] | list[str] | None = None
     tree = copy.deepcopy(tree)
     items = overrides.items() if isinstance(overrides, dict) else map(parse_override, overrides or [])
     for key, value in items:
+        _open_preset(tree, key)
         set_dotted(tree, key, value)
     try:
         return EtarlConfig.model_validate(tree)

@@ -1,6 +1,7 @@
 """The config tree: YAML + dotted overrides, presets and modes, and errors that name the key."""
 import pytest
 
+from learner.correction import RolloutCorrectionConfig
 from services.config import (
     DEFAULT_CONFIG, ConfigError, EtarlConfig, build_config, load_config, parse_override,
 )
@@ -50,6 +51,51 @@ def test_unknown_keys_name_the_full_dotted_key_and_suggest():
     assert "buffer.gate.etaa: unknown key (did you mean buffer.gate.eta?)" in str(err.value)
     with pytest.raises(ConfigError, match=r"nosuchsection: unknown key"):
         load_config(None, ["nosuchsection.x=1"])
+
+
+@pytest.mark.parametrize("override, line", [
+    # a key given one level too high (or at the top) names where it lives
+    ("buffer.eta=2", "buffer.eta: unknown key (did you mean buffer.gate.eta?)"),
+    ("eta=2", "eta: unknown key (did you mean buffer.gate.eta?)"),
+    ("lr=1e-5", "lr: unknown key (did you mean learner.lr or learner.critic.lr?)"),
+    # a key of another form of a tagged union names the key that selects that form
+    ("learner.weight_sync.backend=nccl", "learner.weight_sync.backend: unknown key with "
+     "learner.weight_sync.channel=object_store (a key of learner.weight_sync.channel=broadcast)"),
+    # a union's members' complaints on one line, under the key the user wrote (no `.int`, `.literal[...]`)
+    ("buffer.gate.eta=abc", "buffer.gate.eta: Input should be a valid integer, unable to parse string as an "
+     "integer; or Input should be 'auto' (got 'abc')"),
+    ("rollout.sampling.stop_token_ids=[1, x]", "rollout.sampling.stop_token_ids[1]: Input should be a valid "
+     "integer, unable to parse string as an integer (got 'x')"),
+])
+def test_errors_name_the_key_as_the_user_writes_it(override, line):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert str(err.value).splitlines()[1:] == [f"  {line}"]
+
+
+def test_a_tag_that_is_also_a_key_of_its_form_is_not_taken_for_the_key():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["learner.weight_sync.channel=folder", "learner.weight_sync.backend=nccl"])
+    assert str(err.value).splitlines()[1:] == [
+        "  learner.weight_sync.folder: Field required",
+        "  learner.weight_sync.backend: unknown key with learner.weight_sync.channel=folder (a key of "
+        "learner.weight_sync.channel=broadcast)"]
+
+
+def test_a_key_below_a_preset_name_changes_that_key_of_the_preset():
+    default = load_config(None).learner.rollout_correction
+    assert default.rollout_is == "token" and default.rollout_is_threshold == 2.0  # the default.yaml names a preset
+    tuned = load_config(None, ["learner.rollout_correction.rollout_is_threshold=3"]).learner.rollout_correction
+    assert tuned.model_dump() == {**default.model_dump(), "rollout_is_threshold": 3.0}
+    seq = load_config(None, ["learner.rollout_correction=decoupled_seq_is_rs",
+                             "learner.rollout_correction.rollout_is_threshold=5"]).learner.rollout_correction
+    preset = RolloutCorrectionConfig.preset("decoupled_seq_is_rs")
+    assert seq.rollout_is == "sequence" and seq.rollout_rs == preset.rollout_rs and seq.rollout_is_threshold == 5.0
+    # a config that leaves the section to its default: the default preset is what the key changes
+    unset = build_config({}, ["learner.rollout_correction.rollout_is_threshold=3"]).learner.rollout_correction
+    assert unset == tuned
+    with pytest.raises(ConfigError, match="learner.rollout_correction: unknown rollout-correction preset 'nope'"):
+        load_config(None, ["learner.rollout_correction=nope", "learner.rollout_correction.rollout_is_threshold=3"])
 
 
 def test_bad_values_name_the_key_and_the_value():
