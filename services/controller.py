@@ -109,7 +109,12 @@ def default_run_dir(cfg: EtarlConfig) -> str:
 def resume_config(run_dir: str | os.PathLike, config_file: str | None, overrides: list[str]) -> EtarlConfig:
     """The saved config of a run (or `config_file`), with overrides (e.g. run.steps=80)."""
     run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise ConfigError(f"run folder {str(run_dir)!r} does not exist")
     source = Path(config_file) if config_file else run_dir / CONFIG_FILE
+    if not source.exists() and not config_file:
+        raise ConfigError(f"{str(run_dir)!r} is not a run folder: it has no {CONFIG_FILE} (a run writes one "
+                          "when it starts)")
     tree = read_yaml(source)
     tree.setdefault("run", {})["run_dir"] = str(run_dir)
     return build_config(tree, overrides, source=str(source))

@@ -18,7 +18,8 @@ def test_config_prints_the_resolved_tree(capsys):
     (["train", "learner.lrr=1"], "learner.lrr: unknown key (did you mean learner.lr?)"),
     (["train", "buffer.gate.batch_size=many"], "buffer.gate.batch_size"),
     (["train", "--config", "/nonexistent/etarl.yaml"], "config file '/nonexistent/etarl.yaml' does not exist"),
-    (["train", "--resume", "/nonexistent/run"], "/nonexistent/run"),
+    (["train", "--resume", "/nonexistent/run"], "run folder '/nonexistent/run' does not exist"),
+    (["eval", "--run", "/"], "'/' is not a run folder: it has no config.yaml"),
     (["eval", "rollout.sampling.n=0"], "rollout.sampling.n"),
 ])
 def test_bad_config_exits_2_and_names_the_problem(argv, needle, capsys):
