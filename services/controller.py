@@ -15,6 +15,7 @@ sample.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -263,28 +264,29 @@ class Controller:
         started = time.perf_counter()
         cfg = self.cfg
         metric_log = MetricLog(self.run_dir, resume_after_step=self.step if self.resume_from else None)
-        progress = _progress(cfg, self.step)
-        try:
-            if self.resume_from is None and cfg.eval.enabled:
-                self.evaluations.request(self.step, self.version)
-            if cfg.run.wait_for_workers_s:
-                self._wait_for_workers(cfg.run.wait_for_workers_s)
-            self._train_loop(metric_log, progress)
-            self._give_back_next_batch()
-            completed = self.step >= cfg.run.steps
-            if cfg.eval.enabled:
-                if completed and not self.evals_at(self.step) and not self.evaluations.asked(self.step):
+        with _logs_above_the_bar():  # log lines above the progress bar, not inside it
+            progress = _progress(cfg, self.step)
+            try:
+                if self.resume_from is None and cfg.eval.enabled:
                     self.evaluations.request(self.step, self.version)
-                self._report_evals(metric_log, progress, timeout=EVAL_FINAL_WAIT_S)  # the run's last word waits
-            self.save_checkpoint()
-        except BufferUnavailable as exc:  # a client gave up: say why the buffer is gone and what to do
-            lost = self.buffer.lost(exc)
-            if self.buffer.supervisor is None:  # the supervisor logged its own verdict
-                log.error("%s", lost)
-            raise lost from exc
-        finally:
-            progress.close()
-            metric_log.close()
+                if cfg.run.wait_for_workers_s:
+                    self._wait_for_workers(cfg.run.wait_for_workers_s)
+                self._train_loop(metric_log, progress)
+                self._give_back_next_batch()
+                completed = self.step >= cfg.run.steps
+                if cfg.eval.enabled:
+                    if completed and not self.evals_at(self.step) and not self.evaluations.asked(self.step):
+                        self.evaluations.request(self.step, self.version)
+                    self._report_evals(metric_log, progress, timeout=EVAL_FINAL_WAIT_S)  # the run's last word waits
+                self.save_checkpoint()
+            except BufferUnavailable as exc:  # a client gave up: say why the buffer is gone and what to do
+                lost = self.buffer.lost(exc)
+                if self.buffer.supervisor is None:  # the supervisor logged its own verdict
+                    log.error("%s", lost)
+                raise lost from exc
+            finally:
+                progress.close()
+                metric_log.close()
         try:
             plot_run(self.run_dir)
         except Exception as exc:  # plots are a convenience; the log is the record
@@ -457,6 +459,8 @@ class Controller:
                                                                     "eval/seconds")}
             progress.write(f"eval @ step {metrics['step']}: " + ", ".join(f"{k[5:]}={v:.3f}" for k, v in shown.items()))
             metric_log.write({"version": int(metrics["eval/version"]), **metrics})
+            if self._last_record:  # the bar's eval_acc is the newest, also after the last step
+                progress.set_postfix_str(_postfix(self._last_record, self.evals), refresh=False)
 
     def save_checkpoint(self) -> Path:
         staged = ckpt.staging_dir(self.run_dir, self.step)
@@ -488,6 +492,20 @@ def _progress(cfg: EtarlConfig, initial: int):
 
     return tqdm(total=cfg.run.steps, initial=initial, desc="etarl", unit="step", disable=not cfg.run.progress,
                 dynamic_ncols=True, file=sys.stderr)
+
+
+@contextlib.contextmanager
+def _logs_above_the_bar():
+    """The console's log lines (a checkpoint, a warning) printed above the progress bar, through
+    tqdm, not into the bar's line; only where logging has a console handler to redirect."""
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    if not any(isinstance(h, logging.StreamHandler) and h.stream in (sys.stdout, sys.stderr)
+               for h in logging.root.handlers):
+        yield
+        return
+    with logging_redirect_tqdm():
+        yield
 
 
 def _postfix(record: dict, evals: list[dict]) -> str:
