@@ -142,3 +142,30 @@ def test_a_new_run_in_the_folder_of_a_run_with_checkpoints_is_refused_naming_res
     assert "already holds a run (checkpoints up to step_000040)" in err and f"--resume {tmp_path / 'run'}" in err
     assert (tmp_path / "run" / "metrics.jsonl").read_text() == '{"step": 40}\n'
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["checkpoints", "metrics.jsonl"]
+
+
+def test_log_lines_during_a_run_print_above_the_progress_bar_not_into_it(capsys):
+    import logging
+    import sys
+
+    from services.config import load_config
+    from services.controller import _logs_above_the_bar, _progress
+
+    console = logging.StreamHandler(sys.stderr)  # what the run's basicConfig gives the console
+    console.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+    logging.root.addHandler(console)
+    try:
+        with _logs_above_the_bar():
+            bar = _progress(load_config(None, ["run.steps=3"]), 0)
+            bar.update(1)
+            bar.refresh()
+            logging.getLogger("etarl").warning("checkpoint step_000001")
+            bar.update(1)
+            bar.close()
+        assert logging.root.handlers[-1] is console  # the console's handler is back after the run
+    finally:
+        logging.root.removeHandler(console)
+    pieces = capsys.readouterr().err.replace("\r", "\n").split("\n")
+    assert "WARNING checkpoint step_000001" in pieces  # a line of its own, not the end of the bar's
+    # the rest is the bar's lines and the blank that clears it before the log line
+    assert all(p.startswith("etarl") or p.strip() in ("", "WARNING checkpoint step_000001") for p in pieces)
