@@ -139,6 +139,7 @@ class Controller:
             raise ConfigError(f"run.run_dir {self.run_dir} already holds a run (checkpoints up to {earlier[-1].name}): "
                               f"continue it with `etarl train --resume {self.run_dir}`, or give run.run_dir a new "
                               "folder")
+        self._made_run_dir = not self.run_dir.exists()  # removed by stop() if the run wrote nothing to it
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.stop_requested = threading.Event()
         self.step = 0
@@ -257,6 +258,11 @@ class Controller:
         if self.placement is not None:
             self.placement.release()
             self.placement = None
+        if self._made_run_dir:
+            try:
+                self.run_dir.rmdir()  # a run refused before it wrote anything leaves no empty folder
+            except OSError:
+                pass  # not empty: the run's record stays
 
     # ---------------------------------------------------------------- the loop
 

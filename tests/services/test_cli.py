@@ -144,6 +144,17 @@ def test_a_new_run_in_the_folder_of_a_run_with_checkpoints_is_refused_naming_res
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["checkpoints", "metrics.jsonl"]
 
 
+def test_a_run_refused_at_its_start_leaves_no_empty_run_folder(tmp_path, capsys):
+    """A typo refused by the start's checks does not litter runs/ with an empty folder per try; a
+    folder the user made stays."""
+    assert main(["train", "run.model=/nonexistent", f"run.run_dir={tmp_path / 'runs' / 'new'}"]) == EXIT_CONFIG_ERROR
+    assert "model path '/nonexistent' does not exist" in capsys.readouterr().err
+    assert list((tmp_path / "runs").iterdir()) == []
+    (tmp_path / "mine").mkdir()
+    assert main(["train", "run.model=/nonexistent", f"run.run_dir={tmp_path / 'mine'}"]) == EXIT_CONFIG_ERROR
+    assert (tmp_path / "mine").is_dir()
+
+
 def test_log_lines_during_a_run_print_above_the_progress_bar_not_into_it(capsys):
     import logging
     import sys
