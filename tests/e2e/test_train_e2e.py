@@ -1,7 +1,7 @@
 """End-to-end runs of the real thing: the local Ray cluster, the buffer actor, a vLLM-CPU rollout
 worker, the learner actor and the evaluator, on the warm-started tiny model.
 
-1. An asynchronous run (η = 4, decoupled token-TIS) learns: held-out greedy accuracy at the end
+1. An asynchronous run (the default η = 2, decoupled token-TIS) learns: held-out greedy accuracy at the end
    is above the warm start by a margin noise does not reach, and no consumed sample was staler
    than η.
 2. Stop a run with Ctrl-C (SIGINT), resume it: the version continues, and the audit over the
@@ -45,7 +45,10 @@ def step_records(run_dir):
 
 def test_async_run_learns_and_stays_within_eta(ray_cluster, tmp_path):
     prompts = 300
-    cfg = e2e_config(tmp_path / "run", "run.steps=200", "run.eval_every=0", "run.checkpoint_every=0",
+    # The default run's 250 steps: at 200 the run is still climbing its steepest part, and a run slowed
+    # by a busy machine ended there below the bar (pass@1 0.334 -> 0.432, greedy 0.607 -> 0.517; four
+    # quiet runs: +0.20 to +0.32 at step 200, +0.28 to +0.36 at step 250, greedy 0.69-0.77).
+    cfg = e2e_config(tmp_path / "run", "run.steps=250", "run.eval_every=0", "run.checkpoint_every=0",
                      f"eval.num_prompts={prompts}", "eval.n_samples=4")
     eta = cfg.eta  # the default: whether the window fills depends on this machine's speeds, the bound does not
     assert eta >= 1
