@@ -17,7 +17,7 @@ from buffer.config import BufferConfig, GateConfig
 from lm.causal_lm import load_causal_lm, response_log_probs
 from lm.weight_sync import WeightStore, save_weights_folder
 from rollout_workers.config import EngineConfig, RolloutConfig, SamplingConfig, TaskConfig
-from rollout_workers.rewards import math_reward
+from rollout_workers.rewards import REWARD_ERROR, math_reward, reward_metrics
 from rollout_workers.tasks import train_prompts
 from rollout_workers.tiny_model import tiny_model_info
 from rollout_workers.worker import RolloutWorker, WorkerNeedsRestart
@@ -326,6 +326,9 @@ def test_hanging_and_crashing_rewards_are_scored_as_failed(tiny_model_dir, vllm_
     (group,) = pull_all(buffer, 1)
     assert [s.reward for s in group.samples] == [0.0, 0.0]
     assert stats["reward_timeouts_total"] == 2 and stats["reward_failures_total"] == 2
+    # each sample says why (the learner's process warns with it), and the step's record counts them
+    assert all("took longer than 0.5s" in s.metadata[REWARD_ERROR] for s in group.samples)
+    assert reward_metrics([group])["reward/failure_fraction"] == 1.0
     worker.close()
 
 
@@ -394,11 +397,15 @@ def test_a_broadcast_reaches_vllm_mid_generation_and_tokens_keep_their_versions(
     worker = RolloutWorker(cfg, "worker-bc", buffer, board, engine=vllm_engine)
     llm, paused = vllm_engine._llm, threading.Event()
     real_generate = llm.generate
+    started = set()  # requests that have a token out
 
-    async def generate(*args, **kwargs):  # pauses the engine once the first token is out
+    async def generate(*args, **kwargs):  # pauses the engine once every request has its first token
+        # (its two requests may reach the engine core in different steps on a busy machine: pausing at
+        # the first request's first token let the other sample every token under the new weights)
         async for out in real_generate(*args, **kwargs):
             yield out
-            if not paused.is_set():
+            started.add(kwargs["request_id"])
+            if len(started) == cfg.sampling.n and not paused.is_set():
                 paused.set()
                 await llm.pause_generation(mode="keep", clear_cache=False)
 
