@@ -44,7 +44,10 @@ VERL_ARGS = ("data_source", "solution_str", "ground_truth", "extra_info")
 DEFAULT_CPU_S = 10.0  # CPU seconds per response: a reward's threads and runaway code, past the wall timeout
 DEFAULT_MEMORY_MB = 4096  # address space of the reward process (the interpreter and torch take ~0.7 GB)
 MAX_REWARD_METRICS = 16  # metrics a reward may add per sample (they ride in the sample's metadata)
-_RESERVED_METRICS = ("score", "mean", "std")  # the reward itself, and the learner's reward/mean, reward/std
+# the reward itself, the learner's reward/mean and reward/std, and the step's reward/failure_fraction
+_RESERVED_METRICS = ("score", "mean", "std", "failure_fraction")
+REWARD_ERROR = "reward_error"  # a sample's metadata: why its reward failed (it scored failure_reward)
+REWARD_ERROR_CHARS = 200  # of the message a sample carries (the buffer bounds a sample's strings)
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
 _BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
 _MARKED = re.compile(r"(?:####|answer is|answer:)\s*([^\n]*)", re.IGNORECASE)
@@ -164,10 +167,12 @@ def _call_style(fn: Callable, spec: str) -> tuple[str, ...] | None:
 
 
 class Scored(NamedTuple):
-    """A reward and the metrics that came with it ({"reward/<key>": value})."""
+    """A reward and the metrics that came with it ({"reward/<key>": value}); `error` says why the
+    reward failed ("" when it did not; then `value` is the runner's failure_reward)."""
 
     value: float
     metrics: dict[str, float]
+    error: str = ""
 
 
 class BadRewardValue(ValueError):
@@ -221,14 +226,18 @@ class Reward:
 
 
 def reward_metrics(groups) -> dict[str, float]:
-    """The mean of every `reward/<key>` metric the samples of `groups` carry (a step's record)."""
+    """The mean of every `reward/<key>` metric the samples of `groups` carry (a step's record), and
+    `reward/failure_fraction`: the share of samples whose reward failed."""
     sums: dict[str, list[float]] = {}
-    for group in groups:
-        for sample in group.samples:
-            for key, value in sample.metadata.items():
-                if key.startswith("reward/"):
-                    sums.setdefault(key, []).append(float(value))
-    return {key: sum(values) / len(values) for key, values in sorted(sums.items())}
+    samples = [sample for group in groups for sample in group.samples]
+    for sample in samples:
+        for key, value in sample.metadata.items():
+            if key.startswith("reward/"):
+                sums.setdefault(key, []).append(float(value))
+    out = {key: sum(values) / len(values) for key, values in sorted(sums.items())}
+    if samples:
+        out["reward/failure_fraction"] = sum(REWARD_ERROR in s.metadata for s in samples) / len(samples)
+    return out
 
 
 def _installed_roots() -> list[Path]:
@@ -266,7 +275,8 @@ def _reward_handler():
     def handle(message):
         response, problem = message
         try:
-            return "ok", tuple(reward(response, problem))  # a plain tuple: this module is __main__ here
+            scored = reward(response, problem)
+            return "ok", (scored.value, scored.metrics)  # plain data: this module is __main__ here
         except BadRewardValue as err:
             return "bad", str(err)
         except Exception as err:  # the reward's own bug: report it, keep serving
@@ -313,7 +323,7 @@ class RewardRunner:
     def _fail(self, why: str) -> Scored:
         self.failures_total += 1
         self.last_error = why
-        return Scored(self.failure_reward, {})
+        return Scored(self.failure_reward, {}, why)
 
     def score_one(self, response: str, problem: Problem) -> Scored:
         self.calls_total += 1

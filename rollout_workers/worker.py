@@ -44,7 +44,7 @@ from rollout_workers.config import RolloutConfig
 from rollout_workers.data import Problem, PromptFormat, train_prompts
 from rollout_workers.engines import make_engine
 from rollout_workers.engines.base import Completion, GenerationEngine, SamplingParams
-from rollout_workers.rewards import RewardRunner
+from rollout_workers.rewards import REWARD_ERROR, REWARD_ERROR_CHARS, RewardRunner
 
 log = logging.getLogger(__name__)
 
@@ -317,7 +317,8 @@ class RolloutWorker:
                 worker_id=self.worker_id,
                 finish_reason=completion.finish_reason,
                 metadata={"ticket": int(ticket), "family": problem.family, "difficulty": int(problem.difficulty),
-                          **reward.metrics, **extra, **baseline},
+                          **reward.metrics, **extra, **baseline,
+                          **({REWARD_ERROR: reward.error[:REWARD_ERROR_CHARS]} if reward.error else {})},
             )
             for (completion, versions), reward, value, extra in zip(responses, scored, values, shaped)
         ]

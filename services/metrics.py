@@ -133,6 +133,8 @@ STEP_METRICS: tuple[MetricSpec, ...] = (
     _step("critic/vf_explained_var", "1 - Var(returns - values) / Var(returns): how much of the returns the "
           "critic's values foresee (gae)"),
     _step("reward/mean", "mean reward of the consumed batch"),
+    _step("reward/failure_fraction", "share of the consumed batch's samples whose reward failed (raised, hung, "
+          "returned garbage): they scored the failure reward"),
     _step("multi_turn/turns_mean", "policy turns per multi-turn trajectory in the consumed batch"),
     _step("multi_turn/env_seconds_mean", "seconds of environment calls per multi-turn trajectory"),
     _step("multi_turn/env_failure_fraction",

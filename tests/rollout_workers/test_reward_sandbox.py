@@ -47,7 +47,7 @@ def test_a_pickle_from_the_reward_process_is_refused_and_never_unpickled(reward,
     marker = tmp_path / "unpickled"
     runner = RewardRunner(f"sandbox_rewards:{reward}", timeout_s=30, failure_reward=-1.0)
     try:
-        assert runner.score_one("pickle", problem(str(marker))) == Scored(-1.0, {})
+        assert runner.score_one("pickle", problem(str(marker)))[:2] == (-1.0, {})
         assert why in runner.last_error and runner.stats()["reward_failures_total"] == 1, runner.last_error
         assert not marker.exists(), "the worker unpickled what the reward process sent"
         assert runner.score_one("fine", problem("")) == Scored(4.0, {}), runner.last_error  # it goes on
@@ -69,7 +69,7 @@ def test_a_reward_over_its_cpu_limit_fails_its_response_and_the_runner_goes_on()
     try:
         assert runner.score_one("ok", problem("")) == Scored(2.0, {}), runner.last_error
         start = time.monotonic()
-        assert runner.score_one("burn", problem("")) == Scored(-1.0, {})
+        assert runner.score_one("burn", problem(""))[:2] == (-1.0, {})
         assert time.monotonic() - start < 15, "stopped by its CPU limit, long before the 20 s timeout"
         assert "SIGXCPU" in runner.last_error and "1 CPU seconds" in runner.last_error, runner.last_error
         assert runner.stats() == {"reward_calls_total": 2, "reward_failures_total": 1, "reward_timeouts_total": 0}
@@ -82,7 +82,7 @@ def test_a_reward_over_its_memory_limit_fails_its_response_and_the_runner_goes_o
     runner = RewardRunner("sandbox_rewards:allocate", timeout_s=30, memory_mb=512, failure_reward=-1.0)
     try:
         assert runner.score_one("allocate", problem("64")) == Scored(1.0, {}), runner.last_error  # within it
-        assert runner.score_one("allocate", problem("2048")) == Scored(-1.0, {})
+        assert runner.score_one("allocate", problem("2048"))[:2] == (-1.0, {})
         assert "MemoryError" in runner.last_error and "512 MB" in runner.last_error, runner.last_error
         assert runner.score_one("fine", problem("")) == Scored(4.0, {}), runner.last_error
         assert runner.stats()["reward_failures_total"] == 1

@@ -18,6 +18,7 @@ from rollout_workers.data import (
 )
 from rollout_workers.rewards import (
     PLAIN_FORM,
+    REWARD_ERROR,
     VERL_FORM,
     Reward,
     RewardRunner,
@@ -131,7 +132,9 @@ def test_reward_runner_scores_in_a_child_process():
 def test_misbehaving_rewards_score_as_failed_and_are_counted(spec, reason):
     runner = RewardRunner(spec, timeout_s=0.5, failure_reward=-1.0)
     try:
-        assert runner.score(["1", "2"], problem("1")) == [Scored(-1.0, {})] * 2
+        scored = runner.score(["1", "2"], problem("1"))
+        assert [(s.value, s.metrics) for s in scored] == [(-1.0, {})] * 2
+        assert all(reason in s.error for s in scored)  # each says why: the sample carries it to the run's log
         stats = runner.stats()
         assert stats["reward_failures_total"] == 2 and reason in runner.last_error
         assert stats["reward_timeouts_total"] == (2 if spec.endswith("hang") else 0)
@@ -263,5 +266,9 @@ def test_reward_metrics_are_averaged_over_the_samples_that_carry_them():
 
     groups = [Group("g", [sample({"reward/acc": 1.0, "ticket": 1}), sample({"reward/acc": 0.0})], 0),
               Group("h", [sample({"reward/acc": 1.0, "reward/len": 4.0}), sample({"family": "add"})], 1)]
-    assert reward_metrics(groups) == {"reward/acc": pytest.approx(2 / 3), "reward/len": 4.0}
+    assert reward_metrics(groups) == {"reward/acc": pytest.approx(2 / 3), "reward/len": 4.0,
+                                      "reward/failure_fraction": 0.0}
+    # a sample whose reward failed carries why, and counts among all the step's samples
+    groups.append(Group("f", [sample({REWARD_ERROR: "reward 'r:f' raised ValueError: bad"})], 2))
+    assert reward_metrics(groups)["reward/failure_fraction"] == pytest.approx(1 / 5)
     assert reward_metrics([]) == {}
