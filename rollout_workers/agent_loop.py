@@ -31,6 +31,9 @@ from rollout_workers.config import MultiTurnConfig
 from rollout_workers.data import Problem, PromptFormat
 from rollout_workers.engines.base import Completion, SamplingParams
 from rollout_workers.environments import EnvironmentPool, EnvOutcome
+from rollout_workers.rewards import ERROR_CHARS
+
+ENV_ERROR = "env_error"  # a trajectory's metadata: why its environment failed (it scored failure_reward)
 
 # generate(requests) -> per request, n (completion, per-token versions): the worker's
 # `_generate_with_updates` (weights may change within a turn) or an engine call tagged with its version.
@@ -127,7 +130,8 @@ class Trajectory:
             worker_id=worker_id,
             finish_reason=self.finish_reason,
             metadata={**metadata, "turns": self.turns, "env_seconds": self.env_seconds,
-                      "env_failed": bool(self.error), **{f"env/{k}": v for k, v in self.info.items()}},
+                      "env_failed": bool(self.error), **{f"env/{k}": v for k, v in self.info.items()},
+                      **({ENV_ERROR: self.error[:ERROR_CHARS]} if self.error else {})},
         )
 
 

@@ -47,7 +47,7 @@ MAX_REWARD_METRICS = 16  # metrics a reward may add per sample (they ride in the
 # the reward itself, the learner's reward/mean and reward/std, and the step's reward/failure_fraction
 _RESERVED_METRICS = ("score", "mean", "std", "failure_fraction")
 REWARD_ERROR = "reward_error"  # a sample's metadata: why its reward failed (it scored failure_reward)
-REWARD_ERROR_CHARS = 200  # of the message a sample carries (the buffer bounds a sample's strings)
+ERROR_CHARS = 200  # of the message a sample carries about its failure (the buffer bounds a sample's strings)
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
 _BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
 _MARKED = re.compile(r"(?:####|answer is|answer:)\s*([^\n]*)", re.IGNORECASE)

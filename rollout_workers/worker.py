@@ -44,7 +44,7 @@ from rollout_workers.config import RolloutConfig
 from rollout_workers.data import Problem, PromptFormat, train_prompts
 from rollout_workers.engines import make_engine
 from rollout_workers.engines.base import Completion, GenerationEngine, SamplingParams
-from rollout_workers.rewards import REWARD_ERROR, REWARD_ERROR_CHARS, RewardRunner
+from rollout_workers.rewards import ERROR_CHARS, REWARD_ERROR, RewardRunner
 
 log = logging.getLogger(__name__)
 
@@ -318,7 +318,7 @@ class RolloutWorker:
                 finish_reason=completion.finish_reason,
                 metadata={"ticket": int(ticket), "family": problem.family, "difficulty": int(problem.difficulty),
                           **reward.metrics, **extra, **baseline,
-                          **({REWARD_ERROR: reward.error[:REWARD_ERROR_CHARS]} if reward.error else {})},
+                          **({REWARD_ERROR: reward.error[:ERROR_CHARS]} if reward.error else {})},
             )
             for (completion, versions), reward, value, extra in zip(responses, scored, values, shaped)
         ]

@@ -31,7 +31,7 @@ import numpy as np
 
 from buffer.core import with_failures
 from buffer.errors import BufferUnavailable
-from rollout_workers.agent_loop import multi_turn_metrics
+from rollout_workers.agent_loop import ENV_ERROR, multi_turn_metrics
 from rollout_workers.rewards import REWARD_ERROR, reward_metrics
 from services import checkpoint as ckpt
 from services.buffer_handle import BufferHandle
@@ -49,7 +49,12 @@ log = logging.getLogger("etarl")
 BUFFER_STATE_FILE = "buffer.msgpack"
 EVAL_FINAL_WAIT_S = 900.0  # the evaluations still out when training ends: a worker stuck longer loses them
 CONFIG_FILE = "config.yaml"
-REWARD_WARNING_EVERY_STEPS = 50  # how often a run whose reward keeps failing says so again
+FAILURE_WARNING_EVERY_STEPS = 50  # how often a run whose reward or environment keeps failing says so again
+# The step record's share of samples that scored a failure, the metadata key that says why, and what failed.
+FAILURE_KINDS = (
+    ("reward/failure_fraction", REWARD_ERROR, "the reward failed on {:.0%} of the batch's samples"),
+    ("multi_turn/env_failure_fraction", ENV_ERROR, "the environment failed on {:.0%} of the batch's trajectories"),
+)
 
 
 @dataclass
@@ -149,7 +154,7 @@ class Controller:
         self.next_batch = None  # leased by the last step's end, trained on by the next step
         self.evals: list[dict] = []
         self._last_record: dict = {}  # the last step's metrics (the summary's GPU memory)
-        self._reward_warned_at_step = None
+        self._failure_warned_at_step: dict[str, int] = {}  # by FAILURE_KINDS' record key
         self._started = False
         self.buffer = self.learner = self.weights = self.evaluations = self.exporter = self.workers = None
         self.placement = None
@@ -387,21 +392,22 @@ class Controller:
             "audit/sample_versions": [s.weight_version for g in batch.groups for s in g.samples],
             **reward_metrics(batch.groups), **multi_turn_metrics(batch.groups), **eta_gauges,
         }
-        self._warn_of_reward_failures(batch, record)
+        self._warn_of_failures(batch, record)
         return record
 
-    def _warn_of_reward_failures(self, batch, record: dict) -> None:
-        """A reward that raises, hangs or returns garbage scores failure_reward and the run goes on;
-        the workers' logs, which say so, are not on this console: say it here, at the first step
-        that has such samples and every REWARD_WARNING_EVERY_STEPS steps while it goes on."""
-        share = record.get("reward/failure_fraction", 0.0)
-        last = self._reward_warned_at_step
-        if not share or (last is not None and self.step - last < REWARD_WARNING_EVERY_STEPS):
-            return
-        self._reward_warned_at_step = self.step
-        why = next(s.metadata[REWARD_ERROR] for g in batch.groups for s in g.samples if REWARD_ERROR in s.metadata)
-        log.warning("step %d: the reward failed on %.0f%% of the batch's samples, which count as failures "
-                    "(reward/failure_fraction in the metrics); e.g. %s", self.step, 100 * share, why)
+    def _warn_of_failures(self, batch, record: dict) -> None:
+        """A reward or an environment that raises, hangs or returns garbage scores a failure and the
+        run goes on; the workers' logs, which say so, are not on this console: say it here, at the
+        first step that has such samples and every FAILURE_WARNING_EVERY_STEPS steps while it goes on."""
+        for share_key, error_key, what in FAILURE_KINDS:
+            share, last = record.get(share_key, 0.0), self._failure_warned_at_step.get(share_key)
+            if not share or (last is not None and self.step - last < FAILURE_WARNING_EVERY_STEPS):
+                continue
+            self._failure_warned_at_step[share_key] = self.step
+            why = next((s.metadata[error_key] for g in batch.groups for s in g.samples if error_key in s.metadata),
+                       "(no message)")
+            log.warning("step %d: %s, which count as failures (%s in the metrics); e.g. %s", self.step,
+                        what.format(share), share_key, why)
 
     def _train_or_hand_back(self, batch) -> dict | None:
         """The learner's step on `batch`. Whatever fails, the batch goes back to the buffer (nack:

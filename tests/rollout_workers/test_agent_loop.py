@@ -18,7 +18,7 @@ from learner.losses import staleness_metrics
 from lm.causal_lm import load_causal_lm, load_tokenizer, response_log_probs
 from lm.weight_sync import WeightStore, save_weights_folder
 from rollout_helpers import PublishWhenArmed, perturbed, pull_all
-from rollout_workers.agent_loop import AgentLoop, stop_token_ids
+from rollout_workers.agent_loop import ENV_ERROR, AgentLoop, stop_token_ids
 from rollout_workers.config import RolloutConfig, SamplingConfig, TaskConfig
 from rollout_workers.data import PromptFormat, heldout_problems
 from rollout_workers.engines.base import SamplingParams
@@ -260,9 +260,10 @@ def test_misbehaving_environments_end_one_trajectory_each_and_the_worker_goes_on
         for s in groups[ticket].samples:
             if how == "ok":
                 assert s.reward == 1.0 and not s.metadata["env_failed"] and s.finish_reason == "stop"
-                assert s.metadata["env/steps"] == 1.0
+                assert s.metadata["env/steps"] == 1.0 and ENV_ERROR not in s.metadata
             else:
                 assert s.reward == -1.0 and s.metadata["env_failed"] and s.finish_reason == "env_error"
+                assert s.metadata[ENV_ERROR].startswith("environment ")  # why, for the run's console
                 assert len(s.response_ids) == (0 if how == "reset_raise" else s.loss_mask.sum())
                 if len(s.response_ids):  # the failure's reward on the last policy token: the sum is the reward
                     assert float(s.token_rewards.sum()) == -1.0 and s.token_rewards[-1] == -1.0

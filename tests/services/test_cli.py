@@ -182,14 +182,16 @@ def test_log_lines_during_a_run_print_above_the_progress_bar_not_into_it(capsys)
     assert all(p.startswith("etarl") or p.strip() in ("", "WARNING checkpoint step_000001") for p in pieces)
 
 
-def test_a_failing_reward_is_said_on_the_console_at_its_first_step_and_then_every_so_often(caplog):
+def test_a_failing_reward_or_environment_is_said_on_the_console_at_its_first_step_and_then_every_so_often(
+        caplog):
     """The workers' logs are not on the run's console: the controller warns from the samples
-    themselves (they carry why their reward failed), not once per step."""
+    themselves (they carry why they failed), not once per step."""
     import logging
     import types
 
+    from rollout_workers.agent_loop import ENV_ERROR
     from rollout_workers.rewards import REWARD_ERROR, reward_metrics
-    from services.controller import REWARD_WARNING_EVERY_STEPS, Controller
+    from services.controller import FAILURE_WARNING_EVERY_STEPS, Controller
 
     def batch(failed: int, of: int = 4):
         samples = [types.SimpleNamespace(metadata={REWARD_ERROR: "reward 'r:f' raised ZeroDivisionError"}
@@ -197,14 +199,22 @@ def test_a_failing_reward_is_said_on_the_console_at_its_first_step_and_then_ever
         return types.SimpleNamespace(groups=[types.SimpleNamespace(samples=samples)])
 
     controller = Controller.__new__(Controller)
-    controller._reward_warned_at_step = None
+    controller._failure_warned_at_step = {}
     warned = []
     with caplog.at_level(logging.WARNING, logger="etarl"):
-        for step, failed in enumerate([0, 1, 4, 4] + [4] * REWARD_WARNING_EVERY_STEPS, start=1):
+        for step, failed in enumerate([0, 1, 4, 4] + [4] * FAILURE_WARNING_EVERY_STEPS, start=1):
             controller.step = step
             caplog.clear()
-            controller._warn_of_reward_failures(batch(failed), reward_metrics(batch(failed).groups))
+            controller._warn_of_failures(batch(failed), reward_metrics(batch(failed).groups))
             warned += [(step, r.getMessage()) for r in caplog.records]
-    assert [step for step, _ in warned] == [2, 2 + REWARD_WARNING_EVERY_STEPS]
-    assert warned[0][1] == ("step 2: the reward failed on 25% of the batch's samples, which count as failures "
-                            "(reward/failure_fraction in the metrics); e.g. reward 'r:f' raised ZeroDivisionError")
+        assert [step for step, _ in warned] == [2, 2 + FAILURE_WARNING_EVERY_STEPS]
+        assert warned[0][1] == ("step 2: the reward failed on 25% of the batch's samples, which count as failures "
+                                "(reward/failure_fraction in the metrics); e.g. reward 'r:f' raised ZeroDivisionError")
+        caplog.clear()  # an environment's failure has its own count and its own first warning
+        env_failed = types.SimpleNamespace(groups=[types.SimpleNamespace(samples=[
+            types.SimpleNamespace(metadata={ENV_ERROR: "environment 'e:E': step took longer than 10.0s"})])])
+        controller._warn_of_failures(env_failed, {"multi_turn/env_failure_fraction": 1.0})
+        assert [r.getMessage() for r in caplog.records] == [
+            f"step {controller.step}: the environment failed on 100% of the batch's trajectories, which count as "
+            "failures (multi_turn/env_failure_fraction in the metrics); e.g. environment 'e:E': step took longer "
+            "than 10.0s"]
