@@ -115,6 +115,7 @@ class RolloutWorker:
         # prompt set wraps around) is quarantined at once instead of failing again.
         self._bad_prompts: dict[int, str] = {}
         self.last_error = ""
+        self.last_quarantine = ""  # "ticket N: why", for the run's console
         self.tokenizer = None
         self.prompt_format: PromptFormat | None = None
         self.prompts = None
@@ -720,6 +721,7 @@ class RolloutWorker:
                 log.error("%s: ticket %d quarantined, its group %s: %s", self.worker_id, permit.ticket,
                           group.group_id, refused)
                 self.client.release_permit(permit.permit_id, quarantine=f"ticket {permit.ticket}: {reason}")
+                self.last_quarantine = f"ticket {permit.ticket}: {reason}"
                 self.counters["prompts_quarantined_total"] += 1
                 self.counters["groups_refused_total"] += 1
                 self._bad_prompts[self._prompt_position(permit.ticket)] = reason
@@ -805,6 +807,7 @@ class RolloutWorker:
         log.error("%s: ticket %d quarantined after %d failed generations on its own (its prompt is never "
                   "reissued): %s", self.worker_id, permit.ticket, self.config.max_prompt_failures, reason)
         self.client.release_permit(permit.permit_id, quarantine=f"ticket {permit.ticket}: {reason}")
+        self.last_quarantine = f"ticket {permit.ticket}: {reason}"
         self.counters["prompts_quarantined_total"] += 1
         self._bad_prompts[self._prompt_position(permit.ticket)] = reason
         self.last_error = reason
@@ -874,6 +877,7 @@ class RolloutWorker:
             groups_per_s=c["groups_total"] / elapsed,
             reward_mean=float(np.mean(self._recent_rewards)) if self._recent_rewards else 0.0,
             last_error=self.last_error,
+            last_quarantine=self.last_quarantine,
         )
         pause_s = getattr(self.engine, "pause_s_total", None)
         if pause_s is not None:  # time weight loads held the engine paused (vLLM)

@@ -155,6 +155,7 @@ class Controller:
         self.evals: list[dict] = []
         self._last_record: dict = {}  # the last step's metrics (the summary's GPU memory)
         self._failure_warned_at_step: dict[str, int] = {}  # by FAILURE_KINDS' record key
+        self._quarantines_said: tuple[int, int | None] = (0, None)  # (count, at step)
         self._started = False
         self.buffer = self.learner = self.weights = self.evaluations = self.exporter = self.workers = None
         self.placement = None
@@ -393,6 +394,7 @@ class Controller:
             **reward_metrics(batch.groups), **multi_turn_metrics(batch.groups), **eta_gauges,
         }
         self._warn_of_failures(batch, record)
+        self._warn_of_quarantines(record)
         return record
 
     def _warn_of_failures(self, batch, record: dict) -> None:
@@ -408,6 +410,20 @@ class Controller:
                        "(no message)")
             log.warning("step %d: %s, which count as failures (%s in the metrics); e.g. %s", self.step,
                         what.format(share), share_key, why)
+
+    def _warn_of_quarantines(self, record: dict) -> None:
+        """A prompt that fails generation on its own is quarantined (never reissued) and the run goes
+        on; the worker that set it aside says why in its log, not on this console: say it here when
+        the count rises, at most every FAILURE_WARNING_EVERY_STEPS steps, with the workers' last one."""
+        count, (said, at) = int(record.get("rollout/quarantined", 0)), self._quarantines_said
+        if count <= said or (at is not None and self.step - at < FAILURE_WARNING_EVERY_STEPS):
+            return
+        self._quarantines_said = (count, self.step)
+        last = [f"{s['worker_id']}: {s['last_quarantine']}" for s in self.workers.stats(timeout=5.0)
+                if s.get("last_quarantine")]
+        log.warning("%d prompt(s) quarantined so far: each failed generation on its own and is never reissued "
+                    "(rollout/quarantined in the metrics); the last: %s", count,
+                    "; ".join(last) or "(not this process's workers': their logs name each one)")
 
     def _train_or_hand_back(self, batch) -> dict | None:
         """The learner's step on `batch`. Whatever fails, the batch goes back to the buffer (nack:

@@ -365,6 +365,7 @@ def test_a_prompt_the_engine_refuses_is_quarantined_and_the_run_goes_on(tiny_mod
     buffer_stats = buffer.stats()
     assert stats["prompt_failures_total"] == cfg.max_prompt_failures, "retried alone, then set aside"
     assert "ticket 1" in stats["last_error"] or "max_model_len" in stats["last_error"]
+    assert stats["last_quarantine"].startswith("ticket ")  # which prompt and why, for the run's console
     assert buffer_stats["prompts_quarantined"] == stats["prompts_quarantined_total"] >= 2  # tickets 1, 4, ...
     assert buffer_stats["running"] == 0 and stats["failed_generations_total"] == 0
     groups = pull_all(buffer, stats["groups_total"])

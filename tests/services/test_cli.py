@@ -218,3 +218,29 @@ def test_a_failing_reward_or_environment_is_said_on_the_console_at_its_first_ste
             f"step {controller.step}: the environment failed on 100% of the batch's trajectories, which count as "
             "failures (multi_turn/env_failure_fraction in the metrics); e.g. environment 'e:E': step took longer "
             "than 10.0s"]
+
+
+def test_a_quarantined_prompt_is_said_on_the_console_with_the_workers_last_one(caplog):
+    import logging
+    import types
+
+    from services.controller import FAILURE_WARNING_EVERY_STEPS, Controller
+
+    controller = Controller.__new__(Controller)
+    controller._quarantines_said = (0, None)
+    controller.workers = types.SimpleNamespace(stats=lambda timeout: [
+        {"worker_id": "worker-0", "last_quarantine": ""},
+        {"worker_id": "worker-1", "last_quarantine": "ticket 7: ValueError: prompt of 300 tokens exceeds 256"}])
+    said = []
+    with caplog.at_level(logging.WARNING, logger="etarl"):
+        for step, count in enumerate([0, 1, 1, 2] + [2] * FAILURE_WARNING_EVERY_STEPS, start=1):
+            controller.step = step
+            caplog.clear()
+            controller._warn_of_quarantines({"rollout/quarantined": count})
+            said += [(step, r.getMessage()) for r in caplog.records]
+    # the first at once; a later rise (step 4) is said once the spacing has passed, with the new total
+    assert [step for step, _ in said] == [2, 2 + FAILURE_WARNING_EVERY_STEPS]
+    assert said[0][1] == ("1 prompt(s) quarantined so far: each failed generation on its own and is never reissued "
+                          "(rollout/quarantined in the metrics); the last: worker-1: ticket 7: ValueError: prompt of "
+                          "300 tokens exceeds 256")
+    assert said[1][1].startswith("2 prompt(s) quarantined so far")
