@@ -344,8 +344,8 @@ class Controller:
                 self.exporter.record_buffer_stats({**self.buffer.client.stats(), "restarts": record["buffer/restarts"]})
                 for stats in self.workers.stats(timeout=5.0):
                     self.exporter.record_worker_stats(stats["worker_id"], stats)
+            progress.set_postfix_str(_postfix(record, self.evals), refresh=False)  # drawn with the step's count
             progress.update(1)
-            progress.set_postfix_str(_postfix(record, self.evals), refresh=False)
             if cfg.run.checkpoint_every and self.step % cfg.run.checkpoint_every == 0 and self.step < cfg.run.steps:
                 self.save_checkpoint()
 
