@@ -154,8 +154,8 @@ class Controller:
         self.next_batch = None  # leased by the last step's end, trained on by the next step
         self.evals: list[dict] = []
         self._last_record: dict = {}  # the last step's metrics (the summary's GPU memory)
-        self._failure_warned_at_step: dict[str, int] = {}  # by FAILURE_KINDS' record key
-        self._quarantines_said: tuple[int, int | None] = (0, None)  # (count, at step)
+        self._warned_at_step: dict[str, int] = {}  # the console's failure warnings, by the record key they read
+        self._quarantines_said = 0  # rollout/quarantined as last said on the console
         self._started = False
         self.buffer = self.learner = self.weights = self.evaluations = self.exporter = self.workers = None
         self.placement = None
@@ -402,23 +402,31 @@ class Controller:
         run goes on; the workers' logs, which say so, are not on this console: say it here, at the
         first step that has such samples and every FAILURE_WARNING_EVERY_STEPS steps while it goes on."""
         for share_key, error_key, what in FAILURE_KINDS:
-            share, last = record.get(share_key, 0.0), self._failure_warned_at_step.get(share_key)
-            if not share or (last is not None and self.step - last < FAILURE_WARNING_EVERY_STEPS):
+            if not record.get(share_key, 0.0) or not self._warning_due(share_key):
                 continue
-            self._failure_warned_at_step[share_key] = self.step
+            share = record[share_key]
             why = next((s.metadata[error_key] for g in batch.groups for s in g.samples if error_key in s.metadata),
                        "(no message)")
             log.warning("step %d: %s, which count as failures (%s in the metrics); e.g. %s", self.step,
                         what.format(share), share_key, why)
 
+    def _warning_due(self, key: str) -> bool:
+        """Whether a console warning about `key` may be said now (the first, or the last one is at
+        least FAILURE_WARNING_EVERY_STEPS steps old); if so, it counts as said at this step."""
+        last = self._warned_at_step.get(key)
+        if last is not None and self.step - last < FAILURE_WARNING_EVERY_STEPS:
+            return False
+        self._warned_at_step[key] = self.step
+        return True
+
     def _warn_of_quarantines(self, record: dict) -> None:
         """A prompt that fails generation on its own is quarantined (never reissued) and the run goes
         on; the worker that set it aside says why in its log, not on this console: say it here when
         the count rises, at most every FAILURE_WARNING_EVERY_STEPS steps, with the workers' last one."""
-        count, (said, at) = int(record.get("rollout/quarantined", 0)), self._quarantines_said
-        if count <= said or (at is not None and self.step - at < FAILURE_WARNING_EVERY_STEPS):
+        count = int(record.get("rollout/quarantined", 0))
+        if count <= self._quarantines_said or not self._warning_due("rollout/quarantined"):
             return
-        self._quarantines_said = (count, self.step)
+        self._quarantines_said = count
         last = [f"{s['worker_id']}: {s['last_quarantine']}" for s in self.workers.stats(timeout=5.0)
                 if s.get("last_quarantine")]
         log.warning("%d prompt(s) quarantined so far: each failed generation on its own and is never reissued "

@@ -199,7 +199,7 @@ def test_a_failing_reward_or_environment_is_said_on_the_console_at_its_first_ste
         return types.SimpleNamespace(groups=[types.SimpleNamespace(samples=samples)])
 
     controller = Controller.__new__(Controller)
-    controller._failure_warned_at_step = {}
+    controller._warned_at_step = {}
     warned = []
     with caplog.at_level(logging.WARNING, logger="etarl"):
         for step, failed in enumerate([0, 1, 4, 4] + [4] * FAILURE_WARNING_EVERY_STEPS, start=1):
@@ -227,7 +227,7 @@ def test_a_quarantined_prompt_is_said_on_the_console_with_the_workers_last_one(c
     from services.controller import FAILURE_WARNING_EVERY_STEPS, Controller
 
     controller = Controller.__new__(Controller)
-    controller._quarantines_said = (0, None)
+    controller._warned_at_step, controller._quarantines_said = {}, 0
     controller.workers = types.SimpleNamespace(stats=lambda timeout: [
         {"worker_id": "worker-0", "last_quarantine": ""},
         {"worker_id": "worker-1", "last_quarantine": "ticket 7: ValueError: prompt of 300 tokens exceeds 256"}])
