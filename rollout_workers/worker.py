@@ -720,12 +720,8 @@ class RolloutWorker:
                 reason = f"group refused by the buffer: {refused}"
                 log.error("%s: ticket %d quarantined, its group %s: %s", self.worker_id, permit.ticket,
                           group.group_id, refused)
-                self.client.release_permit(permit.permit_id, quarantine=f"ticket {permit.ticket}: {reason}")
-                self.last_quarantine = f"ticket {permit.ticket}: {reason}"
-                self.counters["prompts_quarantined_total"] += 1
+                self._quarantine(permit, reason)
                 self.counters["groups_refused_total"] += 1
-                self._bad_prompts[self._prompt_position(permit.ticket)] = reason
-                self.last_error = reason
                 continue
             ended.append((permit, group))
         return ended
@@ -806,8 +802,14 @@ class RolloutWorker:
                                      f"{permit.ticket}: {reason}") from error
         log.error("%s: ticket %d quarantined after %d failed generations on its own (its prompt is never "
                   "reissued): %s", self.worker_id, permit.ticket, self.config.max_prompt_failures, reason)
-        self.client.release_permit(permit.permit_id, quarantine=f"ticket {permit.ticket}: {reason}")
-        self.last_quarantine = f"ticket {permit.ticket}: {reason}"
+        self._quarantine(permit, reason)
+
+    def _quarantine(self, permit, reason: str) -> None:
+        """Set the permit's ticket aside for good (the buffer never reissues it; this worker sets its
+        prompt aside at once if the prompt set wraps around to it), counted and remembered with why."""
+        why = f"ticket {permit.ticket}: {reason}"
+        self.client.release_permit(permit.permit_id, quarantine=why)
+        self.last_quarantine = why
         self.counters["prompts_quarantined_total"] += 1
         self._bad_prompts[self._prompt_position(permit.ticket)] = reason
         self.last_error = reason
