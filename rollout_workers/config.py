@@ -70,8 +70,15 @@ class TaskConfig(_Strict):
     difficulties: list[int] = Field(default_factory=lambda: [2], description="synthetic difficulty levels, mixed")
     num_prompts: int = Field(20000, ge=1, description="train prompts (tickets wrap around after the last)")
     seed: int = 0
-    path: str | None = Field(None, description="kind=file: train prompts, .jsonl or .parquet (flat or verl layout)")
-    heldout_path: str | None = Field(None, description="kind=file: held-out prompts for evaluation")
+    path: str | list[str] | None = Field(
+        None, description="kind=file: train prompts, .jsonl or .parquet (flat or verl layout); a list: several "
+        "files, their rows one after another (verl's data.train_files)")
+    heldout_path: str | list[str] | None = Field(
+        None, description="kind=file: held-out prompts for evaluation (a list: several files, as path)")
+    shuffle: bool = Field(
+        False, description="each pass over the train prompts in a new order drawn from seed and the pass "
+        "(verl's data.shuffle, which verl turns on by default); false: file order. Either way a pass uses every "
+        "prompt once, and a resumed run goes on in the same order")
     prompt_key: str = Field("prompt", description="the column holding the prompt: text or chat messages")
     answer_key: str | None = Field(
         None, description="the reference answer's column, a dotted path allowed; None: reward_model.ground_truth "
@@ -86,15 +93,32 @@ class TaskConfig(_Strict):
     skip_invalid: bool = Field(
         False, description="skip unusable prompt rows (no answer, empty, too long) instead of refusing to start")
 
+    @field_validator("path", "heldout_path")
+    @classmethod
+    def _no_empty_list(cls, value):
+        if isinstance(value, list) and (not value or not all(isinstance(v, str) and v for v in value)):
+            raise ValueError(f"a list of prompt files needs at least one file and only file paths, got {value!r}")
+        return value
+
     @model_validator(mode="after")
     def _check(self):
         if self.kind == "file" and not self.path:
-            raise ValueError("task.kind=file needs task.path (a .jsonl or .parquet file)")
+            raise ValueError("task.kind=file needs task.path (a .jsonl or .parquet file, or a list of them)")
         if self.kind == "synthetic" and (not self.families or not self.difficulties):
             raise ValueError("a synthetic task needs at least one family and one difficulty")
         if any(d < 1 for d in self.difficulties):
             raise ValueError(f"task.difficulties must be >= 1, got {self.difficulties}")
         return self
+
+    def files(self, key: str) -> dict[str, str]:
+        """The prompt files of `key` ("path" or "heldout_path") by the config key that names each:
+        rollout.task.path, or rollout.task.path[0], [1] ... for a list (empty where unset)."""
+        value = getattr(self, key)
+        if not value:
+            return {}
+        if isinstance(value, str):
+            return {f"rollout.task.{key}": value}
+        return {f"rollout.task.{key}[{i}]": path for i, path in enumerate(value)}
 
 
 class MultiTurnConfig(_Strict):

@@ -907,7 +907,7 @@ class RolloutWorker:
         the engine to exist and to have loaded spec["min_version"]; an engine still behind then is
         evaluated as it is (the version is reported). `spec`: num_prompts, seed, n_samples,
         temperature, max_new_tokens, min_version, wait_s. Returns the version, per-prompt rewards
-        (greedy; n_samples sampled), reward failures and timeouts, seconds, and for multi-turn
+        (greedy; n_samples sampled) and data sources, reward failures and timeouts, seconds, and for multi-turn
         tasks the greedy episodes' environment info and turns."""
         from rollout_workers.data import heldout_problems
 
@@ -933,7 +933,7 @@ class RolloutWorker:
                                     stop_token_ids=stop, seed=spec["seed"])
             sampled = greedy.with_(n=spec["n_samples"], temperature=spec["temperature"], seed=spec["seed"] + 1) \
                 if spec["n_samples"] else None
-            out = {"version": version, "env": {}, "turns_mean": None}
+            out = {"version": version, "env": {}, "turns_mean": None, "sources": [p.data_source for p, _ in prompts]}
             if cfg.multi_turn.enabled:  # episodes of the agent loop, scored by their environment
                 if self.__dict__.get("_eval_agent") is None:
                     import weakref

@@ -507,8 +507,8 @@ class Controller:
         for metrics in self.evaluations.collect(self.step, timeout=timeout):
             self.evals.append(metrics)
             self.evals.sort(key=lambda e: e["step"])
-            shown = {k: v for k, v in metrics.items() if k not in ("step", "eval/num_prompts", "eval/reported_at_step",
-                                                                    "eval/seconds")}
+            shown = {k: v for k, v in metrics.items() if k not in ("step", "eval/reported_at_step", "eval/seconds")
+                     and not k.endswith("/num_prompts")}
             progress.write(f"eval @ step {metrics['step']}: " + ", ".join(f"{k[5:]}={v:.3f}" for k, v in shown.items()))
             metric_log.write({"version": int(metrics["eval/version"]), **metrics})
             if self._last_record:  # the bar's eval_acc is the newest, also after the last step

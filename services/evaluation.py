@@ -80,12 +80,15 @@ def evaluate(
     if n_samples > 0:
         sampled = generate(batch, n_samples, temperature, seed + 1)
         rewards = [[score(p, out) for out in outs] for p, outs in zip(prompts, sampled)]
-    return heldout_metrics(greedy_rewards, rewards, k, correct_threshold)
+    return heldout_metrics(greedy_rewards, rewards, k, correct_threshold,
+                           sources=[p.problem.data_source for p in prompts])
 
 
 def heldout_metrics(greedy: Sequence[float], sampled: Sequence[Sequence[float]] | None, k: int,
-                    correct_threshold: float = 1.0) -> dict[str, float]:
-    """The `eval/` metrics from per-prompt rewards: one greedy answer each, and (or None) n sampled."""
+                    correct_threshold: float = 1.0, sources: Sequence[str] | None = None) -> dict[str, float]:
+    """The `eval/` metrics from per-prompt rewards: one greedy answer each, and (or None) n sampled.
+    With `sources` (each prompt's data_source) naming more than one, also accuracy, pass@1 and
+    pass@k of each, as `eval/by_source/<data_source>/...` (verl's per-data-source validation)."""
     if not greedy:
         raise ValueError("evaluate: the held-out set is empty")
     metrics = {
@@ -99,6 +102,16 @@ def heldout_metrics(greedy: Sequence[float], sampled: Sequence[Sequence[float]] 
         metrics[f"eval/pass@{k}"] = mean_pass_at_k(counts, n_samples, k)
         metrics["eval/pass@1"] = mean_pass_at_k(counts, n_samples, 1)
         metrics["eval/sampled_reward"] = float(np.mean(sampled))
+    if sources is not None and len(set(sources)) > 1:
+        if len(sources) != len(greedy):
+            raise ValueError(f"heldout_metrics: {len(sources)} sources for {len(greedy)} prompts")
+        for source in sorted(set(sources)):
+            rows = [i for i, s in enumerate(sources) if s == source]
+            part = heldout_metrics([greedy[i] for i in rows], [sampled[i] for i in rows] if sampled else None, k,
+                                   correct_threshold)
+            for key in ("accuracy", "num_prompts", "pass@1", f"pass@{k}"):
+                if f"eval/{key}" in part:
+                    metrics[f"eval/by_source/{source or 'unnamed'}/{key}"] = part[f"eval/{key}"]
     return metrics
 
 
@@ -309,7 +322,7 @@ class WorkerEvaluations:
                 self.failed += 1
                 log.warning("eval @ step %d lost: %s: %s", step, type(exc).__name__, exc)
                 continue
-            metrics = heldout_metrics(out["greedy"], out["sampled"], self.cfg.eval.k)
+            metrics = heldout_metrics(out["greedy"], out["sampled"], self.cfg.eval.k, sources=out.get("sources"))
             metrics.update({"eval/reward_failures": out["reward_failures"],
                             "eval/reward_timeouts": out["reward_timeouts"], "eval/version": float(out["version"]),
                             "eval/seconds": out["seconds"], "eval/reported_at_step": float(now_step)})

@@ -65,12 +65,12 @@ def prompt_reports(cfg: EtarlConfig, fmt: PromptFormat) -> dict[str, PromptRepor
     task = cfg.rollout.task
     if task.kind != "file":
         return {}
-    files = {"rollout.task.path": (task.path, cfg.rollout.sampling.max_new_tokens)}
+    files = {key: (path, cfg.rollout.sampling.max_new_tokens) for key, path in task.files("path").items()}
     if cfg.eval.enabled:
         if not task.heldout_path:
             raise ConfigError("rollout.task.heldout_path is unset, so there are no held-out prompts to evaluate on: "
                               "set it, or eval.enabled=false")
-        files["rollout.task.heldout_path"] = (task.heldout_path, cfg.eval.max_new_tokens)
+        files |= {key: (path, cfg.eval.max_new_tokens) for key, path in task.files("heldout_path").items()}
     reports = {}
     for key, (path, max_new_tokens) in files.items():
         try:

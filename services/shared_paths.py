@@ -120,7 +120,7 @@ def run_paths(cfg, model_dir) -> dict[str, str]:
     paths = {"run.model": str(model_dir)}
     task = cfg.rollout.task
     if task.kind == "file":
-        paths["rollout.task.path"] = task.path
-        if task.heldout_path and cfg.eval.enabled:
-            paths["rollout.task.heldout_path"] = task.heldout_path
+        paths |= task.files("path")
+        if cfg.eval.enabled:
+            paths |= task.files("heldout_path")
     return paths

@@ -29,19 +29,19 @@ def build_chat_model_folder(tiny_model_dir, folder) -> Path:
     return folder
 
 
-def verl_rows(split: str, count: int, seed: int = 0) -> list[dict]:
+def verl_rows(split: str, count: int, seed: int = 0, data_source: str = "etarl/reverse") -> list[dict]:
     """verl's RL layout (as its data preprocessing scripts write it) with the reverse task's prompts as
     chat messages (system + user)."""
     problems = mixed_problems(["reverse"], [2], "train" if split == "train" else "heldout", count, seed)
-    return [{"data_source": "etarl/reverse", "ability": "text",
+    return [{"data_source": data_source, "ability": "text",
              "prompt": [{"role": "system", "content": "rev"}, {"role": "user", "content": p.prompt}],
              "reward_model": {"style": "rule", "ground_truth": p.answer},
              "extra_info": {"split": split, "index": i}} for i, p in enumerate(problems)]
 
 
-def write_verl_parquet(path, split: str, count: int) -> Path:
+def write_verl_parquet(path, split: str, count: int, seed: int = 0, data_source: str = "etarl/reverse") -> Path:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    pq.write_table(pa.Table.from_pylist(verl_rows(split, count)), path)
+    pq.write_table(pa.Table.from_pylist(verl_rows(split, count, seed, data_source)), path)
     return Path(path)

@@ -10,6 +10,7 @@ same problems everywhere.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass, field
 
@@ -117,12 +118,21 @@ def _token_problem(problem: Problem, prompt_format: PromptFormat | None, max_new
     return None, count
 
 
+def _usable_problems(task, key: str, prompt_format: PromptFormat | None,
+                     max_new_tokens: int | None) -> list[list[Problem]]:
+    """The usable problems of each file of `key` ("path" or "heldout_path")."""
+    return [check_prompts(path, task, prompt_format, max_new_tokens).usable(task.skip_invalid)
+            for path in task.files(key).values()]
+
+
 def train_prompts(task, prompt_format: PromptFormat | None = None, max_new_tokens: int | None = None) -> PromptSet:
     """The training prompt set of a TaskConfig (a file's unusable rows refused or skipped)."""
+    shuffle_seed = task.seed if task.shuffle else None
     if task.kind == "file":
-        report = check_prompts(task.path, task, prompt_format, max_new_tokens)
-        return PromptSet(report.usable(task.skip_invalid))
-    return PromptSet(mixed_problems(list(task.families), list(task.difficulties), "train", task.num_prompts, task.seed))
+        files = _usable_problems(task, "path", prompt_format, max_new_tokens)
+        return PromptSet([problem for problems in files for problem in problems], shuffle_seed)  # file after file
+    return PromptSet(mixed_problems(list(task.families), list(task.difficulties), "train", task.num_prompts, task.seed),
+                     shuffle_seed)
 
 
 def heldout_problems(task, count: int, seed: int | None = None, prompt_format: PromptFormat | None = None,
@@ -131,8 +141,10 @@ def heldout_problems(task, count: int, seed: int | None = None, prompt_format: P
     if task.kind == "file":
         if not task.heldout_path:
             raise ValueError("task.kind=file has no task.heldout_path: there is no held-out set to evaluate on")
-        report = check_prompts(task.heldout_path, task, prompt_format, max_new_tokens)
-        return report.usable(task.skip_invalid)[:count]
+        files = _usable_problems(task, "heldout_path", prompt_format, max_new_tokens)
+        # the files' rows taken in turn, so that `count` of them holds some of every file
+        taken = (problem for row in itertools.zip_longest(*files) for problem in row if problem is not None)
+        return list(itertools.islice(taken, count))
     return mixed_problems(
         list(task.families), list(task.difficulties), "heldout", count, task.seed if seed is None else seed
     )

@@ -41,13 +41,18 @@ class Problem:
 
 
 class PromptSet:
-    """A fixed, ordered list of problems addressed by ticket (wrapping around after the last), so a
-    run neither skips nor repeats a prompt: a permit's ticket is the data cursor."""
+    """A fixed list of problems addressed by ticket, so a run neither skips nor repeats a prompt: a
+    permit's ticket is the data cursor. Ticket t falls in pass t // len of the set; a pass takes the
+    problems in list order or, with `shuffle_seed`, in an order drawn from the seed and the pass
+    (verl's data.shuffle), the same in every worker and after a resume."""
 
-    def __init__(self, problems: list[Problem]) -> None:
+    def __init__(self, problems: list[Problem], shuffle_seed: int | None = None) -> None:
         if not problems:
             raise ValueError("a prompt set needs at least one problem")
         self.problems = list(problems)
+        self.shuffle_seed = shuffle_seed
+        self._orders: dict[int, list[int]] = {}  # pass -> its order; the last two kept (tickets of
+        # concurrent permits straddle a pass's end)
 
     def __len__(self) -> int:
         return len(self.problems)
@@ -55,4 +60,17 @@ class PromptSet:
     def problem(self, ticket: int) -> Problem:
         if ticket < 0:
             raise ValueError(f"ticket must be >= 0, got {ticket}")
-        return self.problems[ticket % len(self.problems)]
+        epoch, index = divmod(ticket, len(self.problems))
+        if self.shuffle_seed is None:
+            return self.problems[index]
+        return self.problems[self._order(epoch)[index]]
+
+    def _order(self, epoch: int) -> list[int]:
+        order = self._orders.get(epoch)
+        if order is None:
+            import numpy as np  # here, not at the top: environment and reward child processes import this package
+
+            order = np.random.default_rng([self.shuffle_seed, epoch]).permutation(len(self.problems)).tolist()
+            self._orders = {e: o for e, o in self._orders.items() if e >= epoch - 1}
+            self._orders[epoch] = order
+        return order

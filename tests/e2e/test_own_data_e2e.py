@@ -2,7 +2,9 @@
 cluster): an instruct-model folder (sharded safetensors with an index, a tokenizer with a chat
 template, a generation_config with two EOS ids), verl-layout parquet files of chat prompts, and a
 `compute_score` reward returning a dict, in a module that only the driver can import: it reaches
-the rollout worker through the Ray job's py_modules, as it would on a remote cluster."""
+the rollout worker through the Ray job's py_modules, as it would on a remote cluster. Train and
+held-out prompts come from two files each (verl's `data.train_files` list), the train prompts
+shuffled; the held-out files are two data sources, evaluated each on its own."""
 from __future__ import annotations
 
 import json
@@ -39,14 +41,17 @@ sys.exit(main(sys.argv[1:]))
 
 def test_a_verl_users_data_model_and_reward_train_in_one_command(tiny_model_dir, tmp_path):
     model = build_chat_model_folder(tiny_model_dir, tmp_path / "instruct-model")
-    train = write_verl_parquet(tmp_path / "train.parquet", "train", 40)
-    held = write_verl_parquet(tmp_path / "test.parquet", "heldout", 8)
+    train = [write_verl_parquet(tmp_path / "train.parquet", "train", 40),
+             write_verl_parquet(tmp_path / "train2.parquet", "train", 20, seed=1)]
+    held = [write_verl_parquet(tmp_path / "test.parquet", "heldout", 4),
+            write_verl_parquet(tmp_path / "test2.parquet", "heldout", 4, seed=1, data_source="etarl/reverse2")]
     reward_dir = tmp_path / "my_rewards"
     reward_dir.mkdir()
     (reward_dir / "etarl_e2e_reward.py").write_text(REWARD)
     run_dir = tmp_path / "run"
-    args = [f"run.model={model}", "rollout.task.kind=file", f"rollout.task.path={train}",
-            f"rollout.task.heldout_path={held}", "rollout.reward=etarl_e2e_reward:compute_score",
+    args = [f"run.model={model}", "rollout.task.kind=file", f"rollout.task.path=[{train[0]}, {train[1]}]",
+            f"rollout.task.heldout_path=[{held[0]}, {held[1]}]", "rollout.task.shuffle=true",
+            "rollout.reward=etarl_e2e_reward:compute_score",
             f"run.run_dir={run_dir}", "run.steps=3", "run.eval_every=0", "run.progress=false",
             "eval.num_prompts=8", "eval.n_samples=0", "eval.engine=hf", "buffer.gate.batch_size=2",
             "rollout.sampling.n=4", "rollout.groups_per_batch=2", "ray.num_cpus=2", "ray.worker_num_cpus=0",
@@ -74,6 +79,10 @@ def test_a_verl_users_data_model_and_reward_train_in_one_command(tiny_model_dir,
         assert record["reward/chars"] >= 0
     evals = [r for r in records if "eval/accuracy" in r]
     assert [r["step"] for r in evals] == [0, 3] and all(r["eval/num_prompts"] == 8 for r in evals)
+    for record in evals:  # each held-out file's data source on its own, the two making up the whole
+        parts = [record[f"eval/by_source/{s}/accuracy"] for s in ("etarl/reverse", "etarl/reverse2")]
+        assert record["eval/by_source/etarl/reverse2/num_prompts"] == 4
+        assert record["eval/accuracy"] == pytest.approx(sum(parts) / 2)
 
     # The trained policy is still a chat model folder: the tokenizer, its template, both EOS ids.
     policy = ckpt.latest_checkpoint(run_dir) / "policy"

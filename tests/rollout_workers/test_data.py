@@ -199,3 +199,38 @@ def test_skipping_is_the_same_for_every_reader_so_tickets_map_alike(tmp_path, to
     assert [p.row for p in heldout_problems(task, 5, prompt_format=fmt, max_new_tokens=8)] == [2, 3]
     with pytest.raises(InvalidPrompts, match="row 1: no answer"):
         train_prompts(task.model_copy(update={"skip_invalid": False}), fmt, 8)
+
+
+def test_several_train_files_follow_each_other_and_heldout_files_take_turns(tmp_path):
+    first = write_jsonl(tmp_path / "a.jsonl", [{"prompt": f"a{i}", "answer": "x"} for i in range(3)])
+    second = write_parquet(tmp_path / "b.parquet", [verl_row(i, f"b{i}", "y") for i in range(2)])
+    task = TaskConfig(kind="file", path=[str(first), str(second)], heldout_path=[str(first), str(second)])
+    assert task.files("path") == {"rollout.task.path[0]": str(first), "rollout.task.path[1]": str(second)}
+    assert TaskConfig(kind="file", path="x.jsonl").files("path") == {"rollout.task.path": "x.jsonl"}
+    prompts = train_prompts(task)
+    assert [(p.source, p.row) for p in prompts.problems] == [(str(first), 1), (str(first), 2), (str(first), 3),
+                                                             (str(second), 1), (str(second), 2)]
+    # a cap on the held-out prompts takes some of every file
+    assert [p.text for p in heldout_problems(task, 3)] == ["a0", "b0", "a1"]
+    assert [p.text for p in heldout_problems(task, 10)] == ["a0", "b0", "a1", "b1", "a2"]
+    with pytest.raises(ValueError, match="at least one file"):
+        TaskConfig(kind="file", path=[])
+
+
+def test_shuffled_prompts_use_each_row_once_per_pass_in_an_order_every_reader_shares(tmp_path):
+    rows = [{"prompt": f"{i}+0=", "answer": str(i)} for i in range(50)]
+    path = write_jsonl(tmp_path / "train.jsonl", rows)
+    task = TaskConfig(kind="file", path=str(path), shuffle=True, seed=3)
+    worker, other = train_prompts(task), train_prompts(task)
+    passes = [[worker.problem(t).row for t in range(p * 50, (p + 1) * 50)] for p in range(3)]
+    assert all(sorted(order) == list(range(1, 51)) for order in passes)  # every row once a pass
+    assert passes[0] != passes[1] != passes[2] and passes[0] != list(range(1, 51))  # a new order each pass
+    # another worker (or the run after a resume), asked tickets out of order, sees the same rows
+    for ticket in (149, 3, 77, 50, 120, 0):
+        assert other.problem(ticket).row == passes[ticket // 50][ticket % 50]
+    assert [train_prompts(task.model_copy(update={"seed": 4})).problem(t).row for t in range(50)] != passes[0]
+    assert [train_prompts(task.model_copy(update={"shuffle": False})).problem(t).row for t in range(50)] == \
+        list(range(1, 51))
+    synthetic = TaskConfig(num_prompts=20, shuffle=True)
+    assert sorted(p.prompt for p in (train_prompts(synthetic).problem(t) for t in range(20))) == \
+        sorted(p.prompt for p in train_prompts(synthetic.model_copy(update={"shuffle": False})).problems)

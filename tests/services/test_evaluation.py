@@ -58,6 +58,18 @@ def test_evaluate_greedy_accuracy_and_pass_at_k():
     assert metrics["eval/pass@1"] == pytest.approx(sum(counts) / 16)
     with pytest.raises(ValueError, match="empty"):
         evaluate(generate, score, [], n_samples=4, k=2, temperature=0.7)
+    assert not any("by_source" in key for key in metrics)  # one data source: nothing per source
+
+    # Held-out prompts of two data sources (two files, say): each gets its own accuracy and pass@k.
+    sources = ["gsm8k", "math", "gsm8k", "math"]
+    mixed = [EvalPrompt(p.prompt_ids, Problem(p.problem.prompt, p.problem.answer, data_source=s))
+             for p, s in zip(prompts, sources)]
+    by_source = evaluate(generate, score, mixed, n_samples=4, k=2, temperature=0.7)
+    assert by_source["eval/accuracy"] == metrics["eval/accuracy"]
+    assert by_source["eval/by_source/gsm8k/accuracy"] == 1.0 and by_source["eval/by_source/math/accuracy"] == 0.0
+    assert by_source["eval/by_source/math/num_prompts"] == 2
+    assert by_source["eval/by_source/math/pass@2"] == pytest.approx((pass_at_k(4, 1, 2) + pass_at_k(4, 3, 2)) / 2)
+    assert by_source["eval/by_source/gsm8k/pass@1"] == pytest.approx((0 + 2) / 8)
 
 
 def test_a_reward_that_raises_scores_zero_in_evaluation_and_is_logged_once(tiny_model_dir, tmp_path, caplog):

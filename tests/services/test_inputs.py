@@ -61,6 +61,26 @@ def test_skip_invalid_starts_with_the_usable_rows_and_logs_the_others(tiny_model
     assert "reward math (etarl form)" in text
 
 
+def test_several_prompt_files_are_checked_each_under_its_own_key(tiny_model_dir, tmp_path, caplog):
+    good = write_rows(tmp_path / "more.jsonl", [{"prompt": "2+2=", "answer": "4"}])
+    bad = write_rows(tmp_path / "bad.jsonl", [{"prompt": "5+5=", "answer": "10"}, {"prompt": "6+6="}])
+    cfg = load_config(None, [f"run.model={tiny_model_dir}", "rollout.task.kind=file",
+                             f"rollout.task.path=[{good}, {bad}]", f"rollout.task.heldout_path=[{good}]",
+                             "rollout.reward=math"])
+    assert cfg.rollout.task.path == [str(good), str(bad)]
+    with pytest.raises(ConfigError) as refused:
+        check_run_inputs(cfg, tiny_model_dir)
+    assert str(refused.value).startswith("rollout.task.path[1]: prompt file has unusable rows")
+    assert f"{bad} row 2: no answer" in str(refused.value)
+    cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={
+        "task": cfg.rollout.task.model_copy(update={"skip_invalid": True})})})
+    with caplog.at_level(logging.INFO):
+        check_run_inputs(cfg, tiny_model_dir)
+    assert f"{good}: 1 rows, 1 usable" in caplog.text and f"{bad}: 2 rows, 1 usable, 1 unusable" in caplog.text
+    with pytest.raises(ConfigError, match=r"rollout.task.path: .*at least one file"):
+        load_config(None, [f"run.model={tiny_model_dir}", "rollout.task.kind=file", "rollout.task.path=[]"])
+
+
 def test_a_prompt_too_long_for_the_engine_is_refused(tiny_model_dir, tmp_path):
     fits = file_config(tiny_model_dir, tmp_path, "rollout.task.skip_invalid=true", "rollout.engine.max_model_len=12",
                        "rollout.sampling.max_new_tokens=7")
