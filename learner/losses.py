@@ -504,15 +504,14 @@ def compute_policy_loss(
         stats[key] = log_prob.new_zeros(()) if where is None else masked_mean(where.to(log_prob.dtype), loss_mask)
     stats["actor/ppo_kl"] = masked_mean(pg.ppo_kl.detach(), loss_mask)
 
-    def agg(x: torch.Tensor, over: torch.Tensor = loss_mask) -> torch.Tensor:
-        return aggregate_loss(x, over, agg_mode, global_token_count, global_seq_count,
-                              loss_config.loss_scale_factor)
+    def agg(x: torch.Tensor, over: torch.Tensor = loss_mask, how: str = loss_config.loss_agg_mode) -> torch.Tensor:
+        return aggregate_loss(x, over, how, global_token_count, global_seq_count, loss_config.loss_scale_factor)
 
     # Bypass mode rejects inside the loss, for its policy-gradient term only: the KL and entropy
     # terms keep the batch's mask (as verl's bypass loss and actor do). Decoupled mode rejects up
     # front, so every term sees the rejected mask.
     aux_mask = mask if correction_config.bypass_mode else loss_mask
-    pg_loss = agg(token_loss)
+    pg_loss = agg(token_loss, how=agg_mode)  # a sequence-level loss fixes its own; KL and entropy keep the config's
     loss = pg_loss
     stats["actor/pg_loss"] = pg_loss.detach()
     if loss_config.kl_coef > 0:

@@ -563,6 +563,33 @@ def test_gspo_loss_gradient_and_metrics_equal_verls_formula(mode):
     assert 0 < m["actor/pg_clipfrac"] < 1, "the case exercises the clip"
 
 
+@pytest.mark.parametrize("loss_mode", ["gspo", "sapo", "geo_mean"])
+def test_a_sequence_level_loss_fixes_its_own_aggregation_not_that_of_kl_and_entropy(loss_mode):
+    """verl's GSPO, SAPO and GMPO aggregate their policy-gradient term per sequence whatever
+    loss_agg_mode says; the actor's KL and entropy terms take loss_agg_mode (verl's
+    workers/utils/losses.py ppo_loss, and dp_actor before it)."""
+    torch.manual_seed(5)
+    mask = torch.tensor([[1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 0, 0]], dtype=torch.bool)
+    old = -torch.rand(3, 4, dtype=torch.float64) * 2
+    theta = (old + 0.1 * torch.randn(3, 4, dtype=torch.float64)).requires_grad_(True)
+    ref = old + 0.3 * torch.randn(3, 4, dtype=torch.float64)
+    entropy = torch.rand(3, 4, dtype=torch.float64) * 3
+    adv = torch.randn(3, 1, dtype=torch.float64).expand(3, 4).contiguous()
+    by_mode = {}
+    for agg_mode in ("token-mean", "seq-mean-token-sum"):
+        cfg = PolicyLossConfig(loss_mode=loss_mode, loss_agg_mode=agg_mode, kl_coef=0.5, entropy_coeff=0.1)
+        alone = PolicyLossConfig(loss_mode=loss_mode, loss_agg_mode=agg_mode)
+        loss, m = compute_policy_loss(theta, old, old, adv, mask, Cfg.disabled(), cfg, ref_log_prob=ref,
+                                      entropy=entropy)
+        pg, _ = compute_policy_loss(theta, old, old, adv, mask, Cfg.disabled(), alone)
+        kl = aggregate_loss(kl_penalty(theta.detach(), ref, "k3"), mask, agg_mode)
+        ent = aggregate_loss(entropy, mask, agg_mode)
+        assert m["actor/kl_loss"] == pytest.approx(kl.item()) and m["actor/entropy"] == pytest.approx(ent.item())
+        assert loss.item() == pytest.approx(pg.item() + 0.5 * kl.item() - 0.1 * ent.item())
+        by_mode[agg_mode] = pg.item()
+    assert by_mode["token-mean"] == pytest.approx(by_mode["seq-mean-token-sum"])  # the pg term's own aggregation
+
+
 def test_cispo_weights_every_tokens_log_likelihood_by_its_clipped_detached_ratio():
     """CISPO (verl's compute_policy_loss_cispo): −sg(clip(r, 1−ε_low, 1+ε_high))·A·log π_θ, so a
     token whose ratio left the band keeps a gradient, scaled by the bound."""
