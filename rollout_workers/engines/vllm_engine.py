@@ -188,6 +188,18 @@ class GroupRequest:
             concurrent.futures.wait([self.future], timeout=timeout)
 
 
+async def _reopen_update(llm) -> None:
+    """After a failed update_weights, vLLM's worker has ended its update session but left the
+    layers it had not finished on meta tensors (their old tensors kept aside): a new session over
+    them (start_weight_update skips the layers already waiting) lets finish_weight_update put those
+    back. A failure before the update reached the worker left the session open: nothing to do."""
+    try:
+        await llm.start_weight_update()
+    except Exception as err:
+        if "already active" not in str(err):
+            raise
+
+
 class VLLMEngine(GenerationEngine):
     streams = True
 
@@ -242,6 +254,11 @@ class VLLMEngine(GenerationEngine):
         if self.weight_transfer_backend == "gloo" and not plugin_installed():
             raise VLLMInterfaceMissing(f"vLLM's processes cannot find etarl's gloo weight transfer (entry point "
                                        f"{PLUGIN} in vllm.general_plugins): reinstall etarl (pip install -e .)")
+        if self.weight_transfer_backend == "ipc":
+            # vLLM's IPC updates carry CUDA IPC handles (tuples of torch types) to the engine core,
+            # which its msgpack channel takes only with pickle allowed (as vLLM's own IPC examples
+            # set it): a local socket between this process and the core it starts.
+            os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         self.transfer_width = tensor_parallel_size  # the engine's receiving processes
         self._transfer_joined = False
         self._paused_at = None  # while a weight update holds generation paused
@@ -442,7 +459,8 @@ class VLLMEngine(GenerationEngine):
         """One of vLLM's weight-update calls, as the learner drives them (`lm.weight_sync.subscription`):
         init (join the learner's group), start (pause, then start), update (receive into vLLM's
         workers; gloo then finishes at once), finish (record the version, resume), abort (end a
-        started update on the weights it had, resume)."""
+        started update, resume: on the weights it had, or after a failed nccl/ipc update on a mix of
+        them and what arrived, at version -1 until the next version loads)."""
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest, WeightTransferUpdateRequest
 
         if self.weight_transfer_backend is None:
@@ -484,8 +502,16 @@ class VLLMEngine(GenerationEngine):
                     await finish(int(args["version"]))
             elif op == "abort":
                 try:
-                    if not self._update_failed and self._paused_at is not None:
-                        await llm.finish_weight_update()  # nothing received: the weights it had stay
+                    # vLLM's backends (nccl, ipc) hold the layers on meta tensors from start until
+                    # finish_weight_update, which puts back those that received nothing (after a
+                    # failed update the weights are a mix: version -1). etarl's gloo engine loads
+                    # and finishes a whole, checked version inside its update: after it failed,
+                    # nothing is open.
+                    nothing_open = self._update_failed and self.weight_transfer_backend == "gloo"
+                    if self._paused_at is not None and not nothing_open:
+                        if self._update_failed:
+                            await _reopen_update(llm)
+                        await llm.finish_weight_update()
                 except Exception as err:
                     log.warning("weight update abort: %s: %s", type(err).__name__, err)
                 finally:

@@ -308,3 +308,37 @@ def test_vllm_routing_is_asked_from_the_last_prompt_position_and_checked_against
     partial.routing = np.concatenate([rows, rows[:1]])  # one row too many: an offset error
     with pytest.raises(ValueError, match="3 tokens but 4"):
         partial.completion()
+
+
+def test_after_a_failed_update_of_vllms_own_backend_the_engine_serves_the_weights_it_had(tiny_model_dir, tokenizer,
+                                                                                          monkeypatch):
+    """vLLM's own backends (nccl, ipc) hold the model's layers on meta tensors from
+    start_weight_update to finish_weight_update, and its worker ends the session when an update
+    fails: the abort opens one again over the waiting layers and finishes it, so the engine goes
+    on with the weights it had (version -1: after a partial update they would be a mix), where it
+    died on meta tensors before. The IPC backend on this CPU: the handles reach vLLM's worker (its
+    msgpack channel takes them only with pickle allowed, which the engine sets for IPC) and fail
+    there, for want of CUDA."""
+    from rollout_workers.engines.vllm_engine import VLLMEngine
+
+    monkeypatch.delenv("VLLM_ALLOW_INSECURE_SERIALIZATION", raising=False)  # the engine sets it; gone after
+    engine = VLLMEngine(tiny_model_dir, dtype="float32", kv_cache_bytes=16 * 2**20, weight_transfer="ipc")
+    try:
+        prompt, params = encode(tokenizer, PROMPT_TEXT), SamplingParams(n=2, max_new_tokens=4, seed=0)
+        before = [c.token_ids for c in engine.generate_batch([(prompt, params)])[0]]
+        engine.weight_transfer("init", {"packed": False})
+        engine.weight_transfer("start", {})
+        # rebuild_cuda_tensor's arguments, as torch's reduce_tensor makes them for a CUDA tensor
+        handle = (torch.Tensor, torch.Size([128]), (1,), 0, torch.UntypedStorage, torch.bfloat16, 0, b"\0" * 64, 256,
+                  0, False, b"r" * 8, 0, b"e" * 64, True)
+        with pytest.raises(Exception, match="CUDA"):
+            engine.weight_transfer("update", {"names": ["model.norm.weight"], "dtype_names": ["bfloat16"],
+                                              "shapes": [[128]], "ipc_handles": [{"GPU-0": handle}]})
+        engine.weight_transfer("abort", {"version": 1})
+        assert engine.version == -1
+        assert [c.token_ids for c in engine.generate_batch([(prompt, params)])[0]] == before
+        engine.weight_transfer("start", {})  # and the next update can begin
+        engine.weight_transfer("abort", {"version": 1})
+        assert [c.token_ids for c in engine.generate_batch([(prompt, params)])[0]] == before
+    finally:
+        engine.close()
