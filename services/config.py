@@ -528,8 +528,13 @@ def build_config(tree: dict, overrides: dict[str, Any] | list[str] | None = None
     """Validate a config tree after applying dotted overrides (`{"a.b": v}` or `["a.b=v"]`)."""
     import copy
 
+    from services.verl_keys import verl_keys_message
+
     tree = copy.deepcopy(tree)
-    items = overrides.items() if isinstance(overrides, dict) else map(parse_override, overrides or [])
+    items = list(overrides.items()) if isinstance(overrides, dict) else [parse_override(o) for o in overrides or []]
+    verl = verl_keys_message(items)
+    if verl:
+        raise ConfigError(f"invalid config ({source}): {verl}")
     for key, value in items:
         _open_preset(tree, key)
         set_dotted(tree, key, value)

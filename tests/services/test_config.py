@@ -261,3 +261,102 @@ def test_a_configmap_is_read_as_the_config_it_carries_and_other_manifests_are_na
     path.write_text(yaml.safe_dump({"apiVersion": "ray.io/v1", "kind": "RayJob", "spec": {}}))
     with pytest.raises(ConfigError, match="a Kubernetes RayJob manifest, not an etarl config"):
         load_config(path)
+
+
+# ---- verl's command-line keys (services/verl_keys.py) ----------------------------------------------
+# A verl GRPO command line, as verl's examples/grpo_trainer/run_qwen2-7b.sh writes it (a Hydra '+' too).
+VERL_GRPO = ["algorithm.adv_estimator=grpo", "data.train_files=/data/gsm8k/train.parquet",
+             "data.val_files=/data/gsm8k/test.parquet", "data.train_batch_size=1024", "data.max_prompt_length=512",
+             "data.max_response_length=1024", "data.filter_overlong_prompts=True", "data.truncation=error",
+             "actor_rollout_ref.model.path=tiny", "actor_rollout_ref.actor.optim.lr=1e-6",
+             "actor_rollout_ref.model.use_remove_padding=True", "actor_rollout_ref.actor.ppo_mini_batch_size=256",
+             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=40", "actor_rollout_ref.actor.use_kl_loss=True",
+             "actor_rollout_ref.actor.kl_loss_coef=0.002", "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
+             "actor_rollout_ref.actor.entropy_coeff=0", "actor_rollout_ref.model.enable_gradient_checkpointing=True",
+             "actor_rollout_ref.actor.fsdp_config.param_offload=False", "actor_rollout_ref.rollout.name=vllm",
+             "actor_rollout_ref.rollout.tensor_model_parallel_size=2", "actor_rollout_ref.rollout.n=5",
+             "actor_rollout_ref.rollout.gpu_memory_utilization=0.6", "actor_rollout_ref.rollout.top_k=-1",
+             "algorithm.use_kl_in_reward=False", "algorithm.rollout_correction.rollout_is=token",
+             "custom_reward_function.path=my_reward.py", "trainer.logger=['console','wandb']", "trainer.nnodes=1",
+             "trainer.save_freq=20", "trainer.test_freq=-1", "trainer.total_epochs=15", "+data.seed=7"]
+
+
+def test_verl_keys_are_refused_with_etarls_names_and_a_command_line_that_loads():
+    import shlex
+
+    with pytest.raises(ConfigError) as refused:
+        load_config(None, ["run.steps=40", *VERL_GRPO])
+    message = str(refused.value)
+    assert "these are verl's keys, which etarl does not read" in message
+    assert "actor_rollout_ref.rollout.n=5 -> rollout.sampling.n=5" in message
+    assert "data.max_prompt_length=512 -> rollout.engine.max_model_len=1536" in message
+    assert "trainer.logger: no etarl key" in message and "trainer.total_epochs: no etarl key: etarl counts steps" in message
+    assert "actor_rollout_ref.actor.fsdp_config.param_offload: no etarl key" in message
+    cfg = load_config(None, shlex.split(message.splitlines()[-1]))  # the etarl line, as a shell reads it
+    assert cfg.run.steps == 40 and cfg.run.model == "tiny"  # the user's own etarl keys kept
+    assert (cfg.rollout.task.kind, cfg.rollout.task.path, cfg.rollout.task.heldout_path, cfg.rollout.task.seed) == \
+        ("file", "/data/gsm8k/train.parquet", "/data/gsm8k/test.parquet", 7)
+    assert cfg.rollout.task.skip_invalid and cfg.rollout.reward == "my_reward.py:compute_score"
+    assert (cfg.buffer.gate.batch_size, cfg.rollout.sampling.n, cfg.rollout.sampling.max_new_tokens,
+            cfg.rollout.sampling.top_k) == (1024, 5, 1024, 0)
+    assert (cfg.rollout.engine.max_model_len, cfg.rollout.engine.tensor_parallel_size,
+            cfg.rollout.engine.gpu_memory_utilization) == (1536, 2, 0.6)
+    learner = cfg.learner
+    assert (learner.lr, learner.ppo_mini_batch_size, learner.micro_batch_size, learner.packing,
+            learner.gradient_checkpointing) == (1e-6, 256, 40, True, True)
+    assert (learner.policy_loss.kl_coef, learner.policy_loss.kl_estimator, learner.kl_in_reward.coef) == \
+        (0.002, "low_var_kl", 0.0)
+    assert learner.advantage.estimator == "grpo" and learner.rollout_correction.rollout_is == "token"
+    assert (cfg.run.checkpoint_every, cfg.run.eval_every) == (20, 0)
+
+
+@pytest.mark.parametrize("verl, etarl", [
+    (["actor_rollout_ref.actor.use_kl_loss=True"], "learner.policy_loss.kl_coef=0.001"),  # verl's default coefficient
+    (["actor_rollout_ref.actor.kl_loss_coef=0.01"], "learner.policy_loss.kl_coef=0.01"),
+    (["algorithm.use_kl_in_reward=True", "algorithm.kl_ctrl.kl_coef=0.05"], "learner.kl_in_reward.coef=0.05"),
+    (["algorithm.adv_estimator=grpo", "algorithm.norm_adv_by_std_in_grpo=False"], "learner.advantage.estimator=dr_grpo"),
+    (["custom_reward_function.path=r.py", "custom_reward_function.name=score"], "rollout.reward=r.py:score"),
+    (["actor_rollout_ref.actor.clip_ratio=0.28"],
+     "learner.policy_loss.clip_ratio_low=0.28 learner.policy_loss.clip_ratio_high=0.28"),
+    (["data.max_response_length=64", "data.max_prompt_length=32"], "rollout.engine.max_model_len=96"),
+    (["reward_model.overlong_buffer.enable=True", "reward_model.overlong_buffer.len=4",
+      "algorithm.filter_groups.enable=True"],
+     "rollout.overlong_buffer.enabled=true rollout.overlong_buffer.len=4 rollout.filter_groups.enabled=true"),
+])
+def test_verl_keys_that_join_or_change_on_the_way(verl, etarl):
+    import shlex
+
+    with pytest.raises(ConfigError) as refused:
+        load_config(None, verl)
+    line = str(refused.value).splitlines()[-1]
+    assert etarl in line
+    load_config(None, shlex.split(line))  # and it loads
+
+
+def test_every_etarl_key_the_verl_table_names_exists():
+    from pydantic import BaseModel
+
+    from services.config import EtarlConfig, _holds, _models
+    from services.verl_keys import PREFIXES, RULES
+
+    def exists(dotted: str) -> bool:
+        models: list[type[BaseModel]] = [EtarlConfig]
+        for part in dotted.split("."):
+            fields = [m.model_fields[part] for m in models if part in m.model_fields]
+            if not fields:
+                return False
+            models = [m for f in fields for m in _models(_holds(f.annotation))]
+        return True
+
+    targets = [rule.etarl for rule in RULES.values() if rule.etarl]
+    targets += [rule.etarl + "rollout_is" for rule in PREFIXES.values() if rule.etarl]
+    missing = [t for t in targets if not exists(t)]
+    assert not missing and len(targets) > 60
+
+
+def test_etarl_train_with_verl_keys_exits_with_the_translation(tmp_path, capsys):
+    from services.cli import EXIT_CONFIG_ERROR, main
+
+    assert main(["train", "actor_rollout_ref.rollout.n=4", f"run.run_dir={tmp_path / 'run'}"]) == EXIT_CONFIG_ERROR
+    err = capsys.readouterr().err
+    assert "actor_rollout_ref.rollout.n=4 -> rollout.sampling.n=4" in err and not (tmp_path / "run").exists()

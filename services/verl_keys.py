@@ -1,0 +1,267 @@
+"""verl's command-line keys answered with etarl's.
+
+A verl user's overrides (`actor_rollout_ref.rollout.n=8 data.train_batch_size=128 ...`) are not
+read: etarl has its own names, and a key that looked read but meant something else would be worse
+than an error. A command line naming verl's sections is refused with each key's etarl name (or
+why there is none) and the whole command line in etarl's keys, to check and paste.
+
+The table follows verl's `ppo_trainer.yaml` (verl/trainer/config) and its recipes' keys (DAPO's
+`algorithm.filter_groups`, `reward_model.overlong_buffer`); `etarl config` lists etarl's own.
+"""
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import yaml
+
+# verl's top-level sections; none of them is one of etarl's (mode, run, ray, buffer, rollout, learner, eval, metrics)
+VERL_SECTIONS = ("actor_rollout_ref", "algorithm", "critic", "custom_reward_function", "data", "global_profiler",
+                 "ray_kwargs", "reward_manager", "reward_model", "trainer", "transfer_queue")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A verl key's etarl key (None: there is none), how a value changes on the way, and a note."""
+
+    etarl: Optional[str]
+    note: str = ""
+    value: Optional[Callable[[Any], Any]] = None
+
+
+def _off_if_negative(value):  # verl's -1: never / none
+    return 0 if isinstance(value, (int, float)) and value < 0 else value
+
+
+ACTOR, ROLLOUT, MODEL = "actor_rollout_ref.actor.", "actor_rollout_ref.rollout.", "actor_rollout_ref.model."
+RULES: dict[str, Rule] = {
+    # data
+    "data.train_files": Rule("rollout.task.path", "with rollout.task.kind=file; a list: the files one after another"),
+    "data.val_files": Rule("rollout.task.heldout_path"),
+    "data.prompt_key": Rule("rollout.task.prompt_key"),
+    "data.reward_fn_key": Rule("rollout.task.data_source_key"),
+    "data.train_batch_size": Rule("buffer.gate.batch_size", "prompts per step, each a group of rollout.sampling.n"),
+    "data.max_response_length": Rule("rollout.sampling.max_new_tokens"),
+    "data.shuffle": Rule("rollout.task.shuffle", "etarl's default is file order"),
+    "data.seed": Rule("rollout.task.seed"),
+    "data.filter_overlong_prompts": Rule("rollout.task.skip_invalid", "skips every unusable row, too long or not"),
+    "data.truncation": Rule(None, "etarl refuses a prompt that does not fit (verl's 'error'), or skips it "
+                                  "(rollout.task.skip_invalid=true); it does not truncate"),
+    "data.apply_chat_template_kwargs": Rule("rollout.task.chat_template_kwargs"),
+    # the model
+    MODEL + "path": Rule("run.model"),
+    MODEL + "enable_gradient_checkpointing": Rule("learner.gradient_checkpointing"),
+    MODEL + "use_remove_padding": Rule("learner.packing", "etarl's auto packs on GPUs"),
+    MODEL + "lora_rank": Rule(None, "etarl trains every weight (no LoRA)"),
+    # the actor
+    ACTOR + "optim.lr": Rule("learner.lr"),
+    ACTOR + "optim.weight_decay": Rule("learner.weight_decay"),
+    ACTOR + "optim.betas": Rule("learner.betas"),
+    ACTOR + "optim.clip_grad": Rule("learner.grad_clip"),
+    ACTOR + "grad_clip": Rule("learner.grad_clip"),
+    ACTOR + "optim.lr_warmup_steps": Rule("learner.warmup_steps", value=_off_if_negative),
+    ACTOR + "optim.lr_warmup_steps_ratio": Rule(None, "etarl counts warm-up in steps: learner.warmup_steps = the "
+                                                      "ratio x the run's steps"),
+    ACTOR + "optim.lr_scheduler_type": Rule("learner.lr_schedule", "cosine and linear need learner.total_steps"),
+    ACTOR + "optim.min_lr_ratio": Rule("learner.min_lr_ratio"),
+    ACTOR + "optim.total_training_steps": Rule("learner.total_steps"),
+    ACTOR + "ppo_mini_batch_size": Rule("learner.ppo_mini_batch_size", "groups, that is prompts, as verl's"),
+    ACTOR + "ppo_micro_batch_size_per_gpu": Rule("learner.micro_batch_size", "sequences per forward/backward"),
+    ACTOR + "ppo_max_token_len_per_gpu": Rule("learner.max_tokens_per_micro_batch"),
+    ACTOR + "use_dynamic_bsz": Rule(None, "etarl always plans micro-batches by tokens "
+                                          "(learner.max_tokens_per_micro_batch)"),
+    ACTOR + "ppo_epochs": Rule("learner.ppo_epochs"),
+    ACTOR + "shuffle": Rule("learner.shuffle_minibatches"),
+    ACTOR + "clip_ratio_low": Rule("learner.policy_loss.clip_ratio_low"),
+    ACTOR + "clip_ratio_high": Rule("learner.policy_loss.clip_ratio_high"),
+    ACTOR + "clip_ratio_c": Rule("learner.policy_loss.clip_ratio_c"),
+    ACTOR + "tau_pos": Rule("learner.policy_loss.tau_pos"),
+    ACTOR + "tau_neg": Rule("learner.policy_loss.tau_neg"),
+    ACTOR + "loss_agg_mode": Rule("learner.policy_loss.loss_agg_mode"),
+    ACTOR + "loss_scale_factor": Rule("learner.policy_loss.loss_scale_factor"),
+    ACTOR + "entropy_coeff": Rule("learner.policy_loss.entropy_coeff"),
+    ACTOR + "calculate_entropy": Rule("learner.compute_entropy"),
+    ACTOR + "kl_loss_type": Rule("learner.policy_loss.kl_estimator", "verl's names are taken"),
+    ACTOR + "strategy": Rule(None, "etarl's learner shards with FSDP2 where it has several ranks "
+                                   "(learner.distributed.strategy; `etarl plan` chooses)"),
+    **{ACTOR + "policy_loss." + key: Rule("learner.policy_loss." + key)
+       for key in ("loss_mode", "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef")},
+    # rollout
+    ROLLOUT + "n": Rule("rollout.sampling.n"),
+    ROLLOUT + "temperature": Rule("rollout.sampling.temperature"),
+    ROLLOUT + "top_p": Rule("rollout.sampling.top_p"),
+    ROLLOUT + "top_k": Rule("rollout.sampling.top_k", "etarl's 0 is verl's -1: no top-k", _off_if_negative),
+    ROLLOUT + "response_length": Rule("rollout.sampling.max_new_tokens"),
+    ROLLOUT + "name": Rule("rollout.engine.kind", "vllm or hf, transformers; no SGLang"),
+    ROLLOUT + "dtype": Rule("rollout.engine.dtype"),
+    ROLLOUT + "gpu_memory_utilization": Rule("rollout.engine.gpu_memory_utilization"),
+    ROLLOUT + "tensor_model_parallel_size": Rule("rollout.engine.tensor_parallel_size"),
+    ROLLOUT + "max_model_len": Rule("rollout.engine.max_model_len"),
+    ROLLOUT + "enforce_eager": Rule("rollout.engine.enforce_eager"),
+    ROLLOUT + "mode": Rule(None, "etarl's engines always serve asynchronously"),
+    ROLLOUT + "calculate_log_probs": Rule(None, "etarl's engines always return the behaviour log-probs"),
+    ROLLOUT + "enable_rollout_routing_replay": Rule("learner.routing_replay", "true: r3", lambda v: "r3" if v else "none"),
+    ROLLOUT + "val_kwargs.temperature": Rule("eval.temperature", "of the sampled answers (pass@k); etarl also "
+                                                                 "answers each held-out prompt greedily"),
+    ROLLOUT + "val_kwargs.n": Rule("eval.n_samples"),
+    ROLLOUT + "multi_turn.enable": Rule(None, "multi-turn rollouts are on when rollout.multi_turn.environment "
+                                              "names an environment"),
+    ROLLOUT + "multi_turn.max_assistant_turns": Rule("rollout.multi_turn.max_turns"),
+    # the algorithm
+    "algorithm.adv_estimator": Rule("learner.advantage.estimator"),
+    "algorithm.gamma": Rule("learner.advantage.gamma"),
+    "algorithm.lam": Rule("learner.advantage.lam"),
+    "algorithm.norm_adv_by_std_in_grpo": Rule("learner.advantage.estimator", "false: dr_grpo (GRPO without the "
+                                              "std division)", lambda v: "grpo" if v else "dr_grpo"),
+    "algorithm.kl_penalty": Rule("learner.kl_in_reward.estimator"),
+    "algorithm.kl_ctrl.type": Rule("learner.kl_in_reward.controller"),
+    "algorithm.kl_ctrl.target_kl": Rule("learner.kl_in_reward.target_kl"),
+    "algorithm.kl_ctrl.horizon": Rule("learner.kl_in_reward.horizon"),
+    "algorithm.filter_groups.enable": Rule("rollout.filter_groups.enabled"),
+    "algorithm.filter_groups.metric": Rule("rollout.filter_groups.metric"),
+    "algorithm.filter_groups.max_num_gen_batches": Rule(None, "etarl pushes a group anyway after "
+                                                              "rollout.filter_groups.max_in_a_row filtered in a row"),
+    "reward_model.overlong_buffer.enable": Rule("rollout.overlong_buffer.enabled"),
+    "reward_model.overlong_buffer.len": Rule("rollout.overlong_buffer.len"),
+    "reward_model.overlong_buffer.penalty_factor": Rule("rollout.overlong_buffer.penalty_factor"),
+    "reward_model.enable": Rule(None, "etarl has no model-based reward: a reward function scores each response"),
+    "reward_model.reward_manager": Rule(None, "etarl scores each response on its own (verl's naive manager); "
+                                              "DAPO's overlong shaping is rollout.overlong_buffer"),
+    # the critic
+    "critic.optim.lr": Rule("learner.critic.lr"),
+    "critic.optim.weight_decay": Rule("learner.critic.weight_decay"),
+    "critic.optim.lr_warmup_steps": Rule("learner.critic.warmup_steps", value=_off_if_negative),
+    "critic.grad_clip": Rule("learner.critic.grad_clip"),
+    "critic.cliprange_value": Rule("learner.critic.cliprange_value"),
+    "critic.loss_agg_mode": Rule("learner.critic.loss_agg_mode"),
+    "critic.model.path": Rule("learner.critic.model_path"),
+    # the trainer
+    "trainer.total_training_steps": Rule("run.steps"),
+    "trainer.total_epochs": Rule(None, "etarl counts steps: run.steps = epochs x prompts / data.train_batch_size"),
+    "trainer.test_freq": Rule("run.eval_every", "0: only at the start and the end", _off_if_negative),
+    "trainer.save_freq": Rule("run.checkpoint_every", "0: only at the end", _off_if_negative),
+    "trainer.val_before_train": Rule(None, "etarl evaluates at the start whenever eval.enabled"),
+    "trainer.critic_warmup": Rule("learner.critic.train_alone_steps"),
+    "trainer.default_local_dir": Rule("run.run_dir"),
+    "trainer.max_actor_ckpt_to_keep": Rule("run.keep_checkpoints"),
+    "trainer.resume_mode": Rule(None, "etarl train --resume RUN_DIR continues a run"),
+    "trainer.balance_batch": Rule(None, "etarl always balances the learner's ranks by tokens"),
+    "trainer.nnodes": Rule(None, "etarl uses the Ray cluster's nodes and GPUs (ray.address; `etarl plan` shows "
+                                 "the layout)"),
+    "trainer.n_gpus_per_node": Rule(None, "etarl uses the Ray cluster's nodes and GPUs (ray.address; `etarl "
+                                          "plan` shows the layout)"),
+    "trainer.logger": Rule(None, "etarl writes metrics.jsonl and plots to the run folder and serves Prometheus "
+                                 "metrics (metrics.port)"),
+    "trainer.project_name": Rule(None, "a run is its folder (run.run_dir)"),
+    "trainer.experiment_name": Rule(None, "a run is its folder (run.run_dir)"),
+}
+# Whole sections: under another name, or without an etarl counterpart.
+PREFIXES = {
+    "algorithm.rollout_correction.": Rule("learner.rollout_correction.", "the same keys"),
+    ACTOR + "fsdp_config.": Rule(None, "etarl's FSDP2 learner: learner.distributed, learner.mixed_precision; no "
+                                       "offloading"),
+    "actor_rollout_ref.ref.": Rule(None, "etarl's reference model (for a KL term) is the policy's start, sharded "
+                                         "as the learner is; its passes share learner.max_tokens_per_micro_batch"),
+    ROLLOUT + "log_prob_": Rule(None, "the learner's log-prob passes share learner.max_tokens_per_micro_batch"),
+    "critic.model.fsdp_config.": Rule(None, "etarl's critic is sharded as the learner is"),
+    "global_profiler.": Rule(None, "no profiler settings"),
+}
+# Keys that become one etarl key together, or whose meaning hangs on a switch.
+REWARD_PATH, REWARD_NAME = "custom_reward_function.path", "custom_reward_function.name"
+PROMPT_LENGTH, RESPONSE_LENGTH, VERL_LENGTH = "data.max_prompt_length", "data.max_response_length", 512
+KL_LOSS = (ACTOR + "use_kl_loss", ACTOR + "kl_loss_coef", 0.001, "learner.policy_loss.kl_coef")
+KL_REWARD = ("algorithm.use_kl_in_reward", "algorithm.kl_ctrl.kl_coef", 0.001, "learner.kl_in_reward.coef")
+
+
+def is_verl_key(key: str) -> bool:
+    return _verl_name(key).split(".", 1)[0] in VERL_SECTIONS
+
+
+def _verl_name(key: str) -> str:
+    return key.lstrip("+")  # Hydra's +key=value (add) and ++key=value (add or override)
+
+
+def _plus(a: Any, b: Any) -> Any:
+    return a + b if all(isinstance(x, int) and not isinstance(x, bool) for x in (a, b)) else f"{a}+{b}"
+
+
+def _text(value: Any) -> str:
+    """A value as an override's right-hand side (YAML flow)."""
+    if isinstance(value, str):
+        return value
+    return yaml.safe_dump(value, default_flow_style=True, width=10**6).strip().removesuffix("...").strip()
+
+
+def translate(overrides: list[tuple[str, Any]]) -> tuple[list[str], list[str]]:
+    """(a line per verl key: its etarl key and value, or why it has none; the etarl overrides)."""
+    given = dict(overrides)
+    lines: list[str] = []
+    etarl: dict[str, str] = {}
+
+    def say(key: str, target: Optional[str], value: Any = None, note: str = "") -> None:
+        if target is None:
+            lines.append(f"  {key}: no etarl key: {note}")
+            return
+        etarl[target] = _text(value)
+        lines.append(f"  {key}={_text(given[key])} -> {target}={etarl[target]}" + (f" ({note})" if note else ""))
+
+    for key, value in overrides:
+        if not is_verl_key(key):
+            continue
+        if key != _verl_name(key):
+            given[_verl_name(key)] = given.pop(key)
+            key = _verl_name(key)
+        if key in (REWARD_PATH, REWARD_NAME):
+            if key == REWARD_PATH or REWARD_PATH not in given:
+                name = given.get(REWARD_NAME, "compute_score")
+                if REWARD_PATH in given:
+                    say(key, "rollout.reward", f"{given[REWARD_PATH]}:{name}", f"{REWARD_NAME} joined")
+                else:
+                    say(key, None, note=f"the function named goes with a file: rollout.reward=path/to/file.py:{name}")
+            continue
+        switch = next((s for s in (KL_LOSS, KL_REWARD) if key in s[:2]), None)
+        if switch is not None:  # etarl's coefficient is on when above 0
+            on_key, coef_key, verl_default, target = switch
+            if key == on_key:
+                coef = given.get(coef_key, verl_default) if value else 0.0
+                joined = f"with {coef_key}" if coef_key in given else f"{coef_key} at verl's default"
+                say(key, target, coef, joined if value else "off")
+            elif on_key not in given:
+                say(key, target, value, f"verl applies it only with {on_key}=true")
+            continue
+        if key == PROMPT_LENGTH:  # verl's engine context is the two lengths together
+            response = given.get(RESPONSE_LENGTH, VERL_LENGTH)
+            say(key, "rollout.engine.max_model_len", _plus(value, response),
+                f"the prompt and the response: {value} + {response}" + ("" if RESPONSE_LENGTH in given else
+                                                                        " (verl's default response length)"))
+            continue
+        if key == ACTOR + "clip_ratio":
+            for side in ("low", "high"):
+                say(key, f"learner.policy_loss.clip_ratio_{side}", value, "both sides")
+            continue
+        prefix = next((p for p in PREFIXES if key.startswith(p)), None)
+        if prefix is not None:
+            rule = PREFIXES[prefix]
+            say(key, rule.etarl and rule.etarl + key[len(prefix):], value, "" if rule.etarl else rule.note)
+            continue
+        rule = RULES.get(key)
+        if rule is None:
+            say(key, None, note="not one etarl has (`etarl config` lists etarl's keys)")
+        else:
+            say(key, rule.etarl, rule.value(value) if rule.value else value, rule.note)
+    if "rollout.task.path" in etarl:
+        etarl.setdefault("rollout.task.kind", "file")
+    return lines, [f"{key}={text}" for key, text in etarl.items()]
+
+
+def verl_keys_message(overrides: list[tuple[str, Any]]) -> Optional[str]:
+    """Why a command line with verl's keys is refused, and the same in etarl's keys; None without any."""
+    if not any(is_verl_key(key) for key, _ in overrides):
+        return None
+    lines, etarl = translate(overrides)
+    mine = [f"{key}={_text(value)}" for key, value in overrides if not is_verl_key(key)]
+    message = ["these are verl's keys, which etarl does not read (it has its own names):", *lines]
+    if etarl:
+        message += ["in etarl's keys (check the notes):", "  " + " ".join(shlex.quote(o) for o in mine + etarl)]
+    return "\n".join(message)
