@@ -193,7 +193,12 @@ def _keys_below(models: list, name: str, prefix: str = "", depth: int = 4) -> li
 
 
 def _unknown_key_hint(place: _Place) -> str:
+    from services.verl_keys import VERL_SECTIONS
+
     name, parent_key = place.parts[-1], ".".join(place.parts[:-1])
+    if not parent_key and name in VERL_SECTIONS:  # a verl config file
+        return (" (a section of verl's config: etarl does not read verl's keys; named on the command line "
+                "they are answered with etarl's)")
     prefix = parent_key + "." if parent_key else ""
     known = [k for m in _models(place.parent) for k in m.model_fields]
     close = difflib.get_close_matches(name, known, n=1)

@@ -360,3 +360,6 @@ def test_etarl_train_with_verl_keys_exits_with_the_translation(tmp_path, capsys)
     assert main(["train", "actor_rollout_ref.rollout.n=4", f"run.run_dir={tmp_path / 'run'}"]) == EXIT_CONFIG_ERROR
     err = capsys.readouterr().err
     assert "actor_rollout_ref.rollout.n=4 -> rollout.sampling.n=4" in err and not (tmp_path / "run").exists()
+    # a verl config file: each of its sections said to be verl's
+    with pytest.raises(ConfigError, match=r"data: unknown key \(a section of verl's config"):
+        build_config({"data": {"train_batch_size": 8}})
