@@ -7,7 +7,8 @@
                                                                   layout and defaults for this machine's GPUs)
     etarl plan  [--config F] [--raycluster M] [key=value ...]     the layout chosen and why, what each actor
                                                                   asks Ray for; does it fit
-    etarl data check FILE [--config F] [key=value ...]            check a prompt file against the model
+    etarl data check [FILE ...] [--config F] [key=value ...]      check prompt files against the model (no
+                                                                  FILE: the config's train and held-out files)
     etarl buffer serve|keygen ...                                 the standalone buffer service
 
 The same entry works as a `ray job submit` entrypoint: `ray job submit -- etarl train
@@ -21,6 +22,7 @@ import json
 import os
 import sys
 import threading
+from pathlib import Path
 
 EXIT_CONFIG_ERROR = 2
 
@@ -60,13 +62,16 @@ def build_parser() -> argparse.ArgumentParser:
                       "RayJob manifest declares (default: ray.address: the embedded cluster's declared resources, "
                       "or the running cluster)")
 
-    data = sub.add_parser("data", help="prompt files: etarl data check FILE [key=value ...]")
+    data = sub.add_parser("data", help="prompt files: etarl data check [FILE ...] [key=value ...]")
     data_sub = data.add_subparsers(dest="data_command", required=True)
     check = data_sub.add_parser(
-        "check", help="the start-of-run prompt checks on FILE (the run's model, chat template and context): rows, "
-        "tokens per prompt (p50/p99/max), unusable rows with their row numbers; exit 1 if a run would refuse it")
-    check.add_argument("file", metavar="FILE", help=".jsonl, .json or .parquet (etarl's flat form or verl's layout)")
-    _add_config_args(check)
+        "check", help="the start-of-run prompt checks on each FILE, or on the config's train and held-out files "
+        "(the run's model, chat template and context): rows, tokens per prompt (p50/p99/max), unusable rows with "
+        "their row numbers; exit 1 if a run would refuse one")
+    check.add_argument("--config", "-c", help="YAML config file (default: the embedded default)")
+    check.add_argument("items", nargs="*", metavar="FILE | key=value",
+                       help="prompt files (.jsonl, .json or .parquet: etarl's flat form or verl's layout) and "
+                       "dotted overrides, e.g. run.model=/models/x rollout.engine.max_model_len=1536")
 
     buf = sub.add_parser("buffer", help="the standalone buffer service: serve | keygen")
     buf.add_argument("buffer_args", nargs=argparse.REMAINDER, help="arguments of `python -m buffer`")
@@ -148,15 +153,21 @@ def _dispatch(args) -> int:
     raise AssertionError(args.command)
 
 
+def _is_override(item: str) -> bool:
+    key, sep, _ = item.partition("=")
+    return bool(sep) and "/" not in key and not Path(item).exists()
+
+
 def _data_check(args) -> int:
     from services.config import load_config
     from services.controller import resolve_model
     from services.inputs import data_check
 
-    cfg = load_config(args.config, args.overrides)
-    task = cfg.rollout.task.model_copy(update={"kind": "file", "path": args.file})
-    cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"task": task})})
-    report, accepted = data_check(cfg, resolve_model(cfg), args.file)
+    # An item is an override when it reads as one (dotted.key=value) and names no file here.
+    overrides = [i for i in args.items if _is_override(i)]
+    files = [i for i in args.items if not _is_override(i)]
+    cfg = load_config(args.config, overrides)
+    report, accepted = data_check(cfg, resolve_model(cfg), files)
     print(report)
     return 0 if accepted else 1
 

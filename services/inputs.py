@@ -94,25 +94,38 @@ def check_run_inputs(cfg: EtarlConfig, model_dir) -> None:
         log.info("prompts %s", report.summary())
 
 
-def data_check(cfg: EtarlConfig, model_dir, path) -> tuple[str, bool]:
-    """`etarl data check`: a report on one prompt file under the run's config, and whether a run
-    would accept the file (no unusable row, or skip_invalid with usable rows left)."""
+def data_check(cfg: EtarlConfig, model_dir, paths: list[str] | None = None) -> tuple[str, bool]:
+    """`etarl data check`: a report on prompt files under the run's config (the files named, or
+    else the config's: each of rollout.task.path and, with evaluation, of heldout_path), and
+    whether a run would accept them all (no unusable row, or skip_invalid with usable rows left)."""
     task = cfg.rollout.task
     fmt = prompt_format(cfg, model_dir)
-    try:
-        report = check_prompts(path, task, fmt, cfg.rollout.sampling.max_new_tokens)
-    except (OSError, ValueError) as err:
-        raise ConfigError(str(err)) from None
-    lines = [f"model {model_dir}: {fmt.describe()}", report.summary()]
-    accepted = bool(report.problems) and (not report.bad or task.skip_invalid)
-    if not report.problems:
-        lines.append("a run would refuse this file: it holds no usable prompt")
-    elif report.bad and task.skip_invalid:
-        lines.append(f"a run would skip the {len(report.bad)} unusable rows (rollout.task.skip_invalid=true)")
-    elif report.bad:
-        lines.append("a run would refuse this file: fix the rows, or set rollout.task.skip_invalid=true to skip them")
+    if paths:
+        reports = {}
+        for path in paths:
+            try:
+                reports[path] = check_prompts(path, task, fmt, cfg.rollout.sampling.max_new_tokens)
+            except (OSError, ValueError) as err:
+                raise ConfigError(str(err)) from None
+    elif task.kind != "file":
+        raise ConfigError("no prompt file named, and the config's prompts are built in (rollout.task.kind="
+                          f"{task.kind}): name a file, or set rollout.task.path")
     else:
-        lines.append("every row is usable")
+        reports = prompt_reports(cfg, fmt)
+    lines, accepted = [f"model {model_dir}: {fmt.describe()}"], True
+    for key, report in reports.items():
+        lines.append(report.summary() if paths else f"{key} = {report.summary()}")
+        if not report.problems:
+            accepted = False
+            lines.append("  a run would refuse this file: it holds no usable prompt")
+        elif report.bad and task.skip_invalid:
+            lines.append(f"  a run would skip the {len(report.bad)} unusable rows (rollout.task.skip_invalid=true)")
+        elif report.bad:
+            accepted = False
+            lines.append("  a run would refuse this file: fix the rows, or set rollout.task.skip_invalid=true to "
+                         "skip them")
+        else:
+            lines.append("  every row is usable")
     return "\n".join(lines), accepted
 
 

@@ -76,6 +76,18 @@ def test_data_check_reports_rows_tokens_and_unusable_rows(tiny_model_dir, tmp_pa
            in capsys.readouterr().out
     assert main(["data", "check", str(tmp_path / "none.parquet"), model]) == EXIT_CONFIG_ERROR
     assert "does not exist" in capsys.readouterr().err
+    # Several files; or none: the config's own, each under its key (the held-out ones with evaluation on).
+    assert main(["data", "check", str(good), str(bad), model]) == 1
+    out = capsys.readouterr().out
+    assert f"{good}: 3 rows, 3 usable" in out and f"{bad}: 3 rows, 1 usable, 2 unusable" in out
+    files = [model, "rollout.task.kind=file", f"rollout.task.path=[{good}, {bad}]", f"rollout.task.heldout_path={good}"]
+    assert main(["data", "check", *files]) == 1
+    out = capsys.readouterr().out
+    assert f"rollout.task.path[0] = {good}: 3 rows" in out and f"rollout.task.path[1] = {bad}: 3 rows" in out
+    assert f"rollout.task.heldout_path = {good}: 3 rows" in out
+    assert main(["data", "check", *files, "rollout.task.skip_invalid=true"]) == 0
+    assert main(["data", "check", model]) == EXIT_CONFIG_ERROR  # the default's prompts are built in
+    assert "no prompt file named" in capsys.readouterr().err
 
 
 @pytest.mark.slow
