@@ -195,6 +195,7 @@ def _text(value: Any) -> str:
 
 def translate(overrides: list[tuple[str, Any]]) -> tuple[list[str], list[str]]:
     """(a line per verl key: its etarl key and value, or why it has none; the etarl overrides)."""
+    overrides = [(_verl_name(key) if is_verl_key(key) else key, value) for key, value in overrides]
     given = dict(overrides)
     lines: list[str] = []
     etarl: dict[str, str] = {}
@@ -209,9 +210,6 @@ def translate(overrides: list[tuple[str, Any]]) -> tuple[list[str], list[str]]:
     for key, value in overrides:
         if not is_verl_key(key):
             continue
-        if key != _verl_name(key):
-            given[_verl_name(key)] = given.pop(key)
-            key = _verl_name(key)
         if key in (REWARD_PATH, REWARD_NAME):
             if key == REWARD_PATH or REWARD_PATH not in given:
                 name = given.get(REWARD_NAME, "compute_score")

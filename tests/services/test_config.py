@@ -313,6 +313,8 @@ def test_verl_keys_are_refused_with_etarls_names_and_a_command_line_that_loads()
 @pytest.mark.parametrize("verl, etarl", [
     (["actor_rollout_ref.actor.use_kl_loss=True"], "learner.policy_loss.kl_coef=0.001"),  # verl's default coefficient
     (["actor_rollout_ref.actor.kl_loss_coef=0.01"], "learner.policy_loss.kl_coef=0.01"),
+    (["actor_rollout_ref.actor.kl_loss_coef=0.01", "+actor_rollout_ref.actor.use_kl_loss=False"],
+     "learner.policy_loss.kl_coef=0.0"),  # Hydra's '+' read as the key; the switch wins wherever it stands
     (["algorithm.use_kl_in_reward=True", "algorithm.kl_ctrl.kl_coef=0.05"], "learner.kl_in_reward.coef=0.05"),
     (["algorithm.adv_estimator=grpo", "algorithm.norm_adv_by_std_in_grpo=False"], "learner.advantage.estimator=dr_grpo"),
     (["custom_reward_function.path=r.py", "custom_reward_function.name=score"], "rollout.reward=r.py:score"),
