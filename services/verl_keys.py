@@ -52,7 +52,8 @@ RULES: dict[str, Rule] = {
     # the model
     MODEL + "path": Rule("run.model"),
     MODEL + "enable_gradient_checkpointing": Rule("learner.gradient_checkpointing"),
-    MODEL + "use_remove_padding": Rule("learner.packing", "etarl's auto packs on GPUs"),
+    MODEL + "use_remove_padding": Rule("learner.packing", "auto packs where it pays: on GPUs",
+                                       lambda v: "auto" if v else False),
     MODEL + "lora_rank": Rule(None, "etarl trains every weight (no LoRA)"),
     # the actor
     ACTOR + "optim.lr": Rule("learner.lr"),

@@ -303,7 +303,7 @@ def test_verl_keys_are_refused_with_etarls_names_and_a_command_line_that_loads()
             cfg.rollout.engine.gpu_memory_utilization) == (1536, 2, 0.6)
     learner = cfg.learner
     assert (learner.lr, learner.ppo_mini_batch_size, learner.micro_batch_size, learner.packing,
-            learner.gradient_checkpointing) == (1e-6, 256, 40, True, True)
+            learner.gradient_checkpointing) == (1e-6, 256, 40, "auto", True)
     assert (learner.policy_loss.kl_coef, learner.policy_loss.kl_estimator, learner.kl_in_reward.coef) == \
         (0.002, "low_var_kl", 0.0)
     assert learner.advantage.estimator == "grpo" and learner.rollout_correction.rollout_is == "token"
