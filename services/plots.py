@@ -13,7 +13,8 @@ METRICS_FILE = "metrics.jsonl"
 # One PNG per panel: (file stem, title, y label, metric keys drawn as lines).
 PANELS = [
     ("reward", "Training reward", "mean reward", ["reward/mean"]),
-    ("eval_accuracy", "Held-out evaluation", "accuracy", ["eval/accuracy", "eval/pass@1", "eval/pass@k"]),
+    ("eval_accuracy", "Held-out evaluation", "accuracy",
+     ["eval/accuracy", "eval/pass@1", "eval/pass@k", "eval/by_source/*/accuracy"]),
     ("staleness", "Staleness of consumed samples", "versions", ["staleness/mean", "staleness/max"]),
     ("kl", "Rollout/training mismatch", "KL", ["rollout_corr/kl", "rollout_corr/k3_kl"]),
     ("ess", "IS effective sample size", "ESS (fraction)", ["rollout_corr/rollout_is_eff_sample_size"]),
@@ -123,12 +124,16 @@ def plot_run(run_dir: str | os.PathLike) -> list[Path]:
 
 
 def _expand(records: list[dict], keys: list[str]) -> list[str]:
-    """`eval/pass@k` stands for whichever eval/pass@<k> (k > 1) keys the log holds."""
+    """`eval/pass@k` stands for whichever eval/pass@<k> (k > 1) keys the log holds, and
+    `eval/by_source/*/accuracy` for each data source's accuracy (held-out prompts of several)."""
     present = set().union(*(r.keys() for r in records)) if records else set()
     out = []
     for key in keys:
         if key == "eval/pass@k":
             out += sorted(k for k in present if k.startswith("eval/pass@") and k != "eval/pass@1")
+        elif "*" in key:
+            head, tail = key.split("*")
+            out += sorted(k for k in present if k.startswith(head) and k.endswith(tail))
         else:
             out.append(key)
     return out

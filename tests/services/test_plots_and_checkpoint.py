@@ -3,7 +3,7 @@
 import pytest
 
 from services import checkpoint
-from services.plots import MetricLog, plot_run, read_metrics
+from services.plots import PANELS, MetricLog, _expand, plot_run, read_metrics
 
 
 def test_metric_log_round_trip_nan_as_null_and_truncate_on_resume(tmp_path):
@@ -43,9 +43,15 @@ def test_plot_run_draws_a_png_per_panel_with_data(tmp_path):
                   "rollout_corr/kl": 0.001 * step, "rollout_corr/rollout_is_eff_sample_size": 0.97,
                   "throughput/samples_per_s": 40.0}
         if step % 5 == 0:
-            record.update({"eval/accuracy": 0.4 + step / 100, "eval/pass@4": 0.8})
+            record.update({"eval/accuracy": 0.4 + step / 100, "eval/pass@4": 0.8,
+                           "eval/by_source/gsm8k/accuracy": 0.5, "eval/by_source/gsm8k/pass@4": 0.9,
+                           "eval/by_source/math/accuracy": 0.3})
         log.write(record)
     log.close()
+    # the held-out panel: accuracy, pass@1, each pass@k, and each data source's accuracy
+    assert _expand(read_metrics(tmp_path), PANELS[1][3]) == [
+        "eval/accuracy", "eval/pass@1", "eval/pass@4", "eval/by_source/gsm8k/accuracy",
+        "eval/by_source/math/accuracy"]
     written = plot_run(tmp_path)
     names = sorted(p.name for p in written)
     assert names == ["ess.png", "eval_accuracy.png", "kl.png", "reward.png", "staleness.png", "throughput.png"]
