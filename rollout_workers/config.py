@@ -207,6 +207,9 @@ class RolloutConfig(_Strict):
                         "'path/to/file.py:function'; fn(response, answer) or verl's compute_score(data_source, "
                         "solution_str, ground_truth, extra_info=None), sync or async; not used by multi-turn "
                         "rollouts (their environment gives the rewards)")
+    reward_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="keyword arguments the reward is called with besides the response "
+        "and its reference (verl's custom_reward_function.reward_kwargs); JSON values")
     reward_timeout_s: float = Field(5.0, gt=0)
     reward_cpu_s: float | None = Field(
         10.0, gt=0, description="CPU seconds the reward process may use per response (all its threads; past it "
@@ -246,6 +249,15 @@ class RolloutConfig(_Strict):
         "generates with the ones it has")
     weight_load_retries: int = Field(
         3, ge=0, description="retries of a failed weight load before the worker asks to be restarted")
+
+    @field_validator("reward_kwargs")
+    @classmethod
+    def _json_kwargs(cls, value: dict) -> dict:
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"reward_kwargs must be JSON values (they go to the reward's process): {err}") from None
+        return value
 
     @model_validator(mode="after")
     def _overlong_buffer_fits(self):

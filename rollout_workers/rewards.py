@@ -199,12 +199,22 @@ def to_scored(value: Any) -> Scored:
 
 class Reward:
     """A reward spec loaded and called the same way whatever its form: `reward(response, problem)`
-    -> Scored. An async reward is awaited on this object's own event loop."""
+    -> Scored, with `kwargs` besides (verl's reward_kwargs). An async reward is awaited on this
+    object's own event loop."""
 
-    def __init__(self, spec: str) -> None:
+    def __init__(self, spec: str, kwargs: dict | None = None) -> None:
         self.spec = spec
         self.fn = resolve_reward(spec)
         self.verl_args = _call_style(self.fn, spec)
+        self.kwargs = dict(kwargs or {})
+        if self.kwargs:
+            try:  # a keyword the function does not take fails here, at start, not on every response
+                inspect.signature(self.fn).bind_partial(**self.kwargs)
+            except TypeError as err:
+                raise ValueError(f"reward {spec!r} cannot take rollout.reward_kwargs {sorted(self.kwargs)}: {err}") \
+                    from None
+            except ValueError:  # no signature to read: the call will say
+                pass
         self._loop: asyncio.AbstractEventLoop | None = None
 
     @property
@@ -213,11 +223,11 @@ class Reward:
 
     def __call__(self, response: str, problem: Problem) -> Scored:
         if self.verl_args is None:
-            result = self.fn(response, problem.answer_text)
+            result = self.fn(response, problem.answer_text, **self.kwargs)
         else:
             given = {"data_source": problem.data_source, "solution_str": response,
                      "ground_truth": problem.answer, "extra_info": problem.extra_info}
-            result = self.fn(**{name: given[name] for name in self.verl_args})
+            result = self.fn(**{name: given[name] for name in self.verl_args}, **self.kwargs)
         if inspect.isawaitable(result):
             if self._loop is None:
                 self._loop = asyncio.new_event_loop()
@@ -269,8 +279,10 @@ def reward_py_modules(spec: str) -> list[str]:
 
 def _reward_handler():
     """The reward process's handler: (response, problem) -> ("ok", (value, metrics)) | ("bad" |
-    "error", why). Started as `python -m rollout_workers.rewards SPEC`."""
-    reward = Reward(sys.argv[1])
+    "error", why). Started as `python -m rollout_workers.rewards SPEC [KWARGS_JSON]`."""
+    import json
+
+    reward = Reward(sys.argv[1], json.loads(sys.argv[2]) if len(sys.argv) > 2 else None)
 
     def handle(message):
         response, problem = message
@@ -302,13 +314,13 @@ class RewardRunner:
 
     def __init__(
         self, spec: str = "math", timeout_s: float = 5.0, failure_reward: float = 0.0, start_timeout_s: float = 60.0,
-        cpu_s: float | None = DEFAULT_CPU_S, memory_mb: int | None = DEFAULT_MEMORY_MB,
+        cpu_s: float | None = DEFAULT_CPU_S, memory_mb: int | None = DEFAULT_MEMORY_MB, kwargs: dict | None = None,
     ) -> None:
         if timeout_s <= 0:
             raise ValueError(f"reward timeout_s must be > 0, got {timeout_s}")
         if (cpu_s is not None and cpu_s <= 0) or (memory_mb is not None and memory_mb <= 0):
             raise ValueError(f"reward cpu_s and memory_mb must be > 0 (or None: no limit), got {cpu_s}, {memory_mb}")
-        Reward(spec)  # fail fast, in the caller, on a bad spec or signature
+        Reward(spec, kwargs)  # fail fast, in the caller, on a bad spec, signature or keyword
         self.spec = spec
         self.timeout_s = timeout_s
         self.failure_reward = failure_reward
@@ -318,7 +330,16 @@ class RewardRunner:
         self.last_error = ""
         # Starting Python is slow on a loaded machine: start_timeout_s is apart from the reward timeout.
         self.limits = ChildLimits(cpu_s, memory_mb)
-        self._child = ChildProcess("rollout_workers.rewards", [spec], start_timeout_s, self.limits)
+        import json
+
+        self._child = ChildProcess("rollout_workers.rewards", [spec] + ([json.dumps(kwargs)] if kwargs else []),
+                                   start_timeout_s, self.limits)
+
+    @classmethod
+    def for_rollout(cls, rollout) -> "RewardRunner":
+        """The runner of a RolloutConfig's reward: its spec, keyword arguments and limits."""
+        return cls(rollout.reward, timeout_s=rollout.reward_timeout_s, cpu_s=rollout.reward_cpu_s,
+                   memory_mb=rollout.reward_memory_mb, kwargs=rollout.reward_kwargs)
 
     def _fail(self, why: str) -> Scored:
         self.failures_total += 1

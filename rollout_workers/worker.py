@@ -155,11 +155,9 @@ class RolloutWorker:
         if self.prompts is None:
             self.prompts = train_prompts(cfg.task, self.prompt_format, cfg.sampling.max_new_tokens)
         if self.rewards is None and not cfg.multi_turn.enabled:
-            self.rewards = RewardRunner(cfg.reward, timeout_s=cfg.reward_timeout_s, cpu_s=cfg.reward_cpu_s,
-                                        memory_mb=cfg.reward_memory_mb)
+            self.rewards = RewardRunner.for_rollout(cfg)
         while not cfg.multi_turn.enabled and self._streams() and len(self._more_rewards) < cfg.reward_processes - 1:
-            self._more_rewards.append(RewardRunner(cfg.reward, timeout_s=cfg.reward_timeout_s, cpu_s=cfg.reward_cpu_s,
-                                                   memory_mb=cfg.reward_memory_mb))
+            self._more_rewards.append(RewardRunner.for_rollout(cfg))
         if self.agent is None and cfg.multi_turn.enabled:
             self.agent = AgentLoop(cfg.multi_turn, self.tokenizer, self.prompt_format)
 
@@ -959,8 +957,7 @@ class RolloutWorker:
                 if self.__dict__.get("_eval_rewards") is None:  # its own reward process: the loop's is busy
                     import weakref
 
-                    self._eval_rewards = RewardRunner(cfg.reward, timeout_s=cfg.reward_timeout_s,
-                                                      cpu_s=cfg.reward_cpu_s, memory_mb=cfg.reward_memory_mb)
+                    self._eval_rewards = RewardRunner.for_rollout(cfg)
                     weakref.finalize(self, self._eval_rewards.close)
                 rewards, before = self._eval_rewards, dict(self._eval_rewards.stats())
                 requests = [(ids, greedy) for _, ids in prompts] + ([(ids, sampled) for _, ids in prompts]

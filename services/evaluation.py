@@ -174,9 +174,8 @@ class PolicyEvaluator:
         prompts = [EvalPrompt(prompt_format.encode(p), p) for p in problems]
         # Multi-turn episodes are scored by their environment; single-turn answers by the reward,
         # in its own process (made before the engine: a bad spec fails before a model is loaded).
-        score = None if cfg.rollout.multi_turn.enabled else RewardScore(
-            RewardRunner(cfg.rollout.reward, timeout_s=cfg.rollout.reward_timeout_s, cpu_s=cfg.rollout.reward_cpu_s,
-                         memory_mb=cfg.rollout.reward_memory_mb), tokenizer)
+        score = None if cfg.rollout.multi_turn.enabled else RewardScore(RewardRunner.for_rollout(cfg.rollout),
+                                                                        tokenizer)
         engine_cfg = cfg.rollout.engine.model_copy(update={"kind": cfg.eval.engine or cfg.rollout.engine.kind})
         engine = make_engine(engine_cfg, model_dir, seed=cfg.run.seed)
         if cfg.rollout.multi_turn.enabled:

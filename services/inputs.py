@@ -40,7 +40,7 @@ def check_reward(cfg: EtarlConfig):
     from rollout_workers.rewards import Reward
 
     try:
-        return Reward(cfg.rollout.reward)
+        return Reward(cfg.rollout.reward, cfg.rollout.reward_kwargs)
     except ValueError as err:
         raise ConfigError(f"rollout.reward: {err}") from None
 

@@ -129,6 +129,7 @@ RULES: dict[str, Rule] = {
     "reward_model.enable": Rule(None, "etarl has no model-based reward: a reward function scores each response"),
     "reward_model.reward_manager": Rule(None, "etarl scores each response on its own (verl's naive manager); "
                                               "DAPO's overlong shaping is rollout.overlong_buffer"),
+    "custom_reward_function.reward_kwargs": Rule("rollout.reward_kwargs"),
     # the critic
     "critic.optim.lr": Rule("learner.critic.lr"),
     "critic.optim.weight_decay": Rule("learner.critic.weight_decay"),
@@ -160,6 +161,7 @@ RULES: dict[str, Rule] = {
 # Whole sections: under another name, or without an etarl counterpart.
 PREFIXES = {
     "algorithm.rollout_correction.": Rule("learner.rollout_correction.", "the same keys"),
+    "custom_reward_function.reward_kwargs.": Rule("rollout.reward_kwargs.", "the reward's keyword arguments"),
     ACTOR + "fsdp_config.": Rule(None, "etarl's FSDP2 learner: learner.distributed, learner.mixed_precision; no "
                                        "offloading"),
     "actor_rollout_ref.ref.": Rule(None, "etarl's reference model (for a KL term) is the policy's start, sharded "

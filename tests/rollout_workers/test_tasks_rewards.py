@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from rollout_workers.config import TaskConfig
+from rollout_workers.config import RolloutConfig, TaskConfig
 from rollout_workers.data import (
     Problem,
     PromptSet,
@@ -206,6 +206,31 @@ def test_verl_metrics_travel_through_the_reward_child():
         assert scored[1].metrics["reward/acc"] == 0.0
     finally:
         runner.close()
+
+
+KWARGS_REWARD = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, scale=1.0, bonus=None):
+    return {"score": scale * float(solution_str.strip() == str(ground_truth)), "bonus": bonus["n"]}
+'''
+
+
+def test_reward_kwargs_reach_the_reward_in_its_process_and_a_keyword_it_lacks_fails_at_start(tmp_path):
+    """verl's custom_reward_function.reward_kwargs: keyword arguments beside the response and its
+    reference (JSON values: they cross to the reward's process)."""
+    path = tmp_path / "kw_reward.py"
+    path.write_text(KWARGS_REWARD)
+    rollout = RolloutConfig(reward=f"{path}:compute_score", reward_kwargs={"scale": 0.5, "bonus": {"n": 3}})
+    runner = RewardRunner.for_rollout(rollout)
+    try:
+        scored = runner.score(["5", "6"], problem("5"))
+        assert [s.value for s in scored] == [0.5, 0.0] and scored[0].metrics == {"reward/bonus": 3.0}
+    finally:
+        runner.close()
+    with pytest.raises(ValueError, match=r"cannot take rollout.reward_kwargs \['typo'\]"):
+        RewardRunner(f"{path}:compute_score", kwargs={"typo": 1})
+    assert Reward("exact", None)("5", problem("5")).value == 1.0  # none: called as before
+    with pytest.raises(ValueError, match="must be JSON values"):
+        RolloutConfig(reward_kwargs={"f": object()})
 
 
 REWARD_FILE = '''
