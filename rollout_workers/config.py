@@ -97,7 +97,7 @@ class TaskConfig(_Strict):
     @classmethod
     def _no_empty_list(cls, value):
         if isinstance(value, list) and (not value or not all(isinstance(v, str) and v for v in value)):
-            raise ValueError(f"a list of prompt files needs at least one file and only file paths, got {value!r}")
+            raise ValueError("a list of prompt files needs at least one file, and only file paths")
         return value
 
     @model_validator(mode="after")

@@ -142,16 +142,18 @@ def resolve_reward(spec: str) -> Callable:
     return resolve_named(spec, BUILTIN_REWARDS, "reward")
 
 
-def _call_style(fn: Callable, spec: str) -> tuple[str, ...] | None:
+def _call_style(fn: Callable, spec: str, filled: Any = ()) -> tuple[str, ...] | None:
     """How to call a reward: None for etarl's fn(response, answer), else the verl keywords it takes.
-    A signature that fits neither form is a ValueError that shows both."""
+    Parameters named in `filled` (rollout.reward_kwargs) need nothing else. A signature that fits
+    neither form is a ValueError that shows both."""
     try:
         params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):  # no signature to read (some C functions): assume etarl's form
         return None
     names = {p.name for p in params}
     var_keyword = any(p.kind is p.VAR_KEYWORD for p in params)
-    required = [p.name for p in params if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    required = [p.name for p in params if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+                and p.name not in filled]
     if {"solution_str", "ground_truth"} <= names:
         passed = tuple(name for name in VERL_ARGS if name in names or var_keyword)
         if set(required) <= set(passed):
@@ -205,29 +207,37 @@ class Reward:
     def __init__(self, spec: str, kwargs: dict | None = None) -> None:
         self.spec = spec
         self.fn = resolve_reward(spec)
-        self.verl_args = _call_style(self.fn, spec)
         self.kwargs = dict(kwargs or {})
-        if self.kwargs:
-            try:  # a keyword the function does not take fails here, at start, not on every response
-                inspect.signature(self.fn).bind_partial(**self.kwargs)
+        self.verl_args = _call_style(self.fn, spec, self.kwargs)
+        if self.kwargs:  # a call the function cannot take fails here, at start, not on every response
+            try:
+                signature = inspect.signature(self.fn)
+            except (TypeError, ValueError):  # no signature to read: the call will say
+                signature = None
+            args, keywords = self._arguments("", Problem("", ""))
+            try:
+                if signature is not None:
+                    signature.bind(*args, **keywords)
             except TypeError as err:
                 raise ValueError(f"reward {spec!r} cannot take rollout.reward_kwargs {sorted(self.kwargs)}: {err}") \
                     from None
-            except ValueError:  # no signature to read: the call will say
-                pass
         self._loop: asyncio.AbstractEventLoop | None = None
+
+    def _arguments(self, response: str, problem: Problem) -> tuple[tuple, dict]:
+        """(positional, keyword) arguments of a call; reward_kwargs win over verl's keywords, as in verl."""
+        if self.verl_args is None:
+            return (response, problem.answer_text), self.kwargs
+        given = {"data_source": problem.data_source, "solution_str": response,
+                 "ground_truth": problem.answer, "extra_info": problem.extra_info}
+        return (), {**{name: given[name] for name in self.verl_args}, **self.kwargs}
 
     @property
     def form(self) -> str:
         return "etarl" if self.verl_args is None else "verl"
 
     def __call__(self, response: str, problem: Problem) -> Scored:
-        if self.verl_args is None:
-            result = self.fn(response, problem.answer_text, **self.kwargs)
-        else:
-            given = {"data_source": problem.data_source, "solution_str": response,
-                     "ground_truth": problem.answer, "extra_info": problem.extra_info}
-            result = self.fn(**{name: given[name] for name in self.verl_args}, **self.kwargs)
+        args, kwargs = self._arguments(response, problem)
+        result = self.fn(*args, **kwargs)
         if inspect.isawaitable(result):
             if self._loop is None:
                 self._loop = asyncio.new_event_loop()

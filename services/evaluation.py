@@ -111,7 +111,7 @@ def heldout_metrics(greedy: Sequence[float], sampled: Sequence[Sequence[float]] 
                                    correct_threshold)
             for key in ("accuracy", "num_prompts", "pass@1", f"pass@{k}"):
                 if f"eval/{key}" in part:
-                    metrics[f"eval/by_source/{source or 'unnamed'}/{key}"] = part[f"eval/{key}"]
+                    metrics[f"eval/by_source/{source or 'unknown'}/{key}"] = part[f"eval/{key}"]  # verl's name
     return metrics
 
 

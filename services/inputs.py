@@ -4,7 +4,7 @@
 ConfigError naming the key when the model folder has no tokenizer, the reward cannot be imported
 or has a signature that fits neither accepted form, the chat template file is missing, or a
 prompt file has unusable rows (`rollout.task.skip_invalid` skips them instead); it logs what it
-checked. `etarl data check` prints the same checks for one file (`data_check`).
+checked. `etarl data check` prints the same checks for the files named, or the config's (`data_check`).
 `ray_runtime_env` adds a reward module that is not installed to the Ray job's `py_modules`, so
 the workers of any cluster can import it.
 """

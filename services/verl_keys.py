@@ -5,11 +5,15 @@ read: etarl has its own names, and a key that looked read but meant something el
 than an error. A command line naming verl's sections is refused with each key's etarl name (or
 why there is none) and the whole command line in etarl's keys, to check and paste.
 
-The table follows verl's `ppo_trainer.yaml` (verl/trainer/config) and its recipes' keys (DAPO's
-`algorithm.filter_groups`, `reward_model.overlong_buffer`); `etarl config` lists etarl's own.
+The table follows verl's `ppo_trainer.yaml` (verl/trainer/config, 2026-08) and its recipes' keys
+(DAPO's `algorithm.filter_groups` and overlong buffer, in `reward_model.overlong_buffer` or
+`reward.reward_kwargs.overlong_buffer_cfg`); `etarl config` lists etarl's own. Keys read together
+(the two lengths, a switch and its coefficient, the estimator and its std flag, a reward's path and
+name) are joined over the whole command line, whatever their order.
 """
 from __future__ import annotations
 
+import json
 import shlex
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -17,8 +21,9 @@ from typing import Any, Callable, Optional
 import yaml
 
 # verl's top-level sections; none of them is one of etarl's (mode, run, ray, buffer, rollout, learner, eval, metrics)
-VERL_SECTIONS = ("actor_rollout_ref", "algorithm", "critic", "custom_reward_function", "data", "global_profiler",
-                 "ray_kwargs", "reward_manager", "reward_model", "trainer", "transfer_queue")
+VERL_SECTIONS = ("actor_rollout_ref", "algorithm", "critic", "custom_reward_function", "data", "distillation",
+                 "global_profiler", "ray_kwargs", "reward", "reward_manager", "reward_model", "sandbox_fusion", "skip",
+                 "trainer", "transfer_queue")
 
 
 @dataclass(frozen=True)
@@ -37,8 +42,9 @@ def _off_if_negative(value):  # verl's -1: never / none
 ACTOR, ROLLOUT, MODEL = "actor_rollout_ref.actor.", "actor_rollout_ref.rollout.", "actor_rollout_ref.model."
 RULES: dict[str, Rule] = {
     # data
-    "data.train_files": Rule("rollout.task.path", "with rollout.task.kind=file; a list: the files one after another"),
-    "data.val_files": Rule("rollout.task.heldout_path"),
+    "data.train_files": Rule("rollout.task.path", "with rollout.task.kind=file; a list: the files one after "
+                                                  "another"),
+    "data.val_files": Rule("rollout.task.heldout_path", "with rollout.task.kind=file and rollout.task.path"),
     "data.prompt_key": Rule("rollout.task.prompt_key"),
     "data.reward_fn_key": Rule("rollout.task.data_source_key"),
     "data.train_batch_size": Rule("buffer.gate.batch_size", "prompts per step, each a group of rollout.sampling.n"),
@@ -93,7 +99,6 @@ RULES: dict[str, Rule] = {
     ROLLOUT + "temperature": Rule("rollout.sampling.temperature"),
     ROLLOUT + "top_p": Rule("rollout.sampling.top_p"),
     ROLLOUT + "top_k": Rule("rollout.sampling.top_k", "etarl's 0 is verl's -1: no top-k", _off_if_negative),
-    ROLLOUT + "response_length": Rule("rollout.sampling.max_new_tokens"),
     ROLLOUT + "name": Rule("rollout.engine.kind", "vllm or hf, transformers; no SGLang"),
     ROLLOUT + "dtype": Rule("rollout.engine.dtype"),
     ROLLOUT + "gpu_memory_utilization": Rule("rollout.engine.gpu_memory_utilization"),
@@ -102,34 +107,38 @@ RULES: dict[str, Rule] = {
     ROLLOUT + "enforce_eager": Rule("rollout.engine.enforce_eager"),
     ROLLOUT + "mode": Rule(None, "etarl's engines always serve asynchronously"),
     ROLLOUT + "calculate_log_probs": Rule(None, "etarl's engines always return the behaviour log-probs"),
-    ROLLOUT + "enable_rollout_routing_replay": Rule("learner.routing_replay", "true: r3", lambda v: "r3" if v else "none"),
-    ROLLOUT + "val_kwargs.temperature": Rule("eval.temperature", "of the sampled answers (pass@k); etarl also "
-                                                                 "answers each held-out prompt greedily"),
-    ROLLOUT + "val_kwargs.n": Rule("eval.n_samples"),
     ROLLOUT + "multi_turn.enable": Rule(None, "multi-turn rollouts are on when rollout.multi_turn.environment "
                                               "names an environment"),
     ROLLOUT + "multi_turn.max_assistant_turns": Rule("rollout.multi_turn.max_turns"),
     # the algorithm
-    "algorithm.adv_estimator": Rule("learner.advantage.estimator"),
     "algorithm.gamma": Rule("learner.advantage.gamma"),
     "algorithm.lam": Rule("learner.advantage.lam"),
-    "algorithm.norm_adv_by_std_in_grpo": Rule("learner.advantage.estimator", "false: dr_grpo (GRPO without the "
-                                              "std division)", lambda v: "grpo" if v else "dr_grpo"),
     "algorithm.kl_penalty": Rule("learner.kl_in_reward.estimator"),
     "algorithm.kl_ctrl.type": Rule("learner.kl_in_reward.controller"),
     "algorithm.kl_ctrl.target_kl": Rule("learner.kl_in_reward.target_kl"),
     "algorithm.kl_ctrl.horizon": Rule("learner.kl_in_reward.horizon"),
     "algorithm.filter_groups.enable": Rule("rollout.filter_groups.enabled"),
-    "algorithm.filter_groups.metric": Rule("rollout.filter_groups.metric"),
+    "algorithm.filter_groups.metric": Rule("rollout.filter_groups.metric", "verl's score, seq_reward and "
+                                           "seq_final_reward are the reward", lambda v: "reward" if v in (
+                                               "score", "seq_reward", "seq_final_reward") else v),
     "algorithm.filter_groups.max_num_gen_batches": Rule(None, "etarl pushes a group anyway after "
                                                               "rollout.filter_groups.max_in_a_row filtered in a row"),
-    "reward_model.overlong_buffer.enable": Rule("rollout.overlong_buffer.enabled"),
-    "reward_model.overlong_buffer.len": Rule("rollout.overlong_buffer.len"),
-    "reward_model.overlong_buffer.penalty_factor": Rule("rollout.overlong_buffer.penalty_factor"),
+    **{f"{where}{key}": Rule(f"rollout.overlong_buffer.{etarl_key}")  # DAPO's, in verl's older and newer places
+       for where in ("reward_model.overlong_buffer.", "reward_model.reward_kwargs.overlong_buffer_cfg.",
+                     "reward.reward_kwargs.overlong_buffer_cfg.")
+       for key, etarl_key in (("enable", "enabled"), ("len", "len"), ("penalty_factor", "penalty_factor"))},
+    "reward.reward_kwargs.max_resp_len": Rule(None, "etarl's overlong buffer ends at rollout.sampling.max_new_tokens"),
+    "reward.reward_manager.name": Rule(None, "etarl scores each response on its own (verl's naive manager); "
+                                             "DAPO's overlong shaping is rollout.overlong_buffer"),
+    "reward.reward_model.enable": Rule(None, "etarl has no model-based reward: a reward function scores each "
+                                             "response"),
+    ACTOR + "router_replay.mode": Rule("learner.routing_replay", "verl's disabled, R2, R3",
+                                       lambda v: {"disabled": "none"}.get(str(v), str(v).lower())),
     "reward_model.enable": Rule(None, "etarl has no model-based reward: a reward function scores each response"),
     "reward_model.reward_manager": Rule(None, "etarl scores each response on its own (verl's naive manager); "
                                               "DAPO's overlong shaping is rollout.overlong_buffer"),
     "custom_reward_function.reward_kwargs": Rule("rollout.reward_kwargs"),
+    "reward.custom_reward_function.reward_kwargs": Rule("rollout.reward_kwargs"),
     # the critic
     "critic.optim.lr": Rule("learner.critic.lr"),
     "critic.optim.weight_decay": Rule("learner.critic.weight_decay"),
@@ -141,8 +150,10 @@ RULES: dict[str, Rule] = {
     # the trainer
     "trainer.total_training_steps": Rule("run.steps"),
     "trainer.total_epochs": Rule(None, "etarl counts steps: run.steps = epochs x prompts / data.train_batch_size"),
-    "trainer.test_freq": Rule("run.eval_every", "0: only at the start and the end", _off_if_negative),
-    "trainer.save_freq": Rule("run.checkpoint_every", "0: only at the end", _off_if_negative),
+    "trainer.test_freq": Rule("run.eval_every", "verl's -1: no evaluation during training; etarl's 0: at the start "
+                                                "and the end", _off_if_negative),
+    "trainer.save_freq": Rule("run.checkpoint_every", "verl's -1: no checkpoint; etarl's 0: one at the end",
+                              _off_if_negative),
     "trainer.val_before_train": Rule(None, "etarl evaluates at the start whenever eval.enabled"),
     "trainer.critic_warmup": Rule("learner.critic.train_alone_steps"),
     "trainer.default_local_dir": Rule("run.run_dir"),
@@ -162,6 +173,7 @@ RULES: dict[str, Rule] = {
 PREFIXES = {
     "algorithm.rollout_correction.": Rule("learner.rollout_correction.", "the same keys"),
     "custom_reward_function.reward_kwargs.": Rule("rollout.reward_kwargs.", "the reward's keyword arguments"),
+    "reward.custom_reward_function.reward_kwargs.": Rule("rollout.reward_kwargs.", "the reward's keyword arguments"),
     ACTOR + "fsdp_config.": Rule(None, "etarl's FSDP2 learner: learner.distributed, learner.mixed_precision; no "
                                        "offloading"),
     "actor_rollout_ref.ref.": Rule(None, "etarl's reference model (for a KL term) is the policy's start, sharded "
@@ -170,11 +182,98 @@ PREFIXES = {
     "critic.model.fsdp_config.": Rule(None, "etarl's critic is sharded as the learner is"),
     "global_profiler.": Rule(None, "no profiler settings"),
 }
-# Keys that become one etarl key together, or whose meaning hangs on a switch.
-REWARD_PATH, REWARD_NAME = "custom_reward_function.path", "custom_reward_function.name"
-PROMPT_LENGTH, RESPONSE_LENGTH, VERL_LENGTH = "data.max_prompt_length", "data.max_response_length", 512
-KL_LOSS = (ACTOR + "use_kl_loss", ACTOR + "kl_loss_coef", 0.001, "learner.policy_loss.kl_coef")
-KL_REWARD = ("algorithm.use_kl_in_reward", "algorithm.kl_ctrl.kl_coef", 0.001, "learner.kl_in_reward.coef")
+# Keys read together: each join reads the whole command line (the order of its keys is not theirs).
+PROMPT_LENGTH, VERL_LENGTH = "data.max_prompt_length", 512
+RESPONSE_LENGTHS = ("data.max_response_length", ROLLOUT + "response_length")
+ESTIMATOR, NORM_BY_STD = "algorithm.adv_estimator", "algorithm.norm_adv_by_std_in_grpo"
+REWARD_FUNCTIONS = ("custom_reward_function.", "reward.custom_reward_function.")  # verl's older and newer place
+KL_SWITCHES = {  # switch, its coefficient, verl's default coefficient, etarl's key
+    ACTOR + "use_kl_loss": (ACTOR + "kl_loss_coef", 0.001, "learner.policy_loss.kl_coef"),
+    "algorithm.use_kl_in_reward": ("algorithm.kl_ctrl.kl_coef", 0.001, "learner.kl_in_reward.coef"),
+}
+Said = list[tuple[Optional[str], Any, str]]  # (etarl key or None, value, note)
+
+
+def _reward_function(key: str, value: Any, given: dict) -> Said:
+    section = next(s for s in REWARD_FUNCTIONS if key.startswith(s))
+    path, name = given.get(section + "path"), given.get(section + "name") or "compute_score"
+    if key.endswith(".name") and path:
+        return []  # said with the path
+    if not path:
+        return [(None, None, f"the function named goes with a file: rollout.reward=path/to/file.py:{name}")]
+    return [("rollout.reward", f"{path}:{name}", f"{section}name joined")]
+
+
+def _kl(key: str, value: Any, given: dict) -> Said:
+    switch = next(s for s, (coef, _, _) in KL_SWITCHES.items() if key in (s, coef))
+    coef_key, verl_default, target = KL_SWITCHES[switch]
+    if key == coef_key:
+        return [] if switch in given else [(None, None, f"verl applies it only with {switch}=true (default false); "
+                                                        f"etarl's is {target}")]
+    if not value:
+        return [(target, 0.0, "off")]
+    if coef_key in given:
+        return [(target, given[coef_key], f"with {coef_key}")]
+    return [(target, verl_default, f"{coef_key} at verl's default")]
+
+
+def _estimator(key: str, value: Any, given: dict) -> Said:
+    estimator, by_std = given.get(ESTIMATOR, "gae"), given.get(NORM_BY_STD, True)
+    if key == ESTIMATOR:
+        if estimator == "grpo" and by_std is False:
+            return [("learner.advantage.estimator", "dr_grpo", f"GRPO with {NORM_BY_STD}=false: no std division")]
+        return [("learner.advantage.estimator", value, "")]
+    if estimator == "gdpo":
+        return [("learner.advantage.gdpo_norm_by_std", value, "")]
+    if estimator == "grpo":
+        return []  # said with the estimator
+    return [(None, None, f"verl applies it to grpo only (here {estimator}); GRPO without the std division is "
+                         f"learner.advantage.estimator=dr_grpo")]
+
+
+def _lengths(key: str, value: Any, given: dict) -> Said:
+    if key != PROMPT_LENGTH:  # the rollout's response length, where given, is the one verl generates with
+        return [] if key == RESPONSE_LENGTHS[0] and RESPONSE_LENGTHS[1] in given else \
+            [("rollout.sampling.max_new_tokens", value, "")]
+    if ROLLOUT + "max_model_len" in given:
+        return [(None, None, f"{ROLLOUT}max_model_len gives the context")]
+    response_key = next((k for k in reversed(RESPONSE_LENGTHS) if k in given), None)
+    response = given[response_key] if response_key else VERL_LENGTH
+    note = f"the prompt and the response: {value} + {response}" + ("" if response_key else
+                                                                   " (verl's default response length)")
+    return [("rollout.engine.max_model_len", _plus(value, response), note)]
+
+
+def _clip_ratio(key: str, value: Any, given: dict) -> Said:
+    return [(None, None, "verl's PPO clip takes clip_ratio_low and clip_ratio_high (0.2 each unless set; clip_ratio "
+                         "only where one is null): etarl's are learner.policy_loss.clip_ratio_low / _high")]
+
+
+def _validation(key: str, value: Any, given: dict) -> Said:
+    if key.endswith(".n"):  # verl's one answer, not sampled, is etarl's greedy answer
+        return [("eval.n_samples", 0 if isinstance(value, int) and value <= 1 else value,
+                 "sampled answers per prompt for pass@k; etarl also answers each held-out prompt greedily")]
+    if not value:
+        return [(None, None, "etarl answers each held-out prompt greedily anyway; eval.temperature samples its "
+                             "eval.n_samples answers")]
+    return [("eval.temperature", value, "of the sampled answers")]
+
+
+def _routing(key: str, value: Any, given: dict) -> Said:
+    if ACTOR + "router_replay.mode" in given:
+        return []  # the mode says it
+    return [("learner.routing_replay", "r3", "")] if value else [(None, None, "etarl's default replays nothing")]
+
+
+JOINS: dict[str, Callable[[str, Any, dict], Said]] = {
+    **{section + part: _reward_function for section in REWARD_FUNCTIONS for part in ("path", "name")},
+    **{key: _kl for switch, (coef, _, _) in KL_SWITCHES.items() for key in (switch, coef)},
+    ESTIMATOR: _estimator, NORM_BY_STD: _estimator,
+    PROMPT_LENGTH: _lengths, **{key: _lengths for key in RESPONSE_LENGTHS},
+    ACTOR + "clip_ratio": _clip_ratio,
+    ROLLOUT + "val_kwargs.n": _validation, ROLLOUT + "val_kwargs.temperature": _validation,
+    ROLLOUT + "enable_rollout_routing_replay": _routing,
+}
 
 
 def is_verl_key(key: str) -> bool:
@@ -190,10 +289,27 @@ def _plus(a: Any, b: Any) -> Any:
 
 
 def _text(value: Any) -> str:
-    """A value as an override's right-hand side (YAML flow)."""
+    """A value as an override's right-hand side (YAML flow), read back as the same value: a string
+    YAML would read as something else ('yes', 'null', '1e-3') is quoted."""
     if isinstance(value, str):
-        return value
+        return value if yaml.safe_load(value or "''") == value else json.dumps(value)
     return yaml.safe_dump(value, default_flow_style=True, width=10**6).strip().removesuffix("...").strip()
+
+
+def _said(key: str, value: Any, given: dict) -> Said:
+    """What one verl key becomes."""
+    if key in JOINS:
+        return JOINS[key](key, value, given)
+    if value is None:
+        return [(None, None, "null: etarl's default stands")]
+    prefix = next((p for p in PREFIXES if key.startswith(p)), None)
+    if prefix is not None:
+        rule = PREFIXES[prefix]
+        return [(rule.etarl and rule.etarl + key[len(prefix):], value, "" if rule.etarl else rule.note)]
+    rule = RULES.get(key)
+    if rule is None:
+        return [(None, None, "not one etarl has (`etarl config` lists etarl's keys)")]
+    return [(rule.etarl, rule.value(value) if rule.value else value, rule.note)]
 
 
 def translate(overrides: list[tuple[str, Any]]) -> tuple[list[str], list[str]]:
@@ -202,55 +318,15 @@ def translate(overrides: list[tuple[str, Any]]) -> tuple[list[str], list[str]]:
     given = dict(overrides)
     lines: list[str] = []
     etarl: dict[str, str] = {}
-
-    def say(key: str, target: Optional[str], value: Any = None, note: str = "") -> None:
-        if target is None:
-            lines.append(f"  {key}: no etarl key: {note}")
-            return
-        etarl[target] = _text(value)
-        lines.append(f"  {key}={_text(given[key])} -> {target}={etarl[target]}" + (f" ({note})" if note else ""))
-
     for key, value in overrides:
         if not is_verl_key(key):
             continue
-        if key in (REWARD_PATH, REWARD_NAME):
-            if key == REWARD_PATH or REWARD_PATH not in given:
-                name = given.get(REWARD_NAME, "compute_score")
-                if REWARD_PATH in given:
-                    say(key, "rollout.reward", f"{given[REWARD_PATH]}:{name}", f"{REWARD_NAME} joined")
-                else:
-                    say(key, None, note=f"the function named goes with a file: rollout.reward=path/to/file.py:{name}")
-            continue
-        switch = next((s for s in (KL_LOSS, KL_REWARD) if key in s[:2]), None)
-        if switch is not None:  # etarl's coefficient is on when above 0
-            on_key, coef_key, verl_default, target = switch
-            if key == on_key:
-                coef = given.get(coef_key, verl_default) if value else 0.0
-                joined = f"with {coef_key}" if coef_key in given else f"{coef_key} at verl's default"
-                say(key, target, coef, joined if value else "off")
-            elif on_key not in given:
-                say(key, target, value, f"verl applies it only with {on_key}=true")
-            continue
-        if key == PROMPT_LENGTH:  # verl's engine context is the two lengths together
-            response = given.get(RESPONSE_LENGTH, VERL_LENGTH)
-            say(key, "rollout.engine.max_model_len", _plus(value, response),
-                f"the prompt and the response: {value} + {response}" + ("" if RESPONSE_LENGTH in given else
-                                                                        " (verl's default response length)"))
-            continue
-        if key == ACTOR + "clip_ratio":
-            for side in ("low", "high"):
-                say(key, f"learner.policy_loss.clip_ratio_{side}", value, "both sides")
-            continue
-        prefix = next((p for p in PREFIXES if key.startswith(p)), None)
-        if prefix is not None:
-            rule = PREFIXES[prefix]
-            say(key, rule.etarl and rule.etarl + key[len(prefix):], value, "" if rule.etarl else rule.note)
-            continue
-        rule = RULES.get(key)
-        if rule is None:
-            say(key, None, note="not one etarl has (`etarl config` lists etarl's keys)")
-        else:
-            say(key, rule.etarl, rule.value(value) if rule.value else value, rule.note)
+        for target, new, note in _said(key, value, given):
+            if target is None:
+                lines.append(f"  {key}: no etarl key: {note}")
+                continue
+            etarl[target] = _text(new)
+            lines.append(f"  {key}={_text(value)} -> {target}={etarl[target]}" + (f" ({note})" if note else ""))
     if "rollout.task.path" in etarl:
         etarl.setdefault("rollout.task.kind", "file")
     return lines, [f"{key}={text}" for key, text in etarl.items()]

@@ -70,7 +70,8 @@ class PromptSet:
         if order is None:
             import numpy as np  # here, not at the top: environment and reward child processes import this package
 
-            order = np.random.default_rng([self.shuffle_seed, epoch]).permutation(len(self.problems)).tolist()
+            seed = [self.shuffle_seed % 2**63, epoch]  # numpy takes no negative seed; run.seed may be one
+            order = np.random.default_rng(seed).permutation(len(self.problems)).tolist()
             self._orders = {e: o for e, o in self._orders.items() if e >= epoch - 1}
             self._orders[epoch] = order
         return order

@@ -192,12 +192,12 @@ async def _reopen_update(llm) -> None:
     """After a failed update_weights, vLLM's worker has ended its update session but left the
     layers it had not finished on meta tensors (their old tensors kept aside): a new session over
     them (start_weight_update skips the layers already waiting) lets finish_weight_update put those
-    back. A failure before the update reached the worker left the session open: nothing to do."""
+    back. A failure before the update reached the worker left the session open, and this start is
+    refused: the finish that follows ends that one."""
     try:
         await llm.start_weight_update()
     except Exception as err:
-        if "already active" not in str(err):
-            raise
+        log.debug("weight update abort: no new session (%s: %s): finishing the open one", type(err).__name__, err)
 
 
 class VLLMEngine(GenerationEngine):
@@ -257,8 +257,13 @@ class VLLMEngine(GenerationEngine):
         if self.weight_transfer_backend == "ipc":
             # vLLM's IPC updates carry CUDA IPC handles (tuples of torch types) to the engine core,
             # which its msgpack channel takes only with pickle allowed (as vLLM's own IPC examples
-            # set it): a local socket between this process and the core it starts.
-            os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+            # set it): a local socket between this process and the core it starts. It stays set
+            # for the process (this worker's engines).
+            if os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1") != "1":
+                raise ValueError("weight_transfer=ipc hands the engine CUDA IPC handles, which vLLM passes to its "
+                                 "engine core only with VLLM_ALLOW_INSECURE_SERIALIZATION=1, and this process has it "
+                                 f"set to {os.environ['VLLM_ALLOW_INSECURE_SERIALIZATION']!r}: unset it, or use "
+                                 "learner.weight_sync.backend=gloo")
         self.transfer_width = tensor_parallel_size  # the engine's receiving processes
         self._transfer_joined = False
         self._paused_at = None  # while a weight update holds generation paused

@@ -321,7 +321,10 @@ def test_after_a_failed_update_of_vllms_own_backend_the_engine_serves_the_weight
     there, for want of CUDA."""
     from rollout_workers.engines.vllm_engine import VLLMEngine
 
-    monkeypatch.delenv("VLLM_ALLOW_INSECURE_SERIALIZATION", raising=False)  # the engine sets it; gone after
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "0")  # refused by the user: said, before a start
+    with pytest.raises(ValueError, match="VLLM_ALLOW_INSECURE_SERIALIZATION=1, and this process has it set to '0'"):
+        VLLMEngine(tiny_model_dir, weight_transfer="ipc")
+    monkeypatch.delenv("VLLM_ALLOW_INSECURE_SERIALIZATION")  # the engine sets it; gone after the test
     engine = VLLMEngine(tiny_model_dir, dtype="float32", kv_cache_bytes=16 * 2**20, weight_transfer="ipc")
     try:
         prompt, params = encode(tokenizer, PROMPT_TEXT), SamplingParams(n=2, max_new_tokens=4, seed=0)

@@ -228,6 +228,16 @@ def test_reward_kwargs_reach_the_reward_in_its_process_and_a_keyword_it_lacks_fa
         runner.close()
     with pytest.raises(ValueError, match=r"cannot take rollout.reward_kwargs \['typo'\]"):
         RewardRunner(f"{path}:compute_score", kwargs={"typo": 1})
+    # A parameter only reward_kwargs fills is not missing; a verl keyword they name, they set (as in verl).
+    (tmp_path / "needs.py").write_text("def compute_score(data_source, solution_str, ground_truth, *, scale):\n"
+                                       "    return scale * (solution_str == ground_truth)\n"
+                                       "def plain(response, answer, scale):\n    return scale * (response == answer)\n")
+    assert Reward(f"{tmp_path / 'needs.py'}:compute_score", {"scale": 2.0})("5", problem("5")).value == 2.0
+    assert Reward(f"{tmp_path / 'needs.py'}:plain", {"scale": 3.0})("5", problem("5")).value == 3.0
+    assert Reward(f"{tmp_path / 'needs.py'}:compute_score", {"scale": 1.0, "ground_truth": "6"})(
+        "6", problem("5")).value == 1.0
+    with pytest.raises(ValueError, match="cannot take rollout.reward_kwargs"):  # etarl's form: its two are its own
+        Reward(f"{tmp_path / 'needs.py'}:plain", {"scale": 1.0, "answer": "6"})
     assert Reward("exact", None)("5", problem("5")).value == 1.0  # none: called as before
     with pytest.raises(ValueError, match="must be JSON values"):
         RolloutConfig(reward_kwargs={"f": object()})

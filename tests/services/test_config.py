@@ -290,7 +290,8 @@ def test_verl_keys_are_refused_with_etarls_names_and_a_command_line_that_loads()
     assert "these are verl's keys, which etarl does not read" in message
     assert "actor_rollout_ref.rollout.n=5 -> rollout.sampling.n=5" in message
     assert "data.max_prompt_length=512 -> rollout.engine.max_model_len=1536" in message
-    assert "trainer.logger: no etarl key" in message and "trainer.total_epochs: no etarl key: etarl counts steps" in message
+    assert "trainer.logger: no etarl key" in message
+    assert "trainer.total_epochs: no etarl key: etarl counts steps" in message
     assert "actor_rollout_ref.actor.fsdp_config.param_offload: no etarl key" in message
     cfg = load_config(None, shlex.split(message.splitlines()[-1]))  # the etarl line, as a shell reads it
     assert cfg.run.steps == 40 and cfg.run.model == "tiny"  # the user's own etarl keys kept
@@ -310,18 +311,45 @@ def test_verl_keys_are_refused_with_etarls_names_and_a_command_line_that_loads()
     assert (cfg.run.checkpoint_every, cfg.run.eval_every) == (20, 0)
 
 
+@pytest.mark.parametrize("verl, said", [
+    (["actor_rollout_ref.actor.kl_loss_coef=0.01"],
+     "verl applies it only with actor_rollout_ref.actor.use_kl_loss=true"),
+    (["actor_rollout_ref.actor.clip_ratio=0.28"], "verl's PPO clip takes clip_ratio_low and clip_ratio_high"),
+    (["algorithm.adv_estimator=rloo", "algorithm.norm_adv_by_std_in_grpo=False"], "verl applies it to grpo only"),
+    (["trainer.max_actor_ckpt_to_keep=null"], "null: etarl's default stands"),
+])
+def test_verl_keys_that_change_nothing_in_verl_or_etarl_become_no_key(verl, said):
+    with pytest.raises(ConfigError) as refused:
+        load_config(None, verl)
+    assert f": no etarl key: {said}" in str(refused.value)
+
+
 @pytest.mark.parametrize("verl, etarl", [
     (["actor_rollout_ref.actor.use_kl_loss=True"], "learner.policy_loss.kl_coef=0.001"),  # verl's default coefficient
-    (["actor_rollout_ref.actor.kl_loss_coef=0.01"], "learner.policy_loss.kl_coef=0.01"),
     (["actor_rollout_ref.actor.kl_loss_coef=0.01", "+actor_rollout_ref.actor.use_kl_loss=False"],
      "learner.policy_loss.kl_coef=0.0"),  # Hydra's '+' read as the key; the switch wins wherever it stands
     (["algorithm.use_kl_in_reward=True", "algorithm.kl_ctrl.kl_coef=0.05"], "learner.kl_in_reward.coef=0.05"),
-    (["algorithm.adv_estimator=grpo", "algorithm.norm_adv_by_std_in_grpo=False"], "learner.advantage.estimator=dr_grpo"),
-    (["custom_reward_function.path=r.py", "custom_reward_function.name=score"], "rollout.reward=r.py:score"),
-    (["custom_reward_function.reward_kwargs.scale=0.5"], "rollout.reward_kwargs.scale=0.5"),
-    (["actor_rollout_ref.actor.clip_ratio=0.28"],
-     "learner.policy_loss.clip_ratio_low=0.28 learner.policy_loss.clip_ratio_high=0.28"),
-    (["data.max_response_length=64", "data.max_prompt_length=32"], "rollout.engine.max_model_len=96"),
+    (["algorithm.norm_adv_by_std_in_grpo=False", "algorithm.adv_estimator=grpo"],
+     "learner.advantage.estimator=dr_grpo"),
+    (["algorithm.adv_estimator=gdpo", "algorithm.norm_adv_by_std_in_grpo=False", "custom_reward_function.path=r.py",
+      "learner.advantage.gdpo_reward_keys=[fmt,acc]"],  # an etarl key beside them is kept in the line
+     "learner.advantage.estimator=gdpo learner.advantage.gdpo_norm_by_std=false"),
+    (["custom_reward_function.name=score", "custom_reward_function.path=r.py"], "rollout.reward=r.py:score"),
+    (["reward.custom_reward_function.path=r.py", "+reward.custom_reward_function.reward_kwargs.scale=0.5"],
+     "rollout.reward=r.py:compute_score rollout.reward_kwargs.scale=0.5"),  # verl's newer place
+    (["data.max_prompt_length=32", "data.max_response_length=64"], "rollout.engine.max_model_len=96"),
+    (["data.max_prompt_length=32", "data.max_response_length=64", "actor_rollout_ref.rollout.response_length=40"],
+     "rollout.engine.max_model_len=72 rollout.sampling.max_new_tokens=40"),
+    (["actor_rollout_ref.rollout.val_kwargs.n=1", "actor_rollout_ref.rollout.val_kwargs.temperature=0"],
+     "eval.n_samples=0"),
+    (["algorithm.filter_groups.enable=True", "algorithm.filter_groups.metric=seq_reward"],
+     "rollout.filter_groups.enabled=true rollout.filter_groups.metric=reward"),
+    (["actor_rollout_ref.actor.router_replay.mode=R2", "actor_rollout_ref.rollout.enable_rollout_routing_replay=False"],
+     "learner.routing_replay=r2"),
+    (["+reward.reward_kwargs.overlong_buffer_cfg.enable=True", "+reward.reward_kwargs.overlong_buffer_cfg.len=4"],
+     "rollout.overlong_buffer.enabled=true rollout.overlong_buffer.len=4"),  # DAPO's newer form
+    (["custom_reward_function.path=r.py", 'custom_reward_function.reward_kwargs.mode="yes"'],
+     "'rollout.reward_kwargs.mode=\"yes\"'"),  # a string YAML would read as true stays a string
     (["reward_model.overlong_buffer.enable=True", "reward_model.overlong_buffer.len=4",
       "algorithm.filter_groups.enable=True"],
      "rollout.overlong_buffer.enabled=true rollout.overlong_buffer.len=4 rollout.filter_groups.enabled=true"),
@@ -333,7 +361,45 @@ def test_verl_keys_that_join_or_change_on_the_way(verl, etarl):
         load_config(None, verl)
     line = str(refused.value).splitlines()[-1]
     assert etarl in line
-    load_config(None, shlex.split(line))  # and it loads
+    cfg = load_config(None, shlex.split(line))  # and it loads
+    if "reward_kwargs.mode" in etarl:
+        assert cfg.rollout.reward_kwargs == {"mode": "yes"}
+
+
+def test_every_rule_of_the_verl_table_gives_a_line_that_loads():
+    """Each key of the table with verl's default value (from its ppo_trainer.yaml) translates to
+    overrides the real loader takes (a value etarl refuses would fail the user's paste)."""
+    import shlex
+
+    from services.verl_keys import RULES
+
+    verl_defaults = {"data.max_response_length": 512, "actor_rollout_ref.rollout.n": 1, "data.train_batch_size": 1024,
+                     "actor_rollout_ref.actor.optim.lr_scheduler_type": "constant", "algorithm.kl_penalty": "kl",
+                     "algorithm.kl_ctrl.type": "fixed", "actor_rollout_ref.rollout.name": "vllm",
+                     "actor_rollout_ref.rollout.dtype": "bfloat16",
+                     "actor_rollout_ref.actor.kl_loss_type": "low_var_kl",
+                     "actor_rollout_ref.actor.loss_agg_mode": "token-mean", "data.prompt_key": "prompt",
+                     "actor_rollout_ref.actor.policy_loss.loss_mode": "vanilla", "data.reward_fn_key": "data_source",
+                     "actor_rollout_ref.actor.router_replay.mode": "R3", "algorithm.filter_groups.metric": "acc",
+                     "actor_rollout_ref.rollout.gpu_memory_utilization": 0.5, "actor_rollout_ref.actor.optim.betas":
+                     [0.9, 0.999], "data.apply_chat_template_kwargs": {}, "critic.loss_agg_mode": "token-mean",
+                     "custom_reward_function.reward_kwargs": {}, "reward.custom_reward_function.reward_kwargs": {},
+                     "actor_rollout_ref.actor.optim.total_training_steps": 1000,
+                     "actor_rollout_ref.actor.clip_ratio_c": 3.0,
+                     "actor_rollout_ref.actor.policy_loss.clip_cov_ub": 5.0,
+                     "actor_rollout_ref.rollout.top_p": 1.0, "actor_rollout_ref.rollout.top_k": -1,
+                     "actor_rollout_ref.rollout.max_model_len": 1536}
+    for key, rule in RULES.items():
+        if rule.etarl is None or key.startswith(("data.train_files", "data.val_files", "critic.model.path",
+                                                  "trainer.default_local_dir", "actor_rollout_ref.model.path")):
+            continue  # paths: checked where they are read
+        value = verl_defaults.get(key, True if "enable" in key or key.endswith(("use_remove_padding", "shuffle"))
+                                  else 0.2 if any(w in key for w in ("clip_ratio", "lr_ratio", "top_p", "cov_ratio"))
+                                  else 1)
+        with pytest.raises(ConfigError) as refused:
+            load_config(None, [f"{key}={value}"])
+        line = str(refused.value).splitlines()[-1]
+        load_config(None, shlex.split(line) + (["rollout.overlong_buffer.len=4"] if "overlong" in key else []))
 
 
 def test_every_etarl_key_the_verl_table_names_exists():
