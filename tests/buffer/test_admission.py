@@ -28,6 +28,7 @@ class GateMachine(RuleBasedStateMachine):
         self.gate = AdmissionGate(batch_size, eta, max_concurrent, lease_s=10.0)
         self.now = 0.0
         self.consumed_tickets: list[int] = []
+        self.eta_lowered = False  # since when the held window may exceed the new, smaller bound
 
     def _held(self):
         # By ticket, not by id: permit ids are random, and hypothesis must draw the same way on replay.
@@ -35,12 +36,24 @@ class GateMachine(RuleBasedStateMachine):
 
     @rule(worker=st.integers(0, 5))
     def acquire(self, worker):
-        before = self.gate.capacity()
-        permit = self.gate.try_acquire(f"w{worker}", self.now)
+        g = self.gate
+        before = g.capacity()
+        permit = g.try_acquire(f"w{worker}", self.now)
         if before > 0:
-            assert permit is not None and permit.version == self.gate.version
+            assert permit is not None and permit.version == g.version
+            if g.eta is not None:  # the η rule with the η in force, whatever η was before
+                assert g.accepted + g.running <= (g.eta + g.version + 1) * g.batch_size
         else:
             assert permit is None
+
+    @rule(eta=st.one_of(st.none(), st.integers(0, 3)))
+    def eta_changes(self, eta):
+        """Adaptive η (buffer.eta_control) moves the bound during a run: held permits stay, and a
+        smaller bound admits nothing more until the window is back under it."""
+        old = self.gate.eta
+        self.gate.set_eta(eta)
+        if eta is not None and (old is None or eta < old):
+            self.eta_lowered = True
 
     @precondition(lambda self: self.gate.permits)
     @rule(data=st.data())
@@ -78,7 +91,7 @@ class GateMachine(RuleBasedStateMachine):
     @invariant()
     def staleness_bound(self):
         g = self.gate
-        if g.eta is not None:
+        if g.eta is not None and not self.eta_lowered:
             assert g.accepted + g.running <= (g.eta + g.version + 1) * g.batch_size
 
     @invariant()
