@@ -765,9 +765,11 @@ class RolloutWorker:
     def _filter_value(sample, metric: str) -> float | None:
         if metric == "reward":
             return float(sample.reward)
+        # a reward's own metrics ride as reward/<key>: verl's name ('acc') or that one
+        value = sample.metadata.get(metric, sample.metadata.get(f"reward/{metric}"))
         try:
-            return float(sample.metadata[metric])
-        except (KeyError, TypeError, ValueError):  # absent, or not a number
+            return float(value)
+        except (TypeError, ValueError):  # absent, or not a number
             return None
 
     def _set_aside_known_bad(self, held: list) -> None:
@@ -779,7 +781,7 @@ class RolloutWorker:
             held.remove(permit)
 
     def _prompt_position(self, ticket: int) -> int:
-        return ticket % len(self.prompts)
+        return self.prompts.position(ticket)
 
     def _generate_alone(self, permit) -> tuple:
         """(group, None), or (None, the engine's error) for one prompt on its own."""

@@ -12,6 +12,7 @@ import collections.abc
 import difflib
 import json
 import os
+import re
 import types
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,6 +93,20 @@ class EvalConfig(BaseModel):
 # ---------------------------------------------------------------- generic machinery
 
 
+class _YamlLoader(yaml.SafeLoader):
+    """YAML as PyYAML reads it, but for numbers in exponent form ('1e-6', '1.5e3'), which
+    YAML 1.2 (and Hydra) read as floats and PyYAML as strings: a free-form value (reward_kwargs,
+    environment_kwargs) would get the string."""
+
+
+_YamlLoader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+                                  list("-+0123456789"))
+
+
+def yaml_value(text: str) -> Any:
+    return yaml.load(text, Loader=_YamlLoader)  # noqa: S506 (a SafeLoader)
+
+
 def parse_override(text: str) -> tuple[str, Any]:
     """`a.b.c=value` -> ("a.b.c", value read as YAML)."""
     key, sep, raw = text.partition("=")
@@ -103,7 +118,7 @@ def parse_override(text: str) -> tuple[str, Any]:
                     "--resume (train)")
         raise ConfigError(f"override {text!r} is not of the form dotted.key=value{hint}")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = yaml_value(raw) if raw.strip() else ""
     except yaml.YAMLError:
         value = raw  # not YAML (e.g. an unbalanced bracket): keep the string, pydantic judges it
     return key, value
@@ -246,7 +261,7 @@ def read_yaml(path: str | os.PathLike) -> dict:
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = yaml_value(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as exc:
         raise ConfigError(f"config file {str(path)!r} is not valid YAML: {exc}") from None
     if data is None:
@@ -267,7 +282,7 @@ def _config_in_manifest(path: Path, manifest: dict) -> dict:
         raise ConfigError(f"config file {str(path)!r} is a Kubernetes {manifest.get('kind')} manifest, not an etarl "
                           "config: give the config itself, or a ConfigMap with one .yaml entry holding it")
     try:
-        data = yaml.safe_load(texts[0])
+        data = yaml_value(texts[0])
     except yaml.YAMLError as exc:
         raise ConfigError(f"the ConfigMap {str(path)!r}'s config is not valid YAML: {exc}") from None
     if not isinstance(data, dict):

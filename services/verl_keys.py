@@ -21,9 +21,12 @@ from typing import Any, Callable, Optional
 import yaml
 
 # verl's top-level sections; none of them is one of etarl's (mode, run, ray, buffer, rollout, learner, eval, metrics)
-VERL_SECTIONS = ("actor_rollout_ref", "algorithm", "critic", "custom_reward_function", "data", "distillation",
+VERL_SECTIONS = ("actor_rollout_ref", "algorithm", "async_training", "critic", "custom_reward_function", "data",
+                 "distillation",
                  "global_profiler", "ray_kwargs", "reward", "reward_manager", "reward_model", "sandbox_fusion", "skip",
                  "trainer", "transfer_queue")
+# verl's fully-async trainer has a top-level `rollout` section too: these keys of it are not etarl's
+VERL_ROLLOUT_KEYS = ("rollout.nnodes", "rollout.n_gpus_per_node", "rollout.total_rollout_steps")
 
 
 @dataclass(frozen=True)
@@ -47,7 +50,8 @@ RULES: dict[str, Rule] = {
     "data.val_files": Rule("rollout.task.heldout_path", "with rollout.task.kind=file and rollout.task.path"),
     "data.prompt_key": Rule("rollout.task.prompt_key"),
     "data.reward_fn_key": Rule("rollout.task.data_source_key"),
-    "data.train_batch_size": Rule("buffer.gate.batch_size", "prompts per step, each a group of rollout.sampling.n"),
+    "data.train_batch_size": Rule("buffer.gate.batch_size", "prompts per step, each a group of rollout.sampling.n",
+                                  lambda v: None if v == 0 else v),  # 0: verl's fully-async trainer's
     "data.max_response_length": Rule("rollout.sampling.max_new_tokens"),
     "data.shuffle": Rule("rollout.task.shuffle", "etarl's default is file order"),
     "data.seed": Rule("rollout.task.seed"),
@@ -148,7 +152,6 @@ RULES: dict[str, Rule] = {
     "critic.loss_agg_mode": Rule("learner.critic.loss_agg_mode"),
     "critic.model.path": Rule("learner.critic.model_path"),
     # the trainer
-    "trainer.total_training_steps": Rule("run.steps"),
     "trainer.total_epochs": Rule(None, "etarl counts steps: run.steps = epochs x prompts / data.train_batch_size"),
     "trainer.test_freq": Rule("run.eval_every", "verl's -1: no evaluation during training; etarl's 0: at the start "
                                                 "and the end", _off_if_negative),
@@ -181,6 +184,12 @@ PREFIXES = {
     ROLLOUT + "log_prob_": Rule(None, "the learner's log-prob passes share learner.max_tokens_per_micro_batch"),
     "critic.model.fsdp_config.": Rule(None, "etarl's critic is sharded as the learner is"),
     "global_profiler.": Rule(None, "no profiler settings"),
+    "async_training.": Rule(None, "etarl is asynchronous by design: its staleness bound is buffer.gate.eta (versions "
+                                  "a sample may lag the learner; 'auto' adapts it), its weight sync each step"),
+    "rollout.nnodes": Rule(None, "etarl uses the Ray cluster's nodes and GPUs (`etarl plan` shows the layout)"),
+    "rollout.n_gpus_per_node": Rule(None, "etarl uses the Ray cluster's nodes and GPUs (`etarl plan` shows the "
+                                          "layout)"),
+    "rollout.total_rollout_steps": Rule(None, "etarl counts learner steps: run.steps"),
 }
 # Keys read together: each join reads the whole command line (the order of its keys is not theirs).
 PROMPT_LENGTH, VERL_LENGTH = "data.max_prompt_length", 512
@@ -220,13 +229,16 @@ def _kl(key: str, value: Any, given: dict) -> Said:
 def _estimator(key: str, value: Any, given: dict) -> Said:
     estimator, by_std = given.get(ESTIMATOR, "gae"), given.get(NORM_BY_STD, True)
     if key == ESTIMATOR:
-        if estimator == "grpo" and by_std is False:
+        if estimator in ("grpo", "grpo_vectorized") and by_std is False:
             return [("learner.advantage.estimator", "dr_grpo", f"GRPO with {NORM_BY_STD}=false: no std division")]
-        return [("learner.advantage.estimator", value, "")]
+        same = {"grpo_vectorized": "grpo", "rloo_vectorized": "rloo"}  # verl's two forms of one estimator
+        return [("learner.advantage.estimator", same.get(value, value), "")]
     if estimator == "gdpo":
         return [("learner.advantage.gdpo_norm_by_std", value, "")]
-    if estimator == "grpo":
+    if estimator in ("grpo", "grpo_vectorized"):
         return []  # said with the estimator
+    if estimator == "grpo_passk":
+        return [(None, None, "etarl's grpo_passk divides by the group's std")] if value is False else []
     return [(None, None, f"verl applies it to grpo only (here {estimator}); GRPO without the std division is "
                          f"learner.advantage.estimator=dr_grpo")]
 
@@ -250,13 +262,29 @@ def _clip_ratio(key: str, value: Any, given: dict) -> Said:
 
 
 def _validation(key: str, value: Any, given: dict) -> Said:
-    if key.endswith(".n"):  # verl's one answer, not sampled, is etarl's greedy answer
-        return [("eval.n_samples", 0 if isinstance(value, int) and value <= 1 else value,
-                 "sampled answers per prompt for pass@k; etarl also answers each held-out prompt greedily")]
-    if not value:
-        return [(None, None, "etarl answers each held-out prompt greedily anyway; eval.temperature samples its "
-                             "eval.n_samples answers")]
-    return [("eval.temperature", value, "of the sampled answers")]
+    """verl validates with val_kwargs: n answers per prompt, sampled only with do_sample (default
+    false: greedy). etarl answers each held-out prompt greedily and samples eval.n_samples more."""
+    n_key, temperature_key, sample_key = (ROLLOUT + "val_kwargs." + k for k in ("n", "temperature", "do_sample"))
+    sampled = bool(given.get(sample_key, False))
+    if key == temperature_key:
+        if sampled and value:
+            return [("eval.temperature", value, "of the sampled answers")]
+        return [(None, None, "verl's validation is greedy here; etarl answers each held-out prompt greedily anyway")]
+    if key == sample_key and n_key in given:
+        return []  # said with n
+    n = given.get(n_key, 1)
+    if not sampled or not isinstance(n, int):
+        return [("eval.n_samples", 0, "greedy validation: etarl's greedy answer, no samples")]
+    return [("eval.n_samples", n, "sampled answers per prompt; etarl also answers greedily"),
+            ("eval.k", min(n, 4), "pass@k within the samples")]
+
+
+def _steps(key: str, value: Any, given: dict) -> Said:
+    said: Said = [("run.steps", value, "")]
+    schedule = given.get(ACTOR + "optim.lr_scheduler_type", "constant")
+    if schedule != "constant" and ACTOR + "optim.total_training_steps" not in given:
+        said.append(("learner.total_steps", value, f"the span of the {schedule} decay, as verl takes it"))
+    return said
 
 
 def _routing(key: str, value: Any, given: dict) -> Said:
@@ -271,13 +299,15 @@ JOINS: dict[str, Callable[[str, Any, dict], Said]] = {
     ESTIMATOR: _estimator, NORM_BY_STD: _estimator,
     PROMPT_LENGTH: _lengths, **{key: _lengths for key in RESPONSE_LENGTHS},
     ACTOR + "clip_ratio": _clip_ratio,
-    ROLLOUT + "val_kwargs.n": _validation, ROLLOUT + "val_kwargs.temperature": _validation,
+    **{ROLLOUT + "val_kwargs." + k: _validation for k in ("n", "temperature", "do_sample")},
+    "trainer.total_training_steps": _steps,
     ROLLOUT + "enable_rollout_routing_replay": _routing,
 }
 
 
 def is_verl_key(key: str) -> bool:
-    return _verl_name(key).split(".", 1)[0] in VERL_SECTIONS
+    name = _verl_name(key)
+    return name.split(".", 1)[0] in VERL_SECTIONS or name in VERL_ROLLOUT_KEYS
 
 
 def _verl_name(key: str) -> str:
@@ -292,16 +322,20 @@ def _text(value: Any) -> str:
     """A value as an override's right-hand side (YAML flow), read back as the same value: a string
     YAML would read as something else ('yes', 'null', '1e-3') is quoted."""
     if isinstance(value, str):
-        return value if yaml.safe_load(value or "''") == value else json.dumps(value)
+        try:
+            same = yaml.safe_load(value or "''") == value
+        except yaml.YAMLError:  # not YAML at all ('[oops'): quoted, it is a string
+            same = False
+        return value if same else json.dumps(value)
     return yaml.safe_dump(value, default_flow_style=True, width=10**6).strip().removesuffix("...").strip()
 
 
 def _said(key: str, value: Any, given: dict) -> Said:
     """What one verl key becomes."""
-    if key in JOINS:
-        return JOINS[key](key, value, given)
     if value is None:
         return [(None, None, "null: etarl's default stands")]
+    if key in JOINS:
+        return JOINS[key](key, value, given)
     prefix = next((p for p in PREFIXES if key.startswith(p)), None)
     if prefix is not None:
         rule = PREFIXES[prefix]
@@ -309,13 +343,16 @@ def _said(key: str, value: Any, given: dict) -> Said:
     rule = RULES.get(key)
     if rule is None:
         return [(None, None, "not one etarl has (`etarl config` lists etarl's keys)")]
-    return [(rule.etarl, rule.value(value) if rule.value else value, rule.note)]
+    new = rule.value(value) if rule.value else value
+    if new is None:
+        return [(None, None, f"{value!r} has no etarl form of {rule.etarl} ({rule.note})")]
+    return [(rule.etarl, new, rule.note)]
 
 
 def translate(overrides: list[tuple[str, Any]]) -> tuple[list[str], list[str]]:
     """(a line per verl key: its etarl key and value, or why it has none; the etarl overrides)."""
     overrides = [(_verl_name(key) if is_verl_key(key) else key, value) for key, value in overrides]
-    given = dict(overrides)
+    given = {key: value for key, value in overrides if value is not None}  # a null is verl's default
     lines: list[str] = []
     etarl: dict[str, str] = {}
     for key, value in overrides:

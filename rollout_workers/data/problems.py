@@ -58,12 +58,14 @@ class PromptSet:
         return len(self.problems)
 
     def problem(self, ticket: int) -> Problem:
+        return self.problems[self.position(ticket)]
+
+    def position(self, ticket: int) -> int:
+        """Where ticket's problem stands in the list (the same prompt on every pass: its identity)."""
         if ticket < 0:
             raise ValueError(f"ticket must be >= 0, got {ticket}")
         epoch, index = divmod(ticket, len(self.problems))
-        if self.shuffle_seed is None:
-            return self.problems[index]
-        return self.problems[int(self._order(epoch)[index])]
+        return index if self.shuffle_seed is None else int(self._order(epoch)[index])
 
     def _order(self, epoch: int):
         """The pass's order: an array (a million prompts: 8 MB, where a list of ints takes 36)."""

@@ -229,6 +229,10 @@ def test_shuffled_prompts_use_each_row_once_per_pass_in_an_order_every_reader_sh
     for ticket in (149, 3, 77, 50, 120, 0):
         assert other.problem(ticket).row == passes[ticket // 50][ticket % 50]
     assert [train_prompts(task.model_copy(update={"seed": 4})).problem(t).row for t in range(50)] != passes[0]
+    # a prompt's position in the set is its identity on every pass (what a worker quarantines)
+    for ticket in (0, 49, 50, 77, 149):
+        assert worker.problems[worker.position(ticket)] == worker.problem(ticket)
+        assert worker.position(ticket) == passes[ticket // 50][ticket % 50] - 1
     negative = train_prompts(task.model_copy(update={"seed": -4}))  # run.seed may be negative
     assert sorted(negative.problem(t).row for t in range(50)) == list(range(1, 51))
     assert [train_prompts(task.model_copy(update={"shuffle": False})).problem(t).row for t in range(50)] == \

@@ -217,6 +217,17 @@ def test_groups_that_score_alike_are_filtered_and_their_tickets_end(tiny_model_d
     worker.close()
 
 
+def test_a_filter_metric_is_a_reward_metric_by_verls_name_or_etarls():
+    """DAPO's `algorithm.filter_groups.metric=acc` names what the reward's dict returns; the sample
+    carries it as reward/acc (it is never found under the bare name, so nothing was filtered)."""
+    from types import SimpleNamespace
+
+    sample = SimpleNamespace(reward=0.5, metadata={"reward/acc": 1.0, "turns": "two"})
+    assert RolloutWorker._filter_value(sample, "acc") == RolloutWorker._filter_value(sample, "reward/acc") == 1.0
+    assert RolloutWorker._filter_value(sample, "reward") == 0.5
+    assert RolloutWorker._filter_value(sample, "turns") is None and RolloutWorker._filter_value(sample, "x") is None
+
+
 def test_after_max_in_a_row_filtered_groups_the_next_is_pushed(tiny_model_dir, vllm_engine, buffer):
     """A task every sample scores alike on (solved, or hopeless) slows the run, never stops it."""
     from rollout_workers.config import FilterGroupsConfig

@@ -311,12 +311,23 @@ def test_verl_keys_are_refused_with_etarls_names_and_a_command_line_that_loads()
     assert (cfg.run.checkpoint_every, cfg.run.eval_every) == (20, 0)
 
 
+def test_a_verl_value_yaml_cannot_read_is_a_string_in_the_line():
+    with pytest.raises(ConfigError) as refused:
+        load_config(None, ["actor_rollout_ref.model.path=[oops"])
+    assert """'run.model="[oops"'""" in str(refused.value)
+
+
 @pytest.mark.parametrize("verl, said", [
     (["actor_rollout_ref.actor.kl_loss_coef=0.01"],
      "verl applies it only with actor_rollout_ref.actor.use_kl_loss=true"),
     (["actor_rollout_ref.actor.clip_ratio=0.28"], "verl's PPO clip takes clip_ratio_low and clip_ratio_high"),
     (["algorithm.adv_estimator=rloo", "algorithm.norm_adv_by_std_in_grpo=False"], "verl applies it to grpo only"),
     (["trainer.max_actor_ckpt_to_keep=null"], "null: etarl's default stands"),
+    (["data.train_batch_size=0"], "0 has no etarl form of buffer.gate.batch_size"),  # verl's fully-async trainer
+    (["async_training.staleness_threshold=0.5"], "etarl is asynchronous by design: its staleness bound is"),
+    (["rollout.total_rollout_steps=100"], "etarl counts learner steps: run.steps"),  # in etarl's own section's name
+    (["algorithm.adv_estimator=grpo_passk", "algorithm.norm_adv_by_std_in_grpo=False"],
+     "etarl's grpo_passk divides by the group's std"),
 ])
 def test_verl_keys_that_change_nothing_in_verl_or_etarl_become_no_key(verl, said):
     with pytest.raises(ConfigError) as refused:
@@ -348,6 +359,14 @@ def test_verl_keys_that_change_nothing_in_verl_or_etarl_become_no_key(verl, said
      "learner.routing_replay=r2"),
     (["+reward.reward_kwargs.overlong_buffer_cfg.enable=True", "+reward.reward_kwargs.overlong_buffer_cfg.len=4"],
      "rollout.overlong_buffer.enabled=true rollout.overlong_buffer.len=4"),  # DAPO's newer form
+    (["actor_rollout_ref.rollout.val_kwargs.do_sample=True", "actor_rollout_ref.rollout.val_kwargs.n=2",
+      "actor_rollout_ref.rollout.val_kwargs.temperature=0.6"],
+     "eval.n_samples=2 eval.k=2 eval.temperature=0.6"),
+    (["actor_rollout_ref.actor.optim.lr_scheduler_type=cosine", "trainer.total_training_steps=100"],
+     "learner.lr_schedule=cosine run.steps=100 learner.total_steps=100"),  # verl's decay spans the run
+    (["data.max_prompt_length=null", "data.max_response_length=100", "actor_rollout_ref.rollout.max_model_len=null"],
+     "rollout.sampling.max_new_tokens=100"),  # nulls are verl's defaults: etarl's stand
+    (["algorithm.adv_estimator=grpo_vectorized"], "learner.advantage.estimator=grpo"),
     (["custom_reward_function.path=r.py", 'custom_reward_function.reward_kwargs.mode="yes"'],
      "'rollout.reward_kwargs.mode=\"yes\"'"),  # a string YAML would read as true stays a string
     (["reward_model.overlong_buffer.enable=True", "reward_model.overlong_buffer.len=4",
