@@ -22,6 +22,7 @@ import asyncio
 import importlib
 import importlib.util
 import inspect
+import json
 import math
 import numbers
 import os
@@ -210,18 +211,20 @@ class Reward:
         self.kwargs = dict(kwargs or {})
         self.verl_args = _call_style(self.fn, spec, self.kwargs)
         if self.kwargs:  # a call the function cannot take fails here, at start, not on every response
-            try:
-                signature = inspect.signature(self.fn)
-            except (TypeError, ValueError):  # no signature to read: the call will say
-                signature = None
-            args, keywords = self._arguments("", Problem("", ""))
-            try:
-                if signature is not None:
-                    signature.bind(*args, **keywords)
-            except TypeError as err:
-                raise ValueError(f"reward {spec!r} cannot take rollout.reward_kwargs {sorted(self.kwargs)}: {err}") \
-                    from None
+            self._check_call(spec)
         self._loop: asyncio.AbstractEventLoop | None = None
+
+    def _check_call(self, spec: str) -> None:
+        try:
+            signature = inspect.signature(self.fn)
+        except (TypeError, ValueError):  # no signature to read: the call will say
+            return
+        args, keywords = self._arguments("", Problem("", ""))
+        try:
+            signature.bind(*args, **keywords)
+        except TypeError as err:
+            raise ValueError(f"reward {spec!r} cannot take rollout.reward_kwargs {sorted(self.kwargs)}: {err}") \
+                from None
 
     def _arguments(self, response: str, problem: Problem) -> tuple[tuple, dict]:
         """(positional, keyword) arguments of a call; reward_kwargs win over verl's keywords, as in verl."""
@@ -290,8 +293,6 @@ def reward_py_modules(spec: str) -> list[str]:
 def _reward_handler():
     """The reward process's handler: (response, problem) -> ("ok", (value, metrics)) | ("bad" |
     "error", why). Started as `python -m rollout_workers.rewards SPEC [KWARGS_JSON]`."""
-    import json
-
     reward = Reward(sys.argv[1], json.loads(sys.argv[2]) if len(sys.argv) > 2 else None)
 
     def handle(message):
@@ -340,8 +341,6 @@ class RewardRunner:
         self.last_error = ""
         # Starting Python is slow on a loaded machine: start_timeout_s is apart from the reward timeout.
         self.limits = ChildLimits(cpu_s, memory_mb)
-        import json
-
         self._child = ChildProcess("rollout_workers.rewards", [spec] + ([json.dumps(kwargs)] if kwargs else []),
                                    start_timeout_s, self.limits)
 

@@ -71,12 +71,18 @@ def prompt_reports(cfg: EtarlConfig, fmt: PromptFormat) -> dict[str, PromptRepor
             raise ConfigError("rollout.task.heldout_path is unset, so there are no held-out prompts to evaluate on: "
                               "set it, or eval.enabled=false")
         files |= {key: (path, cfg.eval.max_new_tokens) for key, path in task.files("heldout_path").items()}
+    return _checked_files(files, task, fmt)
+
+
+def _checked_files(files: dict[str, tuple[str, int | None]], task, fmt: PromptFormat) -> dict[str, PromptReport]:
+    """{name: (path, max_new_tokens)} checked, by name; a file that cannot be read is a ConfigError
+    naming it (by its config key, where that is its name)."""
     reports = {}
-    for key, (path, max_new_tokens) in files.items():
+    for name, (path, max_new_tokens) in files.items():
         try:
-            reports[key] = check_prompts(path, task, fmt, max_new_tokens)
+            reports[name] = check_prompts(path, task, fmt, max_new_tokens)
         except (OSError, ValueError) as err:
-            raise ConfigError(f"{key}: {err}") from None
+            raise ConfigError(str(err) if name == path else f"{name}: {err}") from None
     return reports
 
 
@@ -101,12 +107,7 @@ def data_check(cfg: EtarlConfig, model_dir, paths: list[str] | None = None) -> t
     task = cfg.rollout.task
     fmt = prompt_format(cfg, model_dir)
     if paths:
-        reports = {}
-        for path in paths:
-            try:
-                reports[path] = check_prompts(path, task, fmt, cfg.rollout.sampling.max_new_tokens)
-            except (OSError, ValueError) as err:
-                raise ConfigError(str(err)) from None
+        reports = _checked_files({path: (path, cfg.rollout.sampling.max_new_tokens) for path in paths}, task, fmt)
     elif task.kind != "file":
         raise ConfigError("no prompt file named, and the config's prompts are built in (rollout.task.kind="
                           f"{task.kind}): name a file, or set rollout.task.path")

@@ -51,8 +51,8 @@ class PromptSet:
             raise ValueError("a prompt set needs at least one problem")
         self.problems = list(problems)
         self.shuffle_seed = shuffle_seed
-        self._orders: dict = {}  # pass -> its order; the last two kept (tickets of
-        # concurrent permits straddle a pass's end)
+        # pass -> its order; the last two kept (the tickets of concurrent permits straddle a pass's end)
+        self._orders: dict = {}
 
     def __len__(self) -> int:
         return len(self.problems)
