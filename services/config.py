@@ -12,7 +12,6 @@ import collections.abc
 import difflib
 import json
 import os
-import re
 import types
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +21,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, Tag, ValidationError, model_validator
 
 from rollout_workers.tiny_model import TinyModelSpec
+from services.yaml_values import yaml_value
 
 
 class ConfigError(ValueError):
@@ -91,20 +91,6 @@ class EvalConfig(BaseModel):
 
 
 # ---------------------------------------------------------------- generic machinery
-
-
-class _YamlLoader(yaml.SafeLoader):
-    """YAML as PyYAML reads it, but for numbers in exponent form ('1e-6', '1.5e3'), which
-    YAML 1.2 (and Hydra) read as floats and PyYAML as strings: a free-form value (reward_kwargs,
-    environment_kwargs) would get the string."""
-
-
-_YamlLoader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-                                  list("-+0123456789"))
-
-
-def yaml_value(text: str) -> Any:
-    return yaml.load(text, Loader=_YamlLoader)  # noqa: S506 (a SafeLoader)
 
 
 def parse_override(text: str) -> tuple[str, Any]:

@@ -20,11 +20,12 @@ from typing import Any, Callable, Optional
 
 import yaml
 
+from services.yaml_values import yaml_value
+
 # verl's top-level sections; none of them is one of etarl's (mode, run, ray, buffer, rollout, learner, eval, metrics)
 VERL_SECTIONS = ("actor_rollout_ref", "algorithm", "async_training", "critic", "custom_reward_function", "data",
-                 "distillation",
-                 "global_profiler", "ray_kwargs", "reward", "reward_manager", "reward_model", "sandbox_fusion", "skip",
-                 "trainer", "transfer_queue")
+                 "distillation", "global_profiler", "ray_kwargs", "reward", "reward_manager", "reward_model",
+                 "sandbox_fusion", "skip", "trainer", "transfer_queue")
 # verl's fully-async trainer has a top-level `rollout` section too: these keys of it are not etarl's
 VERL_ROLLOUT_KEYS = ("rollout.nnodes", "rollout.n_gpus_per_node", "rollout.total_rollout_steps")
 
@@ -43,6 +44,12 @@ def _off_if_negative(value):  # verl's -1: never / none
 
 
 ACTOR, ROLLOUT, MODEL = "actor_rollout_ref.actor.", "actor_rollout_ref.rollout.", "actor_rollout_ref.model."
+# Notes several keys share.
+CLUSTER = "etarl uses the Ray cluster's nodes and GPUs (ray.address; `etarl plan` shows the layout)"
+ONE_REWARD = "etarl scores each response on its own (verl's naive manager); DAPO's overlong shaping is " \
+             "rollout.overlong_buffer"
+NO_REWARD_MODEL = "etarl has no model-based reward: a reward function scores each response"
+REWARD_KWARGS = Rule("rollout.reward_kwargs.", "the reward's keyword arguments")
 RULES: dict[str, Rule] = {
     # data
     "data.train_files": Rule("rollout.task.path", "with rollout.task.kind=file; a list: the files one after "
@@ -132,15 +139,12 @@ RULES: dict[str, Rule] = {
                      "reward.reward_kwargs.overlong_buffer_cfg.")
        for key, etarl_key in (("enable", "enabled"), ("len", "len"), ("penalty_factor", "penalty_factor"))},
     "reward.reward_kwargs.max_resp_len": Rule(None, "etarl's overlong buffer ends at rollout.sampling.max_new_tokens"),
-    "reward.reward_manager.name": Rule(None, "etarl scores each response on its own (verl's naive manager); "
-                                             "DAPO's overlong shaping is rollout.overlong_buffer"),
-    "reward.reward_model.enable": Rule(None, "etarl has no model-based reward: a reward function scores each "
-                                             "response"),
+    "reward.reward_manager.name": Rule(None, ONE_REWARD),
+    "reward.reward_model.enable": Rule(None, NO_REWARD_MODEL),
     ACTOR + "router_replay.mode": Rule("learner.routing_replay", "verl's disabled, R2, R3",
                                        lambda v: {"disabled": "none"}.get(str(v), str(v).lower())),
-    "reward_model.enable": Rule(None, "etarl has no model-based reward: a reward function scores each response"),
-    "reward_model.reward_manager": Rule(None, "etarl scores each response on its own (verl's naive manager); "
-                                              "DAPO's overlong shaping is rollout.overlong_buffer"),
+    "reward_model.enable": Rule(None, NO_REWARD_MODEL),
+    "reward_model.reward_manager": Rule(None, ONE_REWARD),
     "custom_reward_function.reward_kwargs": Rule("rollout.reward_kwargs"),
     "reward.custom_reward_function.reward_kwargs": Rule("rollout.reward_kwargs"),
     # the critic
@@ -163,10 +167,9 @@ RULES: dict[str, Rule] = {
     "trainer.max_actor_ckpt_to_keep": Rule("run.keep_checkpoints"),
     "trainer.resume_mode": Rule(None, "etarl train --resume RUN_DIR continues a run"),
     "trainer.balance_batch": Rule(None, "etarl always balances the learner's ranks by tokens"),
-    "trainer.nnodes": Rule(None, "etarl uses the Ray cluster's nodes and GPUs (ray.address; `etarl plan` shows "
-                                 "the layout)"),
-    "trainer.n_gpus_per_node": Rule(None, "etarl uses the Ray cluster's nodes and GPUs (ray.address; `etarl "
-                                          "plan` shows the layout)"),
+    **{key: Rule(None, CLUSTER) for key in ("trainer.nnodes", "trainer.n_gpus_per_node", "rollout.nnodes",
+                                            "rollout.n_gpus_per_node")},
+    "rollout.total_rollout_steps": Rule(None, "etarl counts learner steps: run.steps"),
     "trainer.logger": Rule(None, "etarl writes metrics.jsonl and plots to the run folder and serves Prometheus "
                                  "metrics (metrics.port)"),
     "trainer.project_name": Rule(None, "a run is its folder (run.run_dir)"),
@@ -175,8 +178,8 @@ RULES: dict[str, Rule] = {
 # Whole sections: under another name, or without an etarl counterpart.
 PREFIXES = {
     "algorithm.rollout_correction.": Rule("learner.rollout_correction.", "the same keys"),
-    "custom_reward_function.reward_kwargs.": Rule("rollout.reward_kwargs.", "the reward's keyword arguments"),
-    "reward.custom_reward_function.reward_kwargs.": Rule("rollout.reward_kwargs.", "the reward's keyword arguments"),
+    "custom_reward_function.reward_kwargs.": REWARD_KWARGS,
+    "reward.custom_reward_function.reward_kwargs.": REWARD_KWARGS,
     ACTOR + "fsdp_config.": Rule(None, "etarl's FSDP2 learner: learner.distributed, learner.mixed_precision; no "
                                        "offloading"),
     "actor_rollout_ref.ref.": Rule(None, "etarl's reference model (for a KL term) is the policy's start, sharded "
@@ -186,10 +189,6 @@ PREFIXES = {
     "global_profiler.": Rule(None, "no profiler settings"),
     "async_training.": Rule(None, "etarl is asynchronous by design: its staleness bound is buffer.gate.eta (versions "
                                   "a sample may lag the learner; 'auto' adapts it), its weight sync each step"),
-    "rollout.nnodes": Rule(None, "etarl uses the Ray cluster's nodes and GPUs (`etarl plan` shows the layout)"),
-    "rollout.n_gpus_per_node": Rule(None, "etarl uses the Ray cluster's nodes and GPUs (`etarl plan` shows the "
-                                          "layout)"),
-    "rollout.total_rollout_steps": Rule(None, "etarl counts learner steps: run.steps"),
 }
 # Keys read together: each join reads the whole command line (the order of its keys is not theirs).
 PROMPT_LENGTH, VERL_LENGTH = "data.max_prompt_length", 512
@@ -323,7 +322,7 @@ def _text(value: Any) -> str:
     YAML would read as something else ('yes', 'null', '1e-3') is quoted."""
     if isinstance(value, str):
         try:
-            same = yaml.safe_load(value or "''") == value
+            same = yaml_value(value or "''") == value  # as etarl reads the line back
         except yaml.YAMLError:  # not YAML at all ('[oops'): quoted, it is a string
             same = False
         return value if same else json.dumps(value)

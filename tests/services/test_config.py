@@ -311,6 +311,15 @@ def test_verl_keys_are_refused_with_etarls_names_and_a_command_line_that_loads()
     assert (cfg.run.checkpoint_every, cfg.run.eval_every) == (20, 0)
 
 
+def test_a_verl_string_etarl_would_read_as_a_number_stays_a_string_in_the_line():
+    import shlex
+
+    with pytest.raises(ConfigError) as refused:
+        load_config(None, ["custom_reward_function.path=r.py", 'custom_reward_function.reward_kwargs.v="1e-6"'])
+    cfg = load_config(None, shlex.split(str(refused.value).splitlines()[-1]))
+    assert cfg.rollout.reward_kwargs == {"v": "1e-6"}
+
+
 def test_a_verl_value_yaml_cannot_read_is_a_string_in_the_line():
     with pytest.raises(ConfigError) as refused:
         load_config(None, ["actor_rollout_ref.model.path=[oops"])
