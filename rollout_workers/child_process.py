@@ -230,9 +230,10 @@ def _pack(reply: Any) -> bytes:
         return msgpack.packb(["bad", f"replied with something that is not plain data (msgpack): {err}"[:300]])
 
 
-def serve(make_handler: Callable[[], Callable[[Any], Any]]) -> None:
+def serve(make_handler: Callable[[], Callable[[Any], Any]], units: Callable[[Any], int] | None = None) -> None:
     """The child's side: set the limits, build the handler (an import error ends the child before
-    "ready"), then answer each request with `handler(request)` until the parent closes the pipe."""
+    "ready"), then answer each request with `handler(request)` until the parent closes the pipe.
+    A request may take `units(request)` times the CPU seconds of one (a batch of responses)."""
     from multiprocessing.connection import Connection
 
     limits = _apply_limits()
@@ -247,5 +248,5 @@ def serve(make_handler: Callable[[], Callable[[Any], Any]]) -> None:
         except EOFError:
             return
         if limits.cpu_s:
-            _cpu_budget(limits.cpu_s)
+            _cpu_budget(limits.cpu_s * (units(message) if units else 1))
         replies.send_bytes(_pack(handler(message)))

@@ -1,16 +1,20 @@
 """Reward functions and the runner that calls them safely.
 
-Two forms are accepted, told apart by their signature:
+Three forms are accepted, told apart by their signature:
   fn(response, answer) -> float                                   etarl's form
   compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float | dict
                                                                   verl's form, called by keyword
+  compute_score(data_sources, solution_strs, ground_truths, extra_infos) -> list[float | dict]
+                                                                  verl's batch form (its
+                                                                  BatchRewardManager): one call a group
 A dict's "score" is the reward and its other numeric entries become metrics `reward/<key>`
-(averaged over a step's samples). Either form may be `async` (awaited). Built-ins are named
+(averaged over a step's samples). Any form may be `async` (awaited). Built-ins are named
 ("math", "exact"); any other is "package.module:function" or "path/to/file.py:function" (verl's
 `custom_reward_function.path`). A module that is not an installed package travels to the workers
 in the Ray job's runtime environment (`reward_py_modules`); a file reward is loaded from its path,
 else, on a node without that path, as the module of the same name shipped that way.
-`RewardRunner` calls the function in a child process with a per-response timeout: a reward that
+`RewardRunner` calls the function in a child process with a per-response timeout (a batch call
+has its responses' timeouts and CPU seconds together): a reward that
 hangs, crashes, kills its process or returns a non-number is scored `failure_reward`, counted,
 and the child is replaced, so the worker never stalls. The child sees only an allow-listed
 environment (no keys or tokens of the worker's), answers in plain data (msgpack, never a pickle)
@@ -42,6 +46,8 @@ RewardFn = Callable[[str, str], float]
 PLAIN_FORM = "fn(response, answer) -> float"
 VERL_FORM = "compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float | dict"
 VERL_ARGS = ("data_source", "solution_str", "ground_truth", "extra_info")
+VERL_BATCH_FORM = "compute_score(data_sources, solution_strs, ground_truths, extra_infos) -> list[float | dict]"
+VERL_BATCH_ARGS = ("data_sources", "solution_strs", "ground_truths", "extra_infos")
 DEFAULT_CPU_S = 10.0  # CPU seconds per response: a reward's threads and runaway code, past the wall timeout
 DEFAULT_MEMORY_MB = 4096  # address space of the reward process (the interpreter and torch take ~0.7 GB)
 MAX_REWARD_METRICS = 16  # metrics a reward may add per sample (they ride in the sample's metadata)
@@ -144,9 +150,10 @@ def resolve_reward(spec: str) -> Callable:
 
 
 def _call_style(fn: Callable, spec: str, filled: Any = ()) -> tuple[str, ...] | None:
-    """How to call a reward: None for etarl's fn(response, answer), else the verl keywords it takes.
-    Parameters named in `filled` (rollout.reward_kwargs) need nothing else. A signature that fits
-    neither form is a ValueError that shows both."""
+    """How to call a reward: None for etarl's fn(response, answer), else the verl keywords it takes
+    (VERL_ARGS' or, for the batch form, VERL_BATCH_ARGS'). Parameters named in `filled`
+    (rollout.reward_kwargs) need nothing else. A signature that fits no form is a ValueError that
+    shows all three."""
     try:
         params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):  # no signature to read (some C functions): assume etarl's form
@@ -155,8 +162,9 @@ def _call_style(fn: Callable, spec: str, filled: Any = ()) -> tuple[str, ...] | 
     var_keyword = any(p.kind is p.VAR_KEYWORD for p in params)
     required = [p.name for p in params if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
                 and p.name not in filled]
-    if {"solution_str", "ground_truth"} <= names:
-        passed = tuple(name for name in VERL_ARGS if name in names or var_keyword)
+    if {"solution_strs", "ground_truths"} <= names or {"solution_str", "ground_truth"} <= names:
+        keywords = VERL_BATCH_ARGS if "solution_strs" in names else VERL_ARGS
+        passed = tuple(name for name in keywords if name in names or var_keyword)
         if set(required) <= set(passed):
             return passed
     else:
@@ -165,8 +173,9 @@ def _call_style(fn: Callable, spec: str, filled: Any = ()) -> tuple[str, ...] | 
         if takes_two and set(required) <= set(positional[:2]):
             return None
     shown = f"{getattr(fn, '__name__', 'function')}{inspect.signature(fn)}"
-    raise ValueError(f"reward {spec!r}: {shown} fits neither accepted form:\n  {PLAIN_FORM}   (etarl)\n"
-                     f"  {VERL_FORM}   (verl; a dict's 'score' is the reward, its other numbers metrics)")
+    raise ValueError(f"reward {spec!r}: {shown} fits no accepted form:\n  {PLAIN_FORM}   (etarl)\n"
+                     f"  {VERL_FORM}   (verl; a dict's 'score' is the reward, its other numbers metrics)\n"
+                     f"  {VERL_BATCH_FORM}   (verl's batch form: a score per response)")
 
 
 class Scored(NamedTuple):
@@ -201,15 +210,17 @@ def to_scored(value: Any) -> Scored:
 
 
 class Reward:
-    """A reward spec loaded and called the same way whatever its form: `reward(response, problem)`
-    -> Scored, with `kwargs` besides (verl's reward_kwargs). An async reward is awaited on this
-    object's own event loop."""
+    """A reward spec loaded and called the same way whatever its form: `reward.score(responses,
+    problems)` -> a Scored or a BadRewardValue per response, with `kwargs` besides (verl's
+    reward_kwargs). One call of a batch-form function scores them all; the others are called once
+    a response. An async reward is awaited on this object's own event loop."""
 
     def __init__(self, spec: str, kwargs: dict | None = None) -> None:
         self.spec = spec
         self.fn = resolve_reward(spec)
         self.kwargs = dict(kwargs or {})
         self.verl_args = _call_style(self.fn, spec, self.kwargs)
+        self.batch = self.verl_args is not None and "solution_strs" in self.verl_args  # one call a group
         if self.kwargs:  # a call the function cannot take fails here, at start, not on every response
             self._check_call(spec)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -219,33 +230,67 @@ class Reward:
             signature = inspect.signature(self.fn)
         except (TypeError, ValueError):  # no signature to read: the call will say
             return
-        args, keywords = self._arguments("", Problem("", ""))
+        args, keywords = self._arguments([""], [Problem("", "")]) if self.batch else self._arguments("", Problem("", ""))
         try:
             signature.bind(*args, **keywords)
         except TypeError as err:
             raise ValueError(f"reward {spec!r} cannot take rollout.reward_kwargs {sorted(self.kwargs)}: {err}") \
                 from None
 
-    def _arguments(self, response: str, problem: Problem) -> tuple[tuple, dict]:
-        """(positional, keyword) arguments of a call; reward_kwargs win over verl's keywords, as in verl."""
+    def _arguments(self, response, problem) -> tuple[tuple, dict]:
+        """(positional, keyword) arguments of a call (of lists, for the batch form); reward_kwargs win
+        over verl's keywords, as in verl."""
         if self.verl_args is None:
             return (response, problem.answer_text), self.kwargs
-        given = {"data_source": problem.data_source, "solution_str": response,
-                 "ground_truth": problem.answer, "extra_info": problem.extra_info}
+        if self.batch:
+            given = {"data_sources": [p.data_source for p in problem], "solution_strs": list(response),
+                     "ground_truths": [p.answer for p in problem], "extra_infos": [p.extra_info for p in problem]}
+        else:
+            given = {"data_source": problem.data_source, "solution_str": response,
+                     "ground_truth": problem.answer, "extra_info": problem.extra_info}
         return (), {**{name: given[name] for name in self.verl_args}, **self.kwargs}
 
     @property
     def form(self) -> str:
-        return "etarl" if self.verl_args is None else "verl"
+        return "etarl" if self.verl_args is None else "verl batch" if self.batch else "verl"
 
-    def __call__(self, response: str, problem: Problem) -> Scored:
+    def _call(self, response, problem) -> Any:
         args, kwargs = self._arguments(response, problem)
         result = self.fn(*args, **kwargs)
         if inspect.isawaitable(result):
             if self._loop is None:
                 self._loop = asyncio.new_event_loop()
             result = self._loop.run_until_complete(result)
-        return to_scored(result)
+        return result
+
+    def __call__(self, response: str, problem: Problem) -> Scored:
+        """One response scored (by a call of one, for the batch form)."""
+        scored = self.score([response], [problem])[0]
+        if isinstance(scored, BadRewardValue):
+            raise scored
+        return scored
+
+    def score(self, responses: list[str], problems: list[Problem]) -> list[Scored | BadRewardValue]:
+        """A Scored per response, or the BadRewardValue that says what is wrong with its value. An
+        exception of the function itself, or a batch answer that is not one value per response,
+        raises (it fails every response of the call)."""
+        if not self.batch:
+            return [_scored_or_bad(lambda: self._call(r, p)) for r, p in zip(responses, problems, strict=True)]
+        values = self._call(responses, problems)
+        if hasattr(values, "tolist") and not isinstance(values, (list, tuple)):  # a numpy array or tensor
+            values = values.tolist()
+        if not isinstance(values, (list, tuple)) or len(values) != len(responses):
+            count = f"{len(values)} values" if isinstance(values, (list, tuple)) else f"{values!r:.100}"
+            raise BadRewardValue(f"returned {count} for {len(responses)} responses, not a value per response")
+        return [_scored_or_bad(lambda v=v: v) for v in values]
+
+
+def _scored_or_bad(value: Callable[[], Any]) -> Scored | BadRewardValue:
+    """to_scored of what `value()` gives; a value that is no reward is returned as its BadRewardValue."""
+    try:
+        return to_scored(value())
+    except BadRewardValue as err:
+        return err
 
 
 def reward_metrics(groups) -> dict[str, float]:
@@ -291,21 +336,30 @@ def reward_py_modules(spec: str) -> list[str]:
 
 
 def _reward_handler():
-    """The reward process's handler: (response, problem) -> ("ok", (value, metrics)) | ("bad" |
-    "error", why). Started as `python -m rollout_workers.rewards SPEC [KWARGS_JSON]`."""
+    """The reward process's handler: (responses, problems) -> ("ok", [["ok", (value, metrics)] |
+    ["bad", why] per response]) | ("bad" | "error", why) for the whole call. A request holds one
+    response, or a group for a batch-form reward. Started as `python -m rollout_workers.rewards SPEC
+    [KWARGS_JSON]`."""
     reward = Reward(sys.argv[1], json.loads(sys.argv[2]) if len(sys.argv) > 2 else None)
 
     def handle(message):
-        response, problem = message
+        responses, problems = message
         try:
-            scored = reward(response, problem)
-            return "ok", (scored.value, scored.metrics)  # plain data: this module is __main__ here
+            results = reward.score(responses, problems)
         except BadRewardValue as err:
             return "bad", str(err)
         except Exception as err:  # the reward's own bug: report it, keep serving
             return "error", f"{type(err).__name__}: {err}"
+        # plain data: this module is __main__ here
+        return "ok", [["bad", str(r)] if isinstance(r, BadRewardValue) else ["ok", [r.value, r.metrics]]
+                      for r in results]
 
     return handle
+
+
+def _request_units(message) -> int:
+    """Responses in a request: its CPU-time budget is that many times reward_cpu_s."""
+    return len(message[0])
 
 
 def _checked_reply(value: Any) -> Scored:
@@ -321,7 +375,7 @@ def _checked_reply(value: Any) -> Scored:
 class RewardRunner:
     """Scores responses in a child process (`rollout_workers.child_process`), one response at a
     time, each within timeout_s, cpu_s CPU seconds and memory_mb of address space (None: no
-    limit)."""
+    limit); a batch-form reward a group at a time, within its responses' seconds together."""
 
     def __init__(
         self, spec: str = "math", timeout_s: float = 5.0, failure_reward: float = 0.0, start_timeout_s: float = 60.0,
@@ -331,7 +385,7 @@ class RewardRunner:
             raise ValueError(f"reward timeout_s must be > 0, got {timeout_s}")
         if (cpu_s is not None and cpu_s <= 0) or (memory_mb is not None and memory_mb <= 0):
             raise ValueError(f"reward cpu_s and memory_mb must be > 0 (or None: no limit), got {cpu_s}, {memory_mb}")
-        Reward(spec, kwargs)  # fail fast, in the caller, on a bad spec, signature or keyword
+        self.batch = Reward(spec, kwargs).batch  # fail fast, in the caller, on a bad spec, signature or keyword
         self.spec = spec
         self.timeout_s = timeout_s
         self.failure_reward = failure_reward
@@ -356,45 +410,68 @@ class RewardRunner:
         return Scored(self.failure_reward, {}, why)
 
     def score_one(self, response: str, problem: Problem) -> Scored:
-        self.calls_total += 1
+        return self._score_call([response], problem)[0]
+
+    def score(self, responses: list[str], problem: Problem) -> list[Scored]:
+        """A Scored per response to `problem`: one call for a batch-form reward, else one a response."""
+        if self.batch:
+            return self._score_call(responses, problem)
+        return [self.score_one(response, problem) for response in responses]
+
+    def _score_call(self, responses: list[str], problem: Problem) -> list[Scored]:
+        """One request to the reward process; every way it can fail scores its responses failure_reward."""
+        if not responses:
+            return []
+        n = len(responses)
+        self.calls_total += n
+        timeout_s = self.timeout_s * n
         try:
             self._child.ensure_started()
-            self._child.send((response, problem))
-            reply = self._child.reply(self.timeout_s)
+            self._child.send((responses, [problem] * n))
+            reply = self._child.reply(timeout_s)
         except TimeoutError:  # (an OSError: first)
             self._child.kill()
-            self.timeouts_total += 1
-            return self._fail(f"reward {self.spec!r} took longer than {self.timeout_s}s")
+            self.timeouts_total += n
+            each = f" ({self.timeout_s:g}s for each of its {n} responses)" if n > 1 else ""
+            return self._fail_all(n, f"reward {self.spec!r} took longer than {timeout_s:g}s{each}")
         except BadChildReply as err:  # never unpickled, never used: the child is replaced
             self._child.kill()
-            return self._fail(f"reward {self.spec!r} process answered with something refused: {err}")
+            return self._fail_all(n, f"reward {self.spec!r} process answered with something refused: {err}")
         except ChildStartFailed as err:
-            return self._fail(f"reward {self.spec!r} process: {err}")
+            return self._fail_all(n, f"reward {self.spec!r} process: {err}")
         except (EOFError, OSError) as err:
             why = self._child.exit_reason() or f"its pipe broke ({type(err).__name__})"
             self._child.kill()
-            return self._fail(f"reward {self.spec!r} process died: {why}")
+            return self._fail_all(n, f"reward {self.spec!r} process died: {why}")
         if not (isinstance(reply, list) and len(reply) == 2):
             self._child.kill()
-            return self._fail(f"reward {self.spec!r} process answered {reply!r:.80}, not (status, value)")
-        status, value = reply[0], str(reply[1])[:500]  # the child's words, bounded
-        if status == "error":
-            if str(value).startswith("MemoryError") and self.limits.memory_mb:
+            return self._fail_all(n, f"reward {self.spec!r} process answered {reply!r:.80}, not (status, value)")
+        status, value = reply
+        if status in ("error", "bad"):
+            value = str(value)[:500]  # the child's words, bounded
+            if status == "error" and value.startswith("MemoryError") and self.limits.memory_mb:
                 value = f"{value.rstrip(': ')} (over its limit of {self.limits.memory_mb} MB of memory)"
-            return self._fail(f"reward {self.spec!r} raised {value}")
-        if status == "bad":
-            return self._fail(f"reward {self.spec!r} {value}")
-        if status != "ok":
+            return self._fail_all(n, f"reward {self.spec!r} {'raised ' if status == 'error' else ''}{value}")
+        if status != "ok" or not (isinstance(value, list) and len(value) == n):
             self._child.kill()
-            return self._fail(f"reward {self.spec!r} process answered with status {status!r:.40}")
+            return self._fail_all(n, f"reward {self.spec!r} process answered with status {status!r:.40} "
+                                     f"and {value!r:.80}, not a result per response")
+        return [self._item(item) for item in value]
+
+    def _item(self, item: Any) -> Scored:
+        """One response's part of an "ok" reply: ["ok", (value, metrics)] or ["bad", why]."""
+        if isinstance(item, list) and len(item) == 2 and item[0] == "bad":
+            return self._fail(f"reward {self.spec!r} {str(item[1])[:500]}")
         try:
-            return _checked_reply(reply[1])
+            if not (isinstance(item, list) and len(item) == 2 and item[0] == "ok"):
+                raise BadRewardValue(f"answered {item!r:.120}, not a response's result")
+            return _checked_reply(item[1])
         except BadRewardValue as err:
             self._child.kill()
             return self._fail(f"reward {self.spec!r} process {err}")
 
-    def score(self, responses: list[str], problem: Problem) -> list[Scored]:
-        return [self.score_one(response, problem) for response in responses]
+    def _fail_all(self, n: int, why: str) -> list[Scored]:
+        return [self._fail(why) for _ in range(n)]
 
     def stats(self) -> dict[str, float]:
         return {
@@ -414,4 +491,4 @@ class RewardRunner:
 
 
 if __name__ == "__main__":
-    serve(_reward_handler)
+    serve(_reward_handler, _request_units)

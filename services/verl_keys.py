@@ -46,8 +46,9 @@ def _off_if_negative(value):  # verl's -1: never / none
 ACTOR, ROLLOUT, MODEL = "actor_rollout_ref.actor.", "actor_rollout_ref.rollout.", "actor_rollout_ref.model."
 # Notes several keys share.
 CLUSTER = "etarl uses the Ray cluster's nodes and GPUs (ray.address; `etarl plan` shows the layout)"
-ONE_REWARD = "etarl scores each response on its own (verl's naive manager); DAPO's overlong shaping is " \
-             "rollout.overlong_buffer"
+ONE_REWARD = "etarl tells the manager by the reward's signature: compute_score(data_source, solution_str, ...) " \
+             "scores each response (verl's naive), compute_score(data_sources, solution_strs, ...) a group in one " \
+             "call (verl's batch); DAPO's overlong shaping is rollout.overlong_buffer"
 NO_REWARD_MODEL = "etarl has no model-based reward: a reward function scores each response"
 REWARD_KWARGS = Rule("rollout.reward_kwargs.", "the reward's keyword arguments")
 RULES: dict[str, Rule] = {

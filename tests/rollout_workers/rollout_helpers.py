@@ -190,3 +190,31 @@ class PublishWhenArmed(WeightStore):
             self.publish(self.pending)
             self.pending = None
         return super().latest_version()
+
+
+# Rewards in verl's batch form (its BatchRewardManager): one call scores a group.
+
+def verl_batch_exact(data_sources, solution_strs, ground_truths, extra_infos, bonus=0.0):
+    """A dict per response: the score (plus `bonus`, a reward_kwarg), and how many responses the call held."""
+    return [{"score": float(s == g) + bonus, "batch_size": float(len(solution_strs)),
+             "source_is_demo": float(d == "demo"), "has_extra": float(e is not None)}
+            for d, s, g, e in zip(data_sources, solution_strs, ground_truths, extra_infos, strict=True)]
+
+
+def verl_batch_misbehaves(data_sources, solution_strs, ground_truths, extra_infos):
+    """Per response "poison" gives a value that is no number; "short" answers one value too few;
+    "raise" raises; "hang" never returns; "array" answers a numpy array; else 1.0 each."""
+    import numpy as np
+
+    if "hang" in solution_strs:
+        hang("", "")
+    if "raise" in solution_strs:
+        raise RuntimeError("the sandbox is down")
+    values = ["not a number" if s == "poison" else 1.0 for s in solution_strs]
+    if "short" in solution_strs:
+        return values[:-1]
+    return np.array(values) if "array" in solution_strs else values
+
+
+def verl_batch_needs_more(data_sources, solution_strs, ground_truths, extra_infos, tokenizer):
+    return [0.0] * len(solution_strs)

@@ -53,6 +53,31 @@ def test_a_worker_trains_on_verl_data_through_the_chat_template(chat_model_dir, 
         worker.close()
 
 
+def test_a_worker_scores_each_group_in_one_call_of_a_verl_batch_reward(chat_model_dir, tmp_path):
+    train = write_verl_parquet(tmp_path / "train.parquet", "train", 3)
+    cfg = RolloutConfig(model_path=str(chat_model_dir), engine=EngineConfig(kind="hf"),
+                        sampling=SamplingConfig(n=4, max_new_tokens=6, seed=5),
+                        task=TaskConfig(kind="file", path=str(train)),
+                        reward="rollout_helpers:verl_batch_exact", reward_kwargs={"bonus": 1.0})
+    worker = RolloutWorker(cfg, "worker-batch-reward", buffer_client=None, weight_store=None)
+    try:
+        worker._ensure_started()
+        tokenizer = load_tokenizer(chat_model_dir)
+        rows = verl_rows("train", 3)
+        groups = worker.generate_groups([0, 2])
+        for group, row in zip(groups, [rows[0], rows[2]]):
+            assert len(group.samples) == 4
+            for sample in group.samples:
+                text = tokenizer.decode(sample.response_ids.tolist(), skip_special_tokens=True)
+                assert sample.reward == float(text == row["reward_model"]["ground_truth"]) + 1.0
+                assert sample.metadata["reward/batch_size"] == 4.0  # the group's four in one call
+                assert sample.metadata["reward/has_extra"] == 1.0
+        assert worker.stats()["reward_failures_total"] == 0
+        assert worker.stats()["reward_calls_total"] == 8
+    finally:
+        worker.close()
+
+
 def test_a_model_folder_without_a_tokenizer_is_refused_clearly(chat_model_dir, tmp_path):
     folder = tmp_path / "weights-only"
     folder.mkdir()

@@ -19,6 +19,7 @@ from rollout_workers.data import (
 from rollout_workers.rewards import (
     PLAIN_FORM,
     REWARD_ERROR,
+    VERL_BATCH_FORM,
     VERL_FORM,
     Reward,
     RewardRunner,
@@ -177,13 +178,54 @@ def test_both_reward_forms_are_detected_and_called_their_way():
                                                   "reward/source_is_demo": 0.0}
 
 
-def test_a_wrong_reward_signature_is_refused_with_both_accepted_forms():
+@pytest.mark.parametrize("spec", ["rollout_helpers:three_args", "rollout_helpers:verl_batch_needs_more"])
+def test_a_wrong_reward_signature_is_refused_with_every_accepted_form(spec):
     with pytest.raises(ValueError) as err:
-        Reward("rollout_helpers:three_args")
+        Reward(spec)
     message = str(err.value)
-    assert "three_args(response, answer, extra)" in message and PLAIN_FORM in message and VERL_FORM in message
-    with pytest.raises(ValueError, match="fits neither"):
-        RewardRunner("rollout_helpers:three_args")  # the runner refuses it in its caller, before any child
+    assert f"{spec.split(':')[1]}(" in message
+    assert PLAIN_FORM in message and VERL_FORM in message and VERL_BATCH_FORM in message
+    with pytest.raises(ValueError, match="fits no accepted form"):
+        RewardRunner(spec)  # the runner refuses it in its caller, before any child
+
+
+def test_a_verl_batch_reward_scores_a_group_in_one_call():
+    reward = Reward("rollout_helpers:verl_batch_exact")
+    assert reward.form == "verl batch" and reward.batch
+    assert reward("42", problem("42", data_source="demo")).metrics == {
+        "reward/batch_size": 1.0, "reward/source_is_demo": 1.0, "reward/has_extra": 0.0}
+    runner = RewardRunner("rollout_helpers:verl_batch_exact", timeout_s=30, kwargs={"bonus": 0.5})
+    try:
+        scored = runner.score(["42", "41", "42"], problem("42", data_source="demo", extra_info={"index": 1}))
+        assert [s.value for s in scored] == [1.5, 0.5, 1.5], runner.last_error
+        assert all(s.metrics == {"reward/batch_size": 3.0, "reward/source_is_demo": 1.0, "reward/has_extra": 1.0}
+                   for s in scored)  # one call held all three
+        assert runner.score_one("7", problem("7")).value == 1.5  # etarl eval's path: a call of one
+        assert runner.score([], problem("7")) == []
+        assert runner.stats() == {"reward_calls_total": 4, "reward_failures_total": 0, "reward_timeouts_total": 0}
+    finally:
+        runner.close()
+
+
+def test_a_verl_batch_reward_that_misbehaves_fails_its_responses_and_the_runner_goes_on():
+    runner = RewardRunner("rollout_helpers:verl_batch_misbehaves", timeout_s=2, failure_reward=-1.0)
+    try:
+        # a value that is no number fails its own response only
+        assert [s.value for s in runner.score(["a", "poison", "b"], problem(""))] == [1.0, -1.0, 1.0]
+        assert "not a finite number" in runner.last_error and runner.stats()["reward_failures_total"] == 1
+        assert [s.value for s in runner.score(["array", "b"], problem(""))] == [1.0, 1.0], runner.last_error
+        # a wrong count, an exception or a hang fails every response of the call
+        assert [s.value for s in runner.score(["a", "short", "b"], problem(""))] == [-1.0] * 3
+        assert "returned 2 values for 3 responses" in runner.last_error, runner.last_error
+        assert [s.value for s in runner.score(["raise", "b"], problem(""))] == [-1.0] * 2
+        assert "raised RuntimeError: the sandbox is down" in runner.last_error, runner.last_error
+        failed = runner.stats()["reward_failures_total"]
+        assert [s.value for s in runner.score(["hang", "b", "c"], problem(""))] == [-1.0] * 3
+        assert "took longer than 6s (2s for each of its 3 responses)" in runner.last_error, runner.last_error
+        assert runner.stats()["reward_timeouts_total"] == 3 and runner.stats()["reward_failures_total"] == failed + 3
+        assert [s.value for s in runner.score(["a", "b"], problem(""))] == [1.0, 1.0], runner.last_error
+    finally:
+        runner.close()
 
 
 def test_async_rewards_are_awaited_in_process_and_in_the_reward_child():

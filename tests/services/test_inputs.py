@@ -95,7 +95,7 @@ def test_a_prompt_too_long_for_the_engine_is_refused(tiny_model_dir, tmp_path):
 
 
 @pytest.mark.parametrize("reward, needle", [
-    ("wrong_sig.py:compute_score", "fits neither accepted form"),
+    ("wrong_sig.py:compute_score", "fits no accepted form"),
     ("no_such_reward_module_xyz:compute_score", "cannot import module 'no_such_reward_module_xyz'"),
     ("missing_file.py:compute_score", "does not exist"),
     ("good.py:score_fn", "has no callable 'score_fn'"),
@@ -107,7 +107,7 @@ def test_a_bad_reward_stops_the_run_at_start(tiny_model_dir, tmp_path, capsys, r
     assert train(tiny_model_dir, tmp_path, f"rollout.reward={spec}") == EXIT_CONFIG_ERROR
     err = capsys.readouterr().err
     assert "rollout.reward:" in err and needle in err
-    if "fits neither" in needle:
+    if "fits no accepted" in needle:
         assert "fn(response, answer)" in err and "compute_score(data_source, solution_str, ground_truth" in err
 
 
