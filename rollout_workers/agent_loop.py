@@ -214,7 +214,8 @@ class AgentLoop:
             e.env_seconds += outcome.seconds
             given = outcome.observation is not None
             ids = self.tokenizer(outcome.observation, add_special_tokens=False)["input_ids"] if given else []
-            e.prompt_ids = ids or self.prompt_format.encode(e.problem)  # a sample's prompt is never empty
+            # a sample's prompt is never empty; cut to leave its first turn room (rollout.task.truncation)
+            e.prompt_ids = ids or self.prompt_format.encode(e.problem, e.params.max_new_tokens)
             if outcome.error:
                 e.fail(outcome.error, self.config.failure_reward)
             elif given and not ids:

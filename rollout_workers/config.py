@@ -101,6 +101,10 @@ class TaskConfig(_Strict):
         default_factory=dict, description="extra variables for the chat template, e.g. {enable_thinking: false}")
     skip_invalid: bool = Field(
         False, description="skip unusable prompt rows (no answer, empty, too long) instead of refusing to start")
+    truncation: Literal["error", "left", "right", "middle"] = Field(
+        "error", description="a prompt too long to leave max_new_tokens within the context: error refuses it "
+        "(or skip_invalid skips it); left keeps its last tokens (the chat template's generation prompt), right "
+        "its first, middle both ends (verl's data.truncation); a cut prompt is usable, skip_invalid does not skip it")
 
     @field_validator("path", "heldout_path")
     @classmethod

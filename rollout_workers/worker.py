@@ -270,7 +270,7 @@ class RolloutWorker:
         if self.agent is not None:
             return self._agent_groups(tickets)
         problems: list[Problem] = [self.prompts.problem(t) for t in tickets]
-        prompts = [self.prompt_format.encode(p) for p in problems]
+        prompts = [self.prompt_format.encode(p, self.config.sampling.max_new_tokens) for p in problems]
         requests = [(prompt, self._sampling_params(t)) for prompt, t in zip(prompts, tickets)]
         baselines = [(prompt, p) for prompt, t in zip(prompts, tickets) for p in self._baseline_params(t)]
         started_version = self.engine.version
@@ -528,7 +528,7 @@ class RolloutWorker:
         if not held:
             return None
         problem = self.prompts.problem(permit.ticket)
-        prompt = self.prompt_format.encode(problem)
+        prompt = self.prompt_format.encode(problem, self.config.sampling.max_new_tokens)
         try:
             version = self.engine.version
             request = self.engine.submit(prompt, self._sampling_params(permit.ticket), *self._baseline_params(permit.ticket))
@@ -925,7 +925,7 @@ class RolloutWorker:
             if self.__dict__.get("_eval_prompts_key") != key:
                 problems = heldout_problems(cfg.task, spec["num_prompts"], spec["seed"], self.prompt_format,
                                             spec["max_new_tokens"])
-                self._eval_prompts = [(p, self.prompt_format.encode(p)) for p in problems]
+                self._eval_prompts = [(p, self.prompt_format.encode(p, spec["max_new_tokens"])) for p in problems]
                 self._eval_prompts_key = key
             prompts = self._eval_prompts
             stop = tuple(self.prompt_format.stop_token_ids)

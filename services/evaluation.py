@@ -171,7 +171,7 @@ class PolicyEvaluator:
         tokenizer = load_tokenizer(model_dir)
         prompt_format = PromptFormat.for_model(model_dir, task, tokenizer, cfg.rollout.engine.max_model_len)
         problems = heldout_problems(task, cfg.eval.num_prompts, cfg.run.seed, prompt_format, cfg.eval.max_new_tokens)
-        prompts = [EvalPrompt(prompt_format.encode(p), p) for p in problems]
+        prompts = [EvalPrompt(prompt_format.encode(p, cfg.eval.max_new_tokens), p) for p in problems]
         # Multi-turn episodes are scored by their environment; single-turn answers by the reward,
         # in its own process (made before the engine: a bad spec fails before a model is loaded).
         score = None if cfg.rollout.multi_turn.enabled else RewardScore(RewardRunner.for_rollout(cfg.rollout),

@@ -64,8 +64,8 @@ RULES: dict[str, Rule] = {
     "data.shuffle": Rule("rollout.task.shuffle", "etarl's default is file order"),
     "data.seed": Rule("rollout.task.seed"),
     "data.filter_overlong_prompts": Rule("rollout.task.skip_invalid", "skips every unusable row, too long or not"),
-    "data.truncation": Rule(None, "etarl refuses a prompt that does not fit (verl's 'error'), or skips it "
-                                  "(rollout.task.skip_invalid=true); it does not truncate"),
+    "data.truncation": Rule("rollout.task.truncation", "to leave max_new_tokens within the context; a cut "
+                            "prompt is usable, so skip_invalid does not skip it (verl filters overlong prompts first)"),
     "data.apply_chat_template_kwargs": Rule("rollout.task.chat_template_kwargs"),
     # the model
     MODEL + "path": Rule("run.model"),

@@ -12,6 +12,8 @@ As verl does, the template renders text and the text is tokenized without adding
 The model folder also says when a response ends: the tokenizer's EOS and every `eos_token_id`
 of `generation_config.json` (instruct models often list two: end of turn and end of text), and
 how long a sequence may be: `rollout.engine.max_model_len`, else the model config's context.
+A prompt too long to leave a response its `max_new_tokens` is refused, or cut to fit where
+`rollout.task.truncation` says so (verl's data.truncation: left, right, middle).
 """
 from __future__ import annotations
 
@@ -71,7 +73,7 @@ class PromptFormat:
 
     def __init__(self, tokenizer, chat_template: str = "auto", template_kwargs: dict | None = None,
                  context_len: int | None = None, stop_token_ids: tuple[int, ...] = (),
-                 model_name: str = "the model"):
+                 model_name: str = "the model", truncation: str = "error"):
         self.tokenizer = tokenizer
         self.mode = chat_template if chat_template in TEMPLATE_MODES else "file"
         self.template = read_template(chat_template)
@@ -79,6 +81,7 @@ class PromptFormat:
         self.context_len = context_len
         self.stop_token_ids = tuple(stop_token_ids)
         self.model_name = model_name
+        self.truncation = truncation
 
     @classmethod
     def for_model(cls, model_dir: str | os.PathLike, task, tokenizer,
@@ -86,7 +89,8 @@ class PromptFormat:
         """The format of a model folder under a TaskConfig (`max_model_len`: the engine's, if set)."""
         return cls(tokenizer, task.chat_template, task.chat_template_kwargs,
                    context_len=max_model_len or model_context_len(model_dir),
-                   stop_token_ids=eos_token_ids(model_dir, tokenizer), model_name=str(model_dir))
+                   stop_token_ids=eos_token_ids(model_dir, tokenizer), model_name=str(model_dir),
+                   truncation=task.truncation)
 
     def describe(self) -> str:
         template = {"auto": "the tokenizer's own", "none": "none", "file": "the Jinja file given"}[self.mode]
@@ -108,5 +112,30 @@ class PromptFormat:
         except Exception as err:  # a template may raise on purpose (e.g. "system role not supported")
             raise ValueError(f"the chat template failed on this prompt: {type(err).__name__}: {err}") from None
 
-    def encode(self, problem: Problem) -> list[int]:
-        return list(self.tokenizer(self.render(problem), add_special_tokens=False)["input_ids"])
+    def encode(self, problem: Problem, max_new_tokens: int | None = None) -> list[int]:
+        """The prompt's token ids, cut to leave `max_new_tokens` within the context where the
+        truncation is not "error" (None: never cut)."""
+        ids = list(self.tokenizer(self.render(problem), add_special_tokens=False)["input_ids"])
+        return ids if max_new_tokens is None else self.cut(ids, max_new_tokens)
+
+    def prompt_room(self, max_new_tokens: int | None) -> int | None:
+        """The most prompt tokens that leave `max_new_tokens` within the context; None: no bound known."""
+        return self.context_len - (max_new_tokens or 0) if self.context_len else None
+
+    def cuts(self, length: int, max_new_tokens: int | None) -> bool:
+        """Whether a prompt of `length` tokens is cut to fit (over the room, truncation on, room left)."""
+        room = self.prompt_room(max_new_tokens)
+        return self.truncation != "error" and room is not None and 0 < room < length
+
+    def cut(self, ids: list[int], max_new_tokens: int | None) -> list[int]:
+        """`ids` cut to the room as verl's truncation does: left keeps the last tokens, right the first,
+        middle the first half and the last (a prompt that fits, or truncation "error": as it is)."""
+        if not self.cuts(len(ids), max_new_tokens):
+            return ids
+        room = self.prompt_room(max_new_tokens)
+        if self.truncation == "left":
+            return ids[-room:]
+        if self.truncation == "right":
+            return ids[:room]
+        first = room // 2
+        return ids[:first] + ids[len(ids) - (room - first):]

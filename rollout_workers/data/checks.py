@@ -2,7 +2,8 @@
 
 A row is unusable when it has no prompt or no answer, its prompt is empty (as text or as tokens)
 or cannot be rendered by the chat template, or its tokens leave no room for `max_new_tokens`
-within the engine's context (vLLM refuses the whole engine batch for such a prompt). By default a
+within the engine's context (vLLM refuses the whole engine batch for such a prompt), unless
+`rollout.task.truncation` cuts such prompts to fit (then they are counted as cut). By default a
 file with unusable rows refuses to start a run, listing them (file, row number, why; at most
 MAX_LISTED and the count); `rollout.task.skip_invalid: true` drops them instead, counted and
 logged. Dropping is deterministic, so every worker drops the same rows and tickets map to the
@@ -38,6 +39,8 @@ class PromptReport:
     token_counts: list[int] = field(default_factory=list)  # of the usable prompts (empty: not tokenized)
     context_len: int | None = None
     max_new_tokens: int | None = None
+    cut: int = 0  # usable prompts cut to fit (rollout.task.truncation)
+    truncation: str = "error"
 
     def token_stats(self) -> dict[str, int]:
         if not self.token_counts:
@@ -60,6 +63,8 @@ class PromptReport:
                 room = (f" (context {self.context_len} - max_new_tokens {new}: prompts of up to "
                         f"{self.context_len - new} tokens fit)")
             lines.append(f"  tokens per prompt: p50 {stats['p50']}, p99 {stats['p99']}, max {stats['max']}{room}")
+        if self.cut:
+            lines.append(f"  {self.cut} prompts cut to fit (rollout.task.truncation={self.truncation})")
         if self.bad:
             shown = self.bad[:MAX_LISTED]
             more = f"; the first {len(shown)}" if len(self.bad) > len(shown) else ""
@@ -71,8 +76,9 @@ class PromptReport:
         """The usable problems; with bad rows, raise InvalidPrompts unless skip_invalid (then log them)."""
         if self.bad and not skip_invalid:
             raise InvalidPrompts(f"prompt file has unusable rows, the run does not start:\n{self.summary()}\n"
-                                 f"Fix them (for prompts too long: a larger rollout.engine.max_model_len or a "
-                                 f"smaller max_new_tokens), or set rollout.task.skip_invalid=true to skip them")
+                                 f"Fix them (for prompts too long: a larger rollout.engine.max_model_len, a "
+                                 f"smaller max_new_tokens, or rollout.task.truncation=left to cut them), or set "
+                                 f"rollout.task.skip_invalid=true to skip them")
         if self.bad:
             log.warning("skipping %d unusable rows of %s (rollout.task.skip_invalid=true):\n%s", len(self.bad),
                         self.source, "\n".join(f"  {bad}" for bad in self.bad[:MAX_LISTED]))
@@ -88,7 +94,8 @@ def check_prompts(path, task, prompt_format: PromptFormat | None = None,
     prompt_file = read_prompt_file(path, task)
     report = PromptReport(prompt_file.source, prompt_file.rows, [], list(prompt_file.bad),
                           context_len=prompt_format.context_len if prompt_format else None,
-                          max_new_tokens=max_new_tokens)
+                          max_new_tokens=max_new_tokens,
+                          truncation=prompt_format.truncation if prompt_format else "error")
     for problem in prompt_file.problems:
         why, count = _token_problem(problem, prompt_format, max_new_tokens)
         if why:
@@ -97,12 +104,13 @@ def check_prompts(path, task, prompt_format: PromptFormat | None = None,
         report.problems.append(problem)
         if count is not None:
             report.token_counts.append(count)
+            report.cut += prompt_format.cuts(count, max_new_tokens)
     report.bad.sort(key=lambda bad: bad.row)
     return report
 
 
 def _token_problem(problem: Problem, prompt_format: PromptFormat | None, max_new_tokens: int | None):
-    """(why the problem cannot be generated from, its token count); why is None when it can."""
+    """(why the problem cannot be generated from, its token count before any cut); why is None when it can."""
     if prompt_format is None:
         return None, None
     try:
@@ -112,7 +120,7 @@ def _token_problem(problem: Problem, prompt_format: PromptFormat | None, max_new
     if count == 0:
         return "empty prompt (0 tokens)", None
     context, new = prompt_format.context_len, max_new_tokens or 0
-    if context and count + new > context:
+    if context and count + new > context and not prompt_format.cuts(count, max_new_tokens):
         return (f"prompt of {count} tokens + max_new_tokens {new} exceeds the engine's context of {context} "
                 f"tokens"), None
     return None, count

@@ -142,6 +142,35 @@ def test_prompts_are_checked_in_tokens_against_the_engine_context(tmp_path, toke
     assert not check_prompts(path, task, PromptFormat(tokenizer, context_len=64), max_new_tokens=16).bad
 
 
+@pytest.mark.parametrize("truncation", ["left", "right", "middle"])
+def test_a_prompt_too_long_is_cut_to_fit_where_truncation_says(tmp_path, tokenizer, truncation):
+    prompts = ["1+1=", "rev:" + "abcdefghij" * 4 + "="]
+    path = write_parquet(tmp_path / "p.parquet", [{"prompt": p, "answer": "x"} for p in prompts])
+    task = TaskConfig(kind="file", path=str(path), truncation=truncation)
+    fmt = PromptFormat.for_model(tmp_path, task, tokenizer, max_model_len=32)
+    assert fmt.truncation == truncation
+    report = check_prompts(path, task, fmt, max_new_tokens=16)
+    # the 45-token prompt is usable now, counted as cut; its length is the one it had
+    assert not report.bad and [p.row for p in report.problems] == [1, 2]
+    assert report.cut == 1 and report.token_counts == [4, 45]
+    assert f"1 prompts cut to fit (rollout.task.truncation={truncation})" in report.summary()
+    whole = fmt.encode(report.problems[1])
+    assert len(whole) == 45  # without max_new_tokens: never cut
+    cut = fmt.encode(report.problems[1], max_new_tokens=16)
+    want = {"left": whole[-16:], "right": whole[:16], "middle": whole[:8] + whole[-8:]}[truncation]
+    assert cut == want and len(cut) + 16 == 32
+    assert fmt.encode(report.problems[0], max_new_tokens=16) == fmt.encode(report.problems[0])  # it fits: as it is
+    assert fmt.encode(report.problems[1], max_new_tokens=10) == \
+        {"left": whole[-22:], "right": whole[:22], "middle": whole[:11] + whole[-11:]}[truncation]
+    # no room at all (max_new_tokens fills the context): still refused, whatever the truncation
+    report = check_prompts(path, task, fmt, max_new_tokens=32)
+    assert [b.row for b in report.bad] == [1, 2] and report.cut == 0
+    assert fmt.encode(Problem("rev:" + "a" * 40 + "=", "x"), max_new_tokens=32) == \
+        fmt.encode(Problem("rev:" + "a" * 40 + "=", "x"))
+    with pytest.raises(ValueError, match="truncation"):
+        TaskConfig(kind="file", path=str(path), truncation="both")
+
+
 def test_chat_prompts_go_through_the_chat_template(tmp_path, tokenizer):
     messages = [{"role": "system", "content": "rev"}, {"role": "user", "content": "rev:abc="}]
     chat = Problem(messages, "cba")

@@ -78,6 +78,32 @@ def test_a_worker_scores_each_group_in_one_call_of_a_verl_batch_reward(chat_mode
         worker.close()
 
 
+def test_a_worker_cuts_a_prompt_too_long_from_the_left_and_keeps_the_generation_prompt(chat_model_dir, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = verl_rows("train", 2)
+    rows[1]["prompt"][0]["content"] = "rev " * 30  # a long system message: the prompt is past the room
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
+    cfg = RolloutConfig(model_path=str(chat_model_dir), engine=EngineConfig(kind="hf", max_model_len=32),
+                        sampling=SamplingConfig(n=2, max_new_tokens=6, seed=3),
+                        task=TaskConfig(kind="file", path=str(tmp_path / "train.parquet"), truncation="left"),
+                        reward="rollout_helpers:verl_exact")
+    worker = RolloutWorker(cfg, "worker-truncation", buffer_client=None, weight_store=None)
+    try:
+        worker._ensure_started()
+        tokenizer = load_tokenizer(chat_model_dir)
+        whole = [list(tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, return_dict=False))
+                 for row in rows]
+        assert len(whole[0]) <= 26 < len(whole[1])
+        for group, want in zip(worker.generate_groups([0, 1]), [whole[0], whole[1][-26:]]):
+            for sample in group.samples:
+                assert sample.prompt_ids.tolist() == want  # the last 32 - 6 tokens: the user's turn kept
+                assert len(sample.prompt_ids) + len(sample.response_ids) <= 32
+    finally:
+        worker.close()
+
+
 def test_a_model_folder_without_a_tokenizer_is_refused_clearly(chat_model_dir, tmp_path):
     folder = tmp_path / "weights-only"
     folder.mkdir()

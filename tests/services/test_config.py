@@ -267,7 +267,7 @@ def test_a_configmap_is_read_as_the_config_it_carries_and_other_manifests_are_na
 # A verl GRPO command line, as verl's examples/grpo_trainer/run_qwen2-7b.sh writes it (a Hydra '+' too).
 VERL_GRPO = ["algorithm.adv_estimator=grpo", "data.train_files=/data/gsm8k/train.parquet",
              "data.val_files=/data/gsm8k/test.parquet", "data.train_batch_size=1024", "data.max_prompt_length=512",
-             "data.max_response_length=1024", "data.filter_overlong_prompts=True", "data.truncation=error",
+             "data.max_response_length=1024", "data.filter_overlong_prompts=True", "data.truncation=left",
              "actor_rollout_ref.model.path=tiny", "actor_rollout_ref.actor.optim.lr=1e-6",
              "actor_rollout_ref.model.use_remove_padding=True", "actor_rollout_ref.actor.ppo_mini_batch_size=256",
              "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=40", "actor_rollout_ref.actor.use_kl_loss=True",
@@ -298,6 +298,7 @@ def test_verl_keys_are_refused_with_etarls_names_and_a_command_line_that_loads()
     assert (cfg.rollout.task.kind, cfg.rollout.task.path, cfg.rollout.task.heldout_path, cfg.rollout.task.seed) == \
         ("file", "/data/gsm8k/train.parquet", "/data/gsm8k/test.parquet", 7)
     assert cfg.rollout.task.skip_invalid and cfg.rollout.reward == "my_reward.py:compute_score"
+    assert cfg.rollout.task.truncation == "left"
     assert (cfg.buffer.gate.batch_size, cfg.rollout.sampling.n, cfg.rollout.sampling.max_new_tokens,
             cfg.rollout.sampling.top_k) == (1024, 5, 1024, 0)
     assert (cfg.rollout.engine.max_model_len, cfg.rollout.engine.tensor_parallel_size,
@@ -416,7 +417,7 @@ def test_every_rule_of_the_verl_table_gives_a_line_that_loads():
                      "actor_rollout_ref.actor.clip_ratio_c": 3.0,
                      "actor_rollout_ref.actor.policy_loss.clip_cov_ub": 5.0,
                      "actor_rollout_ref.rollout.top_p": 1.0, "actor_rollout_ref.rollout.top_k": -1,
-                     "actor_rollout_ref.rollout.max_model_len": 1536}
+                     "actor_rollout_ref.rollout.max_model_len": 1536, "data.truncation": "error"}
     for key, rule in RULES.items():
         if rule.etarl is None or key.startswith(("data.train_files", "data.val_files", "critic.model.path",
                                                   "trainer.default_local_dir", "actor_rollout_ref.model.path")):
