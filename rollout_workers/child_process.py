@@ -8,7 +8,8 @@ The child runs user code, so nothing it says is trusted:
   - replies are msgpack, plain data only (no ext types), at most MAX_REPLY_BYTES; the parent never
     unpickles a byte the child sends (unpickling runs code). Anything else is `BadChildReply`.
   - it starts with a scrubbed environment (`child_environment`: an allow-list, so the CURVE keys,
-    tokens and cloud credentials of the worker's environment never reach it).
+    tokens and cloud credentials of the worker's environment never reach it), and the variables
+    the user names for it (`rollout.reward_env`, `multi_turn.environment_env`: a judge's key).
   - it may run under limits (`ChildLimits`): CPU seconds per request (RLIMIT_CPU: SIGXCPU ends
     the child) and address space (RLIMIT_AS: allocations past it fail with MemoryError), set by
     the child itself before it imports the user's module.
@@ -56,11 +57,13 @@ class ChildLimits:
     memory_mb: int | None = None
 
 
-def child_environment() -> dict[str, str]:
-    """The environment a child starts with: the allow-listed names of this process's environment,
-    PYTHONPATH = this process's sys.path (so the child imports what the parent can: the user's
-    module, the job's py_modules), one thread per pool unless set."""
-    env = {k: v for k, v in os.environ.items() if k in ENV_ALLOWED or k.startswith(ENV_ALLOWED_PREFIXES)}
+def child_environment(passed: tuple[str, ...] = ()) -> dict[str, str]:
+    """The environment a child starts with: the allow-listed names of this process's environment
+    and the `passed` ones (those set here), PYTHONPATH = this process's sys.path (so the child
+    imports what the parent can: the user's module, the job's py_modules), one thread per pool
+    unless set."""
+    env = {k: v for k, v in os.environ.items()
+           if k in ENV_ALLOWED or k.startswith(ENV_ALLOWED_PREFIXES) or k in passed}
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
     for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         env.setdefault(name, "1")  # one request at a time: a thread pool per core buys nothing
@@ -117,11 +120,12 @@ class ChildProcess:
     """One `python -m module args...` child that answers requests over pipes."""
 
     def __init__(self, module: str, args: list[str], start_timeout_s: float = 60.0,
-                 limits: ChildLimits | None = None) -> None:
+                 limits: ChildLimits | None = None, env_names: tuple[str, ...] = ()) -> None:
         self.module = module
         self.args = list(args)
         self.start_timeout_s = start_timeout_s
         self.limits = limits or ChildLimits()
+        self.env_names = tuple(env_names)  # the worker's variables it sees besides the allow-list
         self._proc: subprocess.Popen | None = None
         self._send = self.connection = None
 
@@ -134,7 +138,7 @@ class ChildProcess:
         start at once this way."""
         from multiprocessing.connection import Connection
 
-        env = child_environment()
+        env = child_environment(self.env_names)
         env[_LIMITS_ENV] = json.dumps(asdict(self.limits))
         self._proc = subprocess.Popen([sys.executable, "-m", self.module, *self.args],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)

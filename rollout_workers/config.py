@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -9,6 +10,21 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def passed_env_names(value: list[str], name: str) -> list[str]:
+    """Names of the worker's environment variables a child process may see besides the allow-list
+    (a judge's URL and key): valid names, and never etarl's own (ETARL_*: the buffer's keys)."""
+    for var in value:
+        if not _ENV_NAME.fullmatch(var):
+            raise ValueError(f"{name}: {var!r} is not an environment variable name")
+        if var.upper().startswith("ETARL_"):
+            raise ValueError(f"{name}: {var!r} is etarl's own (the buffer's keys live there): user code never "
+                             f"sees it")
+    return list(dict.fromkeys(value))
 
 
 def json_values(value: dict, name: str, goes_to: str) -> dict:
@@ -148,6 +164,10 @@ class MultiTurnConfig(_Strict):
     stop: list[str] = Field(
         default_factory=list, description="texts that end a turn besides EOS, each one token of the tokenizer "
         "(e.g. '</calc>'); the token stays in the turn")
+    environment_env: list[str] = Field(
+        default_factory=list, description="names of the worker's environment variables the environment's "
+        "processes see besides the allow-list (PATH, HOME, locale, ...), e.g. [SANDBOX_URL, SANDBOX_TOKEN]; "
+        "ETARL_* never")
     step_timeout_s: float = Field(10.0, gt=0, description="an environment call (reset or step) that takes longer "
                                   "ends its trajectory with failure_reward")
     failure_reward: float = Field(0.0, description="reward of a trajectory whose environment hung, crashed or "
@@ -162,6 +182,11 @@ class MultiTurnConfig(_Strict):
     @classmethod
     def _json(cls, value: dict) -> dict:
         return json_values(value, "environment_kwargs", "the environment's process")
+
+    @field_validator("environment_env")
+    @classmethod
+    def _env_names(cls, value: list[str]) -> list[str]:
+        return passed_env_names(value, "environment_env")
 
     @property
     def enabled(self) -> bool:
@@ -219,6 +244,10 @@ class RolloutConfig(_Strict):
     reward_kwargs: dict[str, Any] = Field(
         default_factory=dict, description="keyword arguments the reward is called with besides the response "
         "and its reference (verl's custom_reward_function.reward_kwargs); JSON values")
+    reward_env: list[str] = Field(
+        default_factory=list, description="names of the worker's environment variables the reward process sees "
+        "besides the allow-list (PATH, HOME, locale, ...): a judge's URL and key, e.g. [JUDGE_BASE_URL, "
+        "JUDGE_API_KEY]; ETARL_* never")
     reward_timeout_s: float = Field(5.0, gt=0)
     reward_cpu_s: float | None = Field(
         10.0, gt=0, description="CPU seconds the reward process may use per response (all its threads; past it "
@@ -263,6 +292,11 @@ class RolloutConfig(_Strict):
     @classmethod
     def _json_kwargs(cls, value: dict) -> dict:
         return json_values(value, "reward_kwargs", "the reward's process")
+
+    @field_validator("reward_env")
+    @classmethod
+    def _env_names(cls, value: list[str]) -> list[str]:
+        return passed_env_names(value, "reward_env")
 
     @model_validator(mode="after")
     def _overlong_buffer_fits(self):

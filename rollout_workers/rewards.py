@@ -380,6 +380,7 @@ class RewardRunner:
     def __init__(
         self, spec: str = "math", timeout_s: float = 5.0, failure_reward: float = 0.0, start_timeout_s: float = 60.0,
         cpu_s: float | None = DEFAULT_CPU_S, memory_mb: int | None = DEFAULT_MEMORY_MB, kwargs: dict | None = None,
+        env_names: tuple[str, ...] = (),
     ) -> None:
         if timeout_s <= 0:
             raise ValueError(f"reward timeout_s must be > 0, got {timeout_s}")
@@ -396,13 +397,14 @@ class RewardRunner:
         # Starting Python is slow on a loaded machine: start_timeout_s is apart from the reward timeout.
         self.limits = ChildLimits(cpu_s, memory_mb)
         self._child = ChildProcess("rollout_workers.rewards", [spec] + ([json.dumps(kwargs)] if kwargs else []),
-                                   start_timeout_s, self.limits)
+                                   start_timeout_s, self.limits, tuple(env_names))
 
     @classmethod
     def for_rollout(cls, rollout) -> "RewardRunner":
-        """The runner of a RolloutConfig's reward: its spec, keyword arguments and limits."""
+        """The runner of a RolloutConfig's reward: its spec, keyword arguments, limits and variables."""
         return cls(rollout.reward, timeout_s=rollout.reward_timeout_s, cpu_s=rollout.reward_cpu_s,
-                   memory_mb=rollout.reward_memory_mb, kwargs=rollout.reward_kwargs)
+                   memory_mb=rollout.reward_memory_mb, kwargs=rollout.reward_kwargs,
+                   env_names=tuple(rollout.reward_env))
 
     def _fail(self, why: str) -> Scored:
         self.failures_total += 1

@@ -49,7 +49,8 @@ CLUSTER = "etarl uses the Ray cluster's nodes and GPUs (ray.address; `etarl plan
 ONE_REWARD = "etarl tells the manager by the reward's signature: compute_score(data_source, solution_str, ...) " \
              "scores each response (verl's naive), compute_score(data_sources, solution_strs, ...) a group in one " \
              "call (verl's batch); DAPO's overlong shaping is rollout.overlong_buffer"
-NO_REWARD_MODEL = "etarl has no model-based reward: a reward function scores each response"
+NO_REWARD_MODEL = "etarl starts no reward model: serve the judge apart and call it from the reward " \
+                  "(examples/judge_reward.py; its URL and key named in rollout.reward_env)"
 REWARD_KWARGS = Rule("rollout.reward_kwargs.", "the reward's keyword arguments")
 RULES: dict[str, Rule] = {
     # data

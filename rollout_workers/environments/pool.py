@@ -39,12 +39,13 @@ class EnvironmentPool:
     """Environment calls for many trajectories at once, each slot in its own child process."""
 
     def __init__(self, spec: str, kwargs: dict | None = None, step_timeout_s: float = 10.0,
-                 start_timeout_s: float = 60.0) -> None:
+                 start_timeout_s: float = 60.0, env_names: tuple[str, ...] = ()) -> None:
         resolve_environment(spec)  # fail fast, in the caller, on a bad spec
         self.spec = spec
         self.kwargs_json = json.dumps(kwargs or {})
         self.step_timeout_s = step_timeout_s
         self.start_timeout_s = start_timeout_s
+        self.env_names = tuple(env_names)  # the worker's variables its processes see besides the allow-list
         self.children: list[ChildProcess] = []
         self.counters = dict(env_calls_total=0, env_failures_total=0, env_timeouts_total=0, env_seconds_total=0.0)
         self.last_error = ""
@@ -59,7 +60,8 @@ class EnvironmentPool:
 
     def _call_all(self, slots: list[int], messages: list[tuple]) -> list[EnvOutcome]:
         while len(self.children) <= max(slots, default=-1):
-            self.children.append(ChildProcess(CHILD_MODULE, [self.spec, self.kwargs_json], self.start_timeout_s))
+            self.children.append(ChildProcess(CHILD_MODULE, [self.spec, self.kwargs_json], self.start_timeout_s,
+                                              env_names=self.env_names))
         outcomes: dict[int, EnvOutcome] = {}
         started = self._start_children(slots, outcomes)
         waiting: dict[object, tuple[int, str, float]] = {}  # connection -> (slot, call, sent at)

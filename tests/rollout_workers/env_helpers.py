@@ -75,3 +75,18 @@ class Prompter(Environment):
 
     def step(self, action: str) -> StepResult:
         return StepResult(None, 1.0, True, {})
+
+
+class ReadsVariable(Environment):
+    """Its prompt is the value of the environment variable `name` in its process ("unset" when unset)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def reset(self, problem):
+        import os
+
+        return os.environ.get(self.name, "unset")
+
+    def step(self, action: str) -> StepResult:
+        return StepResult(None, 1.0, True, {})

@@ -60,6 +60,17 @@ def test_environment_specs_resolve_like_rewards():
             EnvironmentPool(spec)
 
 
+def test_an_environment_sees_the_variables_named_for_it_and_no_other(monkeypatch):
+    monkeypatch.setenv("SANDBOX_TOKEN", "sandbox-123")
+    for names, seen in [((), "unset"), (("SANDBOX_TOKEN",), "sandbox-123")]:
+        pool = EnvironmentPool("env_helpers:ReadsVariable", {"name": "SANDBOX_TOKEN"}, step_timeout_s=10,
+                               env_names=names)
+        try:
+            assert [o.observation for o in pool.reset([Problem("p", "a")])] == [seen]
+        finally:
+            pool.close()
+
+
 def test_the_pool_steps_environments_in_parallel_processes():
     pool = EnvironmentPool("env_helpers:Echo", {"turns": 2}, step_timeout_s=10)
     try:
