@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -214,11 +214,13 @@ class AgentLoop:
         for e, outcome in zip(episodes, self.envs.reset([e.problem for e in episodes])):
             e.env_seconds += outcome.seconds
             given = outcome.observation is not None
-            ids = self.tokenizer(outcome.observation, add_special_tokens=False)["input_ids"] if given else []
+            ids, why = self._observation_ids(outcome.observation, prompt_of=e) if given else ([], "")
             # a sample's prompt is never empty; cut to leave its first turn room (rollout.task.truncation)
             e.prompt_ids = ids or self.prompt_format.encode(e.problem, e.params.max_new_tokens)
             if outcome.error:
                 e.fail(outcome.error, self.config.failure_reward)
+            elif why:
+                e.fail(self.envs.record_failure(why), self.config.failure_reward)
             elif given and not ids:
                 e.fail(self.envs.record_failure("reset's prompt text is 0 tokens of this tokenizer"),
                        self.config.failure_reward)
@@ -246,9 +248,10 @@ class AgentLoop:
                 e.fail(outcome.error, self.config.failure_reward)
                 continue
             e.add_step(outcome)
-            observation = [] if outcome.done else self.tokenizer(outcome.observation or "",
-                                                                 add_special_tokens=False)["input_ids"]
-            if outcome.done:
+            observation, why = ([], "") if outcome.done else self._observation_ids(outcome.observation or "")
+            if why:
+                e.fail(self.envs.record_failure(why), self.config.failure_reward)
+            elif outcome.done:
                 e.finish_reason = "stop"
             elif e.turns >= self.config.max_turns:
                 e.finish_reason = "max_turns"
@@ -256,6 +259,20 @@ class AgentLoop:
                 e.finish_reason = "length"  # no room for a token after the observation
             else:
                 e.add_observation(observation)
+
+    def _observation_ids(self, observation, prompt_of: Trajectory | None = None) -> tuple[list[int], str]:
+        """(token ids, "") of an environment's text or chat messages, or ([], why) when the chat template
+        cannot render them. Messages from reset are a prompt (`prompt_of`'s, cut as its prompt would
+        be); from step, the turns that follow the policy's (`PromptFormat.encode_followup`)."""
+        try:
+            if isinstance(observation, str):
+                return self.tokenizer(observation, add_special_tokens=False)["input_ids"], ""
+            if prompt_of is not None:
+                problem = replace(prompt_of.problem, prompt=observation)
+                return self.prompt_format.encode(problem, prompt_of.params.max_new_tokens), ""
+            return self.prompt_format.encode_followup(observation), ""
+        except ValueError as err:
+            return [], f"{'reset' if prompt_of else 'step'}'s messages: {err}"
 
     def stats(self) -> dict[str, float]:
         return {"turns_total": self.turns_total, **self.envs.stats()}

@@ -126,6 +126,7 @@ class ChildProcess:
         self.start_timeout_s = start_timeout_s
         self.limits = limits or ChildLimits()
         self.env_names = tuple(env_names)  # the worker's variables it sees besides the allow-list
+        self.units = 1  # the last request's share of CPU seconds (serve's `units`): what a SIGXCPU was over
         self._proc: subprocess.Popen | None = None
         self._send = self.connection = None
 
@@ -165,7 +166,9 @@ class ChildProcess:
             self.launch()
             self.wait_ready()
 
-    def send(self, message: Any) -> None:
+    def send(self, message: Any, units: int = 1) -> None:
+        """A request; `units`: its CPU budget in limits.cpu_s, as the child's `serve(units=)` counts it."""
+        self.units = units
         self._send.send(message)
 
     def reply(self, timeout_s: float) -> Any:
@@ -191,7 +194,7 @@ class ChildProcess:
         except ValueError:  # a signal number Python has no name for
             name = f"signal {-code}"
         if -code == signal.SIGXCPU:
-            return f"was killed by {name} (over its limit of {self.limits.cpu_s:g} CPU seconds)"
+            return f"was killed by {name} (over its limit of {self.limits.cpu_s * self.units:g} CPU seconds)"
         return f"was killed by {name}"
 
     def kill(self) -> None:

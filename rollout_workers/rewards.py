@@ -244,10 +244,10 @@ class Reward:
             return (response, problem.answer_text), self.kwargs
         if self.batch:
             given = {"data_sources": [p.data_source for p in problem], "solution_strs": list(response),
-                     "ground_truths": [p.answer for p in problem], "extra_infos": [p.extra_info for p in problem]}
+                     "ground_truths": [p.answer for p in problem], "extra_infos": [_extra(p) for p in problem]}
         else:
             given = {"data_source": problem.data_source, "solution_str": response,
-                     "ground_truth": problem.answer, "extra_info": problem.extra_info}
+                     "ground_truth": problem.answer, "extra_info": _extra(problem)}
         return (), {**{name: given[name] for name in self.verl_args}, **self.kwargs}
 
     @property
@@ -283,6 +283,12 @@ class Reward:
             count = f"{len(values)} values" if isinstance(values, (list, tuple)) else f"{values!r:.100}"
             raise BadRewardValue(f"returned {count} for {len(responses)} responses, not a value per response")
         return [_scored_or_bad(lambda v=v: v) for v in values]
+
+
+def _extra(problem: Problem) -> dict:
+    """A problem's extra_info as a verl reward gets it: a dict always (verl's managers give {} for a
+    row without one, and add keys to it), a copy (a reward may change it)."""
+    return dict(problem.extra_info) if isinstance(problem.extra_info, dict) else {}
 
 
 def _scored_or_bad(value: Callable[[], Any]) -> Scored | BadRewardValue:
@@ -429,7 +435,7 @@ class RewardRunner:
         timeout_s = self.timeout_s * n
         try:
             self._child.ensure_started()
-            self._child.send((responses, [problem] * n))
+            self._child.send((responses, [problem] * n), units=n)
             reply = self._child.reply(timeout_s)
         except TimeoutError:  # (an OSError: first)
             self._child.kill()

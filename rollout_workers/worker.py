@@ -150,8 +150,7 @@ class RolloutWorker:
         self.served_version = max(self.served_version, int(self.engine.version))
         if self.tokenizer is None:
             self.tokenizer = load_tokenizer(cfg.model_path)
-            self.prompt_format = PromptFormat.for_model(cfg.model_path, cfg.task, self.tokenizer,
-                                                        cfg.engine.max_model_len)
+            self.prompt_format = PromptFormat.for_rollout(cfg.model_path, cfg, self.tokenizer)
         if self.prompts is None:
             self.prompts = train_prompts(cfg.task, self.prompt_format, cfg.sampling.max_new_tokens)
         if self.rewards is None and not cfg.multi_turn.enabled:

@@ -55,8 +55,9 @@ class EvalPrompt:
 
 # generate(prompt_ids_batch, n, temperature, seed) -> per prompt, n lists of response token ids
 GenerateFn = Callable[[list[list[int]], int, float, int], list[list[list[int]]]]
-# score(prompt, response_token_ids) -> reward in [0, 1]; >= correct_threshold counts as correct
-ScoreFn = Callable[[EvalPrompt, list[int]], float]
+# score(prompt, responses' token ids) -> a reward in [0, 1] each; >= correct_threshold counts as
+# correct. A prompt's responses are scored together (a batch-form reward: in one call, as in training).
+ScoreFn = Callable[[EvalPrompt, list[list[int]]], list[float]]
 
 
 def evaluate(
@@ -75,11 +76,11 @@ def evaluate(
         raise ValueError("evaluate: the held-out set is empty")
     batch = [p.prompt_ids for p in prompts]
     greedy = generate(batch, 1, 0.0, seed)
-    greedy_rewards = [score(p, outs[0]) for p, outs in zip(prompts, greedy)]
+    greedy_rewards = [score(p, outs[:1])[0] for p, outs in zip(prompts, greedy)]
     rewards = None
     if n_samples > 0:
         sampled = generate(batch, n_samples, temperature, seed + 1)
-        rewards = [[score(p, out) for out in outs] for p, outs in zip(prompts, sampled)]
+        rewards = [list(score(p, outs)) for p, outs in zip(prompts, sampled)]
     return heldout_metrics(greedy_rewards, rewards, k, correct_threshold,
                            sources=[p.problem.data_source for p in prompts])
 
@@ -127,15 +128,15 @@ class RewardScore:
         self.tokenizer = tokenizer
         self.logged = False
 
-    def __call__(self, prompt: EvalPrompt, response: list[int]) -> float:
-        text = self.tokenizer.decode(response, skip_special_tokens=True)
+    def __call__(self, prompt: EvalPrompt, responses: list[list[int]]) -> list[float]:
+        texts = [self.tokenizer.decode(response, skip_special_tokens=True) for response in responses]
         failures = self.runner.failures_total
-        scored = self.runner.score_one(text, prompt.problem)
+        scored = self.runner.score(texts, prompt.problem)
         if self.runner.failures_total > failures and not self.logged:
             self.logged = True
             log.warning("eval: reward %r failed on %s (scored %s; later failures are not logged): %s",
                         self.runner.spec, prompt.problem.where(), self.runner.failure_reward, self.runner.last_error)
-        return scored.value
+        return [s.value for s in scored]
 
     def stats(self) -> dict[str, float]:
         return self.runner.stats()
@@ -169,7 +170,7 @@ class PolicyEvaluator:
 
         task = cfg.rollout.task
         tokenizer = load_tokenizer(model_dir)
-        prompt_format = PromptFormat.for_model(model_dir, task, tokenizer, cfg.rollout.engine.max_model_len)
+        prompt_format = PromptFormat.for_rollout(model_dir, cfg.rollout, tokenizer)
         problems = heldout_problems(task, cfg.eval.num_prompts, cfg.run.seed, prompt_format, cfg.eval.max_new_tokens)
         prompts = [EvalPrompt(prompt_format.encode(p, cfg.eval.max_new_tokens), p) for p in problems]
         # Multi-turn episodes are scored by their environment; single-turn answers by the reward,
@@ -222,8 +223,8 @@ class PolicyEvaluator:
                 self.score.close()
 
 
-def _episode_reward(prompt: EvalPrompt, episode) -> float:
-    return episode.reward
+def _episode_reward(prompt: EvalPrompt, episodes: list) -> list[float]:
+    return [episode.reward for episode in episodes]
 
 
 class AgentEvaluator(PolicyEvaluator):

@@ -30,7 +30,7 @@ def prompt_format(cfg: EtarlConfig, model_dir) -> PromptFormat:
     except FileNotFoundError as err:
         raise ConfigError(f"run.model: {err}") from None
     try:
-        return PromptFormat.for_model(model_dir, cfg.rollout.task, tokenizer, cfg.rollout.engine.max_model_len)
+        return PromptFormat.for_rollout(model_dir, cfg.rollout, tokenizer)
     except FileNotFoundError as err:
         raise ConfigError(str(err)) from None
 
@@ -92,6 +92,9 @@ def check_run_inputs(cfg: EtarlConfig, model_dir) -> None:
     reward = check_reward(cfg)
     check_environment(cfg, fmt)
     log.info("model %s: %s; reward %s (%s form)", model_dir, fmt.describe(), reward.spec, reward.form)
+    if cfg.rollout.task.truncation != "error" and not fmt.context_len:
+        log.warning("rollout.task.truncation=%s cuts nothing: the context is unknown (the model's config does not "
+                    "say it): set rollout.engine.max_model_len", cfg.rollout.task.truncation)
     for key, report in prompt_reports(cfg, fmt).items():
         try:
             report.usable(cfg.rollout.task.skip_invalid)
@@ -148,21 +151,25 @@ def ray_runtime_env(cfg: EtarlConfig, env_vars: dict[str, str] | None = None) ->
     from rollout_workers.rewards import reward_py_modules
 
     runtime_env: dict = {"env_vars": dict(env_vars)} if env_vars else {}
+    job = _submitted_job_runtime_env()
     try:
         modules = reward_py_modules(cfg.rollout.reward)
         if cfg.rollout.multi_turn.enabled:  # a user environment travels the same way
             modules += reward_py_modules(cfg.rollout.multi_turn.environment)
     except ImportError as err:
         raise ConfigError(f"rollout.reward: cannot import {cfg.rollout.reward!r} ({err})") from None
-    job = _submitted_job_runtime_env()
     if job.get("working_dir"):  # the driver runs in the job's working_dir: what is under it travels already
         modules = [m for m in modules if not Path(m).is_relative_to(Path.cwd())]
     if modules:
         logging.getLogger("ray._private.runtime_env.packaging").setLevel(logging.WARNING)  # one line per upload
         log.info("the reward's code travels to the workers in the Ray job's py_modules: %s", modules)
         if job.get("py_modules"):
-            runtime_env["py_modules"] = list(job["py_modules"]) + modules
-            os.environ["RAY_OVERRIDE_JOB_RUNTIME_ENV"] = "1"  # ours is the job's list plus the reward's
+            # ours replaces the job's (Ray does not merge two py_modules): its list plus the reward's, and
+            # the job's other fields (env_vars: a judge's key the reward process is given) as they are
+            env = {**job.get("env_vars", {}), **runtime_env.get("env_vars", {})}
+            runtime_env = {**job, **runtime_env, "py_modules": list(job["py_modules"]) + modules,
+                           **({"env_vars": env} if env else {})}
+            os.environ["RAY_OVERRIDE_JOB_RUNTIME_ENV"] = "1"
         else:
             runtime_env["py_modules"] = modules
     return runtime_env or None

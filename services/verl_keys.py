@@ -66,7 +66,9 @@ RULES: dict[str, Rule] = {
     "data.seed": Rule("rollout.task.seed"),
     "data.filter_overlong_prompts": Rule("rollout.task.skip_invalid", "skips every unusable row, too long or not"),
     "data.truncation": Rule("rollout.task.truncation", "to leave max_new_tokens within the context; a cut "
-                            "prompt is usable, so skip_invalid does not skip it (verl filters overlong prompts first)"),
+                            "prompt is usable, so skip_invalid does not skip it (verl filters overlong prompts "
+                            "first; verl's agent loop cuts from the left whatever this says, etarl's default "
+                            "refuses)"),
     "data.apply_chat_template_kwargs": Rule("rollout.task.chat_template_kwargs"),
     # the model
     MODEL + "path": Rule("run.model"),

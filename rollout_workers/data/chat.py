@@ -11,7 +11,8 @@ As verl does, the template renders text and the text is tokenized without adding
 
 The model folder also says when a response ends: the tokenizer's EOS and every `eos_token_id`
 of `generation_config.json` (instruct models often list two: end of turn and end of text), and
-how long a sequence may be: `rollout.engine.max_model_len`, else the model config's context.
+how long a sequence may be: `rollout.engine.max_model_len`, else the model config's context (and
+for a multi-turn run, `rollout.multi_turn.max_total_tokens` where it is shorter).
 A prompt too long to leave a response its `max_new_tokens` is refused, or cut to fit where
 `rollout.task.truncation` says so (verl's data.truncation: left, right, middle).
 """
@@ -38,9 +39,12 @@ def _read_json(path: Path) -> dict:
 
 
 def model_context_len(model_dir: str | os.PathLike) -> int | None:
-    """The longest sequence (prompt + response) the model folder's config allows; None: it says not."""
+    """The longest sequence (prompt + response) the model folder's config allows; None: it says not.
+    A multimodal model's config holds its language model's under `text_config`."""
     config = _read_json(Path(model_dir) / "config.json")
-    limits = [int(config[k]) for k in _CONTEXT_KEYS if isinstance(config.get(k), int) and config[k] > 0]
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    limits = [int(part[k]) for part in (config, text) for k in _CONTEXT_KEYS
+              if isinstance(part.get(k), int) and part[k] > 0]
     return min(limits) if limits else None
 
 
@@ -92,12 +96,22 @@ class PromptFormat:
                    stop_token_ids=eos_token_ids(model_dir, tokenizer), model_name=str(model_dir),
                    truncation=task.truncation)
 
+    @classmethod
+    def for_rollout(cls, model_dir: str | os.PathLike, rollout, tokenizer) -> "PromptFormat":
+        """The format of a RolloutConfig's run: its context is the engine's, or a multi-turn
+        trajectory's `max_total_tokens` where that is shorter (no sample is longer)."""
+        context = rollout.engine.max_model_len or model_context_len(model_dir)
+        total = rollout.multi_turn.max_total_tokens if rollout.multi_turn.enabled else None
+        if total and (context is None or total < context):
+            context = total
+        return cls.for_model(model_dir, rollout.task, tokenizer, context)
+
     def describe(self) -> str:
         template = {"auto": "the tokenizer's own", "none": "none", "file": "the Jinja file given"}[self.mode]
         context = self.context_len if self.context_len else "not stated by the model"
         return f"chat template: {template}; context: {context} tokens; response ends at ids {list(self.stop_token_ids)}"
 
-    def render(self, problem: Problem) -> str:
+    def render(self, problem: Problem, generation_prompt: bool = True) -> str:
         """The exact text the tokenizer gets. ValueError says why a chat prompt cannot be rendered."""
         if not problem.is_chat:
             return problem.prompt
@@ -108,14 +122,33 @@ class PromptFormat:
                              f"template (set rollout.task.chat_template to a Jinja file, or to none)")
         try:
             return self.tokenizer.apply_chat_template(problem.prompt, chat_template=self.template, tokenize=False,
-                                                      add_generation_prompt=True, **self.template_kwargs)
+                                                      add_generation_prompt=generation_prompt,
+                                                      **self.template_kwargs)
         except Exception as err:  # a template may raise on purpose (e.g. "system role not supported")
             raise ValueError(f"the chat template failed on this prompt: {type(err).__name__}: {err}") from None
+
+    def encode_followup(self, messages: list[dict]) -> list[int]:
+        """The token ids of chat messages that follow a policy turn (a tool's result, a user's reply),
+        the generation prompt of the next turn included: what the chat template writes for them
+        after an earlier exchange, without what it writes before (a default system prompt, the
+        tools). ValueError says why they cannot be rendered."""
+        if self.mode == "none":
+            return self._tokens("\n".join(m["content"] for m in messages))
+        earlier = [{"role": "user", "content": "?"}, {"role": "assistant", "content": "."}]
+        before = self.render(Problem(earlier, ""), generation_prompt=False)
+        after = self.render(Problem(earlier + list(messages), ""))
+        if not after.startswith(before):
+            raise ValueError("the chat template writes an exchange differently when messages follow it, so the "
+                             "messages cannot be appended as tokens (return text from the environment instead)")
+        return self._tokens(after[len(before):])
+
+    def _tokens(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def encode(self, problem: Problem, max_new_tokens: int | None = None) -> list[int]:
         """The prompt's token ids, cut to leave `max_new_tokens` within the context where the
         truncation is not "error" (None: never cut)."""
-        ids = list(self.tokenizer(self.render(problem), add_special_tokens=False)["input_ids"])
+        ids = self._tokens(self.render(problem))
         return ids if max_new_tokens is None else self.cut(ids, max_new_tokens)
 
     def prompt_room(self, max_new_tokens: int | None) -> int | None:

@@ -77,8 +77,8 @@ class PromptReport:
         if self.bad and not skip_invalid:
             raise InvalidPrompts(f"prompt file has unusable rows, the run does not start:\n{self.summary()}\n"
                                  f"Fix them (for prompts too long: a larger rollout.engine.max_model_len, a "
-                                 f"smaller max_new_tokens, or rollout.task.truncation=left to cut them), or set "
-                                 f"rollout.task.skip_invalid=true to skip them")
+                                 f"smaller max_new_tokens, or rollout.task.truncation=left to cut them where "
+                                 f"max_new_tokens leaves room), or set rollout.task.skip_invalid=true to skip them")
         if self.bad:
             log.warning("skipping %d unusable rows of %s (rollout.task.skip_invalid=true):\n%s", len(self.bad),
                         self.source, "\n".join(f"  {bad}" for bad in self.bad[:MAX_LISTED]))
@@ -119,10 +119,10 @@ def _token_problem(problem: Problem, prompt_format: PromptFormat | None, max_new
         return str(err), None
     if count == 0:
         return "empty prompt (0 tokens)", None
-    context, new = prompt_format.context_len, max_new_tokens or 0
-    if context and count + new > context and not prompt_format.cuts(count, max_new_tokens):
-        return (f"prompt of {count} tokens + max_new_tokens {new} exceeds the engine's context of {context} "
-                f"tokens"), None
+    room = prompt_format.prompt_room(max_new_tokens)
+    if room is not None and count > room and not prompt_format.cuts(count, max_new_tokens):
+        return (f"prompt of {count} tokens + max_new_tokens {max_new_tokens or 0} exceeds the engine's context of "
+                f"{prompt_format.context_len} tokens"), None
     return None, count
 
 

@@ -90,3 +90,21 @@ class ReadsVariable(Environment):
 
     def step(self, action: str) -> StepResult:
         return StepResult(None, 1.0, True, {})
+
+
+class ChatTool(Environment):
+    """Speaks in chat messages: its prompt is the problem's as a user message, its first step's
+    observation a tool message (`result`), and the next action ends the episode with reward 1."""
+
+    def __init__(self, result: str = "<r>5</r>") -> None:
+        self.result = result
+        self.steps = 0
+
+    def reset(self, problem):
+        return [{"role": "user", "content": problem.prompt}]
+
+    def step(self, action: str) -> StepResult:
+        self.steps += 1
+        if self.steps == 1:
+            return StepResult([{"role": "tool", "content": self.result}], 0.0, False, {})
+        return StepResult(None, 1.0, True, {})

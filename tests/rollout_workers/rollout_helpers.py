@@ -143,9 +143,10 @@ def check_bf16_engine(model_dir: str) -> None:
 # Rewards in verl's form (imported by path in the reward child process, like the ones above).
 
 def verl_exact(data_source, solution_str, ground_truth, extra_info=None):
-    """verl's form, a dict: the score, an accuracy metric, and what it was given, as numbers."""
+    """verl's form, a dict: the score, an accuracy metric, and what it was given, as numbers (len:
+    extra_info is a dict, as verl gives it, even for a row without one)."""
     return {"score": float(solution_str == ground_truth), "acc": float(solution_str == ground_truth),
-            "has_extra": float(extra_info is not None), "source_is_demo": float(data_source == "demo"),
+            "has_extra": float(len(extra_info) > 0), "source_is_demo": float(data_source == "demo"),
             "pred": solution_str}  # a non-number: not a metric
 
 
@@ -197,7 +198,7 @@ class PublishWhenArmed(WeightStore):
 def verl_batch_exact(data_sources, solution_strs, ground_truths, extra_infos, bonus=0.0):
     """A dict per response: the score (plus `bonus`, a reward_kwarg), and how many responses the call held."""
     return [{"score": float(s == g) + bonus, "batch_size": float(len(solution_strs)),
-             "source_is_demo": float(d == "demo"), "has_extra": float(e is not None)}
+             "source_is_demo": float(d == "demo"), "has_extra": float(len(e) > 0)}  # len: a dict, as verl gives
             for d, s, g, e in zip(data_sources, solution_strs, ground_truths, extra_infos, strict=True)]
 
 

@@ -52,3 +52,11 @@ def smuggles_a_pickle(response: str, answer: str) -> float:
             if isinstance(obj, Connection) and obj.writable and not obj.readable:
                 obj.send(OpensAFile(answer))
     return float(len(response))
+
+
+def burn_cpu_batch(data_sources, solution_strs, ground_truths, extra_infos):
+    """verl's batch form: burns CPU when a response says "burn", else the responses' lengths."""
+    if "burn" in solution_strs:
+        while True:
+            pass
+    return [float(len(s)) for s in solution_strs]

@@ -155,6 +155,52 @@ def test_an_environment_may_write_the_prompt(cfg, model_dir, tokenizer, engine, 
     assert loop.stats()["env_failures_total"] == (0 if ids else 4)
 
 
+def test_an_environment_may_speak_in_chat_messages_rendered_by_the_chat_template(cfg, model_dir, tokenizer, engine):
+    """reset's messages are the prompt through the chat template; a step's tool message is what the
+    template writes after the policy's turn, its next generation prompt included."""
+    episodes, calls, loop = run_episodes(cfg, model_dir, tokenizer, engine, count=2, n=2,
+                                         environment="env_helpers:ChatTool", environment_kwargs={}, max_turns=3)
+    eos = tokenizer.eos_token
+    observation = tokenizer(f"<|user|><r>5</r>{eos}<|assistant|>", add_special_tokens=False)["input_ids"]
+    assert loop.stats()["env_failures_total"] == 0
+    for e in episodes:
+        assert e.prompt_ids == tokenizer(f"<|user|>{e.problem.prompt}{eos}<|assistant|>",
+                                         add_special_tokens=False)["input_ids"]
+        (_, first, _), (_, seen, masked), *_ = runs(e.loss_mask)
+        assert masked == 0 and e.response_ids[first:seen] == observation
+        assert e.turns == 2 and e.reward == 1.0 and e.finish_reason == "stop"
+
+
+def test_a_prompt_is_cut_to_leave_a_turn_room_within_max_total_tokens(cfg, model_dir, tokenizer, tmp_path):
+    """A multi-turn run's prompts are bounded by max_total_tokens where it is below the context: the
+    start's check and the cut use it (rollout.task.truncation), so a cut prompt still has its turn."""
+    from rollout_workers.agent_loop import Trajectory
+    from rollout_workers.data import Problem, check_prompts
+
+    rollout = cfg.rollout.model_copy(update={
+        "task": cfg.rollout.task.model_copy(update={"truncation": "left"}),
+        "multi_turn": cfg.rollout.multi_turn.model_copy(update={"max_total_tokens": 30})})
+    fmt = PromptFormat.for_rollout(model_dir, rollout, tokenizer)
+    assert fmt.context_len == 30 < rollout.engine.max_model_len
+    long = Problem("rev:" + "ab" * 20 + "=", "x")
+    whole = tokenizer(long.prompt, add_special_tokens=False)["input_ids"]
+    assert len(whole) > 30
+    loop = AgentLoop(rollout.multi_turn, tokenizer, fmt)
+    try:
+        e = Trajectory(long, SamplingParams(n=1, max_new_tokens=12), 0)
+        loop._reset([e])
+        assert e.prompt_ids == whole[-18:] and not e.ended  # 30 - 12: its first turn has room
+    finally:
+        loop.close()
+    # without truncation the start refuses it, against the same bound
+    path = tmp_path / "long.jsonl"
+    path.write_text(json.dumps({"prompt": long.prompt, "answer": "x"}) + "\n")
+    plain = PromptFormat.for_rollout(model_dir, cfg.rollout, tokenizer)
+    assert plain.context_len == 64 and not check_prompts(path, cfg.rollout.task, plain, 12).bad
+    bounded = PromptFormat.for_rollout(model_dir, rollout.model_copy(update={"task": cfg.rollout.task}), tokenizer)
+    assert "exceeds the engine's context of 30" in check_prompts(path, cfg.rollout.task, bounded, 12).bad[0].why
+
+
 def test_a_batch_past_max_concurrent_trajectories_runs_in_waves_of_whole_prompts(cfg, model_dir, tokenizer, engine):
     """7 prompts x 2 trajectories, at most 5 at once: waves of 2, 2, 2 and 1 prompts, never more
     than 4 trajectories in an engine batch or environment processes alive, the weights' hook

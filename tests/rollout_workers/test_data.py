@@ -171,6 +171,34 @@ def test_a_prompt_too_long_is_cut_to_fit_where_truncation_says(tmp_path, tokeniz
         TaskConfig(kind="file", path=str(path), truncation="both")
 
 
+QWEN_LIKE = (  # written for this test in the shape of Qwen2.5's: a default system prompt, tools, tool turns
+    "{%- if messages[0]['role'] != 'system' %}{{ '<s>sys:' + ('tools ' + tools|length|string if tools else 'plain')"
+    " + '</s>' }}{%- endif %}"
+    "{%- for m in messages %}{%- if m['role'] == 'tool' %}{{ '<s>user:<tool_response>' + m['content'] + "
+    "'</tool_response></s>' }}{%- else %}{{ '<s>' + m['role'] + ':' + m['content'] + '</s>' }}{%- endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{ '<s>assistant:' }}{%- endif %}")
+
+
+def test_messages_that_follow_a_turn_are_what_the_template_writes_after_it(tmp_path, tokenizer):
+    template = tmp_path / "qwen_like.jinja"
+    template.write_text(QWEN_LIKE)
+    tool = [{"role": "tool", "content": "42"}]
+    fmt = PromptFormat(tokenizer, chat_template=str(template), template_kwargs={"tools": [{"name": "calc"}]})
+    want = "<s>user:<tool_response>42</tool_response></s><s>assistant:"  # no system prompt, no tools again
+    assert fmt.encode_followup(tool) == tokenizer(want, add_special_tokens=False)["input_ids"]
+    assert fmt.render(Problem([{"role": "user", "content": "hi"}], "")).startswith("<s>sys:tools 1</s>")
+    two = tool + [{"role": "user", "content": "go on"}]
+    assert fmt.encode_followup(two) == tokenizer(want[:-len("<s>assistant:")] + "<s>user:go on</s><s>assistant:",
+                                                 add_special_tokens=False)["input_ids"]
+    none = PromptFormat(tokenizer, chat_template="none")
+    assert none.encode_followup(two) == tokenizer("42\ngo on", add_special_tokens=False)["input_ids"]
+    # a template that writes the earlier exchange differently once messages follow it: refused, said why
+    shifty = tmp_path / "shifty.jinja"
+    shifty.write_text("{{ messages|length|string }}{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    with pytest.raises(ValueError, match="writes an exchange differently"):
+        PromptFormat(tokenizer, chat_template=str(shifty)).encode_followup(tool)
+
+
 def test_chat_prompts_go_through_the_chat_template(tmp_path, tokenizer):
     messages = [{"role": "system", "content": "rev"}, {"role": "user", "content": "rev:abc="}]
     chat = Problem(messages, "cba")
@@ -211,6 +239,9 @@ def test_the_model_folder_says_when_a_response_ends_and_how_long_it_may_be(tmp_p
     fmt = PromptFormat.for_model(tmp_path, TaskConfig(), tokenizer)
     assert fmt.context_len == 2048 and fmt.stop_token_ids == (1, 31)
     assert PromptFormat.for_model(tmp_path, TaskConfig(), tokenizer, max_model_len=512).context_len == 512
+    # a multimodal model's language model says its context under text_config
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": {"max_position_embeddings": 8192}}))
+    assert model_context_len(tmp_path) == 8192
     (tmp_path / "generation_config.json").unlink()
     (tmp_path / "config.json").write_text("{}")
     assert model_context_len(tmp_path) is None and eos_token_ids(tmp_path, tokenizer) == (1,)

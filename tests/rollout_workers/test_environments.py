@@ -48,6 +48,15 @@ def test_what_an_environment_returns_is_checked():
     for bad in [42, ""]:
         with pytest.raises(BadEnvironmentResult):
             checked_reset(bad)
+    # chat messages: dicts of text with a role and a content (a tuple, as msgpack may bring, is fine)
+    tool = [{"role": "tool", "content": "42"}]
+    assert checked_step((tool, 0.0, False, {})).observation == tool
+    assert checked_reset(({"role": "user", "content": "hi", "name": "me"},)) == [
+        {"role": "user", "content": "hi", "name": "me"}]
+    for bad in [[], [{"role": "tool"}], [{"role": "tool", "content": 42}], ["text"],
+                [{"role": "tool", "content": "x", "extra": {"a": 1}}], [{"role": "tool", "content": "x" * 1_000_001}]]:
+        with pytest.raises(BadEnvironmentResult, match="not text, chat messages|more than"):
+            checked_step((bad, 0.0, False, {}))
 
 
 def test_environment_specs_resolve_like_rewards():

@@ -74,22 +74,24 @@ def test_a_judge_scores_a_group_with_the_key_named_in_reward_env(judge_server, m
         assert scored[0].metrics == {"reward/judge_correct": 1.0}
         assert len(seen) == 3 and {(s["auth"], s["model"], s["path"]) for s in seen} == \
             {(f"Bearer {KEY}", "my-judge", "/v1/chat/completions")}
-        # a judge answer without a score fails the group's rewards; the next group is scored
-        assert [s.value for s in runner.score(["confuse", "42"], Problem("?", "42"))] == [0.0, 0.0]
-        assert "not 'SCORE: 0' or 'SCORE: 1'" in runner.last_error, runner.last_error
+        # a judge answer without a score (twice) fails that response alone; the others are scored
+        assert [s.value for s in runner.score(["confuse", "42"], Problem("?", "42"))] == [0.0, 1.0]
+        assert "returned nan, not a finite number" in runner.last_error, runner.last_error
+        assert runner.stats()["reward_failures_total"] == 1 and len(seen) == 3 + 2 + 1
         assert [s.value for s in runner.score(["7"], Problem("?", "7"))] == [1.0]
     finally:
         runner.close()
 
 
-def test_without_the_key_named_the_reward_process_never_sees_it(judge_server, monkeypatch):
+def test_without_the_key_named_the_reward_process_never_sees_it(judge_server, monkeypatch, capfd):
     url, seen = judge_server
     monkeypatch.setenv("JUDGE_BASE_URL", url)
     monkeypatch.setenv("JUDGE_API_KEY", KEY)
     runner = runner_for(reward_env=["JUDGE_BASE_URL"])
     try:
         assert [s.value for s in runner.score(["42"], Problem("?", "42"))] == [0.0]
-        assert "HTTP 401 (is JUDGE_API_KEY named in rollout.reward_env?)" in runner.last_error, runner.last_error
+        assert "returned nan" in runner.last_error, runner.last_error
+        assert "HTTP 401 (is JUDGE_API_KEY named in rollout.reward_env?)" in capfd.readouterr().err  # the worker's log
         assert seen and seen[-1]["auth"] is None  # the key stayed in the worker
     finally:
         runner.close()

@@ -47,8 +47,8 @@ def test_evaluate_greedy_accuracy_and_pass_at_k():
             return [[[p[0] if p[0] % 2 == 0 else -1]] for p in batch]
         return [[[p[0]] if j < p[0] else [-1] for j in range(n)] for p in batch]
 
-    def score(prompt, response):
-        return 1.0 if response == [int(prompt.problem.answer)] else 0.0
+    def score(prompt, responses):
+        return [1.0 if response == [int(prompt.problem.answer)] else 0.0 for response in responses]
 
     metrics = evaluate(generate, score, prompts, n_samples=4, k=2, temperature=0.7)
     assert calls == [(1, 0.0), (4, 0.7)]

@@ -40,7 +40,7 @@ def test_an_evaluation_with_a_hanging_reward_finishes_within_its_timeout(tmp_pat
     timeout_s = 0.5
     score = RewardScore(RewardRunner(f"{tmp_path / 'hangs_on_7.py'}:reward", timeout_s=timeout_s), DigitsTokenizer())
     try:
-        score(prompts[0], [0])  # the reward process starts here, outside the timed part
+        score(prompts[0], [[0]])  # the reward process starts here, outside the timed part
         start = time.monotonic()
         with caplog.at_level(logging.WARNING):
             metrics = evaluate(generate, score, prompts, n_samples=2, k=1, temperature=1.0)

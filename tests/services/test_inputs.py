@@ -141,10 +141,13 @@ def test_a_reward_module_that_is_not_installed_travels_in_the_job(tmp_path, monk
     assert ray_runtime_env(cfg, {"OMP_NUM_THREADS": "1"}) == {"env_vars": {"OMP_NUM_THREADS": "1"},
                                                             "py_modules": [module]}
     assert ray_runtime_env(load_config(None, ["rollout.reward=math"])) is None
-    # Inside `ray job submit` with py_modules of its own: both lists, and Ray told to take ours.
-    job = {"runtime_env": {"py_modules": ["gcs://_ray_pkg_abc.zip"], "env_vars": {"A": "1"}}}
+    # Inside `ray job submit` with py_modules of its own: both lists, and Ray told to take ours, which
+    # keeps the job's other fields (its env_vars: a judge's key named in rollout.reward_env)
+    job = {"runtime_env": {"py_modules": ["gcs://_ray_pkg_abc.zip"], "env_vars": {"A": "1"}, "pip": ["x"]}}
     monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", json.dumps(job))
-    assert ray_runtime_env(cfg) == {"py_modules": ["gcs://_ray_pkg_abc.zip", module]}
+    assert ray_runtime_env(cfg) == {"py_modules": ["gcs://_ray_pkg_abc.zip", module], "env_vars": {"A": "1"},
+                                    "pip": ["x"]}
+    assert ray_runtime_env(cfg, {"B": "2"})["env_vars"] == {"A": "1", "B": "2"}
     import os
 
     assert os.environ["RAY_OVERRIDE_JOB_RUNTIME_ENV"] == "1"
