@@ -188,6 +188,15 @@ class MultiTurnConfig(_Strict):
     def _env_names(cls, value: list[str]) -> list[str]:
         return passed_env_names(value, "environment_env")
 
+    @model_validator(mode="after")
+    def _tools_file(self):
+        if self.environment == "tools":
+            if not isinstance(self.environment_kwargs.get("path"), str):
+                raise ValueError("environment=tools needs environment_kwargs.path: the tools' file (or module), "
+                                 "each public function a tool (verl's multi_turn.function_tool_path)")
+            self.environment_kwargs.setdefault("max_calls", self.max_turns - 1)  # the last turn answers
+        return self
+
     @property
     def enabled(self) -> bool:
         return self.environment is not None
@@ -239,8 +248,9 @@ class RolloutConfig(_Strict):
     overlong_buffer: OverlongBufferConfig = Field(default_factory=OverlongBufferConfig)
     reward: str = Field("math", description="built-in name (math, exact), 'module:function' or "
                         "'path/to/file.py:function'; fn(response, answer) or verl's compute_score(data_source, "
-                        "solution_str, ground_truth, extra_info=None), sync or async; not used by multi-turn "
-                        "rollouts (their environment gives the rewards)")
+                        "solution_str, ground_truth, extra_info=None), sync or async; multi-turn rollouts: their "
+                        "environment gives the rewards (the built-in tools environment scores the final answer "
+                        "with this one)")
     reward_kwargs: dict[str, Any] = Field(
         default_factory=dict, description="keyword arguments the reward is called with besides the response "
         "and its reference (verl's custom_reward_function.reward_kwargs); JSON values")
@@ -307,6 +317,16 @@ class RolloutConfig(_Strict):
         if shaping.enabled and self.multi_turn.enabled:
             raise ValueError("rollout.overlong_buffer is single-turn: a multi-turn trajectory's length is bounded by "
                              "rollout.multi_turn.max_total_tokens, not by max_new_tokens per turn")
+        return self
+
+    @model_validator(mode="after")
+    def _tools_take_the_reward(self):
+        """The built-in tools environment scores a final answer with the run's reward (unless its
+        environment_kwargs name another)."""
+        if self.multi_turn.environment == "tools":
+            self.multi_turn.environment_kwargs.setdefault("reward", self.reward)
+            if self.reward_kwargs:
+                self.multi_turn.environment_kwargs.setdefault("reward_kwargs", self.reward_kwargs)
         return self
 
     @classmethod

@@ -122,6 +122,17 @@ def _load_file_module(path: Path, spec: str, kind: str = "reward"):
     return module
 
 
+def load_module(module_name: str, spec: str, kind: str = "reward"):
+    """The module of a spec: a file path (loaded from the file) or an importable module name;
+    ValueError says why it cannot be had."""
+    if _is_file(module_name):
+        return _load_file_module(Path(module_name).expanduser(), spec, kind)
+    try:
+        return importlib.import_module(module_name)
+    except ImportError as err:
+        raise ValueError(f"{kind} {spec!r}: cannot import module {module_name!r} ({err})") from None
+
+
 def resolve_named(spec: str, builtins: dict[str, Any], kind: str = "reward", thing: str = "function") -> Any:
     """What a spec names: a built-in, "module:attribute" or "path/file.py:attribute" (rewards'
     convention, shared by environments); errors say what is wrong with the spec."""
@@ -131,13 +142,7 @@ def resolve_named(spec: str, builtins: dict[str, Any], kind: str = "reward", thi
     if not sep or not module_name or not attr:
         raise ValueError(f"{kind} {spec!r} is neither a built-in ({sorted(builtins)}), 'module:{thing}' "
                          f"nor 'path/to/file.py:{thing}'")
-    if _is_file(module_name):
-        module = _load_file_module(Path(module_name).expanduser(), spec, kind)
-    else:
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError as err:
-            raise ValueError(f"{kind} {spec!r}: cannot import module {module_name!r} ({err})") from None
+    module = load_module(module_name, spec, kind)
     found = getattr(module, attr, None)
     if not callable(found):
         raise ValueError(f"{kind} {spec!r}: module {module_name!r} has no callable {attr!r}")
@@ -230,7 +235,8 @@ class Reward:
             signature = inspect.signature(self.fn)
         except (TypeError, ValueError):  # no signature to read: the call will say
             return
-        args, keywords = self._arguments([""], [Problem("", "")]) if self.batch else self._arguments("", Problem("", ""))
+        nothing = Problem("", "")
+        args, keywords = self._arguments([""], [nothing]) if self.batch else self._arguments("", nothing)
         try:
             signature.bind(*args, **keywords)
         except TypeError as err:

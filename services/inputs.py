@@ -33,6 +33,8 @@ def prompt_format(cfg: EtarlConfig, model_dir) -> PromptFormat:
         return PromptFormat.for_rollout(model_dir, cfg.rollout, tokenizer)
     except FileNotFoundError as err:
         raise ConfigError(str(err)) from None
+    except ValueError as err:  # the tools environment's file or schemas
+        raise ConfigError(f"rollout.multi_turn: {err}") from None
 
 
 def check_reward(cfg: EtarlConfig):
@@ -54,7 +56,9 @@ def check_environment(cfg: EtarlConfig, fmt: PromptFormat) -> None:
     from rollout_workers.environments import resolve_environment
 
     try:
-        resolve_environment(multi_turn.environment)
+        make = resolve_environment(multi_turn.environment)
+        if multi_turn.environment == "tools":  # built-in: its tools and reward load here as in each process
+            make(**multi_turn.environment_kwargs)
         stop_token_ids(fmt.tokenizer, multi_turn.stop)
     except ValueError as err:
         raise ConfigError(f"rollout.multi_turn: {err}") from None
@@ -154,8 +158,11 @@ def ray_runtime_env(cfg: EtarlConfig, env_vars: dict[str, str] | None = None) ->
     job = _submitted_job_runtime_env()
     try:
         modules = reward_py_modules(cfg.rollout.reward)
-        if cfg.rollout.multi_turn.enabled:  # a user environment travels the same way
-            modules += reward_py_modules(cfg.rollout.multi_turn.environment)
+        multi_turn = cfg.rollout.multi_turn
+        if multi_turn.environment == "tools":  # the tools' file travels like a reward's
+            modules += reward_py_modules(f"{multi_turn.environment_kwargs['path']}:tools")
+        elif multi_turn.enabled:  # a user environment travels the same way
+            modules += reward_py_modules(multi_turn.environment)
     except ImportError as err:
         raise ConfigError(f"rollout.reward: cannot import {cfg.rollout.reward!r} ({err})") from None
     if job.get("working_dir"):  # the driver runs in the job's working_dir: what is under it travels already

@@ -125,6 +125,14 @@ RULES: dict[str, Rule] = {
     ROLLOUT + "multi_turn.enable": Rule(None, "multi-turn rollouts are on when rollout.multi_turn.environment "
                                               "names an environment"),
     ROLLOUT + "multi_turn.max_assistant_turns": Rule("rollout.multi_turn.max_turns"),
+    ROLLOUT + "multi_turn.tool_config_path": Rule(None, "verl's BaseTool classes and their YAML: etarl takes tools as "
+                                                        "plain functions (multi_turn.function_tool_path: "
+                                                        "rollout.multi_turn.environment=tools) or an environment "
+                                                        "class (rollout.multi_turn.environment)"),
+    **{ROLLOUT + "multi_turn." + k: Rule("rollout.multi_turn.environment_kwargs." + k, "of the tools environment")
+       for k in ("max_parallel_calls", "max_tool_response_length", "tool_response_truncate_side")},
+    ROLLOUT + "multi_turn.format": Rule(None, "the tools environment reads hermes calls "
+                                              "(<tool_call>{...}</tool_call>)"),
     # the algorithm
     "algorithm.gamma": Rule("learner.advantage.gamma"),
     "algorithm.lam": Rule("learner.advantage.lam"),
@@ -290,6 +298,12 @@ def _steps(key: str, value: Any, given: dict) -> Said:
     return said
 
 
+def _function_tools(key: str, value: Any, given: dict) -> Said:
+    return [("rollout.multi_turn.environment", "tools", "the built-in environment of Python function tools "
+             "(hermes <tool_call> blocks, their results through the chat template)"),
+            ("rollout.multi_turn.environment_kwargs.path", value, "")]
+
+
 def _routing(key: str, value: Any, given: dict) -> Said:
     if ACTOR + "router_replay.mode" in given:
         return []  # the mode says it
@@ -305,6 +319,7 @@ JOINS: dict[str, Callable[[str, Any, dict], Said]] = {
     **{ROLLOUT + "val_kwargs." + k: _validation for k in ("n", "temperature", "do_sample")},
     "trainer.total_training_steps": _steps,
     ROLLOUT + "enable_rollout_routing_replay": _routing,
+    ROLLOUT + "multi_turn.function_tool_path": _function_tools,
 }
 
 

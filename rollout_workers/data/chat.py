@@ -99,12 +99,20 @@ class PromptFormat:
     @classmethod
     def for_rollout(cls, model_dir: str | os.PathLike, rollout, tokenizer) -> "PromptFormat":
         """The format of a RolloutConfig's run: its context is the engine's, or a multi-turn
-        trajectory's `max_total_tokens` where that is shorter (no sample is longer)."""
+        trajectory's `max_total_tokens` where that is shorter (no sample is longer); a run of the
+        built-in tools environment gives the template its tools' schemas (`tools`), unless
+        `rollout.task.chat_template_kwargs` names them."""
         context = rollout.engine.max_model_len or model_context_len(model_dir)
         total = rollout.multi_turn.max_total_tokens if rollout.multi_turn.enabled else None
         if total and (context is None or total < context):
             context = total
-        return cls.for_model(model_dir, rollout.task, tokenizer, context)
+        fmt = cls.for_model(model_dir, rollout.task, tokenizer, context)
+        if rollout.multi_turn.environment == "tools" and "tools" not in fmt.template_kwargs:
+            # imported here: only a tools run loads its tools (and transformers' schema reader)
+            from rollout_workers.environments.function_tools import tool_schemas
+
+            fmt.template_kwargs["tools"] = tool_schemas(rollout.multi_turn.environment_kwargs["path"])
+        return fmt
 
     def describe(self) -> str:
         template = {"auto": "the tokenizer's own", "none": "none", "file": "the Jinja file given"}[self.mode]

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from rollout_workers.environments.calculator import Calculator
+from rollout_workers.environments.function_tools import FunctionTools
 from rollout_workers.rewards import resolve_named
 
-BUILTIN_ENVIRONMENTS = {"calculator": Calculator}
+BUILTIN_ENVIRONMENTS = {"calculator": Calculator, "tools": FunctionTools}
 
 
 def resolve_environment(spec: str):

@@ -111,6 +111,25 @@ def test_a_bad_reward_stops_the_run_at_start(tiny_model_dir, tmp_path, capsys, r
         assert "fn(response, answer)" in err and "compute_score(data_source, solution_str, ground_truth" in err
 
 
+def test_a_tools_run_checks_its_tools_and_their_reward_at_start(tiny_model_dir, tmp_path):
+    documented = 'def double(x: int) -> int:\n    """Twice x.\n\n    Args:\n        x: A number.\n    """\n    return 2 * x\n'
+    (tmp_path / "good_tools.py").write_text(documented)
+    (tmp_path / "bad_tools.py").write_text("def undocumented(x):\n    return x\n")
+    base = ["rollout.multi_turn.environment=tools", "rollout.task.skip_invalid=true"]
+    path = "rollout.multi_turn.environment_kwargs.path"
+    good = file_config(tiny_model_dir, tmp_path, *base, f"{path}={tmp_path}/good_tools.py")
+    check_run_inputs(good, tiny_model_dir)  # starts: its tools load, their schemas go to the template
+    assert good.rollout.multi_turn.environment_kwargs == {"path": f"{tmp_path}/good_tools.py", "max_calls": 3,
+                                                          "reward": "math"}
+    bad = file_config(tiny_model_dir, tmp_path, *base, f"{path}={tmp_path}/bad_tools.py")
+    with pytest.raises(ConfigError, match="rollout.multi_turn: .*undocumented.*type hints and a docstring"):
+        check_run_inputs(bad, tiny_model_dir)
+    wrong_reward = file_config(tiny_model_dir, tmp_path, *base, "rollout.multi_turn.environment_kwargs.reward=nope",
+                               f"{path}={tmp_path}/good_tools.py")
+    with pytest.raises(ConfigError, match="rollout.multi_turn: reward 'nope' is neither a built-in"):
+        check_run_inputs(wrong_reward, tiny_model_dir)
+
+
 def test_evaluation_needs_a_heldout_file(tiny_model_dir, tmp_path):
     cfg = file_config(tiny_model_dir, tmp_path, "rollout.task.skip_invalid=true", "eval.enabled=true")
     with pytest.raises(ConfigError, match="rollout.task.heldout_path is unset"):

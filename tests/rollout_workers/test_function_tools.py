@@ -1,0 +1,205 @@
+"""The built-in `tools` environment (rollout_workers/environments/function_tools.py): Python functions
+as tools, called in Qwen's and verl's hermes format, their results as tool messages through the
+chat template, the final answer scored by the run's reward. verl's own function-tools file loads
+as it is. The agent loop runs with a byte-level tokenizer trained here (every text has tokens) and
+a scripted policy in place of an engine (the tiny model never learned to call tools)."""
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from rollout_workers.agent_loop import AgentLoop
+from rollout_workers.config import MultiTurnConfig, RolloutConfig
+from rollout_workers.data import Problem, PromptFormat
+from rollout_workers.engines.base import Completion, SamplingParams
+from rollout_workers.environments.function_tools import FunctionTools, load_tools, tool_schemas
+
+VERL_TOOLS = '''
+import asyncio
+
+from verl.tools.function_tool import function_tool
+
+
+@function_tool
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: The first.
+        b: The second.
+    """
+    return a + b
+
+
+@function_tool("weather")
+async def get_weather(city: str) -> dict:
+    """The weather in a city.
+
+    Args:
+        city: Its name.
+    """
+    await asyncio.sleep(0)
+    return {"city": city, "temperature_c": 17.3}
+
+
+@function_tool
+def fails(x: int) -> str:
+    """Always raises.
+
+    Args:
+        x: Anything.
+    """
+    raise RuntimeError("the sandbox is down")
+
+
+@function_tool
+def lookup(key: str):
+    """A lookup that rewards its call (verl's (response, reward) return).
+
+    Args:
+        key: What to look up.
+    """
+    return f"found {key}", 0.5
+
+
+def helper():  # not decorated: not a tool where others are
+    return 0
+'''
+TEMPLATE = (  # Qwen2.5's shape, simplified: tools in the system turn, tool results in a user turn
+    "{%- if tools %}{{ '<|im_start|>system\\n# Tools\\n' }}{%- for t in tools %}{{ t['function']['name'] + '\\n' }}"
+    "{%- endfor %}{{ '<|im_end|>\\n' }}{%- endif %}"
+    "{%- for m in messages %}{%- if m['role'] == 'tool' %}{{ '<|im_start|>user\\n<tool_response>\\n' + m['content'] "
+    "+ '\\n</tool_response><|im_end|>\\n' }}{%- else %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
+    "'<|im_end|>\\n' }}{%- endif %}{%- endfor %}{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{%- endif %}")
+
+
+@pytest.fixture
+def verl_tools(tmp_path) -> str:
+    path = tmp_path / "my_tools.py"
+    path.write_text(VERL_TOOLS)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def byte_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    raw = Tokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    raw.train_from_iterator([TEMPLATE, VERL_TOOLS, '<tool_call>{"name": "add"}</tool_call> 5'],
+                            trainers.BpeTrainer(vocab_size=400, special_tokens=["<|im_end|>", "<pad>"],
+                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<|im_end|>", pad_token="<pad>")
+    tokenizer.chat_template = TEMPLATE
+    return tokenizer
+
+
+def test_a_verl_function_tools_file_loads_as_it_is(verl_tools):
+    tools = load_tools(verl_tools)
+    assert sorted(tools) == ["add", "fails", "lookup", "weather"]  # the decorated ones, by their names
+    assert "verl.tools.function_tool" not in sys.modules  # the stand-in is gone once loaded
+    schemas = {s["function"]["name"]: s for s in tool_schemas(verl_tools)}
+    assert schemas["add"]["function"]["parameters"]["required"] == ["a", "b"]
+    assert schemas["weather"]["function"]["parameters"]["properties"]["city"]["type"] == "string"
+
+
+def test_a_plain_file_offers_every_public_function_and_a_bad_one_is_named(tmp_path):
+    plain = tmp_path / "plain_tools.py"
+    plain.write_text('def double(x: int) -> int:\n    """Twice x.\n\n    Args:\n        x: A number.\n    """\n'
+                     '    return 2 * x\n\n\ndef _private():\n    return 1\n')
+    assert list(load_tools(str(plain))) == ["double"]
+    bad = tmp_path / "bad_tools.py"
+    bad.write_text("def undocumented(x):\n    return x\n")
+    with pytest.raises(ValueError, match="undocumented.*type hints and a docstring"):
+        tool_schemas(str(bad))
+    empty = tmp_path / "empty_tools.py"
+    empty.write_text("X = 1\n")
+    with pytest.raises(ValueError, match="defines no public function"):
+        load_tools(str(empty))
+
+
+def test_calls_come_back_as_tool_messages_and_the_last_turn_is_scored(verl_tools):
+    env = FunctionTools(verl_tools, reward="exact", max_calls=4, max_parallel_calls=2)
+    env.reset(Problem("2+3?", "5"))
+    two = env.step('<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>\n'
+                   '<tool_call>{"name": "weather", "arguments": "{\\"city\\": \\"Tokyo\\"}"}</tool_call>')
+    assert two.observation == [{"role": "tool", "content": "5"},
+                               {"role": "tool", "content": '{"city": "Tokyo", "temperature_c": 17.3}'}]
+    assert not two.done and two.reward == 0.0
+    wrong = env.step('<tool_call>{oops</tool_call><tool_call>{"name": "nope", "arguments": {}}</tool_call>'
+                     '<tool_call>{"name": "fails", "arguments": {"x": 1}}</tool_call>'
+                     '<tool_call>{"name": "add", "arguments": "[1"}</tool_call>')
+    # a block that is not JSON is no call; two of the rest run (max_parallel_calls), each error in verl's words
+    assert [m["content"] for m in wrong.observation] == [
+        "Unknown function 'nope'. Available tools: ['add', 'weather', 'fails', 'lookup']",
+        "Error executing tool 'fails': the sandbox is down"]
+    assert env.step('<tool_call>{oops</tool_call> 5').done  # past max_calls (4): the answer, call blocks removed
+    assert env.calls == 4 and env.errors == 2
+    env.reset(Problem("2+3?", "5"))
+    bad = env.step('<tool_call>{"name": "add", "arguments": "[1"}</tool_call>')
+    assert bad.observation[0]["content"].startswith("Invalid JSON in arguments for 'add': ")
+    found = env.step('<tool_call>{"name": "lookup", "arguments": {"key": "k"}}</tool_call>')
+    assert found.observation == [{"role": "tool", "content": "found k"}] and found.reward == 0.5  # the step's
+    last = env.step("5")
+    assert last.done and last.reward == 1.0
+    assert last.info == {"correct": 1.0, "tool_calls": 2.0, "tool_errors": 1.0}
+    for side in ("middle", "left", "right"):
+        env = FunctionTools(verl_tools, reward="exact", max_tool_response_length=20, tool_response_truncate_side=side)
+        env.reset(Problem("?", "5"))
+        city = "a" * 40 + "z" * 40
+        said = env.step('<tool_call>{"name": "weather", "arguments": {"city": "' + city + '"}}</tool_call>')
+        text = json.dumps({"city": city, "temperature_c": 17.3})
+        want = {"middle": text[:10] + "...(truncated)..." + text[-10:], "left": "(truncated)..." + text[-20:],
+                "right": text[:20] + "...(truncated)"}[side]
+        assert said.observation[0]["content"] == want
+
+
+def test_the_agent_loop_runs_tools_through_the_chat_template(verl_tools, byte_tokenizer, tmp_path):
+    rollout = RolloutConfig(reward="exact", multi_turn=MultiTurnConfig(
+        environment="tools", environment_kwargs={"path": verl_tools}, max_turns=4))
+    assert rollout.multi_turn.environment_kwargs["reward"] == "exact"  # the run's reward scores the answer
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 4096}))
+    fmt = PromptFormat.for_rollout(tmp_path, rollout, byte_tokenizer)
+    assert [t["function"]["name"] for t in fmt.template_kwargs["tools"]] == ["add", "weather", "fails", "lookup"]
+    problem = Problem([{"role": "user", "content": "2+3?"}], "5")
+    prompt = byte_tokenizer.decode(fmt.encode(problem))
+    assert prompt.startswith("<|im_start|>system\n# Tools\nadd\nweather\nfails\nlookup\n")  # the template lists them
+    script = ['<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>', "5"]
+
+    def generate(requests):  # a scripted policy: the call, then the answer, each ending at EOS
+        out = []
+        for context, _ in requests:
+            turn = script[1] if "<tool_response>" in byte_tokenizer.decode(context) else script[0]
+            ids = byte_tokenizer(turn, add_special_tokens=False)["input_ids"] + [byte_tokenizer.eos_token_id]
+            out.append([(Completion(ids, [-0.5] * len(ids), "stop"), [0] * len(ids))])
+        return out
+
+    loop = AgentLoop(rollout.multi_turn, byte_tokenizer, fmt)
+    try:
+        (episode,), = loop.run([(problem, SamplingParams(n=1, max_new_tokens=64,
+                                                         stop_token_ids=(byte_tokenizer.eos_token_id,)))], generate)
+    finally:
+        loop.close()
+    text = byte_tokenizer.decode(episode.response_ids)
+    assert text == (script[0] + "<|im_end|>" + "<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n"
+                    "<|im_start|>assistant\n" + script[1] + "<|im_end|>")
+    assert episode.reward == 1.0 and episode.turns == 2 and episode.info["tool_calls"] == 1.0
+    observation = [i for i, m in enumerate(episode.loss_mask) if m == 0]
+    assert byte_tokenizer.decode([episode.response_ids[i] for i in observation]).startswith("<|im_start|>user")
+
+
+def test_the_tools_environment_needs_its_file():
+    with pytest.raises(ValueError, match="environment_kwargs.path"):
+        MultiTurnConfig(environment="tools")
+    from services.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as said:
+        load_config(None, ["actor_rollout_ref.rollout.multi_turn.function_tool_path=my_tools.py"])
+    assert "rollout.multi_turn.environment=tools" in str(said.value)
+    assert "rollout.multi_turn.environment_kwargs.path=my_tools.py" in str(said.value)
+
