@@ -150,18 +150,28 @@ def stop_token_ids(tokenizer, stops: list[str]) -> tuple[int, ...]:
 class AgentLoop:
     """Runs engine batches of multi-turn trajectories (see the module doc)."""
 
-    def __init__(self, config: MultiTurnConfig, tokenizer, prompt_format: PromptFormat) -> None:
+    def __init__(self, config: MultiTurnConfig, tokenizer, prompt_format: PromptFormat,
+                 environment_kwargs: dict | None = None, environment_env: tuple[str, ...] | None = None) -> None:
+        """`environment_kwargs` and `environment_env`: RolloutConfig.environment_arguments() and
+        .environment_env() (None: the MultiTurnConfig's own)."""
         if not config.enabled:
             raise ValueError("rollout.multi_turn.environment is not set: there is no environment to run")
         self.config = config
         self.tokenizer = tokenizer
         self.prompt_format = prompt_format
         self.stop_ids = stop_token_ids(tokenizer, config.stop)
-        self.envs = EnvironmentPool(config.environment, config.environment_kwargs, config.step_timeout_s,
-                                    env_names=tuple(config.environment_env))
+        self.envs = EnvironmentPool(
+            config.environment, config.environment_kwargs if environment_kwargs is None else environment_kwargs,
+            config.step_timeout_s, env_names=tuple(config.environment_env if environment_env is None else environment_env))
         limits = [x for x in (config.max_total_tokens, prompt_format.context_len) if x]
         self.budget = min(limits) if limits else math.inf
         self.turns_total = 0
+
+    @classmethod
+    def for_rollout(cls, rollout, tokenizer, prompt_format: PromptFormat) -> "AgentLoop":
+        """The agent loop of a RolloutConfig: its environment built with the run's arguments."""
+        return cls(rollout.multi_turn, tokenizer, prompt_format, rollout.environment_arguments(),
+                   rollout.environment_env())
 
     def run(self, requests: list[tuple[Problem, SamplingParams]], generate: Generate,
             between_turns: Callable[[], None] = lambda: None, version: int = 0) -> list[list[Trajectory]]:

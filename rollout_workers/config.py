@@ -190,11 +190,9 @@ class MultiTurnConfig(_Strict):
 
     @model_validator(mode="after")
     def _tools_file(self):
-        if self.environment == "tools":
-            if not isinstance(self.environment_kwargs.get("path"), str):
-                raise ValueError("environment=tools needs environment_kwargs.path: the tools' file (or module), "
-                                 "each public function a tool (verl's multi_turn.function_tool_path)")
-            self.environment_kwargs.setdefault("max_calls", self.max_turns - 1)  # the last turn answers
+        if self.environment == "tools" and not isinstance(self.environment_kwargs.get("path"), str):
+            raise ValueError("environment=tools needs environment_kwargs.path: the tools' file (or module), "
+                             "each public function a tool (verl's multi_turn.function_tool_path)")
         return self
 
     @property
@@ -319,15 +317,25 @@ class RolloutConfig(_Strict):
                              "rollout.multi_turn.max_total_tokens, not by max_new_tokens per turn")
         return self
 
-    @model_validator(mode="after")
-    def _tools_take_the_reward(self):
-        """The built-in tools environment scores a final answer with the run's reward (unless its
-        environment_kwargs name another)."""
+    def environment_arguments(self) -> dict[str, Any]:
+        """The keyword arguments the environment is built with: multi_turn.environment_kwargs, and for
+        the built-in tools environment, where they do not say, the run's reward and a tool-turn limit
+        one below max_turns (so the last turn is an answer). Worked out here, never written into the
+        config: a resumed run with another reward or max_turns gets its own."""
+        kwargs = dict(self.multi_turn.environment_kwargs)
         if self.multi_turn.environment == "tools":
-            self.multi_turn.environment_kwargs.setdefault("reward", self.reward)
-            if self.reward_kwargs:
-                self.multi_turn.environment_kwargs.setdefault("reward_kwargs", self.reward_kwargs)
-        return self
+            if "reward" not in kwargs:
+                kwargs.update(reward=self.reward, reward_kwargs=self.reward_kwargs)
+            kwargs.setdefault("max_tool_turns", self.multi_turn.max_turns - 1)
+        return kwargs
+
+    def environment_env(self) -> tuple[str, ...]:
+        """The variables the environment's processes see: multi_turn.environment_env, and the reward's
+        (reward_env) where the tools environment scores with the run's reward."""
+        names = list(self.multi_turn.environment_env)
+        if self.multi_turn.environment == "tools" and "reward" not in self.multi_turn.environment_kwargs:
+            names += [n for n in self.reward_env if n not in names]
+        return tuple(names)
 
     @classmethod
     def tiny_vllm(cls, **changes) -> "RolloutConfig":

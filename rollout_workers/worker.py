@@ -158,7 +158,7 @@ class RolloutWorker:
         while not cfg.multi_turn.enabled and self._streams() and len(self._more_rewards) < cfg.reward_processes - 1:
             self._more_rewards.append(RewardRunner.for_rollout(cfg))
         if self.agent is None and cfg.multi_turn.enabled:
-            self.agent = AgentLoop(cfg.multi_turn, self.tokenizer, self.prompt_format)
+            self.agent = AgentLoop.for_rollout(cfg, self.tokenizer, self.prompt_format)
 
     def _sampling_params(self, ticket: int) -> SamplingParams:
         s = self.config.sampling
@@ -937,7 +937,7 @@ class RolloutWorker:
                 if self.__dict__.get("_eval_agent") is None:
                     import weakref
 
-                    self._eval_agent = AgentLoop(cfg.multi_turn, self.tokenizer, self.prompt_format)
+                    self._eval_agent = AgentLoop.for_rollout(cfg, self.tokenizer, self.prompt_format)
                     weakref.finalize(self, self._eval_agent.close)
 
                 def generate(requests):

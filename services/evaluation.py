@@ -182,7 +182,7 @@ class PolicyEvaluator:
         if cfg.rollout.multi_turn.enabled:
             from rollout_workers.agent_loop import AgentLoop
 
-            agent = AgentLoop(cfg.rollout.multi_turn, tokenizer, prompt_format)
+            agent = AgentLoop.for_rollout(cfg.rollout, tokenizer, prompt_format)
             return AgentEvaluator(agent, engine, tokenizer, prompts, _episode_reward, cfg.eval, cfg.eval.max_new_tokens,
                                   prompt_format.stop_token_ids, cfg.run.seed)
         return cls(engine, tokenizer, prompts, score, cfg.eval, cfg.eval.max_new_tokens, prompt_format.stop_token_ids,

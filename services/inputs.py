@@ -15,7 +15,7 @@ import logging
 import os
 from pathlib import Path
 
-from rollout_workers.data import InvalidPrompts, PromptFormat, PromptReport, check_prompts
+from rollout_workers.data import InvalidPrompts, Problem, PromptFormat, PromptReport, check_prompts
 from services.config import ConfigError, EtarlConfig
 
 log = logging.getLogger("etarl")
@@ -58,10 +58,15 @@ def check_environment(cfg: EtarlConfig, fmt: PromptFormat) -> None:
     try:
         make = resolve_environment(multi_turn.environment)
         if multi_turn.environment == "tools":  # built-in: its tools and reward load here as in each process
-            make(**multi_turn.environment_kwargs)
+            make(**cfg.rollout.environment_arguments())
         stop_token_ids(fmt.tokenizer, multi_turn.stop)
-    except ValueError as err:
+    except (ValueError, TypeError) as err:  # TypeError: an environment_kwargs key it does not take
         raise ConfigError(f"rollout.multi_turn: {err}") from None
+    asked = Problem([{"role": "user", "content": "?"}], "")
+    if multi_turn.environment == "tools" and "<tool_call>" not in fmt.render(asked):
+        log.warning("the chat template writes no <tool_call> where it lists the tools: the tools environment reads "
+                    "hermes calls (<tool_call>{...}</tool_call>, Qwen's form), so a model taught another form never "
+                    "calls them")
 
 
 def prompt_reports(cfg: EtarlConfig, fmt: PromptFormat) -> dict[str, PromptReport]:
@@ -159,8 +164,10 @@ def ray_runtime_env(cfg: EtarlConfig, env_vars: dict[str, str] | None = None) ->
     try:
         modules = reward_py_modules(cfg.rollout.reward)
         multi_turn = cfg.rollout.multi_turn
-        if multi_turn.environment == "tools":  # the tools' file travels like a reward's
+        if multi_turn.environment == "tools":  # the tools' file travels like a reward's, and the reward it names
             modules += reward_py_modules(f"{multi_turn.environment_kwargs['path']}:tools")
+            modules += reward_py_modules(cfg.rollout.environment_arguments()["reward"])
+            modules = list(dict.fromkeys(modules))
         elif multi_turn.enabled:  # a user environment travels the same way
             modules += reward_py_modules(multi_turn.environment)
     except ImportError as err:

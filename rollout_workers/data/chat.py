@@ -139,16 +139,25 @@ class PromptFormat:
         """The token ids of chat messages that follow a policy turn (a tool's result, a user's reply),
         the generation prompt of the next turn included: what the chat template writes for them
         after an earlier exchange, without what it writes before (a default system prompt, the
-        tools). ValueError says why they cannot be rendered."""
+        tools). What the template writes after the end-of-turn token that ended the policy's turn
+        (Qwen's newline after <|im_end|>) comes first: the policy stopped at that token. ValueError
+        says why they cannot be rendered."""
         if self.mode == "none":
             return self._tokens("\n".join(m["content"] for m in messages))
-        earlier = [{"role": "user", "content": "?"}, {"role": "assistant", "content": "."}]
+        # a reasoning_content keeps a thinking template (Qwen3) writing the turn alike either way, as verl's
+        earlier = [{"role": "user", "content": "?"}, {"role": "assistant", "content": ".", "reasoning_content": "."}]
         before = self.render(Problem(earlier, ""), generation_prompt=False)
         after = self.render(Problem(earlier + list(messages), ""))
         if not after.startswith(before):
             raise ValueError("the chat template writes an exchange differently when messages follow it, so the "
                              "messages cannot be appended as tokens (return text from the environment instead)")
-        return self._tokens(after[len(before):])
+        return self._tokens(before[self._end_of_turn(before):] + after[len(before):])
+
+    def _end_of_turn(self, text: str) -> int:
+        """Where `text` goes on after its last end-of-turn token (a stop token's text), or its length."""
+        ends = [text.rfind(stop) + len(stop) for stop in self.tokenizer.convert_ids_to_tokens(list(self.stop_token_ids))
+                if stop and stop in text]
+        return max(ends, default=len(text))
 
     def _tokens(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])

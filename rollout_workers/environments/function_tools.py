@@ -3,36 +3,38 @@
     rollout.multi_turn: {environment: tools, environment_kwargs: {path: my_tools.py}}
 
 Every public function defined in the file (or module) is a tool, or, where some carry verl's
-`@function_tool` decorator, those (a verl tools file loads as it is, with or without verl
-installed). Their schemas, from the signature and the Google-style docstring
-(`transformers.utils.get_json_schema`, as verl), go to the chat template as `tools`, so the prompt
-lists them the way the model was taught. The policy calls them as Qwen's and verl's hermes format
-writes it:
+`@function_tool` decorator, those: a verl tools file loads as it is, verl installed or not (the
+decorator is etarl's stand-in while the file loads, and without verl so is `verl.tools.schemas`'
+ToolResponse). Their schemas, from the signature and the Google-style docstring
+(`transformers.utils.get_json_schema`) and trimmed to the fields verl's schema keeps, go to the
+chat template as `tools`. The policy calls them in hermes form (Qwen's, verl's default):
 
     <tool_call>{"name": "calculator", "arguments": {"expression": "(3+4)*5"}}</tool_call>
 
-The first `max_parallel_calls` calls of a turn run (`fn(**arguments)`, sync or async; verl's
-default, 1) and each result comes back as a tool message, `{"role": "tool", "content": ...}`,
-rendered by the chat template: a str as it is, anything else as JSON, cut past
-`max_tool_response_length` characters on `tool_response_truncate_side` (verl's keys, defaults and
-texts); a `(response, reward)` return's reward is the reward of the step that called it. A call of
-an unknown tool, with arguments that are not JSON, or that raises answers with verl's error text,
-and the episode goes on; a call block that is not JSON is not a call. A turn without a call, or one
-after `max_calls` calls (by default one fewer than `rollout.multi_turn.max_turns`, so that the last
-turn is an answer), is the final answer: the run's reward (`rollout.reward`, any of its forms)
-scores that turn's text, call blocks removed, against the problem's answer (verl scores the whole
-response). Info: `correct` (the reward), `tool_calls`, `tool_errors`.
+As verl's tool agent loop does: a block without a JSON name and arguments is no call; the first
+`max_parallel_calls` calls of a turn (1) run together (`fn(**arguments)`, sync functions in
+threads); a result is normalised as verl normalises it (str as is, dict as JSON, `(response,
+reward[, metrics])`, anything else `str()`) and comes back as a tool message, cut past
+`max_tool_response_length` characters (256) on `tool_response_truncate_side` (middle); an unknown
+tool or a call that raises answers with verl's error text. A turn without a call, or any turn after
+`max_tool_turns` turns that called tools (by default one fewer than `rollout.multi_turn.max_turns`,
+so the last turn is an answer), is the final answer: the run's reward scores that turn's text, call
+blocks removed (verl scores the whole response), with the tools' rewards in its extra_info as
+`tool_rewards` (where verl puts them). Info: `correct` (the reward), `tool_calls`, `tool_errors`,
+`tool_reward`. Tools and reward load once per process.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import inspect
 import json
 import re
 import sys
 import types
 from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from rollout_workers.data.problems import Problem
@@ -40,32 +42,47 @@ from rollout_workers.environments.base import Environment, StepResult
 from rollout_workers.rewards import Reward, load_module
 
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-_MARK = "__etarl_function_tool__"  # (name, schema) set by verl's decorator, as etarl stands it in
+_MARK = "__etarl_function_tool__"  # (name, schema) set by the stand-in of verl's decorator
 
 
-def _function_tool(fn=None, /, name: str | None = None, schema: Any = None):
-    """verl's `@function_tool`, `@function_tool("name")`, `@function_tool(schema=...)`, for loading a
-    verl tools file without verl: it marks the function, nothing else."""
-    if isinstance(fn, str):
-        fn, name = None, fn
+def _function_tool(name=None, *, schema: Any = None):
+    """verl's `@function_tool`, `@function_tool("name")`, `@function_tool(schema=...)`, stood in while a
+    tools file loads: it marks the function and returns it, as verl's returns it."""
+    def mark(fn, tool_name=None):
+        setattr(fn, _MARK, (tool_name or fn.__name__, schema))
+        return fn
 
-    def mark(f):
-        setattr(f, _MARK, (name or f.__name__, schema))
-        return f
+    if callable(name) and schema is None:
+        return mark(name)
+    return lambda fn: mark(fn, name)
 
-    return mark(fn) if callable(fn) else mark
+
+@dataclass
+class ToolResponse:
+    """verl's `verl.tools.schemas.ToolResponse`, stood in where verl is not installed (text is used)."""
+
+    text: str | None = None
+    image: Any = None
+    video: Any = None
+    extra: dict = field(default_factory=dict)
 
 
 @contextlib.contextmanager
-def _verl_decorator_stand_in():
-    """While a tools file loads, `from verl.tools.function_tool import function_tool` gets etarl's
-    stand-in (verl installed or not: the tools are plain functions either way); whatever those
-    module names were before is put back afterwards."""
-    names = ("verl", "verl.tools", "verl.tools.function_tool")
+def _verl_stand_in():
+    """While a tools file loads, `verl.tools.function_tool` is etarl's (verl's registers the function
+    in verl's registry); without verl, `verl`, `verl.tools` and `verl.tools.schemas` are stood in too.
+    Whatever those module names were before is put back afterwards."""
+    installed = importlib.util.find_spec("verl") is not None
+    names = ["verl.tools.function_tool"] + ([] if installed else ["verl", "verl.tools", "verl.tools.schemas"])
     before = {name: sys.modules.get(name) for name in names}
-    for name in names:
-        sys.modules[name] = types.ModuleType(name)
-    sys.modules["verl.tools.function_tool"].function_tool = _function_tool
+    stand_ins = {name: types.ModuleType(name) for name in names}
+    stand_ins["verl.tools.function_tool"].function_tool = _function_tool
+    for package in ("verl", "verl.tools"):
+        if package in stand_ins:
+            stand_ins[package].__path__ = []  # a package: its submodules import
+    if "verl.tools.schemas" in stand_ins:
+        stand_ins["verl.tools.schemas"].ToolResponse = ToolResponse
+    sys.modules.update(stand_ins)
     try:
         yield
     finally:
@@ -76,17 +93,39 @@ def _verl_decorator_stand_in():
                 sys.modules[name] = module
 
 
+_LOADED: dict[str, dict[str, Callable]] = {}  # once per process: a file's top-level code runs once
+
+
 def load_tools(path: str) -> dict[str, Callable]:
     """{tool name: function} of a tools file or module (see the module doc). ValueError says why not."""
-    with _verl_decorator_stand_in():
-        module = load_module(path, path, "tools")
-    defined = [fn for fn in vars(module).values() if inspect.isfunction(fn) and fn.__module__ == module.__name__]
-    marked = [fn for fn in defined if hasattr(fn, _MARK)]
-    chosen = marked or [fn for fn in defined if not fn.__name__.startswith("_")]
-    tools = {getattr(fn, _MARK, (fn.__name__, None))[0]: fn for fn in chosen}
-    if not tools:
-        raise ValueError(f"tools {path!r} defines no public function")
-    return tools
+    if path not in _LOADED:
+        with _verl_stand_in():
+            module = load_module(path, path, "tools")
+        defined = [fn for fn in vars(module).values()
+                   if inspect.isfunction(fn) and fn.__module__ == module.__name__]
+        marked = [fn for fn in defined if hasattr(fn, _MARK)]
+        chosen = marked or [fn for fn in defined if not fn.__name__.startswith("_")]
+        if not chosen:
+            raise ValueError(f"tools {path!r} defines no public function")
+        _LOADED[path] = {getattr(fn, _MARK, (fn.__name__, None))[0]: fn for fn in chosen}
+    return _LOADED[path]
+
+
+def _verl_schema(raw: dict) -> dict:
+    """A tool schema as verl's OpenAIFunctionToolSchema keeps it (model_dump, unset and None left
+    out): per parameter its type, description and enum; no return."""
+    function = raw["function"]
+    out = {"name": function["name"], "description": function.get("description", "")}
+    if "parameters" in function:
+        params = function["parameters"]
+        out["parameters"] = {"type": params.get("type", "object"), "properties": {
+            name: {k: prop[k] for k in ("type", "description", "enum") if prop.get(k) is not None}
+            for name, prop in params.get("properties", {}).items()}}
+        if "required" in params:
+            out["parameters"]["required"] = list(params["required"])
+    if "strict" in function:
+        out["strict"] = function["strict"]
+    return {"type": raw.get("type", "function"), "function": out}
 
 
 def tool_schemas(path: str) -> list[dict]:
@@ -99,16 +138,35 @@ def tool_schemas(path: str) -> list[dict]:
     for name, fn in load_tools(path).items():
         given = getattr(fn, _MARK, (name, None))[1]
         if given is not None:
-            schemas.append(given if isinstance(given, dict) else dict(given))
-            continue
-        try:
-            schema = get_json_schema(fn)
-        except Exception as err:  # transformers' DocstringParsingException, TypeHintParsingException
-            raise ValueError(f"tools {path!r}: {name}: {err} (each tool needs type hints and a docstring with "
-                             f"an Args: line for every parameter)") from None
-        schema["function"]["name"] = name
-        schemas.append(schema)
+            raw = given.model_dump(exclude_unset=True, exclude_none=True) if hasattr(given, "model_dump") else given
+        else:
+            try:
+                raw = get_json_schema(fn)
+            except Exception as err:  # transformers' DocstringParsingException, TypeHintParsingException
+                raise ValueError(f"tools {path!r}: {name}: {err} (each tool needs type hints and a docstring "
+                                 f"with an Args: line for every parameter)") from None
+            raw["function"]["name"] = name
+        schemas.append(_verl_schema(raw))
     return schemas
+
+
+def normalized(value: Any) -> tuple[str, float]:
+    """A tool's return as (text, reward), as verl's `normalize_function_tool_return` takes it."""
+    def text(response: Any) -> str:
+        if isinstance(response, str):
+            return response
+        if isinstance(response, dict):
+            return json.dumps(response, ensure_ascii=False)
+        if hasattr(response, "text") and hasattr(response, "image"):  # a ToolResponse, verl's or the stand-in
+            return response.text or ""
+        return str(response)
+
+    if isinstance(value, tuple):
+        if not 1 <= len(value) <= 3:
+            raise TypeError(f"@function_tool return tuple must have length 1, 2, or 3 (got length {len(value)}: "
+                            f"{value!r:.80}). Use (response,), (response, reward), or (response, reward, metrics).")
+        return text(value[0]), 0.0 if len(value) < 2 or value[1] is None else float(value[1])
+    return text(value), 0.0
 
 
 def cut_response(text: str, limit: int, side: str = "middle") -> str:
@@ -123,72 +181,77 @@ def cut_response(text: str, limit: int, side: str = "middle") -> str:
     return text[:half] + "...(truncated)..." + text[-half:]
 
 
+def parsed_calls(action: str) -> list[tuple[str, Any]]:
+    """(name, arguments) of each hermes call block of a turn that is JSON with both (verl's parser
+    skips the others)."""
+    calls = []
+    for block in TOOL_CALL.findall(action):
+        try:
+            call = json.loads(block)
+            calls.append((call["name"], call["arguments"]))
+        except (ValueError, KeyError, TypeError):
+            continue
+    return calls
+
+
+_REWARDS: dict[str, Reward] = {}
+
+
 class FunctionTools(Environment):
-    def __init__(self, path: str, reward: str = "math", reward_kwargs: dict | None = None, max_calls: int = 3,
+    def __init__(self, path: str, reward: str = "math", reward_kwargs: dict | None = None, max_tool_turns: int = 3,
                  max_parallel_calls: int = 1, max_tool_response_length: int = 256,
                  tool_response_truncate_side: str = "middle") -> None:
         if tool_response_truncate_side not in ("left", "right", "middle"):
             raise ValueError(f"tool_response_truncate_side must be left, right or middle, "
                              f"got {tool_response_truncate_side!r}")
         self.tools = load_tools(path)
-        self.reward = Reward(reward, reward_kwargs)
-        self.max_calls = int(max_calls)
+        key = json.dumps([reward, reward_kwargs], sort_keys=True)
+        if key not in _REWARDS:
+            _REWARDS[key] = Reward(reward, reward_kwargs)
+        self.reward = _REWARDS[key]
+        self.max_tool_turns = int(max_tool_turns)
         self.max_parallel_calls = int(max_parallel_calls)
         self.max_length = int(max_tool_response_length)
         self.side = tool_response_truncate_side
         self.problem: Problem | None = None
-        self.calls = self.errors = 0
+        self.tool_turns = self.calls = self.errors = 0
+        self.tool_rewards: list[float] = []
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def reset(self, problem: Problem) -> None:
-        self.problem, self.calls, self.errors = problem, 0, 0
+        self.problem, self.tool_turns, self.calls, self.errors, self.tool_rewards = problem, 0, 0, 0, []
         return None  # the problem's prompt, through the chat template (which lists the tools)
 
     def step(self, action: str) -> StepResult:
-        calls = [call for call in map(_parsed, TOOL_CALL.findall(action)) if call is not None]
-        if calls and self.calls < self.max_calls:
-            calls = calls[: min(self.max_parallel_calls, self.max_calls - self.calls)]
-            results = [self._run(name, arguments) for name, arguments in calls]
-            self.calls += len(results)
-            messages = [{"role": "tool", "content": cut_response(text, self.max_length, self.side)}
-                        for text, _ in results]
-            return StepResult(messages, float(sum(reward for _, reward in results)), False, {})
-        scored = self.reward(TOOL_CALL.sub("", action).strip(), self.problem)
+        calls = parsed_calls(action)[: self.max_parallel_calls]
+        if calls and self.tool_turns < self.max_tool_turns:
+            self.tool_turns += 1
+            self.calls += len(calls)
+            self._loop = self._loop or asyncio.new_event_loop()
+            results = self._loop.run_until_complete(self._call_all(calls))
+            return StepResult([{"role": "tool", "content": text} for text in results], 0.0, False, {})
+        extra = {**(self.problem.extra_info or {}), "tool_rewards": list(self.tool_rewards)}
+        scored = self.reward(TOOL_CALL.sub("", action).strip(), replace(self.problem, extra_info=extra))
         info = {"correct": scored.value, "tool_calls": float(self.calls), "tool_errors": float(self.errors),
+                "tool_reward": float(sum(self.tool_rewards)),
                 **{k.removeprefix("reward/"): v for k, v in scored.metrics.items()}}
         return StepResult(None, scored.value, True, info)
 
-    def _run(self, name: str, arguments: Any) -> tuple[str, float]:
-        """One call's (text, reward); a call that fails answers with why, in verl's words (counted)."""
+    async def _call_all(self, calls: list[tuple[str, Any]]) -> list[str]:
+        return await asyncio.gather(*(self._call(name, arguments) for name, arguments in calls))
+
+    async def _call(self, name: str, arguments: Any) -> str:
+        """One call's text for the policy; a call that fails answers with why, in verl's words (counted)."""
         if name not in self.tools:
             self.errors += 1
-            return f"Unknown function '{name}'. Available tools: {list(self.tools)}", 0.0
+            return f"Unknown function '{name}'. Available tools: {list(self.tools)}"
+        fn = self.tools[name]
         try:
-            if isinstance(arguments, str):  # verl's parser hands the arguments on as a JSON string
-                arguments = json.loads(arguments)
-            if not isinstance(arguments, dict):
-                raise TypeError(f"the arguments are {type(arguments).__name__}, not an object")
-        except (ValueError, TypeError) as err:
-            self.errors += 1
-            return f"Invalid JSON in arguments for '{name}': {err}", 0.0
-        reward = 0.0
-        try:
-            result = self.tools[name](**arguments)
-            if inspect.isawaitable(result):
-                self._loop = self._loop or asyncio.new_event_loop()
-                result = self._loop.run_until_complete(result)
-            if isinstance(result, tuple) and 2 <= len(result) <= 3:  # verl's (response, reward[, metrics])
-                result, reward = result[0], float(result[1] or 0.0)
+            result = await fn(**arguments) if inspect.iscoroutinefunction(fn) \
+                else await asyncio.to_thread(lambda: fn(**arguments))
+            text, reward = normalized(result)
         except Exception as err:  # the call's fault or the tool's: the policy reads why
             self.errors += 1
-            return f"Error executing tool '{name}': {err}", 0.0
-        return (result if isinstance(result, str) else json.dumps(result, ensure_ascii=False, default=str)), reward
-
-
-def _parsed(block: str) -> tuple[str, Any] | None:
-    """(name, arguments) of a hermes call block, None when it is not one (verl skips it too)."""
-    try:
-        call = json.loads(block)
-        return str(call["name"]), call.get("arguments", {})
-    except (ValueError, KeyError, TypeError):
-        return None
+            return f"Error executing tool '{name}': {err}"
+        self.tool_rewards.append(reward)
+        return cut_response(text, self.max_length, self.side)

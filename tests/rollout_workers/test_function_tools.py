@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -64,9 +65,20 @@ def lookup(key: str):
     return f"found {key}", 0.5
 
 
+@function_tool
+def nothing(key: str):
+    """Returns None (verl writes it as str() does).
+
+    Args:
+        key: Anything.
+    """
+    return None
+
+
 def helper():  # not decorated: not a tool where others are
     return 0
 '''
+TEMPLATES = Path(__file__).parent / "templates"  # Qwen's chat templates' shapes, written for these tests
 TEMPLATE = (  # Qwen2.5's shape, simplified: tools in the system turn, tool results in a user turn
     "{%- if tools %}{{ '<|im_start|>system\\n# Tools\\n' }}{%- for t in tools %}{{ t['function']['name'] + '\\n' }}"
     "{%- endfor %}{{ '<|im_end|>\\n' }}{%- endif %}"
@@ -101,10 +113,13 @@ def byte_tokenizer():
 
 def test_a_verl_function_tools_file_loads_as_it_is(verl_tools):
     tools = load_tools(verl_tools)
-    assert sorted(tools) == ["add", "fails", "lookup", "weather"]  # the decorated ones, by their names
+    assert sorted(tools) == ["add", "fails", "lookup", "nothing", "weather"]  # the decorated ones, by their names
     assert "verl.tools.function_tool" not in sys.modules  # the stand-in is gone once loaded
     schemas = {s["function"]["name"]: s for s in tool_schemas(verl_tools)}
-    assert schemas["add"]["function"]["parameters"]["required"] == ["a", "b"]
+    assert schemas["add"] == {"type": "function", "function": {  # as verl's schema model keeps it: no return
+        "name": "add", "description": "Add two integers.", "parameters": {"type": "object", "properties": {
+            "a": {"type": "integer", "description": "The first."}, "b": {"type": "integer", "description": "The second."}},
+            "required": ["a", "b"]}}}
     assert schemas["weather"]["function"]["parameters"]["properties"]["city"]["type"] == "string"
 
 
@@ -124,30 +139,31 @@ def test_a_plain_file_offers_every_public_function_and_a_bad_one_is_named(tmp_pa
 
 
 def test_calls_come_back_as_tool_messages_and_the_last_turn_is_scored(verl_tools):
-    env = FunctionTools(verl_tools, reward="exact", max_calls=4, max_parallel_calls=2)
+    env = FunctionTools(verl_tools, reward="exact", max_tool_turns=3, max_parallel_calls=2)
     env.reset(Problem("2+3?", "5"))
     two = env.step('<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>\n'
-                   '<tool_call>{"name": "weather", "arguments": "{\\"city\\": \\"Tokyo\\"}"}</tool_call>')
+                   '<tool_call>{"name": "weather", "arguments": {"city": "Tokyo"}}</tool_call>')
     assert two.observation == [{"role": "tool", "content": "5"},
                                {"role": "tool", "content": '{"city": "Tokyo", "temperature_c": 17.3}'}]
     assert not two.done and two.reward == 0.0
-    wrong = env.step('<tool_call>{oops</tool_call><tool_call>{"name": "nope", "arguments": {}}</tool_call>'
+    # not JSON, or without arguments: no call (as verl's parser); two of the rest run (max_parallel_calls)
+    wrong = env.step('<tool_call>{oops</tool_call><tool_call>{"name": "add"}</tool_call>'
+                     '<tool_call>{"name": "nope", "arguments": {}}</tool_call>'
                      '<tool_call>{"name": "fails", "arguments": {"x": 1}}</tool_call>'
-                     '<tool_call>{"name": "add", "arguments": "[1"}</tool_call>')
-    # a block that is not JSON is no call; two of the rest run (max_parallel_calls), each error in verl's words
-    assert [m["content"] for m in wrong.observation] == [
-        "Unknown function 'nope'. Available tools: ['add', 'weather', 'fails', 'lookup']",
+                     '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 1}}</tool_call>')
+    assert [m["content"] for m in wrong.observation] == [  # verl's words
+        "Unknown function 'nope'. Available tools: ['add', 'weather', 'fails', 'lookup', 'nothing']",
         "Error executing tool 'fails': the sandbox is down"]
-    assert env.step('<tool_call>{oops</tool_call> 5').done  # past max_calls (4): the answer, call blocks removed
-    assert env.calls == 4 and env.errors == 2
-    env.reset(Problem("2+3?", "5"))
-    bad = env.step('<tool_call>{"name": "add", "arguments": "[1"}</tool_call>')
-    assert bad.observation[0]["content"].startswith("Invalid JSON in arguments for 'add': ")
     found = env.step('<tool_call>{"name": "lookup", "arguments": {"key": "k"}}</tool_call>')
-    assert found.observation == [{"role": "tool", "content": "found k"}] and found.reward == 0.5  # the step's
-    last = env.step("5")
-    assert last.done and last.reward == 1.0
-    assert last.info == {"correct": 1.0, "tool_calls": 2.0, "tool_errors": 1.0}
+    assert found.observation == [{"role": "tool", "content": "found k"}] and found.reward == 0.0
+    last = env.step('<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call> 5')
+    assert last.done and last.reward == 1.0  # past max_tool_turns (3): the answer, call blocks removed
+    assert last.info == {"correct": 1.0, "tool_calls": 5.0, "tool_errors": 2.0, "tool_reward": 0.5}
+    env.reset(Problem("?", "x"))
+    said = env.step('<tool_call>{"name": "nothing", "arguments": {"key": "k"}}</tool_call>'
+                    '<tool_call>{"name": "add", "arguments": "{\\"a\\": 1}"}</tool_call>')
+    assert said.observation[0]["content"] == "None"
+    assert said.observation[1]["content"].startswith("Error executing tool 'add': ")  # arguments not an object
     for side in ("middle", "left", "right"):
         env = FunctionTools(verl_tools, reward="exact", max_tool_response_length=20, tool_response_truncate_side=side)
         env.reset(Problem("?", "5"))
@@ -159,16 +175,48 @@ def test_calls_come_back_as_tool_messages_and_the_last_turn_is_scored(verl_tools
         assert said.observation[0]["content"] == want
 
 
+def test_the_answer_is_scored_with_the_tools_rewards_in_extra_info(verl_tools, tmp_path):
+    reward = tmp_path / "sees_tool_rewards.py"
+    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return sum(extra_info['tool_rewards']) + float(solution_str == ground_truth)\n")
+    env = FunctionTools(verl_tools, reward=f"{reward}:compute_score")
+    env.reset(Problem("?", "5", extra_info={"index": 1}))
+    env.step('<tool_call>{"name": "lookup", "arguments": {"key": "k"}}</tool_call>')
+    assert env.step("5").reward == 1.5
+
+
+def test_a_thinking_and_a_plain_qwen_template_append_what_they_would_write_whole(byte_tokenizer):
+    """The trajectory (prompt, the policy's turn as generated up to <|im_end|>, the tool message's
+    tokens) is the text the template writes for the whole conversation, for Qwen2.5's shape
+    (its newline after <|im_end|>) and Qwen3's (thinking kept for a turn after the last query)."""
+    turn = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+    for template, generated, assistant in [
+            ("qwen2.5_like.jinja", turn, {"content": turn}),
+            ("qwen3_like.jinja", "<think>\nadd them\n</think>\n\n" + turn,
+             {"content": turn, "reasoning_content": "add them"})]:
+        fmt = PromptFormat(byte_tokenizer, chat_template=str(TEMPLATES / template),
+                           stop_token_ids=(byte_tokenizer.eos_token_id,))
+        user = [{"role": "user", "content": "2+3?"}]
+        tool = [{"role": "tool", "content": "5"}]
+        prompt = fmt.render(Problem(user, ""))
+        followup = byte_tokenizer.decode(fmt.encode_followup(tool))
+        whole = fmt.render(Problem(user + [{"role": "assistant", **assistant}] + tool, ""))
+        assert prompt + generated + "<|im_end|>" + followup == whole, template
+        assert followup.startswith("\n<|im_start|>user\n<tool_response>\n5")
+
+
 def test_the_agent_loop_runs_tools_through_the_chat_template(verl_tools, byte_tokenizer, tmp_path):
     rollout = RolloutConfig(reward="exact", multi_turn=MultiTurnConfig(
         environment="tools", environment_kwargs={"path": verl_tools}, max_turns=4))
-    assert rollout.multi_turn.environment_kwargs["reward"] == "exact"  # the run's reward scores the answer
+    assert rollout.environment_arguments()["reward"] == "exact"  # the run's reward scores the answer
+    assert "reward" not in rollout.multi_turn.environment_kwargs  # worked out, never written into the config
     (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 4096}))
     fmt = PromptFormat.for_rollout(tmp_path, rollout, byte_tokenizer)
-    assert [t["function"]["name"] for t in fmt.template_kwargs["tools"]] == ["add", "weather", "fails", "lookup"]
+    assert [t["function"]["name"] for t in fmt.template_kwargs["tools"]] == ["add", "weather", "fails", "lookup",
+                                                                           "nothing"]
     problem = Problem([{"role": "user", "content": "2+3?"}], "5")
     prompt = byte_tokenizer.decode(fmt.encode(problem))
-    assert prompt.startswith("<|im_start|>system\n# Tools\nadd\nweather\nfails\nlookup\n")  # the template lists them
+    assert prompt.startswith("<|im_start|>system\n# Tools\nadd\nweather\nfails\nlookup\nnothing\n")  # listed
     script = ['<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>', "5"]
 
     def generate(requests):  # a scripted policy: the call, then the answer, each ending at EOS
@@ -179,18 +227,18 @@ def test_the_agent_loop_runs_tools_through_the_chat_template(verl_tools, byte_to
             out.append([(Completion(ids, [-0.5] * len(ids), "stop"), [0] * len(ids))])
         return out
 
-    loop = AgentLoop(rollout.multi_turn, byte_tokenizer, fmt)
+    loop = AgentLoop.for_rollout(rollout, byte_tokenizer, fmt)
     try:
         (episode,), = loop.run([(problem, SamplingParams(n=1, max_new_tokens=64,
                                                          stop_token_ids=(byte_tokenizer.eos_token_id,)))], generate)
     finally:
         loop.close()
     text = byte_tokenizer.decode(episode.response_ids)
-    assert text == (script[0] + "<|im_end|>" + "<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n"
-                    "<|im_start|>assistant\n" + script[1] + "<|im_end|>")
+    assert text == (script[0] + "<|im_end|>" + "\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n"
+                    "<|im_start|>assistant\n" + script[1] + "<|im_end|>")  # the template's newline after <|im_end|>
     assert episode.reward == 1.0 and episode.turns == 2 and episode.info["tool_calls"] == 1.0
     observation = [i for i, m in enumerate(episode.loss_mask) if m == 0]
-    assert byte_tokenizer.decode([episode.response_ids[i] for i in observation]).startswith("<|im_start|>user")
+    assert byte_tokenizer.decode([episode.response_ids[i] for i in observation]).startswith("\n<|im_start|>user")
 
 
 def test_the_tools_environment_needs_its_file():

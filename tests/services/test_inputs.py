@@ -119,8 +119,8 @@ def test_a_tools_run_checks_its_tools_and_their_reward_at_start(tiny_model_dir, 
     path = "rollout.multi_turn.environment_kwargs.path"
     good = file_config(tiny_model_dir, tmp_path, *base, f"{path}={tmp_path}/good_tools.py")
     check_run_inputs(good, tiny_model_dir)  # starts: its tools load, their schemas go to the template
-    assert good.rollout.multi_turn.environment_kwargs == {"path": f"{tmp_path}/good_tools.py", "max_calls": 3,
-                                                          "reward": "math"}
+    assert good.rollout.environment_arguments() == {"path": f"{tmp_path}/good_tools.py", "max_tool_turns": 3,
+                                                    "reward": "math", "reward_kwargs": {}}
     bad = file_config(tiny_model_dir, tmp_path, *base, f"{path}={tmp_path}/bad_tools.py")
     with pytest.raises(ConfigError, match="rollout.multi_turn: .*undocumented.*type hints and a docstring"):
         check_run_inputs(bad, tiny_model_dir)
