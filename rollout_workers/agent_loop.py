@@ -160,9 +160,9 @@ class AgentLoop:
         self.tokenizer = tokenizer
         self.prompt_format = prompt_format
         self.stop_ids = stop_token_ids(tokenizer, config.stop)
-        self.envs = EnvironmentPool(
-            config.environment, config.environment_kwargs if environment_kwargs is None else environment_kwargs,
-            config.step_timeout_s, env_names=tuple(config.environment_env if environment_env is None else environment_env))
+        kwargs = config.environment_kwargs if environment_kwargs is None else environment_kwargs
+        names = config.environment_env if environment_env is None else environment_env
+        self.envs = EnvironmentPool(config.environment, kwargs, config.step_timeout_s, env_names=tuple(names))
         limits = [x for x in (config.max_total_tokens, prompt_format.context_len) if x]
         self.budget = min(limits) if limits else math.inf
         self.turns_total = 0
