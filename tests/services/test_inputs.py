@@ -111,14 +111,17 @@ def test_a_bad_reward_stops_the_run_at_start(tiny_model_dir, tmp_path, capsys, r
         assert "fn(response, answer)" in err and "compute_score(data_source, solution_str, ground_truth" in err
 
 
-def test_a_tools_run_checks_its_tools_and_their_reward_at_start(tiny_model_dir, tmp_path):
+def test_a_tools_run_checks_its_tools_and_their_reward_at_start(tiny_model_dir, tmp_path, caplog):
     documented = 'def double(x: int) -> int:\n    """Twice x.\n\n    Args:\n        x: A number.\n    """\n    return 2 * x\n'
     (tmp_path / "good_tools.py").write_text(documented)
     (tmp_path / "bad_tools.py").write_text("def undocumented(x):\n    return x\n")
     base = ["rollout.multi_turn.environment=tools", "rollout.task.skip_invalid=true"]
     path = "rollout.multi_turn.environment_kwargs.path"
     good = file_config(tiny_model_dir, tmp_path, *base, f"{path}={tmp_path}/good_tools.py")
-    check_run_inputs(good, tiny_model_dir)  # starts: its tools load, their schemas go to the template
+    with caplog.at_level(logging.WARNING, logger="etarl"):
+        check_run_inputs(good, tiny_model_dir)  # starts: its tools load, their schemas go to the template
+    # the tiny model's template lists no tools and writes no <tool_call>: said, the run still starts
+    assert any("writes no <tool_call>" in r.getMessage() for r in caplog.records)
     assert good.rollout.environment_arguments() == {"path": f"{tmp_path}/good_tools.py", "max_tool_turns": 3,
                                                     "reward": "math", "reward_kwargs": {}}
     bad = file_config(tiny_model_dir, tmp_path, *base, f"{path}={tmp_path}/bad_tools.py")
