@@ -18,6 +18,7 @@ A prompt too long to leave a response its `max_new_tokens` is refused, or cut to
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 from pathlib import Path
@@ -25,6 +26,9 @@ from pathlib import Path
 from rollout_workers.data.problems import Problem
 
 TEMPLATE_MODES = ("auto", "none")
+# The exchange `encode_followup` renders messages after; a reasoning_content keeps a thinking template
+# (Qwen3) writing the assistant turn alike whether or not messages follow it, as verl's does.
+_EARLIER = [{"role": "user", "content": "?"}, {"role": "assistant", "content": ".", "reasoning_content": "."}]
 # config.json keys that bound a model's context (vLLM's list); the smallest present wins.
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length",
                  "max_seq_length", "seq_len")
@@ -144,20 +148,22 @@ class PromptFormat:
         says why they cannot be rendered."""
         if self.mode == "none":
             return self._tokens("\n".join(m["content"] for m in messages))
-        # a reasoning_content keeps a thinking template (Qwen3) writing the turn alike either way, as verl's
-        earlier = [{"role": "user", "content": "?"}, {"role": "assistant", "content": ".", "reasoning_content": "."}]
-        before = self.render(Problem(earlier, ""), generation_prompt=False)
-        after = self.render(Problem(earlier + list(messages), ""))
+        before, after_turn = self._exchange
+        after = self.render(Problem(_EARLIER + list(messages), ""))
         if not after.startswith(before):
             raise ValueError("the chat template writes an exchange differently when messages follow it, so the "
                              "messages cannot be appended as tokens (return text from the environment instead)")
-        return self._tokens(before[self._end_of_turn(before):] + after[len(before):])
+        return self._tokens(after_turn + after[len(before):])
 
-    def _end_of_turn(self, text: str) -> int:
-        """Where `text` goes on after its last end-of-turn token (a stop token's text), or its length."""
-        ends = [text.rfind(stop) + len(stop) for stop in self.tokenizer.convert_ids_to_tokens(list(self.stop_token_ids))
-                if stop and stop in text]
-        return max(ends, default=len(text))
+    @functools.cached_property
+    def _exchange(self) -> tuple[str, str]:
+        """The template's text of the dummy exchange `encode_followup` renders after, and what it writes
+        after that exchange's last end-of-turn token (a stop token's text): the same for every
+        observation, so rendered once."""
+        before = self.render(Problem(_EARLIER, ""), generation_prompt=False)
+        ends = [before.rfind(stop) + len(stop)
+                for stop in self.tokenizer.convert_ids_to_tokens(list(self.stop_token_ids)) if stop and stop in before]
+        return before, before[max(ends, default=len(before)):]
 
     def _tokens(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
