@@ -189,10 +189,14 @@ class MultiTurnConfig(_Strict):
         return passed_env_names(value, "environment_env")
 
     @model_validator(mode="after")
-    def _tools_file(self):
-        if self.environment == "tools" and not isinstance(self.environment_kwargs.get("path"), str):
-            raise ValueError("environment=tools needs environment_kwargs.path: the tools' file (or module), "
-                             "each public function a tool (verl's multi_turn.function_tool_path)")
+    def _tools_files(self):
+        if self.environment == "tools":
+            given = {key: self.environment_kwargs.get(key) for key in ("path", "config")}
+            if not any(given.values()) or not all(v is None or isinstance(v, str) for v in given.values()):
+                raise ValueError("environment=tools needs environment_kwargs.path: the tools' file (or module), "
+                                 "each public function a tool (verl's multi_turn.function_tool_path), or "
+                                 "environment_kwargs.config: verl's tool config YAML of BaseTool classes (verl's "
+                                 "multi_turn.tool_config_path), or both")
         return self
 
     @property

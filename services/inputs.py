@@ -152,6 +152,19 @@ def _submitted_job_runtime_env() -> dict:
     return (json.loads(raw).get("runtime_env") or {}) if raw else {}
 
 
+def _tool_py_modules(environment_kwargs: dict) -> list[str]:
+    """What the workers need to import the tools environment's tools file and tool classes."""
+    from rollout_workers.environments.tool_classes import class_modules
+    from rollout_workers.environments.verl_stand_in import verl_stand_in
+    from rollout_workers.rewards import reward_py_modules
+
+    specs = [environment_kwargs["path"]] if environment_kwargs.get("path") else []
+    if environment_kwargs.get("config"):
+        specs += class_modules(environment_kwargs["config"])
+    with verl_stand_in():  # finding a module's package may run it, and it may import verl
+        return [module for spec in specs for module in reward_py_modules(f"{spec}:tools")]
+
+
 def ray_runtime_env(cfg: EtarlConfig, env_vars: dict[str, str] | None = None) -> dict | None:
     """The runtime environment for `ray.init`: `env_vars`, plus the reward's module in py_modules
     when it is not an installed package (None when there is nothing to add). Inside a submitted
@@ -164,14 +177,15 @@ def ray_runtime_env(cfg: EtarlConfig, env_vars: dict[str, str] | None = None) ->
     try:
         modules = reward_py_modules(cfg.rollout.reward)
         multi_turn = cfg.rollout.multi_turn
-        if multi_turn.environment == "tools":  # the tools' file travels like a reward's, and the reward it names
-            modules += reward_py_modules(f"{multi_turn.environment_kwargs['path']}:tools")
+        if multi_turn.environment == "tools":  # its tools travel like a reward's, and the reward it names
+            modules += _tool_py_modules(multi_turn.environment_kwargs)
             modules += reward_py_modules(cfg.rollout.environment_arguments()["reward"])
             modules = list(dict.fromkeys(modules))
         elif multi_turn.enabled:  # a user environment travels the same way
             modules += reward_py_modules(multi_turn.environment)
     except ImportError as err:
-        raise ConfigError(f"rollout.reward: cannot import {cfg.rollout.reward!r} ({err})") from None
+        where = "rollout.multi_turn" if cfg.rollout.multi_turn.enabled else "rollout.reward"
+        raise ConfigError(f"{where}: cannot import the code the workers need ({err})") from None
     if job.get("working_dir"):  # the driver runs in the job's working_dir: what is under it travels already
         modules = [m for m in modules if not Path(m).is_relative_to(Path.cwd())]
     if modules:

@@ -116,8 +116,12 @@ def check_shared_paths(run_dir: str | os.PathLike, readable: dict[str, str], pro
 
 
 def run_paths(cfg, model_dir) -> dict[str, str]:
-    """config key -> path every node must be able to read: the model folder and the data files."""
+    """config key -> path every node must be able to read: the model folder, the data files and the
+    tools environment's tool config."""
     paths = {"run.model": str(model_dir)}
+    tool_config = cfg.rollout.multi_turn.environment_kwargs.get("config")
+    if cfg.rollout.multi_turn.environment == "tools" and tool_config:
+        paths["rollout.multi_turn.environment_kwargs.config"] = tool_config
     task = cfg.rollout.task
     if task.kind == "file":
         paths |= task.files("path")

@@ -125,10 +125,6 @@ RULES: dict[str, Rule] = {
     ROLLOUT + "multi_turn.enable": Rule(None, "multi-turn rollouts are on when rollout.multi_turn.environment "
                                               "names an environment"),
     ROLLOUT + "multi_turn.max_assistant_turns": Rule("rollout.multi_turn.max_turns"),
-    ROLLOUT + "multi_turn.tool_config_path": Rule(None, "verl's BaseTool classes and their YAML: etarl takes tools as "
-                                                        "plain functions (multi_turn.function_tool_path: "
-                                                        "rollout.multi_turn.environment=tools) or an environment "
-                                                        "class (rollout.multi_turn.environment)"),
     **{ROLLOUT + "multi_turn." + k: Rule("rollout.multi_turn.environment_kwargs." + k, "of the tools environment")
        for k in ("max_parallel_calls", "max_tool_response_length", "tool_response_truncate_side")},
     ROLLOUT + "multi_turn.format": Rule(None, "the tools environment reads hermes calls "
@@ -298,10 +294,11 @@ def _steps(key: str, value: Any, given: dict) -> Said:
     return said
 
 
-def _function_tools(key: str, value: Any, given: dict) -> Said:
-    return [("rollout.multi_turn.environment", "tools", "the built-in environment of Python function tools "
-             "(hermes <tool_call> blocks, their results through the chat template)"),
-            ("rollout.multi_turn.environment_kwargs.path", value, "")]
+def _tools(key: str, value: Any, given: dict) -> Said:
+    which = "path" if key.endswith("function_tool_path") else "config"
+    return [("rollout.multi_turn.environment", "tools", "the built-in tools environment: verl's function tools "
+             "and BaseTool classes (hermes <tool_call> blocks, their results through the chat template)"),
+            ("rollout.multi_turn.environment_kwargs." + which, value, "")]
 
 
 def _routing(key: str, value: Any, given: dict) -> Said:
@@ -319,7 +316,8 @@ JOINS: dict[str, Callable[[str, Any, dict], Said]] = {
     **{ROLLOUT + "val_kwargs." + k: _validation for k in ("n", "temperature", "do_sample")},
     "trainer.total_training_steps": _steps,
     ROLLOUT + "enable_rollout_routing_replay": _routing,
-    ROLLOUT + "multi_turn.function_tool_path": _function_tools,
+    ROLLOUT + "multi_turn.function_tool_path": _tools,
+    ROLLOUT + "multi_turn.tool_config_path": _tools,
 }
 
 

@@ -90,6 +90,7 @@ class PromptFormat:
         self.stop_token_ids = tuple(stop_token_ids)
         self.model_name = model_name
         self.truncation = truncation
+        self.selectable_tools = False  # the tools environment's: a prompt may select some (for_rollout)
 
     @classmethod
     def for_model(cls, model_dir: str | os.PathLike, task, tokenizer,
@@ -105,7 +106,8 @@ class PromptFormat:
         """The format of a RolloutConfig's run: its context is the engine's, or a multi-turn
         trajectory's `max_total_tokens` where that is shorter (no sample is longer); a run of the
         built-in tools environment gives the template its tools' schemas (`tools`), unless
-        `rollout.task.chat_template_kwargs` names them."""
+        `rollout.task.chat_template_kwargs` names them; then a prompt whose extra_info has a
+        `tool_selection` is rendered with those tools only (verl's per-sample tools)."""
         context = rollout.engine.max_model_len or model_context_len(model_dir)
         total = rollout.multi_turn.max_total_tokens if rollout.multi_turn.enabled else None
         if total and (context is None or total < context):
@@ -115,7 +117,9 @@ class PromptFormat:
             # imported here: only a tools run loads its tools (and transformers' schema reader)
             from rollout_workers.environments.function_tools import tool_schemas
 
-            fmt.template_kwargs["tools"] = tool_schemas(rollout.multi_turn.environment_kwargs["path"])
+            kwargs = rollout.multi_turn.environment_kwargs
+            fmt.template_kwargs["tools"] = tool_schemas(kwargs.get("path"), kwargs.get("config"))
+            fmt.selectable_tools = True
         return fmt
 
     def describe(self) -> str:
@@ -135,9 +139,17 @@ class PromptFormat:
         try:
             return self.tokenizer.apply_chat_template(problem.prompt, chat_template=self.template, tokenize=False,
                                                       add_generation_prompt=generation_prompt,
-                                                      **self.template_kwargs)
+                                                      **self._template_kwargs(problem))
         except Exception as err:  # a template may raise on purpose (e.g. "system role not supported")
             raise ValueError(f"the chat template failed on this prompt: {type(err).__name__}: {err}") from None
+
+    def _template_kwargs(self, problem: Problem) -> dict:
+        if not self.selectable_tools:
+            return self.template_kwargs
+        from rollout_workers.environments.function_tools import selected_tools
+
+        tools = {schema["function"]["name"]: schema for schema in self.template_kwargs["tools"]}
+        return {**self.template_kwargs, "tools": list(selected_tools(tools, problem.extra_info).values())}
 
     def encode_followup(self, messages: list[dict]) -> list[int]:
         """The token ids of chat messages that follow a policy turn (a tool's result, a user's reply),

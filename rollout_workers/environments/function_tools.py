@@ -1,96 +1,53 @@
-"""The built-in `tools` environment: Python functions as the policy's tools (verl's function tools).
+"""The built-in `tools` environment: Python functions, or verl's BaseTool classes, as the policy's tools.
 
     rollout.multi_turn: {environment: tools, environment_kwargs: {path: my_tools.py}}
+    rollout.multi_turn: {environment: tools, environment_kwargs: {config: tool_config.yaml}}
 
-Every public function defined in the file (or module) is a tool, or, where some carry verl's
-`@function_tool` decorator, those: a verl tools file loads as it is, verl installed or not (the
-decorator is etarl's stand-in while the file loads, and without verl so is `verl.tools.schemas`'
-ToolResponse). Their schemas, from the signature and the Google-style docstring
-(`transformers.utils.get_json_schema`) and trimmed to the fields verl's schema keeps, go to the
-chat template as `tools`. The policy calls them in hermes form (Qwen's, verl's default):
+`path` (verl's `multi_turn.function_tool_path`): every public function defined in the file (or
+module) is a tool, or, where some carry verl's `@function_tool` decorator, those; their schemas,
+from the signature and the Google-style docstring (`transformers.utils.get_json_schema`), trimmed to
+the fields verl's schema keeps. `config` (verl's `multi_turn.tool_config_path`): the BaseTool classes
+its YAML declares (`tool_classes.py`). Both may be given (the classes' tools first, as verl lists
+them; a name in both is refused). verl's own files load as they are, verl installed or not
+(`verl_stand_in.py`). The schemas go to the chat template as `tools`; a prompt whose extra_info names
+`tool_selection` sees and may call those only (verl's per-sample tools). The policy calls them in
+hermes form (Qwen's, verl's default):
 
     <tool_call>{"name": "calculator", "arguments": {"expression": "(3+4)*5"}}</tool_call>
 
 As verl's tool agent loop does: a block without a JSON name and arguments is no call; the first
 `max_parallel_calls` calls of a turn (1) run together (`fn(**arguments)`, sync functions in
-threads); a result is normalised as verl normalises it (str as is, dict as JSON, `(response,
-reward[, metrics])`, anything else `str()`) and comes back as a tool message, cut past
-`max_tool_response_length` characters (256) on `tool_response_truncate_side` (middle); an unknown
-tool or a call that raises answers with verl's error text. A turn without a call, or any turn after
-`max_tool_turns` turns that called tools (by default one fewer than `rollout.multi_turn.max_turns`,
-so the last turn is an answer), is the final answer: the run's reward scores that turn's text, call
-blocks removed (verl scores the whole response), with the tools' rewards in its extra_info as
-`tool_rewards` (where verl puts them). Info: `correct` (the reward), `tool_calls`, `tool_errors`,
-`tool_reward`. Tools and reward load once per process.
+threads; a class tool's create, execute and release, with the prompt's
+`extra_info.tools_kwargs[name].create_kwargs`); a function's result is normalised as verl normalises
+it (str as is, dict as JSON, `(response, reward[, metrics])`, anything else `str()`) and comes back
+as a tool message, cut past `max_tool_response_length` characters (256) on
+`tool_response_truncate_side` (middle); an unknown tool or a call that raises answers with verl's
+error text (and a tool reward of 0). A turn without a call, or any turn after `max_tool_turns` turns
+that called tools (by default one fewer than `rollout.multi_turn.max_turns`, so the last turn is an
+answer), is the final answer: the run's reward scores that turn's text, call blocks removed (verl
+scores the whole response), with the tools' rewards in its extra_info as `tool_rewards` (where verl
+puts them). Info: `correct` (the reward), `tool_calls`, `tool_errors`, `tool_reward`. Tools, reward
+and the event loop the tools' coroutines run on are made once per process.
 """
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import importlib.util
 import inspect
 import json
 import re
-import sys
-import types
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 from rollout_workers.data.problems import Problem
 from rollout_workers.environments.base import Environment, StepResult
 from rollout_workers.rewards import Reward, load_module
 
+from rollout_workers.environments.tool_classes import ClassTool, load_tool_classes
+from rollout_workers.environments.verl_stand_in import FUNCTION_TOOL_MARK as _MARK
+from rollout_workers.environments.verl_stand_in import verl_stand_in
+
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-_MARK = "__etarl_function_tool__"  # (name, schema) set by the stand-in of verl's decorator
-
-
-def _function_tool(name=None, *, schema: Any = None):
-    """verl's `@function_tool`, `@function_tool("name")`, `@function_tool(schema=...)`, stood in while a
-    tools file loads: it marks the function and returns it, as verl's returns it."""
-    def mark(fn, tool_name=None):
-        setattr(fn, _MARK, (tool_name or fn.__name__, schema))
-        return fn
-
-    if callable(name) and schema is None:
-        return mark(name)
-    return lambda fn: mark(fn, name)
-
-
-@dataclass
-class ToolResponse:
-    """verl's `verl.tools.schemas.ToolResponse`, stood in where verl is not installed (text is used)."""
-
-    text: str | None = None
-    image: Any = None
-    video: Any = None
-    extra: dict = field(default_factory=dict)
-
-
-@contextlib.contextmanager
-def _verl_stand_in():
-    """While a tools file loads, `verl.tools.function_tool` is etarl's (verl's registers the function
-    in verl's registry); without verl, `verl`, `verl.tools` and `verl.tools.schemas` are stood in too.
-    Whatever those module names were before is put back afterwards."""
-    installed = importlib.util.find_spec("verl") is not None
-    names = ["verl.tools.function_tool"] + ([] if installed else ["verl", "verl.tools", "verl.tools.schemas"])
-    before = {name: sys.modules.get(name) for name in names}
-    stand_ins = {name: types.ModuleType(name) for name in names}
-    stand_ins["verl.tools.function_tool"].function_tool = _function_tool
-    for package in ("verl", "verl.tools"):
-        if package in stand_ins:
-            stand_ins[package].__path__ = []  # a package: its submodules import
-    if "verl.tools.schemas" in stand_ins:
-        stand_ins["verl.tools.schemas"].ToolResponse = ToolResponse
-    sys.modules.update(stand_ins)
-    try:
-        yield
-    finally:
-        for name, module in before.items():
-            if module is None:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = module
 
 
 _LOADED: dict[str, dict[str, Callable]] = {}  # once per process: a file's top-level code runs once
@@ -99,7 +56,7 @@ _LOADED: dict[str, dict[str, Callable]] = {}  # once per process: a file's top-l
 def load_tools(path: str) -> dict[str, Callable]:
     """{tool name: function} of a tools file or module (see the module doc). ValueError says why not."""
     if path not in _LOADED:
-        with _verl_stand_in():
+        with verl_stand_in():
             module = load_module(path, path, "tools")
         defined = [fn for fn in vars(module).values()
                    if inspect.isfunction(fn) and fn.__module__ == module.__name__]
@@ -128,10 +85,32 @@ def _verl_schema(raw: dict) -> dict:
     return {"type": raw.get("type", "function"), "function": out}
 
 
-def tool_schemas(path: str) -> list[dict]:
-    """The tools' JSON schemas for the chat template (OpenAI's function form), from each function's
-    signature and docstring, or the schema verl's decorator was given. ValueError names a function
-    whose docstring or type hints do not make one."""
+def load_all_tools(path: str | None = None, config: str | None = None) -> dict[str, Callable | ClassTool]:
+    """{name: tool} of a tools file and a verl tool config, the config's first (verl's order);
+    ValueError says why not."""
+    if not path and not config:
+        raise ValueError("the tools environment needs environment_kwargs.path (a file of tool functions), "
+                         "environment_kwargs.config (verl's tool config YAML of BaseTool classes), or both")
+    classes = load_tool_classes(config) if config else {}
+    functions = load_tools(path) if path else {}
+    clash = sorted(set(classes) & set(functions))
+    if clash:
+        raise ValueError(f"function tool name(s) {clash} in {path!r} collide with tools declared in {config!r}: "
+                         f"each tool name must be unique across the two; rename one")
+    return {**classes, **functions}
+
+
+def tool_schemas(path: str | None = None, config: str | None = None) -> list[dict]:
+    """The tools' JSON schemas for the chat template (OpenAI's function form), in `load_all_tools`'
+    order: a class's from its tool config or class, a function's from its signature and docstring
+    or the schema verl's decorator was given. ValueError names a function whose docstring or type
+    hints do not make one."""
+    tools = load_all_tools(path, config)
+    return [tool.schema() for tool in tools.values() if isinstance(tool, ClassTool)] + \
+        (_function_schemas(path) if path else [])
+
+
+def _function_schemas(path: str) -> list[dict]:
     from transformers.utils import get_json_schema
 
     schemas = []
@@ -197,14 +176,26 @@ def parsed_calls(action: str) -> list[tuple[str, Any]]:
 _REWARDS: dict[str, Reward] = {}
 
 
+def _event_loop() -> asyncio.AbstractEventLoop:
+    """The process's one loop for the tools' coroutines: a class tool made once per process may hold
+    what belongs to a loop (a client session), so every trajectory's calls run on the same one."""
+    global _LOOP
+    if _LOOP is None:
+        _LOOP = asyncio.new_event_loop()
+    return _LOOP
+
+
+_LOOP: asyncio.AbstractEventLoop | None = None
+
+
 class FunctionTools(Environment):
-    def __init__(self, path: str, reward: str = "math", reward_kwargs: dict | None = None, max_tool_turns: int = 3,
-                 max_parallel_calls: int = 1, max_tool_response_length: int = 256,
-                 tool_response_truncate_side: str = "middle") -> None:
+    def __init__(self, path: str | None = None, config: str | None = None, reward: str = "math",
+                 reward_kwargs: dict | None = None, max_tool_turns: int = 3, max_parallel_calls: int = 1,
+                 max_tool_response_length: int = 256, tool_response_truncate_side: str = "middle") -> None:
         if tool_response_truncate_side not in ("left", "right", "middle"):
             raise ValueError(f"tool_response_truncate_side must be left, right or middle, "
                              f"got {tool_response_truncate_side!r}")
-        self.tools = load_tools(path)
+        self.tools = load_all_tools(path, config)
         key = json.dumps([reward, reward_kwargs], sort_keys=True)
         if key not in _REWARDS:
             _REWARDS[key] = Reward(reward, reward_kwargs)
@@ -214,12 +205,16 @@ class FunctionTools(Environment):
         self.max_length = int(max_tool_response_length)
         self.side = tool_response_truncate_side
         self.problem: Problem | None = None
+        self.active: dict[str, Callable | ClassTool] = self.tools
+        self.tools_kwargs: Any = {}
         self.tool_turns = self.calls = self.errors = 0
         self.tool_rewards: list[float] = []
-        self._loop: asyncio.AbstractEventLoop | None = None
 
     def reset(self, problem: Problem) -> None:
         self.problem, self.tool_turns, self.calls, self.errors, self.tool_rewards = problem, 0, 0, 0, []
+        extra = problem.extra_info or {}
+        self.tools_kwargs = extra.get("tools_kwargs") or {}
+        self.active = selected_tools(self.tools, extra)
         return None  # the problem's prompt, through the chat template (which lists the tools)
 
     def step(self, action: str) -> StepResult:
@@ -227,9 +222,11 @@ class FunctionTools(Environment):
         if calls and self.tool_turns < self.max_tool_turns:
             self.tool_turns += 1
             self.calls += len(calls)
-            self._loop = self._loop or asyncio.new_event_loop()
-            results = self._loop.run_until_complete(self._call_all(calls))
-            return StepResult([{"role": "tool", "content": text} for text in results], 0.0, False, {})
+            results = _event_loop().run_until_complete(self._call_all(calls))
+            for _, reward in results:  # in the order of the calls, as verl lists them
+                if reward is not None:
+                    self.tool_rewards.append(float(reward))
+            return StepResult([{"role": "tool", "content": text} for text, _ in results], 0.0, False, {})
         extra = {**(self.problem.extra_info or {}), "tool_rewards": list(self.tool_rewards)}
         scored = self.reward(TOOL_CALL.sub("", action).strip(), replace(self.problem, extra_info=extra))
         info = {"correct": scored.value, "tool_calls": float(self.calls), "tool_errors": float(self.errors),
@@ -237,21 +234,34 @@ class FunctionTools(Environment):
                 **{k.removeprefix("reward/"): v for k, v in scored.metrics.items()}}
         return StepResult(None, scored.value, True, info)
 
-    async def _call_all(self, calls: list[tuple[str, Any]]) -> list[str]:
+    async def _call_all(self, calls: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
         return await asyncio.gather(*(self._call(name, arguments) for name, arguments in calls))
 
-    async def _call(self, name: str, arguments: Any) -> str:
-        """One call's text for the policy; a call that fails answers with why, in verl's words (counted)."""
-        if name not in self.tools:
+    async def _call(self, name: str, arguments: Any) -> tuple[str, Any]:
+        """One call's (text for the policy, tool reward or None); a call that fails answers with why,
+        in verl's words, and a reward of 0 (counted)."""
+        if name not in self.active:
             self.errors += 1
-            return f"Unknown function '{name}'. Available tools: {list(self.tools)}"
-        fn = self.tools[name]
+            return f"Unknown function '{name}'. Available tools: {list(self.active)}", 0.0
+        tool = self.active[name]
         try:
-            result = await fn(**arguments) if inspect.iscoroutinefunction(fn) \
-                else await asyncio.to_thread(lambda: fn(**arguments))
-            text, reward = normalized(result)
+            if isinstance(tool, ClassTool):
+                response, reward = await tool.call(arguments, self.tools_kwargs.get(name))
+                text = normalized(response)[0]
+            elif inspect.iscoroutinefunction(tool):
+                text, reward = normalized(await tool(**arguments))
+            else:
+                text, reward = normalized(await asyncio.to_thread(lambda: tool(**arguments)))
         except Exception as err:  # the call's fault or the tool's: the policy reads why
             self.errors += 1
-            return f"Error executing tool '{name}': {err}"
-        self.tool_rewards.append(reward)
-        return cut_response(text, self.max_length, self.side)
+            return f"Error executing tool '{name}': {err}", 0.0
+        return cut_response(text, self.max_length, self.side), reward
+
+
+def selected_tools(tools: dict[str, Any], extra_info: dict | None) -> dict[str, Any]:
+    """The tools a prompt sees: those its extra_info's `tool_selection` names (verl's per-sample
+    tools; names that are no tool are passed over), or all."""
+    selection = (extra_info or {}).get("tool_selection")
+    if not selection:
+        return tools
+    return {name: tools[name] for name in selection if isinstance(name, str) and name in tools}

@@ -1,7 +1,7 @@
 """The built-in `tools` environment (rollout_workers/environments/function_tools.py): Python functions
 as tools, called in Qwen's and verl's hermes format, their results as tool messages through the
 chat template, the final answer scored by the run's reward. verl's own function-tools file loads
-as it is. The agent loop runs with a byte-level tokenizer trained here (every text has tokens) and
+as it is, and so do verl's BaseTool classes and their tool config YAML. The agent loop runs with a byte-level tokenizer trained here (every text has tokens) and
 a scripted policy in place of an engine (the tiny model never learned to call tools)."""
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from rollout_workers.agent_loop import AgentLoop
 from rollout_workers.config import MultiTurnConfig, RolloutConfig
@@ -251,3 +252,233 @@ def test_the_tools_environment_needs_its_file():
     assert "rollout.multi_turn.environment=tools" in str(said.value)
     assert "rollout.multi_turn.environment_kwargs.path=my_tools.py" in str(said.value)
 
+
+
+# verl's BaseTool classes, declared in verl's tool config YAML (environment_kwargs.config)
+GSM8K_TOOL = '''
+from typing import Any, Optional
+from uuid import uuid4
+
+from verl.tools.base_tool import BaseTool
+from verl.tools.schemas import OpenAIFunctionToolSchema, ToolResponse
+from verl.utils.rollout_trace import rollout_trace_op
+
+LIVE = {}  # instance ids created and not yet released, across the class's instances
+
+
+class Gsm8kTool(BaseTool):
+    """verl's example tool as its users copied it: the answer's reward, a penalty for no progress."""
+
+    def __init__(self, config: dict, tool_schema: OpenAIFunctionToolSchema):
+        super().__init__(config, tool_schema)
+        self.instances = LIVE
+
+    async def create(self, instance_id: Optional[str] = None, ground_truth: Optional[str] = None, **kwargs):
+        instance_id = instance_id or str(uuid4())
+        if ground_truth is None:
+            ground_truth = kwargs.get("create_kwargs", {}).get("ground_truth", None)
+        self.instances[instance_id] = {"ground_truth": ground_truth, "reward": 0.0}
+        return instance_id, ToolResponse()
+
+    @rollout_trace_op
+    async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs):
+        answer = str(parameters.get("answer", ""))
+        if answer == "boom":
+            raise RuntimeError("the grader is down")
+        reward = await self.calc_reward(instance_id, answer=answer)
+        return ToolResponse(text=f"Current parsed answer={answer!r} reward={reward}"), reward - 0.05, {}
+
+    async def calc_reward(self, instance_id: str, answer: str = "", **kwargs) -> float:
+        return float(answer == self.instances[instance_id]["ground_truth"])
+
+    async def release(self, instance_id: str, **kwargs) -> None:
+        del self.instances[instance_id]
+
+
+class Echo(BaseTool):
+    """A tool whose schema comes from the class (verl's tutorial form), with a config setting."""
+
+    def get_openai_tool_schema(self) -> OpenAIFunctionToolSchema:
+        return OpenAIFunctionToolSchema(**{"type": "function", "function": {
+            "name": "echo", "description": "Says it back.", "parameters": {
+                "type": "object", "properties": {"text": {"type": "string", "description": "What."}},
+                "required": ["text"]}}, "return": {"type": "string"}})
+
+    async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs):
+        return ToolResponse(text=self.config["prefix"] + parameters["text"]), None, {}
+'''
+GSM8K_SCHEMA = {"type": "function", "function": {
+    "name": "calc_gsm8k_reward", "description": "A tool for calculating the reward of gsm8k",
+    "parameters": {"type": "object", "properties": {
+        "answer": {"type": "string", "description": "The model's answer to the GSM8K math problem"}},
+        "required": ["answer"]}}}
+
+
+@pytest.fixture
+def tool_config(tmp_path) -> str:
+    (tmp_path / "gsm8k_tools.py").write_text(GSM8K_TOOL)
+    config = {"tools": [
+        {"class_name": f"{tmp_path / 'gsm8k_tools.py'}.Gsm8kTool", "config": {"type": "native"},
+         "tool_schema": GSM8K_SCHEMA},
+        {"class_name": f"{tmp_path / 'gsm8k_tools.py'}.Echo", "config": {"type": "native", "prefix": "> "}}]}
+    path = tmp_path / "tool_config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+def _call(name: str, **arguments) -> str:
+    return '<tool_call>' + json.dumps({"name": name, "arguments": arguments}) + '</tool_call>'
+
+
+def test_verl_tool_classes_are_called_as_verl_calls_them(tool_config, tmp_path):
+    from rollout_workers.environments.tool_classes import load_tool_classes
+
+    assert "verl" not in sys.modules  # loaded against etarl's stand-ins, which are gone afterwards
+    tools = load_tool_classes(tool_config)
+    assert "verl.tools.base_tool" not in sys.modules
+    assert tool_schemas(config=tool_config) == [GSM8K_SCHEMA, {"type": "function", "function": {
+        "name": "echo", "description": "Says it back.", "parameters": {"type": "object", "properties": {
+            "text": {"type": "string", "description": "What."}}, "required": ["text"]}}}]
+    live = sys.modules[type(tools["echo"].tool).__module__].LIVE
+    reward = tmp_path / "sees_tool_rewards.py"
+    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return {'score': float(solution_str == ground_truth), 'seen': len(extra_info['tool_rewards'])}\n")
+    env = FunctionTools(config=tool_config, reward=f"{reward}:compute_score", max_parallel_calls=3)
+    # the prompt's create_kwargs reach create (a parquet row's struct fills missing keys with None)
+    env.reset(Problem("?", "72", extra_info={"tools_kwargs": {
+        "calc_gsm8k_reward": {"create_kwargs": {"ground_truth": "72"}, "execute_kwargs": None}, "echo": None}}))
+    said = env.step(_call("calc_gsm8k_reward", answer="70") + _call("echo", text="hi")
+                    + _call("calc_gsm8k_reward", answer="72"))
+    assert [m["content"] for m in said.observation] == [
+        "Current parsed answer='70' reward=0.0", "> hi", "Current parsed answer='72' reward=1.0"]
+    assert env.tool_rewards == [-0.05, 0.95]  # in the calls' order; echo's None is no reward (as verl)
+    failed = env.step(_call("calc_gsm8k_reward", answer="boom") + _call("nope"))
+    assert [m["content"] for m in failed.observation] == [
+        "Error executing tool 'calc_gsm8k_reward': the grader is down",
+        "Unknown function 'nope'. Available tools: ['calc_gsm8k_reward', 'echo']"]
+    assert env.tool_rewards[2:] == [0.0, 0.0]  # a failed call's reward is 0, as verl's
+    assert live == {}  # every instance released, the failed one too
+    last = env.step("72")
+    assert last.done and last.reward == 1.0
+    assert last.info["seen"] == 4 and last.info["tool_errors"] == 2.0 and last.info["tool_calls"] == 5.0
+
+
+def test_function_tools_and_tool_classes_together_and_per_prompt(tool_config, verl_tools, byte_tokenizer, tmp_path):
+    env = FunctionTools(verl_tools, tool_config, reward="exact")
+    assert list(env.tools) == ["calc_gsm8k_reward", "echo", "add", "weather", "fails", "lookup", "nothing"]
+    env.reset(Problem("?", "5", extra_info={"tool_selection": ["add", "echo", "no_such_tool"]}))
+    said = env.step(_call("lookup", key="k"))
+    assert said.observation[0]["content"] == "Unknown function 'lookup'. Available tools: ['add', 'echo']"
+    rollout = RolloutConfig(reward="exact", multi_turn=MultiTurnConfig(
+        environment="tools", environment_kwargs={"path": verl_tools, "config": tool_config}))
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 4096}))
+    fmt = PromptFormat.for_rollout(tmp_path, rollout, byte_tokenizer)
+    user = [{"role": "user", "content": "2+3?"}]
+    assert fmt.render(Problem(user, "5")).startswith(
+        "<|im_start|>system\n# Tools\ncalc_gsm8k_reward\necho\nadd\nweather\nfails\nlookup\nnothing\n")
+    assert fmt.render(Problem(user, "5", extra_info={"tool_selection": ["echo", "add"]})).startswith(
+        "<|im_start|>system\n# Tools\necho\nadd\n<|im_end|>")  # verl's order: the selection's
+    clash = tmp_path / "clash.py"
+    clash.write_text("def echo(text: str) -> str:\n    '''Echo.\n\n    Args:\n        text: What.\n    '''\n"
+                     "    return text\n")
+    with pytest.raises(ValueError, match=r"\['echo'\] .* collide with tools declared in"):
+        FunctionTools(str(clash), tool_config)
+
+
+@pytest.mark.parametrize("config, said", [
+    ("tools: {a: 1}", "needs `tools:`, a list"),
+    ("tools: [{class_name: m.C, config: {type: mcp}}]", "config.type is 'mcp': native is the only type"),
+    ("tools: [{class_name: NoDot, config: {type: native}}]", r"tools\[0\]: needs class_name \(module.Class\)"),
+    ("tools: [{class_name: m.C, config: {type: native, url: '${oc.env:URL}'}}]",
+     r"tools\[0\]\.config\.url: '\$\{oc.env:URL\}' is an OmegaConf interpolation"),
+    ("tools: [{class_name: no_such_module_xyz.C, config: {type: native}}]", "cannot import module 'no_such_module_xyz'"),
+    ("tools: [{class_name: 'TOOLS.Missing', config: {type: native}}]", "has no class 'Missing'"),
+    ("tools: [{class_name: 'TOOLS.Gsm8kTool', config: {type: native}}]",
+     "no tool_schema in the tool config and none from get_openai_tool_schema"),
+    ("tools: [{class_name: 'TOOLS.Gsm8kTool', config: {type: native}, tool_schema: {type: function}}]",
+     "ValidationError"),
+    ("tools: [{class_name: 'TOOLS.Echo', config: {type: native}}, {class_name: 'TOOLS.Echo', config: {type: native}}]",
+     "a second tool named 'echo'"),
+])
+def test_a_bad_tool_config_is_refused_saying_what_is_wrong(tmp_path, config, said):
+    from rollout_workers.environments.tool_classes import load_tool_classes
+
+    (tmp_path / "gsm8k_tools.py").write_text(GSM8K_TOOL)
+    path = tmp_path / "tool_config.yaml"
+    path.write_text(config.replace("TOOLS", str(tmp_path / "gsm8k_tools.py")))
+    with pytest.raises(ValueError, match=said):
+        load_tool_classes(str(path))
+
+
+def test_verl_tool_config_path_becomes_the_tools_environments_config(tmp_path):
+    from services.config import ConfigError, load_config
+
+    with pytest.raises(ValueError, match="environment_kwargs.path.*or both"):
+        MultiTurnConfig(environment="tools", environment_kwargs={"config": 3})
+    with pytest.raises(ConfigError) as said:
+        load_config(None, ["actor_rollout_ref.rollout.multi_turn.tool_config_path=tool_config.yaml"])
+    assert "rollout.multi_turn.environment=tools" in str(said.value)
+    assert "rollout.multi_turn.environment_kwargs.config=tool_config.yaml" in str(said.value)
+
+
+def test_the_agent_loop_runs_tool_classes_in_the_environments_processes(tool_config, byte_tokenizer, tmp_path):
+    rollout = RolloutConfig(reward="exact", multi_turn=MultiTurnConfig(
+        environment="tools", environment_kwargs={"config": tool_config}, max_turns=3))
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 4096}))
+    fmt = PromptFormat.for_rollout(tmp_path, rollout, byte_tokenizer)
+    problem = Problem([{"role": "user", "content": "2+3?"}], "5", extra_info={
+        "tools_kwargs": {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": "5"}}}})
+    script = [_call("calc_gsm8k_reward", answer="5"), "5"]
+
+    def generate(requests):  # a scripted policy: the call, then the answer
+        out = []
+        for context, _ in requests:
+            turn = script[1] if "<tool_response>" in byte_tokenizer.decode(context) else script[0]
+            ids = byte_tokenizer(turn, add_special_tokens=False)["input_ids"] + [byte_tokenizer.eos_token_id]
+            out.append([(Completion(ids, [-0.5] * len(ids), "stop"), [0] * len(ids))])
+        return out
+
+    loop = AgentLoop.for_rollout(rollout, byte_tokenizer, fmt)
+    try:
+        (episode,), = loop.run([(problem, SamplingParams(n=1, max_new_tokens=64,
+                                                         stop_token_ids=(byte_tokenizer.eos_token_id,)))], generate)
+    finally:
+        loop.close()
+    assert "<tool_response>\nCurrent parsed answer='5' reward=1.0\n" in byte_tokenizer.decode(episode.response_ids)
+    assert episode.reward == 1.0 and episode.info["tool_reward"] == pytest.approx(0.95)
+
+
+def test_a_run_checks_its_tool_config_at_start_and_every_node_must_read_it(tool_config, byte_tokenizer, tmp_path):
+    from services.config import ConfigError, build_config
+    from services.inputs import check_environment
+    from services.shared_paths import run_paths
+
+    def run(config: str):
+        return build_config({"rollout": {"reward": "exact", "multi_turn": {
+            "environment": "tools", "environment_kwargs": {"config": config}}}})
+
+    fmt = PromptFormat(byte_tokenizer, stop_token_ids=(byte_tokenizer.eos_token_id,))
+    check_environment(run(tool_config), fmt)
+    assert run_paths(run(tool_config), tmp_path)["rollout.multi_turn.environment_kwargs.config"] == tool_config
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("tools: [{class_name: m.C, config: {type: mcp}}]")
+    with pytest.raises(ConfigError, match=r"^rollout.multi_turn: tool config .*bad.yaml.*native is the only type"):
+        check_environment(run(str(bad)), fmt)
+
+
+def test_tool_classes_of_an_importable_module_load_and_travel_with_the_job(tmp_path, monkeypatch):
+    from rollout_workers.environments.tool_classes import load_tool_classes
+    from services.config import build_config
+    from services.inputs import ray_runtime_env
+
+    (tmp_path / "travelling_tools_mod.py").write_text(GSM8K_TOOL)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv("RAY_JOB_CONFIG_JSON_ENV_VAR", raising=False)
+    monkeypatch.delenv("RAY_OVERRIDE_JOB_RUNTIME_ENV", raising=False)
+    config = tmp_path / "tool_config.yaml"
+    config.write_text(yaml.safe_dump({"tools": [{"class_name": "travelling_tools_mod.Gsm8kTool",
+                                                 "config": {"type": "native"}, "tool_schema": GSM8K_SCHEMA}]}))
+    assert list(load_tool_classes(str(config))) == ["calc_gsm8k_reward"]  # verl's form: module.Class
+    cfg = build_config({"rollout": {"reward": "exact", "multi_turn": {
+        "environment": "tools", "environment_kwargs": {"config": str(config)}}}})
+    assert ray_runtime_env(cfg) == {"py_modules": [str(tmp_path / "travelling_tools_mod.py")]}

@@ -1,0 +1,138 @@
+"""verl's BaseTool classes, declared in verl's tool config YAML (`multi_turn.tool_config_path`), as tools
+of the built-in `tools` environment (`environment_kwargs.config`):
+
+    tools:
+      - class_name: my_tools.Gsm8kTool        # an importable module's class (or path/file.py.Class)
+        config: {type: native, any: setting}  # passed to the class; type native (verl's only one)
+        tool_schema: {type: function, function: {name: calc_gsm8k_reward, description: ..., parameters: ...}}
+
+As verl's tool agent loop does, each call makes its own instance: `create(create_kwargs=...)` with
+the prompt's `extra_info.tools_kwargs[<tool name>].create_kwargs`, `execute(instance_id,
+arguments)` -> (ToolResponse, reward, metrics), then `release(instance_id)` whatever happened.
+verl's `agent_data` (its loop's state) is not passed to `execute`. A class is built once per process."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from rollout_workers.environments.verl_stand_in import verl_stand_in
+from rollout_workers.rewards import load_module
+
+_INTERPOLATION = re.compile(r"\$\{[^}]*\}")
+
+
+@dataclass
+class ClassTool:
+    """One BaseTool instance of the run, called the way verl calls it."""
+
+    tool: Any
+
+    @property
+    def name(self) -> str:
+        return self.tool.name
+
+    def schema(self) -> dict:
+        schema = self.tool.tool_schema
+        return schema.model_dump(exclude_unset=True, exclude_none=True) if hasattr(schema, "model_dump") \
+            else dict(schema)
+
+    async def call(self, arguments: Any, tool_kwargs: dict | None) -> tuple[Any, Any]:
+        """(the tool's response, its reward) of one call; raises what the tool raised."""
+        create_kwargs = (tool_kwargs or {}).get("create_kwargs") or {}
+        instance_id = None
+        try:
+            created = await self.tool.create(create_kwargs=create_kwargs)
+            instance_id = created[0] if isinstance(created, tuple) else created
+            result = await self.tool.execute(instance_id, arguments)
+            if not (isinstance(result, tuple) and len(result) == 3):
+                raise TypeError(f"execute returned {result!r:.80}, not (ToolResponse, reward, metrics)")
+            return result[0], result[1]
+        finally:
+            if instance_id is not None:
+                await self.tool.release(instance_id)
+
+
+def _interpolations(value: Any, where: str) -> None:
+    """OmegaConf's ${...} is verl's; etarl reads the YAML as it is, so one left in is refused."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _interpolations(item, f"{where}.{key}")
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _interpolations(item, f"{where}[{i}]")
+    elif isinstance(value, str) and _INTERPOLATION.search(value):
+        raise ValueError(f"{where}: {value!r} is an OmegaConf interpolation, which etarl does not resolve: write "
+                         f"the value (a secret: read it from the environment in the tool, and name the variable "
+                         f"in rollout.multi_turn.environment_env)")
+
+
+def _tool_class(class_name: str, where: str):
+    """The class `module.Class` (or `path/file.py.Class`) names, its module loaded with verl stood in."""
+    module_name, _, attr = class_name.rpartition(".")
+    with verl_stand_in():
+        module = load_module(module_name, class_name, "tool class")
+    found = getattr(module, attr, None)
+    if not isinstance(found, type):
+        raise ValueError(f"{where}.class_name: module {module_name!r} has no class {attr!r}")
+    return found
+
+
+_LOADED: dict[str, dict[str, ClassTool]] = {}  # once per process: a class's set-up runs once
+
+
+def _entries(config_path: str) -> list[dict]:
+    """The tool config's `tools:` entries, each with a class_name and a native config; ValueError
+    says what is wrong."""
+    where = f"tool config {config_path!r}"
+    try:
+        declared = yaml.safe_load(Path(config_path).expanduser().read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError) as err:
+        raise ValueError(f"{where}: {err}") from None
+    entries = declared.get("tools") if isinstance(declared, dict) else None
+    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+        raise ValueError(f"{where}: needs `tools:`, a list of {{class_name, config, tool_schema}}")
+    _interpolations(entries, where + ": tools")
+    for i, entry in enumerate(entries):
+        at = f"{where}: tools[{i}]"
+        config = entry.setdefault("config", {})
+        if not isinstance(entry.get("class_name"), str) or "." not in entry["class_name"] \
+                or not isinstance(config, dict):
+            raise ValueError(f"{at}: needs class_name (module.Class) and config (a mapping)")
+        if config.get("type") != "native":
+            raise ValueError(f"{at}: config.type is {config.get('type')!r}: native is the only type (as in verl)")
+    return entries
+
+
+def class_modules(config_path: str) -> list[str]:
+    """The modules (or files) of the tool config's classes: what workers must be able to import."""
+    return list(dict.fromkeys(entry["class_name"].rpartition(".")[0] for entry in _entries(config_path)))
+
+
+def load_tool_classes(config_path: str) -> dict[str, ClassTool]:
+    """{tool name: tool} of a verl tool config; ValueError says what in it is wrong."""
+    if config_path in _LOADED:
+        return _LOADED[config_path]
+    tools: dict[str, ClassTool] = {}
+    for i, entry in enumerate(_entries(config_path)):
+        at = f"tool config {config_path!r}: tools[{i}]"
+        config = entry["config"]
+        cls = _tool_class(entry["class_name"], at)
+        with verl_stand_in():  # the schema model is the one the class was written against
+            from verl.tools.schemas import OpenAIFunctionToolSchema
+
+            try:
+                schema = entry.get("tool_schema")
+                schema = None if schema is None else OpenAIFunctionToolSchema.model_validate(schema)
+                tool = ClassTool(cls(config=config, tool_schema=schema))
+            except Exception as err:  # a schema that does not validate, or the class's own set-up
+                raise ValueError(f"{at}: {entry['class_name']}: {type(err).__name__}: {err}") from None
+        if tool.name in tools:
+            raise ValueError(f"{at}: a second tool named {tool.name!r}")
+        tools[tool.name] = tool
+    _LOADED[config_path] = tools
+    return tools
+
