@@ -130,13 +130,16 @@ def _function_schemas(path: str) -> list[dict]:
 
 
 def normalized(value: Any) -> tuple[str, float]:
-    """A tool's return as (text, reward), as verl's `normalize_function_tool_return` takes it."""
+    """A tool's return as (text, reward), as verl's `normalize_function_tool_return` takes it; ValueError for
+    an image or a video (verl needs a vision model for those, etarl has none)."""
     def text(response: Any) -> str:
         if isinstance(response, str):
             return response
         if isinstance(response, dict):
             return json.dumps(response, ensure_ascii=False)
         if hasattr(response, "text") and hasattr(response, "image"):  # a ToolResponse, verl's or the stand-in
+            if response.image or getattr(response, "video", None):
+                raise ValueError("it returned an image or a video; etarl's policies read text only")
             return response.text or ""
         return str(response)
 

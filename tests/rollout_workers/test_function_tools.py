@@ -305,6 +305,8 @@ class Echo(BaseTool):
                 "required": ["text"]}}, "return": {"type": "string"}})
 
     async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs):
+        if parameters["text"] == "picture":
+            return ToolResponse(text="here", image=["a picture"]), 0.0, {}
         return ToolResponse(text=self.config["prefix"] + parameters["text"]), None, {}
 '''
 GSM8K_SCHEMA = {"type": "function", "function": {
@@ -352,15 +354,16 @@ def test_verl_tool_classes_are_called_as_verl_calls_them(tool_config, tmp_path):
     assert [m["content"] for m in said.observation] == [
         "Current parsed answer='70' reward=0.0", "> hi", "Current parsed answer='72' reward=1.0"]
     assert env.tool_rewards == [-0.05, 0.95]  # in the calls' order; echo's None is no reward (as verl)
-    failed = env.step(_call("calc_gsm8k_reward", answer="boom") + _call("nope"))
+    failed = env.step(_call("calc_gsm8k_reward", answer="boom") + _call("nope") + _call("echo", text="picture"))
     assert [m["content"] for m in failed.observation] == [
         "Error executing tool 'calc_gsm8k_reward': the grader is down",
-        "Unknown function 'nope'. Available tools: ['calc_gsm8k_reward', 'echo']"]
-    assert env.tool_rewards[2:] == [0.0, 0.0]  # a failed call's reward is 0, as verl's
+        "Unknown function 'nope'. Available tools: ['calc_gsm8k_reward', 'echo']",
+        "Error executing tool 'echo': it returned an image or a video; etarl's policies read text only"]
+    assert env.tool_rewards[2:] == [0.0, 0.0, 0.0]  # a failed call's reward is 0, as verl's
     assert live == {}  # every instance released, the failed one too
     last = env.step("72")
     assert last.done and last.reward == 1.0
-    assert last.info["seen"] == 4 and last.info["tool_errors"] == 2.0 and last.info["tool_calls"] == 5.0
+    assert last.info["seen"] == 5 and last.info["tool_errors"] == 3.0 and last.info["tool_calls"] == 6.0
 
 
 def test_function_tools_and_tool_classes_together_and_per_prompt(tool_config, verl_tools, byte_tokenizer, tmp_path):
