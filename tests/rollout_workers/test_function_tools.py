@@ -1,8 +1,9 @@
 """The built-in `tools` environment (rollout_workers/environments/function_tools.py): Python functions
 as tools, called in Qwen's and verl's hermes format, their results as tool messages through the
 chat template, the final answer scored by the run's reward. verl's own function-tools file loads
-as it is, and so do verl's BaseTool classes and their tool config YAML. The agent loop runs with a byte-level tokenizer trained here (every text has tokens) and
-a scripted policy in place of an engine (the tiny model never learned to call tools)."""
+as it is, and so do verl's BaseTool classes and their tool config YAML. The agent loop runs with a
+byte-level tokenizer trained here (every text has tokens) and a scripted policy in place of an
+engine (the tiny model never learned to call tools)."""
 from __future__ import annotations
 
 import json
@@ -344,7 +345,8 @@ def test_verl_tool_classes_are_called_as_verl_calls_them(tool_config, tmp_path):
     live = sys.modules[type(tools["echo"].tool).__module__].LIVE
     reward = tmp_path / "sees_tool_rewards.py"
     reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-                      "    return {'score': float(solution_str == ground_truth), 'seen': len(extra_info['tool_rewards'])}\n")
+                      "    return {'score': float(solution_str == ground_truth),\n"
+                      "            'seen': len(extra_info['tool_rewards'])}\n")
     env = FunctionTools(config=tool_config, reward=f"{reward}:compute_score", max_parallel_calls=3)
     # the prompt's create_kwargs reach create (a parquet row's struct fills missing keys with None)
     env.reset(Problem("?", "72", extra_info={"tools_kwargs": {
@@ -394,7 +396,8 @@ def test_function_tools_and_tool_classes_together_and_per_prompt(tool_config, ve
     ("tools: [{class_name: NoDot, config: {type: native}}]", r"tools\[0\]: needs class_name \(module.Class\)"),
     ("tools: [{class_name: m.C, config: {type: native, url: '${oc.env:URL}'}}]",
      r"tools\[0\]\.config\.url: '\$\{oc.env:URL\}' is an OmegaConf interpolation"),
-    ("tools: [{class_name: no_such_module_xyz.C, config: {type: native}}]", "cannot import module 'no_such_module_xyz'"),
+    ("tools: [{class_name: no_such_module_xyz.C, config: {type: native}}]",
+     "cannot import module 'no_such_module_xyz'"),
     ("tools: [{class_name: 'TOOLS.Missing', config: {type: native}}]", "has no class 'Missing'"),
     ("tools: [{class_name: 'TOOLS.Gsm8kTool', config: {type: native}}]",
      "no tool_schema in the tool config and none from get_openai_tool_schema"),
