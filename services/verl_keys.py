@@ -127,6 +127,13 @@ RULES: dict[str, Rule] = {
     ROLLOUT + "multi_turn.max_assistant_turns": Rule("rollout.multi_turn.max_turns"),
     **{ROLLOUT + "multi_turn." + k: Rule("rollout.multi_turn.environment_kwargs." + k, "of the tools environment")
        for k in ("max_parallel_calls", "max_tool_response_length", "tool_response_truncate_side")},
+    ROLLOUT + "multi_turn.max_user_turns": Rule("rollout.multi_turn.environment_kwargs.max_tool_turns",
+                                                "turns that called tools before the answer turn, as verl counts "
+                                                "tool responses; unset: one fewer than max_turns"),
+    ROLLOUT + "multi_turn.use_inference_chat_template": Rule(None, "etarl keeps each turn's tokens as generated "
+                                                                   "and renders only what follows them"),
+    ROLLOUT + "multi_turn.tokenization_sanity_check_mode": Rule(None, "etarl never re-tokenizes a trajectory"),
+    ROLLOUT + "multi_turn.num_repeat_rollouts": Rule(None, "a prompt's trajectories are rollout.sampling.n"),
     ROLLOUT + "multi_turn.format": Rule(None, "the tools environment reads hermes calls "
                                               "(<tool_call>{...}</tool_call>)"),
     # the algorithm

@@ -488,3 +488,12 @@ def test_tool_classes_of_an_importable_module_load_and_travel_with_the_job(tmp_p
     cfg = build_config({"rollout": {"reward": "exact", "multi_turn": {
         "environment": "tools", "environment_kwargs": {"config": str(config)}}}})
     assert ray_runtime_env(cfg) == {"py_modules": [str(tmp_path / "travelling_tools_mod.py")]}
+
+
+def test_verls_multi_turn_keys_are_answered():
+    from services.verl_keys import translate
+
+    lines, etarl = translate([("actor_rollout_ref.rollout.multi_turn.max_user_turns", 2),
+                              ("actor_rollout_ref.rollout.multi_turn.tokenization_sanity_check_mode", "strict")])
+    assert etarl == ["rollout.multi_turn.environment_kwargs.max_tool_turns=2"]
+    assert "tokenization_sanity_check_mode: no etarl key: etarl never re-tokenizes a trajectory" in lines[1]
