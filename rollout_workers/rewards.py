@@ -110,7 +110,7 @@ def _load_file_module(path: Path, spec: str, kind: str = "reward"):
             return importlib.import_module(path.stem)
         except ImportError:
             raise ValueError(f"{kind} {spec!r}: file {str(path)!r} does not exist") from None
-    name = f"etarl_{kind}_{path.stem}"
+    name = f"etarl_{kind.replace(' ', '_')}_{path.stem}"
     module_spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[name] = module  # the file's own pickling and dataclasses need it registered
@@ -340,8 +340,10 @@ def reward_py_modules(spec: str) -> list[str]:
     if getattr(root, "__file__", None):
         where = Path(root.__file__).resolve()
         where = where.parent if hasattr(root, "__path__") else where
-    else:  # a namespace package
+    elif list(root.__path__):  # a namespace package
         where = Path(next(iter(root.__path__))).resolve()
+    else:  # a module made in memory (etarl's stand-in of verl): nothing to ship
+        return []
     if any(where.is_relative_to(installed) for installed in _installed_roots()):
         return []
     return [str(where)]

@@ -176,16 +176,18 @@ def ray_runtime_env(cfg: EtarlConfig, env_vars: dict[str, str] | None = None) ->
     job = _submitted_job_runtime_env()
     try:
         modules = reward_py_modules(cfg.rollout.reward)
-        multi_turn = cfg.rollout.multi_turn
+    except ImportError as err:
+        raise ConfigError(f"rollout.reward: cannot import {cfg.rollout.reward!r} ({err})") from None
+    multi_turn = cfg.rollout.multi_turn
+    try:
         if multi_turn.environment == "tools":  # its tools travel like a reward's, and the reward it names
             modules += _tool_py_modules(multi_turn.environment_kwargs)
             modules += reward_py_modules(cfg.rollout.environment_arguments()["reward"])
             modules = list(dict.fromkeys(modules))
         elif multi_turn.enabled:  # a user environment travels the same way
             modules += reward_py_modules(multi_turn.environment)
-    except ImportError as err:
-        where = "rollout.multi_turn" if cfg.rollout.multi_turn.enabled else "rollout.reward"
-        raise ConfigError(f"{where}: cannot import the code the workers need ({err})") from None
+    except (ImportError, ValueError) as err:  # ValueError: a tool config that does not read
+        raise ConfigError(f"rollout.multi_turn: cannot import the environment's code ({err})") from None
     if job.get("working_dir"):  # the driver runs in the job's working_dir: what is under it travels already
         modules = [m for m in modules if not Path(m).is_relative_to(Path.cwd())]
     if modules:

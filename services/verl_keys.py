@@ -43,6 +43,10 @@ def _off_if_negative(value):  # verl's -1: never / none
     return 0 if isinstance(value, (int, float)) and value < 0 else value
 
 
+def _unset_if_zero(value):  # verl's 0: no limit (etarl's default stands)
+    return None if value == 0 else value
+
+
 ACTOR, ROLLOUT, MODEL = "actor_rollout_ref.actor.", "actor_rollout_ref.rollout.", "actor_rollout_ref.model."
 # Notes several keys share.
 CLUSTER = "etarl uses the Ray cluster's nodes and GPUs (ray.address; `etarl plan` shows the layout)"
@@ -129,7 +133,7 @@ RULES: dict[str, Rule] = {
        for k in ("max_parallel_calls", "max_tool_response_length", "tool_response_truncate_side")},
     ROLLOUT + "multi_turn.max_user_turns": Rule("rollout.multi_turn.environment_kwargs.max_tool_turns",
                                                 "turns that called tools before the answer turn, as verl counts "
-                                                "tool responses; unset: one fewer than max_turns"),
+                                                "tool responses; unset: one fewer than max_turns", _unset_if_zero),
     ROLLOUT + "multi_turn.use_inference_chat_template": Rule(None, "etarl keeps each turn's tokens as generated "
                                                                    "and renders only what follows them"),
     ROLLOUT + "multi_turn.tokenization_sanity_check_mode": Rule(None, "etarl never re-tokenizes a trajectory"),

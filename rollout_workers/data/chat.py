@@ -136,10 +136,10 @@ class PromptFormat:
         if self.mode == "auto" and not getattr(self.tokenizer, "chat_template", None):
             raise ValueError(f"the prompt is chat messages but the tokenizer of {self.model_name} has no chat "
                              f"template (set rollout.task.chat_template to a Jinja file, or to none)")
+        template_kwargs = self._template_kwargs(problem)
         try:
             return self.tokenizer.apply_chat_template(problem.prompt, chat_template=self.template, tokenize=False,
-                                                      add_generation_prompt=generation_prompt,
-                                                      **self._template_kwargs(problem))
+                                                      add_generation_prompt=generation_prompt, **template_kwargs)
         except Exception as err:  # a template may raise on purpose (e.g. "system role not supported")
             raise ValueError(f"the chat template failed on this prompt: {type(err).__name__}: {err}") from None
 

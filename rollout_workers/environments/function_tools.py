@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import math
 import re
 from collections.abc import Callable
 from dataclasses import replace
@@ -185,6 +186,7 @@ def _event_loop() -> asyncio.AbstractEventLoop:
     global _LOOP
     if _LOOP is None:
         _LOOP = asyncio.new_event_loop()
+        asyncio.set_event_loop(_LOOP)  # a tool asking for "the" loop (asyncio.get_event_loop()) gets this one
     return _LOOP
 
 
@@ -217,6 +219,10 @@ class FunctionTools(Environment):
         self.problem, self.tool_turns, self.calls, self.errors, self.tool_rewards = problem, 0, 0, 0, []
         extra = problem.extra_info or {}
         self.tools_kwargs = extra.get("tools_kwargs") or {}
+        if not isinstance(self.tools_kwargs, dict) or \
+                not all(v is None or isinstance(v, dict) for v in self.tools_kwargs.values()):
+            raise ValueError(f"extra_info.tools_kwargs is {self.tools_kwargs!r:.80}: it maps a tool's name to "
+                             f"{{create_kwargs: {{...}}}}")
         self.active = selected_tools(self.tools, extra)
         return None  # the problem's prompt, through the chat template (which lists the tools)
 
@@ -228,7 +234,7 @@ class FunctionTools(Environment):
             results = _event_loop().run_until_complete(self._call_all(calls))
             for _, reward in results:  # in the order of the calls, as verl lists them
                 if reward is not None:
-                    self.tool_rewards.append(float(reward))
+                    self.tool_rewards.append(reward)
             return StepResult([{"role": "tool", "content": text} for text, _ in results], 0.0, False, {})
         extra = {**(self.problem.extra_info or {}), "tool_rewards": list(self.tool_rewards)}
         scored = self.reward(TOOL_CALL.sub("", action).strip(), replace(self.problem, extra_info=extra))
@@ -255,6 +261,9 @@ class FunctionTools(Environment):
                 text, reward = normalized(await tool(**arguments))
             else:
                 text, reward = normalized(await asyncio.to_thread(lambda: tool(**arguments)))
+            reward = None if reward is None else float(reward)
+            if reward is not None and not math.isfinite(reward):
+                raise ValueError(f"its reward is {reward}")
         except Exception as err:  # the call's fault or the tool's: the policy reads why
             self.errors += 1
             return f"Error executing tool '{name}': {err}", 0.0
@@ -267,4 +276,8 @@ def selected_tools(tools: dict[str, Any], extra_info: dict | None) -> dict[str, 
     selection = (extra_info or {}).get("tool_selection")
     if not selection:
         return tools
+    if isinstance(selection, str):
+        selection = [selection]
+    if not isinstance(selection, (list, tuple)):
+        raise ValueError(f"extra_info.tool_selection is {selection!r:.80}: a list of tool names")
     return {name: tools[name] for name in selection if isinstance(name, str) and name in tools}

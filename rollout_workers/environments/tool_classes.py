@@ -12,6 +12,7 @@ arguments)` -> (ToolResponse, reward, metrics), then `release(instance_id)` what
 verl's `agent_data` (its loop's state) is not passed to `execute`. A class is built once per process."""
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,8 @@ from rollout_workers.environments.verl_stand_in import verl_stand_in
 from rollout_workers.rewards import load_module
 
 _INTERPOLATION = re.compile(r"\$\{[^}]*\}")
+_STOOD_IN = "verl.tools.base_tool, verl.tools.schemas, verl.tools.function_tool and verl.utils.rollout_trace"
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -41,7 +44,8 @@ class ClassTool:
             else dict(schema)
 
     async def call(self, arguments: Any, tool_kwargs: dict | None) -> tuple[Any, Any]:
-        """(the tool's response, its reward) of one call; raises what the tool raised."""
+        """(the tool's response, its reward) of one call; raises what create or execute raised. A
+        release that raises is logged and changes nothing of the call's outcome."""
         create_kwargs = (tool_kwargs or {}).get("create_kwargs") or {}
         instance_id = None
         try:
@@ -53,7 +57,10 @@ class ClassTool:
             return result[0], result[1]
         finally:
             if instance_id is not None:
-                await self.tool.release(instance_id)
+                try:
+                    await self.tool.release(instance_id)
+                except Exception as err:  # the tool's own clean-up: the call's answer stands
+                    log.warning("tool %r: release(%r) raised %s: %s", self.name, instance_id, type(err).__name__, err)
 
 
 def _interpolations(value: Any, where: str) -> None:
@@ -73,14 +80,29 @@ def _interpolations(value: Any, where: str) -> None:
 def _tool_class(class_name: str, where: str):
     """The class `module.Class` (or `path/file.py.Class`) names, its module loaded with verl stood in."""
     module_name, _, attr = class_name.rpartition(".")
-    with verl_stand_in():
-        module = load_module(module_name, class_name, "tool class")
+    if module_name not in _MODULES:  # several classes of one file: the file runs once, as an import would
+        with verl_stand_in():
+            try:
+                _MODULES[module_name] = load_module(module_name, class_name, "tool class")
+            except ValueError as err:
+                raise ValueError(f"{where}: {err}{_import_hint(str(err))}") from None
+    module = _MODULES[module_name]
     found = getattr(module, attr, None)
     if not isinstance(found, type):
-        raise ValueError(f"{where}.class_name: module {module_name!r} has no class {attr!r}")
+        raise ValueError(f"{where}: module {module_name!r} has no class {attr!r}")
     return found
 
 
+def _import_hint(error: str) -> str:
+    if "relative import" in error:
+        return (" (a file copied out of verl/tools/ imports its neighbours relatively: write "
+                "`from verl.tools.base_tool import BaseTool`, and the same for schemas)")
+    if "No module named 'verl" in error:
+        return f" (etarl stands in for {_STOOD_IN} only: anything else of verl needs verl installed)"
+    return ""
+
+
+_MODULES: dict[str, Any] = {}
 _LOADED: dict[str, dict[str, ClassTool]] = {}  # once per process: a class's set-up runs once
 
 
@@ -128,6 +150,9 @@ def load_tool_classes(config_path: str) -> dict[str, ClassTool]:
                 schema = entry.get("tool_schema")
                 schema = None if schema is None else OpenAIFunctionToolSchema.model_validate(schema)
                 tool = ClassTool(cls(config=config, tool_schema=schema))
+                tool.schema()  # what the template needs of it
+                if not isinstance(tool.name, str):
+                    raise TypeError(f"its name is {tool.name!r}, not a string")
             except Exception as err:  # a schema that does not validate, or the class's own set-up
                 raise ValueError(f"{at}: {entry['class_name']}: {type(err).__name__}: {err}") from None
         if tool.name in tools:

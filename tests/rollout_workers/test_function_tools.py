@@ -7,6 +7,7 @@ engine (the tiny model never learned to call tools)."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -305,10 +306,20 @@ class Echo(BaseTool):
                 "type": "object", "properties": {"text": {"type": "string", "description": "What."}},
                 "required": ["text"]}}, "return": {"type": "string"}})
 
+    leaking = None
+
     async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs):
         if parameters["text"] == "picture":
             return ToolResponse(text="here", image=["a picture"]), 0.0, {}
+        if parameters["text"] == "a dict reward":
+            return ToolResponse(text="x"), {"score": 1.0}, {}
+        if parameters["text"] == "leak":
+            self.leaking = instance_id
         return ToolResponse(text=self.config["prefix"] + parameters["text"]), None, {}
+
+    async def release(self, instance_id: str, **kwargs) -> None:
+        if instance_id == self.leaking:
+            raise RuntimeError("cannot release")
 '''
 GSM8K_SCHEMA = {"type": "function", "function": {
     "name": "calc_gsm8k_reward", "description": "A tool for calculating the reward of gsm8k",
@@ -342,7 +353,9 @@ def test_verl_tool_classes_are_called_as_verl_calls_them(tool_config, tmp_path):
     assert tool_schemas(config=tool_config) == [GSM8K_SCHEMA, {"type": "function", "function": {
         "name": "echo", "description": "Says it back.", "parameters": {"type": "object", "properties": {
             "text": {"type": "string", "description": "What."}}, "required": ["text"]}}}]
-    live = sys.modules[type(tools["echo"].tool).__module__].LIVE
+    module = {type(tool.tool).__module__ for tool in tools.values()}
+    assert len(module) == 1  # two classes of one file: the file ran once
+    live = sys.modules[module.pop()].LIVE
     reward = tmp_path / "sees_tool_rewards.py"
     reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
                       "    return {'score': float(solution_str == ground_truth),\n"
@@ -363,9 +376,13 @@ def test_verl_tool_classes_are_called_as_verl_calls_them(tool_config, tmp_path):
         "Error executing tool 'echo': it returned an image or a video; etarl's policies read text only"]
     assert env.tool_rewards[2:] == [0.0, 0.0, 0.0]  # a failed call's reward is 0, as verl's
     assert live == {}  # every instance released, the failed one too
+    odd = env.step(_call("echo", text="a dict reward") + _call("echo", text="leak"))
+    assert [m["content"] for m in odd.observation] == [
+        "Error executing tool 'echo': float() argument must be a string or a real number, not 'dict'",
+        "> leak"]  # a release that raises is logged; the call's answer stands
     last = env.step("72")
     assert last.done and last.reward == 1.0
-    assert last.info["seen"] == 5 and last.info["tool_errors"] == 3.0 and last.info["tool_calls"] == 6.0
+    assert last.info["seen"] == 6 and last.info["tool_errors"] == 4.0 and last.info["tool_calls"] == 8.0
 
 
 def test_function_tools_and_tool_classes_together_and_per_prompt(tool_config, verl_tools, byte_tokenizer, tmp_path):
@@ -414,6 +431,36 @@ def test_a_bad_tool_config_is_refused_saying_what_is_wrong(tmp_path, config, sai
     path.write_text(config.replace("TOOLS", str(tmp_path / "gsm8k_tools.py")))
     with pytest.raises(ValueError, match=said):
         load_tool_classes(str(path))
+
+
+def test_a_prompts_bad_tool_fields_are_named(tool_config, verl_tools, byte_tokenizer, tmp_path):
+    env = FunctionTools(verl_tools, tool_config, reward="exact")
+    env.reset(Problem("?", "5", extra_info={"tool_selection": "add"}))  # one name, as a list of one
+    assert list(env.active) == ["add"]
+    with pytest.raises(ValueError, match=r"extra_info.tool_selection is 3: a list of tool names"):
+        env.reset(Problem("?", "5", extra_info={"tool_selection": 3}))
+    with pytest.raises(ValueError, match=r"extra_info.tools_kwargs is 'x': it maps a tool's name"):
+        env.reset(Problem("?", "5", extra_info={"tools_kwargs": "x"}))
+    rollout = RolloutConfig(reward="exact", multi_turn=MultiTurnConfig(
+        environment="tools", environment_kwargs={"path": verl_tools}))
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 4096}))
+    fmt = PromptFormat.for_rollout(tmp_path, rollout, byte_tokenizer)
+    with pytest.raises(ValueError, match=r"^extra_info.tool_selection is \{'a': 1\}"):  # not "the template failed"
+        fmt.render(Problem([{"role": "user", "content": "?"}], "5", extra_info={"tool_selection": {"a": 1}}))
+
+
+def test_a_tool_file_that_imports_what_etarl_does_not_stand_in_for_is_told_why(tmp_path):
+    from rollout_workers.environments.tool_classes import load_tool_classes
+
+    for name, source, said in [
+            ("copied", "from .base_tool import BaseTool\n", "write `from verl.tools.base_tool import BaseTool`"),
+            ("scored", "from verl.utils.reward_score import gsm8k\n", "anything else of verl needs verl installed")]:
+        (tmp_path / f"{name}.py").write_text(source)
+        config = tmp_path / f"{name}.yaml"
+        config.write_text(yaml.safe_dump({"tools": [{"class_name": f"{tmp_path / name}.py.T",
+                                                     "config": {"type": "native"}}]}))
+        with pytest.raises(ValueError, match=re.escape(said)):
+            load_tool_classes(str(config))
 
 
 def test_verl_tool_config_path_becomes_the_tools_environments_config(tmp_path):
@@ -497,3 +544,5 @@ def test_verls_multi_turn_keys_are_answered():
                               ("actor_rollout_ref.rollout.multi_turn.tokenization_sanity_check_mode", "strict")])
     assert etarl == ["rollout.multi_turn.environment_kwargs.max_tool_turns=2"]
     assert "tokenization_sanity_check_mode: no etarl key: etarl never re-tokenizes a trajectory" in lines[1]
+    lines, etarl = translate([("actor_rollout_ref.rollout.multi_turn.max_user_turns", 0)])  # verl's 0: no limit
+    assert etarl == [] and "0 has no etarl form" in lines[0]
