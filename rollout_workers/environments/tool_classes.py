@@ -12,8 +12,10 @@ arguments)` -> (ToolResponse, reward, metrics), then `release(instance_id)` what
 verl's `agent_data` (its loop's state) is not passed to `execute`. A class is built once per process."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -143,7 +145,9 @@ def load_tool_classes(config_path: str) -> dict[str, ClassTool]:
         at = f"tool config {config_path!r}: tools[{i}]"
         config = entry["config"]
         cls = _tool_class(entry["class_name"], at)
-        with verl_stand_in():  # the schema model is the one the class was written against
+        # the schema model is the one the class was written against; verl's BaseTool prints the schema,
+        # which goes to stderr (`etarl eval` writes JSON on stdout)
+        with verl_stand_in(), contextlib.redirect_stdout(sys.stderr):
             from verl.tools.schemas import OpenAIFunctionToolSchema
 
             try:
