@@ -546,3 +546,17 @@ def test_verls_multi_turn_keys_are_answered():
     assert "tokenization_sanity_check_mode: no etarl key: etarl never re-tokenizes a trajectory" in lines[1]
     lines, etarl = translate([("actor_rollout_ref.rollout.multi_turn.max_user_turns", 0)])  # verl's 0: no limit
     assert etarl == [] and "0 has no etarl form" in lines[0]
+
+
+def test_the_gsm8k_tool_example_takes_its_answer_from_a_verl_row(monkeypatch):
+    monkeypatch.chdir(Path(__file__).resolve().parents[2])  # the example's class_name is a path from here
+    env = FunctionTools(config="examples/gsm8k_tool_config.yaml", reward="math")
+    row = {"tools_kwargs": {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": "1072"}}}}
+    env.reset(Problem([{"role": "user", "content": "How many?"}], "1072", extra_info=row))
+    wrong = env.step(_call("calc_gsm8k_reward", answer="1070"))
+    right = env.step(_call("calc_gsm8k_reward", answer="so #### 1,072"))
+    assert [wrong.observation[0]["content"], right.observation[0]["content"]] == [
+        "Current parsed answer='1070' reward=0.0", "Current parsed answer='1072' reward=1.0"]
+    assert env.tool_rewards == [-0.05, 0.0]
+    last = env.step("The answer is 1072.")
+    assert last.done and last.reward == 1.0
