@@ -192,7 +192,7 @@ def ray_runtime_env(cfg: EtarlConfig, env_vars: dict[str, str] | None = None) ->
         modules = [m for m in modules if not Path(m).is_relative_to(Path.cwd())]
     if modules:
         logging.getLogger("ray._private.runtime_env.packaging").setLevel(logging.WARNING)  # one line per upload
-        log.info("the reward's code travels to the workers in the Ray job's py_modules: %s", modules)
+        log.info("code the workers import (reward, environment) travels in the Ray job's py_modules: %s", modules)
         if job.get("py_modules"):
             # ours replaces the job's (Ray does not merge two py_modules): its list plus the reward's, and
             # the job's other fields (env_vars: a judge's key the reward process is given) as they are
