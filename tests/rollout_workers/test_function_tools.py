@@ -208,6 +208,29 @@ def test_a_thinking_and_a_plain_qwen_template_append_what_they_would_write_whole
         assert followup.startswith("\n<|im_start|>user\n<tool_response>\n5")
 
 
+def scripted_episode(rollout: RolloutConfig, fmt: PromptFormat, problem: Problem, script: list[str]):
+    """One trajectory of the agent loop (its environments in their processes) where the policy is a
+    script: script[0] as the first turn, script[1] once a tool's response is in the context, each
+    ending at EOS."""
+    tokenizer = fmt.tokenizer
+
+    def generate(requests):
+        out = []
+        for context, _ in requests:
+            turn = script[1] if "<tool_response>" in tokenizer.decode(context) else script[0]
+            ids = tokenizer(turn, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+            out.append([(Completion(ids, [-0.5] * len(ids), "stop"), [0] * len(ids))])
+        return out
+
+    loop = AgentLoop.for_rollout(rollout, tokenizer, fmt)
+    try:
+        (episode,), = loop.run([(problem, SamplingParams(n=1, max_new_tokens=64,
+                                                         stop_token_ids=(tokenizer.eos_token_id,)))], generate)
+    finally:
+        loop.close()
+    return episode
+
+
 def test_the_agent_loop_runs_tools_through_the_chat_template(verl_tools, byte_tokenizer, tmp_path):
     rollout = RolloutConfig(reward="exact", multi_turn=MultiTurnConfig(
         environment="tools", environment_kwargs={"path": verl_tools}, max_turns=4))
@@ -221,21 +244,7 @@ def test_the_agent_loop_runs_tools_through_the_chat_template(verl_tools, byte_to
     prompt = byte_tokenizer.decode(fmt.encode(problem))
     assert prompt.startswith("<|im_start|>system\n# Tools\nadd\nweather\nfails\nlookup\nnothing\n")  # listed
     script = ['<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>', "5"]
-
-    def generate(requests):  # a scripted policy: the call, then the answer, each ending at EOS
-        out = []
-        for context, _ in requests:
-            turn = script[1] if "<tool_response>" in byte_tokenizer.decode(context) else script[0]
-            ids = byte_tokenizer(turn, add_special_tokens=False)["input_ids"] + [byte_tokenizer.eos_token_id]
-            out.append([(Completion(ids, [-0.5] * len(ids), "stop"), [0] * len(ids))])
-        return out
-
-    loop = AgentLoop.for_rollout(rollout, byte_tokenizer, fmt)
-    try:
-        (episode,), = loop.run([(problem, SamplingParams(n=1, max_new_tokens=64,
-                                                         stop_token_ids=(byte_tokenizer.eos_token_id,)))], generate)
-    finally:
-        loop.close()
+    episode = scripted_episode(rollout, fmt, problem, script)
     text = byte_tokenizer.decode(episode.response_ids)
     assert text == (script[0] + "<|im_end|>" + "\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n"
                     "<|im_start|>assistant\n" + script[1] + "<|im_end|>")  # the template's newline after <|im_end|>
@@ -481,22 +490,7 @@ def test_the_agent_loop_runs_tool_classes_in_the_environments_processes(tool_con
     fmt = PromptFormat.for_rollout(tmp_path, rollout, byte_tokenizer)
     problem = Problem([{"role": "user", "content": "2+3?"}], "5", extra_info={
         "tools_kwargs": {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": "5"}}}})
-    script = [_call("calc_gsm8k_reward", answer="5"), "5"]
-
-    def generate(requests):  # a scripted policy: the call, then the answer
-        out = []
-        for context, _ in requests:
-            turn = script[1] if "<tool_response>" in byte_tokenizer.decode(context) else script[0]
-            ids = byte_tokenizer(turn, add_special_tokens=False)["input_ids"] + [byte_tokenizer.eos_token_id]
-            out.append([(Completion(ids, [-0.5] * len(ids), "stop"), [0] * len(ids))])
-        return out
-
-    loop = AgentLoop.for_rollout(rollout, byte_tokenizer, fmt)
-    try:
-        (episode,), = loop.run([(problem, SamplingParams(n=1, max_new_tokens=64,
-                                                         stop_token_ids=(byte_tokenizer.eos_token_id,)))], generate)
-    finally:
-        loop.close()
+    episode = scripted_episode(rollout, fmt, problem, [_call("calc_gsm8k_reward", answer="5"), "5"])
     assert "<tool_response>\nCurrent parsed answer='5' reward=1.0\n" in byte_tokenizer.decode(episode.response_ids)
     assert episode.reward == 1.0 and episode.info["tool_reward"] == pytest.approx(0.95)
 
