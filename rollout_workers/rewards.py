@@ -95,7 +95,32 @@ def exact_match_reward(response: str, answer: str) -> float:
     return float(response.strip() == answer.strip())
 
 
-BUILTIN_REWARDS: dict[str, RewardFn] = {"math": math_reward, "exact": exact_match_reward}
+_GSM8K_TAIL = 300  # characters verl's rule reads at the end of a response
+_GSM8K_STRICT = re.compile(r"#### (-?[0-9.,]+)")
+_GSM8K_FLEXIBLE = re.compile(r"-?[0-9.,]+")
+
+
+def gsm8k_reward(response: str, answer: str, method: str = "strict", format_score: float = 0.0,
+                 score: float = 1.0) -> float:
+    """verl's rule for openai/gsm8k (its default reward for that data_source): in the response's last
+    300 characters, the number after the last '#### ' without its commas (strict), or the last run
+    of digits, dots and commas that is not '.' (flexible), compared as text with the answer: `score`
+    when equal, `format_score` when not, 0 when there is none."""
+    if method not in ("strict", "flexible"):
+        raise ValueError(f"gsm8k: method is {method!r}, not strict or flexible")
+    tail = response[-_GSM8K_TAIL:]
+    if method == "strict":
+        found = _GSM8K_STRICT.findall(tail)
+        final = found[-1].replace(",", "") if found else None
+    else:
+        found = _GSM8K_FLEXIBLE.findall(tail)
+        final = next((x for x in reversed(found) if x != "."), found[0] if found else None)
+    if final is None:
+        return 0.0
+    return float(score) if final == answer else float(format_score)
+
+
+BUILTIN_REWARDS: dict[str, RewardFn] = {"math": math_reward, "exact": exact_match_reward, "gsm8k": gsm8k_reward}
 
 
 def _is_file(module_part: str) -> bool:

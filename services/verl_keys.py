@@ -55,6 +55,9 @@ ONE_REWARD = "etarl tells the manager by the reward's signature: compute_score(d
              "call (verl's batch); DAPO's overlong shaping is rollout.overlong_buffer"
 NO_REWARD_MODEL = "etarl starts no reward model: serve the judge apart and call it from the reward " \
                   "(examples/judge_reward.py; its URL and key named in rollout.reward_env)"
+DEFAULT_REWARD = ("verl's default reward goes by data_source; etarl's is rollout.reward=math (the final answer "
+                  "equal as a number); verl's openai/gsm8k rule is rollout.reward=gsm8k, its other rules "
+                  "rollout.reward=verl.utils.reward_score:default_compute_score with verl installed")
 REWARD_KWARGS = Rule("rollout.reward_kwargs.", "the reward's keyword arguments")
 RULES: dict[str, Rule] = {
     # data
@@ -393,6 +396,8 @@ def translate(overrides: list[tuple[str, Any]]) -> tuple[list[str], list[str]]:
             lines.append(f"  {key}={_text(value)} -> {target}={etarl[target]}" + (f" ({note})" if note else ""))
     if "rollout.task.path" in etarl:
         etarl.setdefault("rollout.task.kind", "file")
+        if not any(key.startswith(REWARD_FUNCTIONS) for key in given):
+            lines.append(f"  (no custom_reward_function: {DEFAULT_REWARD})")
     return lines, [f"{key}={text}" for key, text in etarl.items()]
 
 

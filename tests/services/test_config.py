@@ -312,6 +312,16 @@ def test_verl_keys_are_refused_with_etarls_names_and_a_command_line_that_loads()
     assert (cfg.run.checkpoint_every, cfg.run.eval_every) == (20, 0)
 
 
+def test_a_verl_command_line_without_a_reward_function_is_told_which_reward_etarl_uses():
+    with pytest.raises(ConfigError) as refused:
+        load_config(None, [k for k in VERL_GRPO if not k.startswith("custom_reward_function.")])
+    assert "(no custom_reward_function: verl's default reward goes by data_source; etarl's is rollout.reward=math" \
+        in str(refused.value) and "rollout.reward=gsm8k" in str(refused.value)
+    with pytest.raises(ConfigError) as refused:
+        load_config(None, VERL_GRPO)
+    assert "no custom_reward_function" not in str(refused.value)
+
+
 def test_a_verl_string_etarl_would_read_as_a_number_stays_a_string_in_the_line():
     import shlex
 
