@@ -67,7 +67,7 @@ def test_a_verl_users_data_model_and_reward_train_in_one_command(tiny_model_dir,
     assert summary["completed"] and summary["steps"] == 3
     assert f"plots: {run_dir / 'plots'}/*.png" in done.stdout
     assert "reward etarl_e2e_reward:compute_score (verl form)" in output
-    assert "travels to the workers in the Ray job's py_modules" in output
+    assert "code the workers import (reward, environment) travels in the Ray job's py_modules" in output
 
     records = read_metrics(run_dir)
     steps = [r for r in records if "audit/tickets" in r]
