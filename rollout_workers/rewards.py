@@ -123,7 +123,8 @@ def gsm8k_reward(response: str, answer: str, method: str = "strict", format_scor
 BUILTIN_REWARDS: dict[str, RewardFn] = {"math": math_reward, "exact": exact_match_reward, "gsm8k": gsm8k_reward}
 
 
-def _is_file(module_part: str) -> bool:
+def is_file_spec(module_part: str) -> bool:
+    """Whether the module part of a spec names a file (path/to/file.py) rather than a module."""
     return module_part.endswith(".py") or "/" in module_part or os.sep in module_part
 
 
@@ -150,12 +151,14 @@ def _load_file_module(path: Path, spec: str, kind: str = "reward"):
 def load_module(module_name: str, spec: str, kind: str = "reward"):
     """The module of a spec: a file path (loaded from the file) or an importable module name;
     ValueError says why it cannot be had."""
-    if _is_file(module_name):
+    if is_file_spec(module_name):
         return _load_file_module(Path(module_name).expanduser(), spec, kind)
     try:
         return importlib.import_module(module_name)
     except ImportError as err:
         raise ValueError(f"{kind} {spec!r}: cannot import module {module_name!r} ({err})") from None
+    except Exception as err:  # the module's own code failed (a missing key, a syntax error)
+        raise ValueError(f"{kind} {spec!r}: importing {module_name!r} failed: {type(err).__name__}: {err}") from None
 
 
 def resolve_named(spec: str, builtins: dict[str, Any], kind: str = "reward", thing: str = "function") -> Any:
@@ -359,7 +362,7 @@ def reward_py_modules(spec: str) -> list[str]:
     module_name, _, _ = spec.rpartition(":")
     if spec in BUILTIN_REWARDS or not module_name:
         return []
-    if _is_file(module_name):
+    if is_file_spec(module_name):
         return [str(Path(module_name).expanduser().resolve())]
     root = importlib.import_module(module_name.split(".")[0])
     if getattr(root, "__file__", None):

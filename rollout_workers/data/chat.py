@@ -106,8 +106,8 @@ class PromptFormat:
         """The format of a RolloutConfig's run: its context is the engine's, or a multi-turn
         trajectory's `max_total_tokens` where that is shorter (no sample is longer); a run of the
         built-in tools environment gives the template its tools' schemas (`tools`), unless
-        `rollout.task.chat_template_kwargs` names them; then a prompt whose extra_info has a
-        `tool_selection` is rendered with those tools only (verl's per-sample tools)."""
+        `rollout.task.chat_template_kwargs` names them; with those, a prompt whose extra_info has a
+        `tool_selection` is rendered with the tools it selects only (verl's per-sample tools)."""
         context = rollout.engine.max_model_len or model_context_len(model_dir)
         total = rollout.multi_turn.max_total_tokens if rollout.multi_turn.enabled else None
         if total and (context is None or total < context):

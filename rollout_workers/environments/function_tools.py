@@ -33,20 +33,20 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import contextlib
 import json
 import math
 import re
+import sys
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
 from rollout_workers.data.problems import Problem
 from rollout_workers.environments.base import Environment, StepResult
-from rollout_workers.rewards import Reward, load_module
-
 from rollout_workers.environments.tool_classes import ClassTool, load_tool_classes
-from rollout_workers.environments.verl_stand_in import FUNCTION_TOOL_MARK as _MARK
-from rollout_workers.environments.verl_stand_in import verl_stand_in
+from rollout_workers.environments.verl_stand_in import FUNCTION_TOOL_MARK, verl_stand_in
+from rollout_workers.rewards import Reward, load_module
 
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
@@ -57,15 +57,15 @@ _LOADED: dict[str, dict[str, Callable]] = {}  # once per process: a file's top-l
 def load_tools(path: str) -> dict[str, Callable]:
     """{tool name: function} of a tools file or module (see the module doc). ValueError says why not."""
     if path not in _LOADED:
-        with verl_stand_in():
+        with verl_stand_in(), contextlib.redirect_stdout(sys.stderr):  # `etarl eval` writes JSON on stdout
             module = load_module(path, path, "tools")
         defined = [fn for fn in vars(module).values()
                    if inspect.isfunction(fn) and fn.__module__ == module.__name__]
-        marked = [fn for fn in defined if hasattr(fn, _MARK)]
+        marked = [fn for fn in defined if hasattr(fn, FUNCTION_TOOL_MARK)]
         chosen = marked or [fn for fn in defined if not fn.__name__.startswith("_")]
         if not chosen:
             raise ValueError(f"tools {path!r} defines no public function")
-        _LOADED[path] = {getattr(fn, _MARK, (fn.__name__, None))[0]: fn for fn in chosen}
+        _LOADED[path] = {getattr(fn, FUNCTION_TOOL_MARK, (fn.__name__, None))[0]: fn for fn in chosen}
     return _LOADED[path]
 
 
@@ -106,28 +106,24 @@ def tool_schemas(path: str | None = None, config: str | None = None) -> list[dic
     order: a class's from its tool config or class, a function's from its signature and docstring
     or the schema verl's decorator was given. ValueError names a function whose docstring or type
     hints do not make one."""
-    tools = load_all_tools(path, config)
-    return [tool.schema() for tool in tools.values() if isinstance(tool, ClassTool)] + \
-        (_function_schemas(path) if path else [])
+    return [tool.schema() if isinstance(tool, ClassTool) else _function_schema(name, tool, path)
+            for name, tool in load_all_tools(path, config).items()]
 
 
-def _function_schemas(path: str) -> list[dict]:
+def _function_schema(name: str, fn: Callable, path: str) -> dict:
     from transformers.utils import get_json_schema
 
-    schemas = []
-    for name, fn in load_tools(path).items():
-        given = getattr(fn, _MARK, (name, None))[1]
-        if given is not None:
-            raw = given.model_dump(exclude_unset=True, exclude_none=True) if hasattr(given, "model_dump") else given
-        else:
-            try:
-                raw = get_json_schema(fn)
-            except Exception as err:  # transformers' DocstringParsingException, TypeHintParsingException
-                raise ValueError(f"tools {path!r}: {name}: {err} (each tool needs type hints and a docstring "
-                                 f"with an Args: line for every parameter)") from None
-            raw["function"]["name"] = name
-        schemas.append(_verl_schema(raw))
-    return schemas
+    given = getattr(fn, FUNCTION_TOOL_MARK, (name, None))[1]
+    if given is not None:
+        raw = given.model_dump(exclude_unset=True, exclude_none=True) if hasattr(given, "model_dump") else given
+    else:
+        try:
+            raw = get_json_schema(fn)
+        except Exception as err:  # transformers' DocstringParsingException, TypeHintParsingException
+            raise ValueError(f"tools {path!r}: {name}: {err} (each tool needs type hints and a docstring "
+                             f"with an Args: line for every parameter)") from None
+        raw["function"]["name"] = name
+    return _verl_schema(raw)
 
 
 def normalized(value: Any) -> tuple[str, float]:
@@ -180,6 +176,9 @@ def parsed_calls(action: str) -> list[tuple[str, Any]]:
 _REWARDS: dict[str, Reward] = {}
 
 
+_LOOP: asyncio.AbstractEventLoop | None = None
+
+
 def _event_loop() -> asyncio.AbstractEventLoop:
     """The process's one loop for the tools' coroutines: a class tool made once per process may hold
     what belongs to a loop (a client session), so every trajectory's calls run on the same one."""
@@ -190,9 +189,6 @@ def _event_loop() -> asyncio.AbstractEventLoop:
     return _LOOP
 
 
-_LOOP: asyncio.AbstractEventLoop | None = None
-
-
 class FunctionTools(Environment):
     def __init__(self, path: str | None = None, config: str | None = None, reward: str = "math",
                  reward_kwargs: dict | None = None, max_tool_turns: int = 3, max_parallel_calls: int = 1,
@@ -200,6 +196,8 @@ class FunctionTools(Environment):
         if tool_response_truncate_side not in ("left", "right", "middle"):
             raise ValueError(f"tool_response_truncate_side must be left, right or middle, "
                              f"got {tool_response_truncate_side!r}")
+        if config:
+            _event_loop()  # before the classes are built: one taking "the" loop in __init__ gets the calls' one
         self.tools = load_all_tools(path, config)
         key = json.dumps([reward, reward_kwargs], sort_keys=True)
         if key not in _REWARDS:
@@ -210,20 +208,15 @@ class FunctionTools(Environment):
         self.max_length = int(max_tool_response_length)
         self.side = tool_response_truncate_side
         self.problem: Problem | None = None
-        self.active: dict[str, Callable | ClassTool] = self.tools
-        self.tools_kwargs: Any = {}
+        self.active_tools: dict[str, Callable | ClassTool] = self.tools
+        self.tools_kwargs: dict[str, dict | None] = {}
         self.tool_turns = self.calls = self.errors = 0
         self.tool_rewards: list[float] = []
 
     def reset(self, problem: Problem) -> None:
         self.problem, self.tool_turns, self.calls, self.errors, self.tool_rewards = problem, 0, 0, 0, []
-        extra = problem.extra_info or {}
-        self.tools_kwargs = extra.get("tools_kwargs") or {}
-        if not isinstance(self.tools_kwargs, dict) or \
-                not all(v is None or isinstance(v, dict) for v in self.tools_kwargs.values()):
-            raise ValueError(f"extra_info.tools_kwargs is {self.tools_kwargs!r:.80}: it maps a tool's name to "
-                             f"{{create_kwargs: {{...}}}}")
-        self.active = selected_tools(self.tools, extra)
+        self.active_tools = selected_tools(self.tools, problem.extra_info)
+        self.tools_kwargs = prompt_tools_kwargs(problem.extra_info)
         return None  # the problem's prompt, through the chat template (which lists the tools)
 
     def step(self, action: str) -> StepResult:
@@ -249,10 +242,10 @@ class FunctionTools(Environment):
     async def _call(self, name: str, arguments: Any) -> tuple[str, Any]:
         """One call's (text for the policy, tool reward or None); a call that fails answers with why,
         in verl's words, and a reward of 0 (counted)."""
-        if name not in self.active:
+        if name not in self.active_tools:
             self.errors += 1
-            return f"Unknown function '{name}'. Available tools: {list(self.active)}", 0.0
-        tool = self.active[name]
+            return f"Unknown function '{name}'. Available tools: {list(self.active_tools)}", 0.0
+        tool = self.active_tools[name]
         try:
             if isinstance(tool, ClassTool):
                 response, reward = await tool.call(arguments, self.tools_kwargs.get(name))
@@ -272,7 +265,9 @@ class FunctionTools(Environment):
 
 def selected_tools(tools: dict[str, Any], extra_info: dict | None) -> dict[str, Any]:
     """The tools a prompt sees: those its extra_info's `tool_selection` names (verl's per-sample
-    tools; names that are no tool are passed over), or all."""
+    tools; names that are no tool are passed over), or all. ValueError for a malformed
+    `tool_selection` or `tools_kwargs` (the start checks every prompt through this)."""
+    prompt_tools_kwargs(extra_info)
     selection = (extra_info or {}).get("tool_selection")
     if not selection:
         return tools
@@ -281,3 +276,13 @@ def selected_tools(tools: dict[str, Any], extra_info: dict | None) -> dict[str, 
     if not isinstance(selection, (list, tuple)):
         raise ValueError(f"extra_info.tool_selection is {selection!r:.80}: a list of tool names")
     return {name: tools[name] for name in selection if isinstance(name, str) and name in tools}
+
+
+def prompt_tools_kwargs(extra_info: dict | None) -> dict[str, dict | None]:
+    """A prompt's `extra_info.tools_kwargs` ({tool name: {create_kwargs: {...}}}, verl's), {} when it
+    has none; ValueError when it is not that shape."""
+    tools_kwargs = (extra_info or {}).get("tools_kwargs") or {}
+    if not isinstance(tools_kwargs, dict) or not all(v is None or isinstance(v, dict) for v in tools_kwargs.values()):
+        raise ValueError(f"extra_info.tools_kwargs is {tools_kwargs!r:.80}: it maps a tool's name to "
+                         f"{{create_kwargs: {{...}}}}")
+    return tools_kwargs

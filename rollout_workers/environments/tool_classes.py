@@ -22,11 +22,10 @@ from typing import Any
 
 import yaml
 
-from rollout_workers.environments.verl_stand_in import verl_stand_in
-from rollout_workers.rewards import load_module
+from rollout_workers.environments.verl_stand_in import STOOD_IN, verl_stand_in
+from rollout_workers.rewards import is_file_spec, load_module
 
 _INTERPOLATION = re.compile(r"\$\{[^}]*\}")
-_STOOD_IN = "verl.tools.base_tool, verl.tools.schemas, verl.tools.function_tool and verl.utils.rollout_trace"
 log = logging.getLogger(__name__)
 
 
@@ -34,14 +33,14 @@ log = logging.getLogger(__name__)
 class ClassTool:
     """One BaseTool instance of the run, called the way verl calls it."""
 
-    tool: Any
+    instance: Any
 
     @property
     def name(self) -> str:
-        return self.tool.name
+        return self.instance.name
 
     def schema(self) -> dict:
-        schema = self.tool.tool_schema
+        schema = self.instance.tool_schema
         return schema.model_dump(exclude_unset=True, exclude_none=True) if hasattr(schema, "model_dump") \
             else dict(schema)
 
@@ -51,16 +50,16 @@ class ClassTool:
         create_kwargs = (tool_kwargs or {}).get("create_kwargs") or {}
         instance_id = None
         try:
-            created = await self.tool.create(create_kwargs=create_kwargs)
+            created = await self.instance.create(create_kwargs=create_kwargs)
             instance_id = created[0] if isinstance(created, tuple) else created
-            result = await self.tool.execute(instance_id, arguments)
+            result = await self.instance.execute(instance_id, arguments)
             if not (isinstance(result, tuple) and len(result) == 3):
                 raise TypeError(f"execute returned {result!r:.80}, not (ToolResponse, reward, metrics)")
             return result[0], result[1]
         finally:
             if instance_id is not None:
                 try:
-                    await self.tool.release(instance_id)
+                    await self.instance.release(instance_id)
                 except Exception as err:  # the tool's own clean-up: the call's answer stands
                     log.warning("tool %r: release(%r) raised %s: %s", self.name, instance_id, type(err).__name__, err)
 
@@ -82,13 +81,15 @@ def _interpolations(value: Any, where: str) -> None:
 def _tool_class(class_name: str, where: str):
     """The class `module.Class` (or `path/file.py.Class`) names, its module loaded with verl stood in."""
     module_name, _, attr = class_name.rpartition(".")
-    if module_name not in _MODULES:  # several classes of one file: the file runs once, as an import would
-        with verl_stand_in():
+    key = _key(module_name)
+    if key not in _MODULES:  # several classes of one file: the file runs once, as an import would
+        # what the module prints goes to stderr (`etarl eval` writes JSON on stdout)
+        with verl_stand_in(), contextlib.redirect_stdout(sys.stderr):
             try:
-                _MODULES[module_name] = load_module(module_name, class_name, "tool class")
+                _MODULES[key] = load_module(module_name, class_name, "tool class")
             except ValueError as err:
                 raise ValueError(f"{where}: {err}{_import_hint(str(err))}") from None
-    module = _MODULES[module_name]
+    module = _MODULES[key]
     found = getattr(module, attr, None)
     if not isinstance(found, type):
         raise ValueError(f"{where}: module {module_name!r} has no class {attr!r}")
@@ -99,9 +100,14 @@ def _import_hint(error: str) -> str:
     if "relative import" in error:
         return (" (a file copied out of verl/tools/ imports its neighbours relatively: write "
                 "`from verl.tools.base_tool import BaseTool`, and the same for schemas)")
-    if "No module named 'verl" in error:
-        return f" (etarl stands in for {_STOOD_IN} only: anything else of verl needs verl installed)"
+    if "No module named 'verl" in error or "from 'verl." in error:
+        return f" (etarl stands in for {', '.join(STOOD_IN)} only: anything else of verl needs verl installed)"
     return ""
+
+
+def _key(spec: str) -> str:
+    """A cache key: a file's resolved path (the same file by any relative path), a module's name."""
+    return str(Path(spec).expanduser().resolve()) if is_file_spec(spec) else spec
 
 
 _MODULES: dict[str, Any] = {}
@@ -119,6 +125,8 @@ def _entries(config_path: str) -> list[dict]:
     entries = declared.get("tools") if isinstance(declared, dict) else None
     if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
         raise ValueError(f"{where}: needs `tools:`, a list of {{class_name, config, tool_schema}}")
+    if not entries:
+        raise ValueError(f"{where}: declares no tool")
     _interpolations(entries, where + ": tools")
     for i, entry in enumerate(entries):
         at = f"{where}: tools[{i}]"
@@ -138,8 +146,9 @@ def class_modules(config_path: str) -> list[str]:
 
 def load_tool_classes(config_path: str) -> dict[str, ClassTool]:
     """{tool name: tool} of a verl tool config; ValueError says what in it is wrong."""
-    if config_path in _LOADED:
-        return _LOADED[config_path]
+    key = str(Path(config_path).expanduser().resolve())
+    if key in _LOADED:
+        return _LOADED[key]
     tools: dict[str, ClassTool] = {}
     for i, entry in enumerate(_entries(config_path)):
         at = f"tool config {config_path!r}: tools[{i}]"
@@ -162,6 +171,6 @@ def load_tool_classes(config_path: str) -> dict[str, ClassTool]:
         if tool.name in tools:
             raise ValueError(f"{at}: a second tool named {tool.name!r}")
         tools[tool.name] = tool
-    _LOADED[config_path] = tools
+    _LOADED[key] = tools
     return tools
 

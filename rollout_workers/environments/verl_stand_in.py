@@ -16,6 +16,8 @@ from uuid import uuid4
 from pydantic import BaseModel, Field
 
 FUNCTION_TOOL_MARK = "__etarl_function_tool__"  # (name, schema) set by the stand-in of verl's decorator
+# the verl modules stood in (the decorator's always, the others without verl); their packages too
+STOOD_IN = ("verl.tools.function_tool", "verl.tools.schemas", "verl.tools.base_tool", "verl.utils.rollout_trace")
 
 
 def function_tool(name=None, *, schema: Any = None):

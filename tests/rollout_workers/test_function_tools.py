@@ -6,6 +6,7 @@ byte-level tokenizer trained here (every text has tokens) and a scripted policy 
 engine (the tiny model never learned to call tools)."""
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import sys
@@ -89,6 +90,18 @@ TEMPLATE = (  # Qwen2.5's shape, simplified: tools in the system turn, tool resu
     "+ '\\n</tool_response><|im_end|>\\n' }}{%- else %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
     "'<|im_end|>\\n' }}{%- endif %}{%- endfor %}{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
     "{%- endif %}")
+
+
+@pytest.fixture(autouse=True)
+def fresh_event_loop():
+    """Each test's tools get their own process loop (as each environment process has one), closed after."""
+    import rollout_workers.environments.function_tools as function_tools
+
+    yield
+    if function_tools._LOOP is not None:
+        function_tools._LOOP.close()
+        function_tools._LOOP = None
+        asyncio.set_event_loop(None)
 
 
 @pytest.fixture
@@ -356,13 +369,13 @@ def _call(name: str, **arguments) -> str:
 def test_verl_tool_classes_are_called_as_verl_calls_them(tool_config, tmp_path):
     from rollout_workers.environments.tool_classes import load_tool_classes
 
-    assert "verl" not in sys.modules  # loaded against etarl's stand-ins, which are gone afterwards
-    tools = load_tool_classes(tool_config)
-    assert "verl.tools.base_tool" not in sys.modules
+    before = {name: sys.modules.get(name) for name in ("verl", "verl.tools.base_tool", "verl.tools.function_tool")}
+    tools = load_tool_classes(tool_config)  # against etarl's stand-ins (verl's where installed), gone afterwards
+    assert {name: sys.modules.get(name) for name in before} == before
     assert tool_schemas(config=tool_config) == [GSM8K_SCHEMA, {"type": "function", "function": {
         "name": "echo", "description": "Says it back.", "parameters": {"type": "object", "properties": {
             "text": {"type": "string", "description": "What."}}, "required": ["text"]}}}]
-    module = {type(tool.tool).__module__ for tool in tools.values()}
+    module = {type(tool.instance).__module__ for tool in tools.values()}
     assert len(module) == 1  # two classes of one file: the file ran once
     live = sys.modules[module.pop()].LIVE
     reward = tmp_path / "sees_tool_rewards.py"
@@ -418,6 +431,7 @@ def test_function_tools_and_tool_classes_together_and_per_prompt(tool_config, ve
 
 @pytest.mark.parametrize("config, said", [
     ("tools: {a: 1}", "needs `tools:`, a list"),
+    ("tools: []", "declares no tool"),
     ("tools: [{class_name: m.C, config: {type: mcp}}]", "config.type is 'mcp': native is the only type"),
     ("tools: [{class_name: NoDot, config: {type: native}}]", r"tools\[0\]: needs class_name \(module.Class\)"),
     ("tools: [{class_name: m.C, config: {type: native, url: '${oc.env:URL}'}}]",
@@ -445,7 +459,7 @@ def test_a_bad_tool_config_is_refused_saying_what_is_wrong(tmp_path, config, sai
 def test_a_prompts_bad_tool_fields_are_named(tool_config, verl_tools, byte_tokenizer, tmp_path):
     env = FunctionTools(verl_tools, tool_config, reward="exact")
     env.reset(Problem("?", "5", extra_info={"tool_selection": "add"}))  # one name, as a list of one
-    assert list(env.active) == ["add"]
+    assert list(env.active_tools) == ["add"]
     with pytest.raises(ValueError, match=r"extra_info.tool_selection is 3: a list of tool names"):
         env.reset(Problem("?", "5", extra_info={"tool_selection": 3}))
     with pytest.raises(ValueError, match=r"extra_info.tools_kwargs is 'x': it maps a tool's name"):
@@ -454,8 +468,11 @@ def test_a_prompts_bad_tool_fields_are_named(tool_config, verl_tools, byte_token
         environment="tools", environment_kwargs={"path": verl_tools}))
     (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 4096}))
     fmt = PromptFormat.for_rollout(tmp_path, rollout, byte_tokenizer)
+    user = [{"role": "user", "content": "?"}]
     with pytest.raises(ValueError, match=r"^extra_info.tool_selection is \{'a': 1\}"):  # not "the template failed"
-        fmt.render(Problem([{"role": "user", "content": "?"}], "5", extra_info={"tool_selection": {"a": 1}}))
+        fmt.render(Problem(user, "5", extra_info={"tool_selection": {"a": 1}}))
+    with pytest.raises(ValueError, match=r"^extra_info.tools_kwargs is \['x'\]"):  # so the start finds it
+        fmt.render(Problem(user, "5", extra_info={"tools_kwargs": ["x"]}))
 
 
 def test_a_tool_file_that_imports_what_etarl_does_not_stand_in_for_is_told_why(tmp_path):
@@ -463,7 +480,8 @@ def test_a_tool_file_that_imports_what_etarl_does_not_stand_in_for_is_told_why(t
 
     for name, source, said in [
             ("copied", "from .base_tool import BaseTool\n", "write `from verl.tools.base_tool import BaseTool`"),
-            ("scored", "from verl.utils.reward_score import gsm8k\n", "anything else of verl needs verl installed")]:
+            ("scored", "from verl.utils.reward_score import gsm8k\n", "anything else of verl needs verl installed"),
+            ("named", "from verl.tools.schemas import OpenAIFunctionToolCall\n", "anything else of verl needs")]:
         (tmp_path / f"{name}.py").write_text(source)
         config = tmp_path / f"{name}.yaml"
         config.write_text(yaml.safe_dump({"tools": [{"class_name": f"{tmp_path / name}.py.T",
@@ -544,13 +562,52 @@ def test_verls_multi_turn_keys_are_answered():
 
 def test_the_gsm8k_tool_example_takes_its_answer_from_a_verl_row(monkeypatch):
     monkeypatch.chdir(Path(__file__).resolve().parents[2])  # the example's class_name is a path from here
-    env = FunctionTools(config="examples/gsm8k_tool_config.yaml", reward="math")
+    env = FunctionTools(config="examples/gsm8k_tool_config.yaml", reward="gsm8k")
     row = {"tools_kwargs": {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": "1072"}}}}
     env.reset(Problem([{"role": "user", "content": "How many?"}], "1072", extra_info=row))
-    wrong = env.step(_call("calc_gsm8k_reward", answer="1070"))
-    right = env.step(_call("calc_gsm8k_reward", answer="so #### 1,072"))
+    wrong = env.step(_call("calc_gsm8k_reward", answer="1,072"))  # verl's flexible rule keeps the comma
+    right = env.step(_call("calc_gsm8k_reward", answer="1072"))
     assert [wrong.observation[0]["content"], right.observation[0]["content"]] == [
-        "Current parsed answer='1070' reward=0.0", "Current parsed answer='1072' reward=1.0"]
+        "Current parsed answer='1,072' reward=0.0", "Current parsed answer='1072' reward=1.0"]
     assert env.tool_rewards == [-0.05, 0.0]
-    last = env.step("The answer is 1072.")
+    last = env.step("The answer is\n#### 1072")
     assert last.done and last.reward == 1.0
+
+
+LOOP_BOUND = """
+import asyncio
+
+from verl.tools.base_tool import BaseTool, ToolResponse
+
+
+class LoopBound(BaseTool):
+    def __init__(self, config, tool_schema):
+        super().__init__(config, tool_schema)
+        self.loop = asyncio.get_event_loop()  # what a client session made here would belong to
+
+    async def execute(self, instance_id, parameters, **kwargs):
+        return ToolResponse(text=str(asyncio.get_running_loop() is self.loop)), None, {}
+"""
+
+
+def test_a_class_that_takes_the_loop_when_built_is_called_on_that_loop(tmp_path):
+    (tmp_path / "loop_bound.py").write_text(LOOP_BOUND)
+    config = tmp_path / "tool_config.yaml"
+    config.write_text(yaml.safe_dump({"tools": [{"class_name": f"{tmp_path / 'loop_bound.py'}.LoopBound",
+                                                 "config": {"type": "native"}, "tool_schema": {
+                                                     "type": "function", "function": {"name": "bound",
+                                                                                      "description": "Is it?"}}}]}))
+    env = FunctionTools(config=str(config), reward="exact")
+    env.reset(Problem("?", "True"))
+    assert env.step(_call("bound")).observation == [{"role": "tool", "content": "True"}]
+
+
+def test_a_tool_module_whose_code_fails_on_import_is_refused_saying_why(tmp_path, monkeypatch):
+    from rollout_workers.environments.tool_classes import load_tool_classes
+
+    (tmp_path / "needs_a_key_mod.py").write_text("raise RuntimeError('SANDBOX_URL is not set')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = tmp_path / "tool_config.yaml"
+    config.write_text(yaml.safe_dump({"tools": [{"class_name": "needs_a_key_mod.T", "config": {"type": "native"}}]}))
+    with pytest.raises(ValueError, match=r"tools\[0\]: .*importing 'needs_a_key_mod' failed: RuntimeError: SAND"):
+        load_tool_classes(str(config))
