@@ -20,6 +20,7 @@ from typing import Any, Callable, Optional
 
 import yaml
 
+from rollout_workers.environments.tool_calls import FORMATS as TOOL_CALL_FORMATS
 from services.yaml_values import yaml_value
 
 # verl's top-level sections; none of them is one of etarl's (mode, run, ray, buffer, rollout, learner, eval, metrics)
@@ -141,8 +142,9 @@ RULES: dict[str, Rule] = {
                                                                    "and renders only what follows them"),
     ROLLOUT + "multi_turn.tokenization_sanity_check_mode": Rule(None, "etarl never re-tokenizes a trajectory"),
     ROLLOUT + "multi_turn.num_repeat_rollouts": Rule(None, "a prompt's trajectories are rollout.sampling.n"),
-    ROLLOUT + "multi_turn.format": Rule(None, "the tools environment reads hermes calls "
-                                              "(<tool_call>{...}</tool_call>)"),
+    ROLLOUT + "multi_turn.format": Rule("rollout.multi_turn.environment_kwargs.format",
+                                        f"the tools environment reads {' and '.join(TOOL_CALL_FORMATS)} calls",
+                                        lambda v: v if v in TOOL_CALL_FORMATS else None),
     # the algorithm
     "algorithm.gamma": Rule("learner.advantage.gamma"),
     "algorithm.lam": Rule("learner.advantage.lam"),

@@ -11,11 +11,12 @@ its YAML declares (`tool_classes.py`). Both may be given (the classes' tools fir
 them; a name in both is refused). verl's own files load as they are, verl installed or not
 (`verl_stand_in.py`). The schemas go to the chat template as `tools`; a prompt whose extra_info names
 `tool_selection` sees and may call those only (verl's per-sample tools). The policy calls them in
-hermes form (Qwen's, verl's default):
+hermes form (Qwen's, verl's default), or in qwen3_coder's XML form with `format: qwen3_coder`
+(`tool_calls.py`):
 
     <tool_call>{"name": "calculator", "arguments": {"expression": "(3+4)*5"}}</tool_call>
 
-As verl's tool agent loop does: a block without a JSON name and arguments is no call; the first
+As verl's tool agent loop does: a block that is no call in its format is passed over; the first
 `max_parallel_calls` calls of a turn (1) run together (`fn(**arguments)`, sync functions in
 threads; a class tool's create, execute and release, with the prompt's
 `extra_info.tools_kwargs[name].create_kwargs`); a function's result is normalised as verl normalises
@@ -32,11 +33,10 @@ and the event loop the tools' coroutines run on are made once per process.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import contextlib
+import inspect
 import json
 import math
-import re
 import sys
 from collections.abc import Callable
 from dataclasses import replace
@@ -44,11 +44,11 @@ from typing import Any
 
 from rollout_workers.data.problems import Problem
 from rollout_workers.environments.base import Environment, StepResult
+from rollout_workers.environments.tool_calls import FORMATS, parsed_calls, without_calls
 from rollout_workers.environments.tool_classes import ClassTool, load_tool_classes
 from rollout_workers.environments.verl_stand_in import FUNCTION_TOOL_MARK, verl_stand_in
 from rollout_workers.rewards import Reward, load_module
 
-TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
 
 _LOADED: dict[str, dict[str, Callable]] = {}  # once per process: a file's top-level code runs once
@@ -160,19 +160,6 @@ def cut_response(text: str, limit: int, side: str = "middle") -> str:
     return text[:half] + "...(truncated)..." + text[-half:]
 
 
-def parsed_calls(action: str) -> list[tuple[str, Any]]:
-    """(name, arguments) of each hermes call block of a turn that is JSON with both (verl's parser
-    skips the others)."""
-    calls = []
-    for block in TOOL_CALL.findall(action):
-        try:
-            call = json.loads(block)
-            calls.append((call["name"], call["arguments"]))
-        except (ValueError, KeyError, TypeError):
-            continue
-    return calls
-
-
 _REWARDS: dict[str, Reward] = {}
 
 
@@ -192,13 +179,19 @@ def _event_loop() -> asyncio.AbstractEventLoop:
 class FunctionTools(Environment):
     def __init__(self, path: str | None = None, config: str | None = None, reward: str = "math",
                  reward_kwargs: dict | None = None, max_tool_turns: int = 3, max_parallel_calls: int = 1,
-                 max_tool_response_length: int = 256, tool_response_truncate_side: str = "middle") -> None:
+                 max_tool_response_length: int = 256, tool_response_truncate_side: str = "middle",
+                 format: str = "hermes") -> None:
         if tool_response_truncate_side not in ("left", "right", "middle"):
             raise ValueError(f"tool_response_truncate_side must be left, right or middle, "
                              f"got {tool_response_truncate_side!r}")
+        if format not in FORMATS:
+            raise ValueError(f"format must be {' or '.join(FORMATS)} (the tool calls' form), got {format!r}")
         if config:
             _event_loop()  # before the classes are built: one taking "the" loop in __init__ gets the calls' one
         self.tools = load_all_tools(path, config)
+        self.format = format
+        # qwen3_coder's parameters are text, typed by the tool's schema
+        self.schemas = {s["function"]["name"]: s for s in tool_schemas(path, config)} if format != "hermes" else {}
         key = json.dumps([reward, reward_kwargs], sort_keys=True)
         if key not in _REWARDS:
             _REWARDS[key] = Reward(reward, reward_kwargs)
@@ -220,7 +213,7 @@ class FunctionTools(Environment):
         return None  # the problem's prompt, through the chat template (which lists the tools)
 
     def step(self, action: str) -> StepResult:
-        calls = parsed_calls(action)[: self.max_parallel_calls]
+        calls = parsed_calls(action, self.format, self.schemas)[: self.max_parallel_calls]
         if calls and self.tool_turns < self.max_tool_turns:
             self.tool_turns += 1
             self.calls += len(calls)
@@ -230,7 +223,7 @@ class FunctionTools(Environment):
                     self.tool_rewards.append(reward)
             return StepResult([{"role": "tool", "content": text} for text, _ in results], 0.0, False, {})
         extra = {**(self.problem.extra_info or {}), "tool_rewards": list(self.tool_rewards)}
-        scored = self.reward(TOOL_CALL.sub("", action).strip(), replace(self.problem, extra_info=extra))
+        scored = self.reward(without_calls(action), replace(self.problem, extra_info=extra))
         info = {"correct": scored.value, "tool_calls": float(self.calls), "tool_errors": float(self.errors),
                 "tool_reward": float(sum(self.tool_rewards)),
                 **{k.removeprefix("reward/"): v for k, v in scored.metrics.items()}}

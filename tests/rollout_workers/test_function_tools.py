@@ -611,3 +611,57 @@ def test_a_tool_module_whose_code_fails_on_import_is_refused_saying_why(tmp_path
     config.write_text(yaml.safe_dump({"tools": [{"class_name": "needs_a_key_mod.T", "config": {"type": "native"}}]}))
     with pytest.raises(ValueError, match=r"tools\[0\]: .*importing 'needs_a_key_mod' failed: RuntimeError: SAND"):
         load_tool_classes(str(config))
+
+
+QWEN3_CODER_TURN = """Let me add them.
+<tool_call>
+<function=add>
+<parameter=a>
+2
+</parameter>
+<parameter=b>
+3
+</parameter>
+</function>
+</tool_call>"""
+
+
+def test_qwen3_coder_calls_are_read_with_their_parameters_typed_by_the_schema():
+    from rollout_workers.environments.tool_calls import parsed_calls
+
+    schemas = {"f": {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "n": {"type": "integer"}, "x": {"type": "number"}, "ok": {"type": "boolean"}, "o": {"type": "object"},
+        "items": {"type": "array"}, "s": {"type": "string"}, "bad": {"type": "integer"}}}}}}
+
+    def call(**params) -> str:
+        return "<tool_call>\n<function=f>\n" + "".join(
+            f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params.items()) + "</function>\n</tool_call>"
+
+    assert parsed_calls(call(n="7", x="2.0", ok="True", o='{"k": [1]}', items="[1, 'a']", s="42", bad="4.5",
+                             other="null", extra="12"), "qwen3_coder", schemas) == [
+        ("f", {"n": 7, "x": 2, "ok": True, "o": {"k": [1]}, "items": [1, "a"], "s": "42", "bad": "4.5",
+               "other": None, "extra": "12"})]  # not in the schema: text; "null": None
+    assert parsed_calls(call(x="inf", items="[true]"), "qwen3_coder", schemas) == [
+        ("f", {"x": "inf", "items": "[true]"})]  # what does not convert stays text, as in verl
+    # a turn cut at its token limit: the open block and parameter still count; a name never closed does not
+    assert parsed_calls("<tool_call>\n<function=f>\n<parameter=n>\n5", "qwen3_coder", schemas) == [("f", {"n": 5})]
+    assert parsed_calls("<tool_call>\n<function=f", "qwen3_coder", schemas) == []
+    assert parsed_calls(QWEN3_CODER_TURN, "hermes") == []  # each format reads its own
+    assert parsed_calls('<tool_call>{"name": "f", "arguments": {}}</tool_call>', "qwen3_coder") == []
+    with pytest.raises(ValueError, match="tool call format 'json': etarl reads hermes, qwen3_coder"):
+        parsed_calls("", "json")
+
+
+def test_the_tools_environment_reads_qwen3_coder_calls(verl_tools):
+    env = FunctionTools(verl_tools, reward="exact", format="qwen3_coder")
+    env.reset(Problem("2+3?", "5"))
+    said = env.step(QWEN3_CODER_TURN)
+    assert said.observation == [{"role": "tool", "content": "5"}]  # a and b typed as the signature's ints
+    assert env.step("5").reward == 1.0
+    with pytest.raises(ValueError, match="format must be hermes or qwen3_coder"):
+        FunctionTools(verl_tools, format="xml")
+    from services.verl_keys import translate
+
+    assert translate([("actor_rollout_ref.rollout.multi_turn.format", "qwen3_coder")])[1] == [
+        "rollout.multi_turn.environment_kwargs.format=qwen3_coder"]
+    assert "no etarl form" in translate([("actor_rollout_ref.rollout.multi_turn.format", "gpt-oss")])[0][0]
