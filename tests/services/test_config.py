@@ -427,7 +427,8 @@ def test_every_rule_of_the_verl_table_gives_a_line_that_loads():
                      "actor_rollout_ref.actor.clip_ratio_c": 3.0,
                      "actor_rollout_ref.actor.policy_loss.clip_cov_ub": 5.0,
                      "actor_rollout_ref.rollout.top_p": 1.0, "actor_rollout_ref.rollout.top_k": -1,
-                     "actor_rollout_ref.rollout.max_model_len": 1536, "data.truncation": "error"}
+                     "actor_rollout_ref.rollout.max_model_len": 1536, "data.truncation": "error",
+                     "actor_rollout_ref.rollout.multi_turn.format": "hermes"}
     for key, rule in RULES.items():
         if rule.etarl is None or key.startswith(("data.train_files", "data.val_files", "critic.model.path",
                                                   "trainer.default_local_dir", "actor_rollout_ref.model.path")):
