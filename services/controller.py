@@ -613,6 +613,7 @@ def engine_for_this_machine(cfg: EtarlConfig, named: set[str]) -> EtarlConfig:
 def evaluate_model(cfg: EtarlConfig, model: str | None = None, run_dir: str | None = None) -> dict:
     """`etarl eval`: the held-out metrics of a model folder, or of a run's latest checkpoint."""
     from services.evaluation import PolicyEvaluator
+    from services.inputs import check_eval_inputs
     from services.placement import local_engine_kind
 
     if run_dir is not None:
@@ -626,6 +627,7 @@ def evaluate_model(cfg: EtarlConfig, model: str | None = None, run_dir: str | No
         if why:
             log.info("etarl eval: %s", why)
         cfg = cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"engine": kind})})
+    check_eval_inputs(cfg, folder)
     evaluator = PolicyEvaluator.from_config(cfg, folder)
     try:
         return evaluator.evaluate_payload(None)

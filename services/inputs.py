@@ -10,12 +10,16 @@ the workers of any cluster can import it.
 """
 from __future__ import annotations
 
+import difflib
+import inspect
 import json
 import logging
 import os
+import re
 from pathlib import Path
 
-from rollout_workers.data import InvalidPrompts, Problem, PromptFormat, PromptReport, check_prompts
+from rollout_workers.data import (InvalidPrompts, Problem, PromptFormat, PromptReport, check_prompts,
+                                  context_can_stretch, model_context_len)
 from services.config import ConfigError, EtarlConfig
 
 log = logging.getLogger("etarl")
@@ -29,6 +33,10 @@ def prompt_format(cfg: EtarlConfig, model_dir) -> PromptFormat:
         tokenizer = load_tokenizer(model_dir)
     except FileNotFoundError as err:
         raise ConfigError(f"run.model: {err}") from None
+    asked, own = cfg.rollout.engine.max_model_len, model_context_len(model_dir)
+    if asked and own and asked > own and not context_can_stretch(model_dir):
+        raise ConfigError(f"rollout.engine.max_model_len={asked} is longer than the model's context ({own} tokens, "
+                          f"its config.json): vLLM refuses it; set at most {own}")
     try:
         return PromptFormat.for_rollout(model_dir, cfg.rollout, tokenizer)
     except FileNotFoundError as err:
@@ -55,18 +63,50 @@ def check_environment(cfg: EtarlConfig, fmt: PromptFormat) -> None:
     from rollout_workers.agent_loop import stop_token_ids
     from rollout_workers.environments import resolve_environment
 
+    make = None
     try:
         make = resolve_environment(multi_turn.environment)
         if multi_turn.environment == "tools":  # built-in: its tools and reward load here as in each process
             make(**cfg.rollout.environment_arguments())
         stop_token_ids(fmt.tokenizer, multi_turn.stop)
-    except (ValueError, TypeError) as err:  # TypeError: an environment_kwargs key it does not take
+    except ValueError as err:
         raise ConfigError(f"rollout.multi_turn: {err}") from None
-    asked = Problem([{"role": "user", "content": "?"}], "")
-    if multi_turn.environment == "tools" and "<tool_call>" not in fmt.render(asked):
+    except TypeError as err:  # an environment_kwargs key it does not take
+        raise ConfigError(f"rollout.multi_turn: {_unknown_argument(make, err)}") from None
+    if multi_turn.environment == "tools":
+        _check_tools_template(fmt, cfg.rollout.environment_arguments().get("format", "hermes"))
+
+
+def _unknown_argument(make, err: TypeError) -> str:
+    """A TypeError of building the environment, with the argument meant where a key is misspelt."""
+    wrong = re.search(r"unexpected keyword argument '(\w+)'", str(err))
+    try:
+        taken = [name for name in inspect.signature(make).parameters if name != "self"]
+    except (TypeError, ValueError):  # no signature to read (make is None: it failed before)
+        return str(err)
+    if not wrong:
+        return str(err)
+    close = difflib.get_close_matches(wrong.group(1), taken, n=1)
+    return (f"environment_kwargs.{wrong.group(1)}: not an argument of the environment"
+            + (f" (did you mean {close[0]}?)" if close else "") + f"; it takes {', '.join(taken)}")
+
+
+def _check_tools_template(fmt: PromptFormat, call_format: str) -> None:
+    """Warnings where the chat template does not show the tools, or teaches another call form than the
+    one the tools environment reads."""
+    rendered = fmt.render(Problem([{"role": "user", "content": "?"}], ""))
+    names = [schema["function"]["name"] for schema in fmt.template_kwargs.get("tools", [])]
+    if names and not any(name in rendered for name in names):
+        log.warning("the chat template does not show the tools to the model (no tool's name is in a rendered "
+                    "prompt), so the policy cannot know them: use a template that renders `tools` "
+                    "(rollout.task.chat_template)")
+    elif "<tool_call>" not in rendered:
         log.warning("the chat template writes no <tool_call> where it lists the tools: the tools environment reads "
-                    "hermes calls (<tool_call>{...}</tool_call>, Qwen's form), so a model taught another form never "
-                    "calls them")
+                    "%s calls in <tool_call> blocks, so a model taught another form never calls them", call_format)
+    elif ("<function=" in rendered) != (call_format == "qwen3_coder"):
+        taught = "qwen3_coder" if "<function=" in rendered else "hermes"
+        log.warning("the chat template teaches %s tool calls but the tools environment reads %s ones: set "
+                    "rollout.multi_turn.environment_kwargs.format=%s", taught, call_format, taught)
 
 
 def prompt_reports(cfg: EtarlConfig, fmt: PromptFormat) -> dict[str, PromptReport]:
@@ -112,12 +152,22 @@ def check_run_inputs(cfg: EtarlConfig, model_dir) -> None:
         log.info("prompts %s", report.summary())
 
 
+def check_eval_inputs(cfg: EtarlConfig, model_dir) -> None:
+    """`etarl eval`'s checks before an engine starts: a held-out set to evaluate on, the model
+    folder's tokenizer and context, and a multi-turn run's environment."""
+    if cfg.rollout.task.kind == "file" and not cfg.rollout.task.heldout_path:
+        raise ConfigError("rollout.task.heldout_path is unset: etarl eval evaluates on the held-out prompts "
+                          "(set it)")
+    check_environment(cfg, prompt_format(cfg, model_dir))
+
+
 def data_check(cfg: EtarlConfig, model_dir, paths: list[str] | None = None) -> tuple[str, bool]:
     """`etarl data check`: a report on prompt files under the run's config (the files named, or
     else the config's: each of rollout.task.path and, with evaluation, of heldout_path), and
     whether a run would accept them all (no unusable row, or skip_invalid with usable rows left)."""
     task = cfg.rollout.task
     fmt = prompt_format(cfg, model_dir)
+    check_environment(cfg, fmt)  # as a run's start does: a bad environment is refused here too
     if paths:
         reports = _checked_files({path: (path, cfg.rollout.sampling.max_new_tokens) for path in paths}, task, fmt)
     elif task.kind != "file":

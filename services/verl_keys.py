@@ -56,9 +56,9 @@ ONE_REWARD = "etarl tells the manager by the reward's signature: compute_score(d
              "call (verl's batch); DAPO's overlong shaping is rollout.overlong_buffer"
 NO_REWARD_MODEL = "etarl starts no reward model: serve the judge apart and call it from the reward " \
                   "(examples/judge_reward.py; its URL and key named in rollout.reward_env)"
-DEFAULT_REWARD = ("verl's default reward goes by data_source; etarl's is rollout.reward=math (the final answer "
-                  "equal as a number); verl's openai/gsm8k rule is rollout.reward=gsm8k, its other rules "
-                  "rollout.reward=verl.utils.reward_score:default_compute_score with verl installed")
+DEFAULT_REWARD = ("verl's default reward goes by data_source; etarl's math takes the final answer as a number "
+                  "(the built-in task's default is exact); verl's openai/gsm8k rule is rollout.reward=gsm8k, its "
+                  "other rules rollout.reward=verl.utils.reward_score:default_compute_score with verl installed")
 REWARD_KWARGS = Rule("rollout.reward_kwargs.", "the reward's keyword arguments")
 RULES: dict[str, Rule] = {
     # data
@@ -122,7 +122,8 @@ RULES: dict[str, Rule] = {
     ROLLOUT + "temperature": Rule("rollout.sampling.temperature"),
     ROLLOUT + "top_p": Rule("rollout.sampling.top_p"),
     ROLLOUT + "top_k": Rule("rollout.sampling.top_k", "etarl's 0 is verl's -1: no top-k", _off_if_negative),
-    ROLLOUT + "name": Rule("rollout.engine.kind", "vllm or hf, transformers; no SGLang"),
+    ROLLOUT + "name": Rule("rollout.engine.kind", "vllm or hf, transformers; no SGLang",
+                           lambda v: v if v in ("vllm", "hf") else None),
     ROLLOUT + "dtype": Rule("rollout.engine.dtype"),
     ROLLOUT + "gpu_memory_utilization": Rule("rollout.engine.gpu_memory_utilization"),
     ROLLOUT + "tensor_model_parallel_size": Rule("rollout.engine.tensor_parallel_size"),
@@ -135,6 +136,10 @@ RULES: dict[str, Rule] = {
     ROLLOUT + "multi_turn.max_assistant_turns": Rule("rollout.multi_turn.max_turns"),
     **{ROLLOUT + "multi_turn." + k: Rule("rollout.multi_turn.environment_kwargs." + k, "of the tools environment")
        for k in ("max_parallel_calls", "max_tool_response_length", "tool_response_truncate_side")},
+    ROLLOUT + "agent.default_agent_loop": Rule(None, "verl's tool_agent is rollout.multi_turn.environment=tools (and "
+                                                     "multi_turn.tool_config_path or function_tool_path its tools); "
+                                                     "without an environment etarl's rollouts are single-turn"),
+    "data.return_raw_chat": Rule(None, "etarl keeps chat prompts as messages and renders them itself"),
     ROLLOUT + "multi_turn.max_user_turns": Rule("rollout.multi_turn.environment_kwargs.max_tool_turns",
                                                 "turns that called tools before the answer turn, as verl counts "
                                                 "tool responses; unset: one fewer than max_turns", _unset_if_zero),
@@ -399,7 +404,8 @@ def translate(overrides: list[tuple[str, Any]]) -> tuple[list[str], list[str]]:
     if "rollout.task.path" in etarl:
         etarl.setdefault("rollout.task.kind", "file")
         if not any(key.startswith(REWARD_FUNCTIONS) for key in given):
-            lines.append(f"  (no custom_reward_function: {DEFAULT_REWARD})")
+            etarl.setdefault("rollout.reward", "math")
+            lines.append(f"  (no custom_reward_function -> rollout.reward=math: {DEFAULT_REWARD})")
     return lines, [f"{key}={text}" for key, text in etarl.items()]
 
 

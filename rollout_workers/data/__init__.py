@@ -1,7 +1,7 @@
 """Prompts and where they come from: the built-in synthetic families, prompt files (etarl's flat
 form and verl's RL dataset layout), chat templates, and the prompt checks shared by a run's start,
 its workers and `etarl data check`."""
-from rollout_workers.data.chat import PromptFormat, eos_token_ids, model_context_len
+from rollout_workers.data.chat import PromptFormat, context_can_stretch, eos_token_ids, model_context_len
 from rollout_workers.data.checks import (
     MAX_LISTED,
     InvalidPrompts,
@@ -24,6 +24,7 @@ from rollout_workers.data.synthetic import (
 
 __all__ = [
     "ALPHABET", "DIGITS", "FAMILIES", "LETTERS", "MAX_LISTED", "SPLITS", "BadRow", "InvalidPrompts", "Problem",
-    "PromptFile", "PromptFormat", "PromptReport", "PromptSet", "check_prompts", "eos_token_ids", "heldout_problems",
-    "mixed_problems", "model_context_len", "read_prompt_file", "synthetic_problems", "train_prompts",
+    "PromptFile", "PromptFormat", "PromptReport", "PromptSet", "check_prompts", "context_can_stretch", "eos_token_ids",
+    "heldout_problems", "mixed_problems", "model_context_len", "read_prompt_file", "synthetic_problems",
+    "train_prompts",
 ]

@@ -52,6 +52,18 @@ def model_context_len(model_dir: str | os.PathLike) -> int | None:
     return min(limits) if limits else None
 
 
+def context_can_stretch(model_dir: str | os.PathLike) -> bool:
+    """Whether the model's config scales its positions (RoPE scaling: YaRN, dynamic ...), so an
+    engine may serve more than `model_context_len`."""
+    config = _read_json(Path(model_dir) / "config.json")
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    for part in (config, text):
+        scaling = part.get("rope_scaling") or part.get("rope_parameters")
+        if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type", "default")) != "default":
+            return True
+    return False
+
+
 def eos_token_ids(model_dir: str | os.PathLike, tokenizer) -> tuple[int, ...]:
     """The ids that end a response: the tokenizer's EOS, then generation_config.json's eos_token_id(s)."""
     found = [tokenizer.eos_token_id]

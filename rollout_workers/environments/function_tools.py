@@ -268,14 +268,22 @@ def selected_tools(tools: dict[str, Any], extra_info: dict | None) -> dict[str, 
         selection = [selection]
     if not isinstance(selection, (list, tuple)):
         raise ValueError(f"extra_info.tool_selection is {selection!r:.80}: a list of tool names")
-    return {name: tools[name] for name in selection if isinstance(name, str) and name in tools}
+    selected = {name: tools[name] for name in selection if isinstance(name, str) and name in tools}
+    if not selected:  # verl would run the prompt without tools: a mistake in the data, most likely
+        raise ValueError(f"extra_info.tool_selection {list(selection)!r:.80} names no tool of this run "
+                         f"({', '.join(tools)})")
+    return selected
 
 
 def prompt_tools_kwargs(extra_info: dict | None) -> dict[str, dict | None]:
     """A prompt's `extra_info.tools_kwargs` ({tool name: {create_kwargs: {...}}}, verl's), {} when it
     has none; ValueError when it is not that shape."""
     tools_kwargs = (extra_info or {}).get("tools_kwargs") or {}
-    if not isinstance(tools_kwargs, dict) or not all(v is None or isinstance(v, dict) for v in tools_kwargs.values()):
-        raise ValueError(f"extra_info.tools_kwargs is {tools_kwargs!r:.80}: it maps a tool's name to "
-                         f"{{create_kwargs: {{...}}}}")
+    shape = "a mapping of each tool's name to {create_kwargs: {...}}"
+    if not isinstance(tools_kwargs, dict):
+        text = " (JSON text is not read as one)" if isinstance(tools_kwargs, str) else ""
+        raise ValueError(f"extra_info.tools_kwargs is {tools_kwargs!r:.80}, not {shape}{text}")
+    for name, kwargs in tools_kwargs.items():
+        if not (kwargs is None or isinstance(kwargs, dict) and isinstance(kwargs.get("create_kwargs") or {}, dict)):
+            raise ValueError(f"extra_info.tools_kwargs[{name!r}] is {kwargs!r:.80}: {shape}")
     return tools_kwargs

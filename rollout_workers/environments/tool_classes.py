@@ -130,12 +130,16 @@ def _entries(config_path: str) -> list[dict]:
     _interpolations(entries, where + ": tools")
     for i, entry in enumerate(entries):
         at = f"{where}: tools[{i}]"
-        config = entry.setdefault("config", {})
+        unknown = sorted(set(entry) - {"class_name", "config", "tool_schema"})
+        if unknown:
+            raise ValueError(f"{at}: {', '.join(unknown)}: not a key of a tool (class_name, config, tool_schema)")
+        config = entry.get("config")
         if not isinstance(entry.get("class_name"), str) or "." not in entry["class_name"] \
                 or not isinstance(config, dict):
-            raise ValueError(f"{at}: needs class_name (module.Class) and config (a mapping)")
+            raise ValueError(f"{at}: needs class_name (module.Class) and config (a mapping with type: native)")
         if config.get("type") != "native":
-            raise ValueError(f"{at}: config.type is {config.get('type')!r}: native is the only type (as in verl)")
+            raise ValueError(f"{at}: config.type is {config.get('type')!r}: etarl runs native tools only (verl's "
+                             f"newest too; its mcp tools are not carried over)")
     return entries
 
 

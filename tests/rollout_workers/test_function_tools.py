@@ -432,7 +432,9 @@ def test_function_tools_and_tool_classes_together_and_per_prompt(tool_config, ve
 @pytest.mark.parametrize("config, said", [
     ("tools: {a: 1}", "needs `tools:`, a list"),
     ("tools: []", "declares no tool"),
-    ("tools: [{class_name: m.C, config: {type: mcp}}]", "config.type is 'mcp': native is the only type"),
+    ("tools: [{class_name: m.C, config: {type: mcp}}]", "config.type is 'mcp': etarl runs native tools only"),
+    ("tools: [{class_name: m.C, cfg: {type: native}}]", r"tools\[0\]: cfg: not a key of a tool"),
+    ("tools: [{class_name: m.C}]", r"tools\[0\]: needs class_name \(module.Class\) and config"),
     ("tools: [{class_name: NoDot, config: {type: native}}]", r"tools\[0\]: needs class_name \(module.Class\)"),
     ("tools: [{class_name: m.C, config: {type: native, url: '${oc.env:URL}'}}]",
      r"tools\[0\]\.config\.url: '\$\{oc.env:URL\}' is an OmegaConf interpolation"),
@@ -462,8 +464,12 @@ def test_a_prompts_bad_tool_fields_are_named(tool_config, verl_tools, byte_token
     assert list(env.active_tools) == ["add"]
     with pytest.raises(ValueError, match=r"extra_info.tool_selection is 3: a list of tool names"):
         env.reset(Problem("?", "5", extra_info={"tool_selection": 3}))
-    with pytest.raises(ValueError, match=r"extra_info.tools_kwargs is 'x': it maps a tool's name"):
-        env.reset(Problem("?", "5", extra_info={"tools_kwargs": "x"}))
+    with pytest.raises(ValueError, match=r"extra_info.tools_kwargs is '\{\}', not a mapping .*JSON text is not read"):
+        env.reset(Problem("?", "5", extra_info={"tools_kwargs": "{}"}))
+    with pytest.raises(ValueError, match=r"extra_info.tools_kwargs\['echo'\] is \{'create_kwargs': 'gt=2'\}"):
+        env.reset(Problem("?", "5", extra_info={"tools_kwargs": {"echo": {"create_kwargs": "gt=2"}}}))
+    with pytest.raises(ValueError, match=r"tool_selection \['nope'\] names no tool of this run \(calc_gsm8k_reward"):
+        env.reset(Problem("?", "5", extra_info={"tool_selection": ["nope"]}))  # verl would show it no tools
     rollout = RolloutConfig(reward="exact", multi_turn=MultiTurnConfig(
         environment="tools", environment_kwargs={"path": verl_tools}))
     (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 4096}))
@@ -527,7 +533,7 @@ def test_a_run_checks_its_tool_config_at_start_and_every_node_must_read_it(tool_
     assert run_paths(run(tool_config), tmp_path)["rollout.multi_turn.environment_kwargs.config"] == tool_config
     bad = tmp_path / "bad.yaml"
     bad.write_text("tools: [{class_name: m.C, config: {type: mcp}}]")
-    with pytest.raises(ConfigError, match=r"^rollout.multi_turn: tool config .*bad.yaml.*native is the only type"):
+    with pytest.raises(ConfigError, match=r"^rollout.multi_turn: tool config .*bad.yaml.*native tools only"):
         check_environment(run(str(bad)), fmt)
 
 
@@ -665,3 +671,30 @@ def test_the_tools_environment_reads_qwen3_coder_calls(verl_tools):
     assert translate([("actor_rollout_ref.rollout.multi_turn.format", "qwen3_coder")])[1] == [
         "rollout.multi_turn.environment_kwargs.format=qwen3_coder"]
     assert "no etarl form" in translate([("actor_rollout_ref.rollout.multi_turn.format", "gpt-oss")])[0][0]
+
+
+@pytest.mark.parametrize("shows, call_format, warned", [
+    ("", "hermes", "does not show the tools to the model"),
+    ("{{ t['function']['name'] }}", "hermes", "writes no <tool_call> where it lists the tools: the tools "
+                                              "environment reads hermes calls"),
+    ("{{ t['function']['name'] }} <tool_call>{json}</tool_call>", "hermes", None),
+    ("{{ t['function']['name'] }} <tool_call>{json}</tool_call>", "qwen3_coder",
+     "teaches hermes tool calls but the tools environment reads qwen3_coder ones: set "
+     "rollout.multi_turn.environment_kwargs.format=hermes"),
+    ("{{ t['function']['name'] }} <tool_call><function=name>", "hermes", "teaches qwen3_coder tool calls"),
+    ("{{ t['function']['name'] }} <tool_call><function=name>", "qwen3_coder", None),
+])
+def test_the_start_warns_where_the_template_hides_the_tools_or_teaches_another_form(
+        verl_tools, byte_tokenizer, tmp_path, caplog, shows, call_format, warned):
+    import logging
+
+    from services.inputs import _check_tools_template
+
+    template = tmp_path / "template.jinja"
+    template.write_text("{%- for t in tools %}" + shows + "{% endfor %}{%- for m in messages %}{{ m['content'] }}"
+                        "{%- endfor %}")
+    fmt = PromptFormat(byte_tokenizer, chat_template=str(template),
+                       template_kwargs={"tools": tool_schemas(verl_tools)})
+    with caplog.at_level(logging.WARNING, logger="etarl"):
+        _check_tools_template(fmt, call_format)
+    assert (warned in caplog.text) if warned else caplog.text == ""

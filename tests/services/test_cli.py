@@ -114,6 +114,19 @@ def test_eval_prints_only_its_metrics_and_ends_its_engine(tiny_model_dir, tmp_pa
     assert "leaked shared_memory" not in out.stderr, out.stderr[-3000:]
 
 
+def test_eval_refuses_in_one_line_what_it_cannot_evaluate(tiny_model_dir, tmp_path, capsys):
+    model = f"run.model={tiny_model_dir}"
+    train = tmp_path / "train.jsonl"
+    train.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    assert main(["eval", model, "rollout.task.kind=file", f"rollout.task.path={train}"]) == EXIT_CONFIG_ERROR
+    assert "etarl: rollout.task.heldout_path is unset: etarl eval evaluates" in capsys.readouterr().err
+    assert main(["eval", model, "rollout.task.kind=file", f"rollout.task.path={train}",
+                 f"rollout.task.heldout_path={train}", "rollout.multi_turn.environment=tools",
+                 "rollout.multi_turn.environment_kwargs.config=no_such_tool_config.yaml"]) == EXIT_CONFIG_ERROR
+    err = capsys.readouterr().err
+    assert "etarl: rollout.multi_turn: tool config 'no_such_tool_config.yaml'" in err and "Traceback" not in err
+
+
 @pytest.mark.parametrize("args, code", [(["config"], 0), (["config", "no_such.key=1"], EXIT_CONFIG_ERROR)])
 def test_the_command_exits_with_its_code_after_the_atexit_handlers(args, code):
     """`etarl` (services.cli:run) skips Python's final collection but not what an exit runs: a

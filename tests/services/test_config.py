@@ -315,8 +315,9 @@ def test_verl_keys_are_refused_with_etarls_names_and_a_command_line_that_loads()
 def test_a_verl_command_line_without_a_reward_function_is_told_which_reward_etarl_uses():
     with pytest.raises(ConfigError) as refused:
         load_config(None, [k for k in VERL_GRPO if not k.startswith("custom_reward_function.")])
-    assert "(no custom_reward_function: verl's default reward goes by data_source; etarl's is rollout.reward=math" \
-        in str(refused.value) and "rollout.reward=gsm8k" in str(refused.value)
+    said = str(refused.value)
+    assert "(no custom_reward_function -> rollout.reward=math: verl's default reward goes by data_source" in said
+    assert "rollout.reward=gsm8k" in said and "rollout.reward=math" in said.splitlines()[-1]  # in the line to paste
     with pytest.raises(ConfigError) as refused:
         load_config(None, VERL_GRPO)
     assert "no custom_reward_function" not in str(refused.value)

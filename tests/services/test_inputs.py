@@ -120,8 +120,8 @@ def test_a_tools_run_checks_its_tools_and_their_reward_at_start(tiny_model_dir, 
     good = file_config(tiny_model_dir, tmp_path, *base, f"{path}={tmp_path}/good_tools.py")
     with caplog.at_level(logging.WARNING, logger="etarl"):
         check_run_inputs(good, tiny_model_dir)  # starts: its tools load, their schemas go to the template
-    # the tiny model's template lists no tools and writes no <tool_call>: said, the run still starts
-    assert any("writes no <tool_call>" in r.getMessage() for r in caplog.records)
+    # the tiny model's template does not show the tools: said, the run still starts
+    assert any("does not show the tools to the model" in r.getMessage() for r in caplog.records)
     assert good.rollout.environment_arguments() == {"path": f"{tmp_path}/good_tools.py", "max_tool_turns": 3,
                                                     "reward": "math", "reward_kwargs": {}}
     bad = file_config(tiny_model_dir, tmp_path, *base, f"{path}={tmp_path}/bad_tools.py")
@@ -177,3 +177,36 @@ def test_a_reward_module_that_is_not_installed_travels_in_the_job(tmp_path, monk
     monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", json.dumps({"runtime_env": {"working_dir": "gcs://_ray_pkg_w.zip"}}))
     monkeypatch.chdir(tmp_path)
     assert ray_runtime_env(cfg) is None
+
+
+def test_a_context_longer_than_the_models_is_refused_before_the_engine_refuses_it(tiny_model_dir, tmp_path):
+    good = write_rows(tmp_path / "good.jsonl", [{"prompt": "1+1=", "answer": "2"}])
+    with pytest.raises(ConfigError, match=r"^rollout.engine.max_model_len=96 is longer than the model's context "
+                                          r"\(64 tokens, its config.json\)"):
+        check_run_inputs(load_config(None, [f"run.model={tiny_model_dir}", "rollout.task.kind=file",
+                                            f"rollout.task.path={good}", "eval.enabled=false",
+                                            "rollout.engine.max_model_len=96"]), tiny_model_dir)
+    stretched = tmp_path / "stretched"  # RoPE scaling (YaRN): the engine may serve more than the config's 64
+    stretched.mkdir()
+    for item in tiny_model_dir.iterdir():
+        if item.is_file():
+            (stretched / item.name).symlink_to(item)
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    (stretched / "config.json").unlink()
+    (stretched / "config.json").write_text(json.dumps({**config, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}}))
+    check_run_inputs(load_config(None, [f"run.model={stretched}", "rollout.task.kind=file", f"rollout.task.path={good}",
+                                        "eval.enabled=false", "rollout.engine.max_model_len=96"]), stretched)
+
+
+def test_data_check_refuses_the_environment_a_run_would_refuse_naming_the_key_meant(tiny_model_dir, tmp_path, capsys):
+    good = write_rows(tmp_path / "good.jsonl", [{"prompt": "1+1=", "answer": "2"}])
+    tools = tmp_path / "tools.py"
+    tools.write_text("def add(a: int, b: int) -> int:\n    '''Add.\n\n    Args:\n        a: One.\n        b: Two.\n"
+                     "    '''\n    return a + b\n")
+    code = main(["data", "check", str(good), f"run.model={tiny_model_dir}", "rollout.multi_turn.environment=tools",
+                 f"rollout.multi_turn.environment_kwargs.path={tools}",
+                 "rollout.multi_turn.environment_kwargs.max_tool_turn=2"])
+    err = capsys.readouterr().err
+    assert code == EXIT_CONFIG_ERROR
+    assert "rollout.multi_turn: environment_kwargs.max_tool_turn: not an argument of the environment (did you mean " \
+           "max_tool_turns?); it takes path, config, reward" in err
