@@ -362,6 +362,12 @@ def reward_py_modules(spec: str) -> list[str]:
     module_name, _, _ = spec.rpartition(":")
     if spec in BUILTIN_REWARDS or not module_name:
         return []
+    return module_py_modules(module_name)
+
+
+def module_py_modules(module_name: str) -> list[str]:
+    """Local paths the workers need to import a module or file (a reward's, an environment's, a
+    tool's): the file, or the top-level package (or module file) where it is not installed."""
     if is_file_spec(module_name):
         return [str(Path(module_name).expanduser().resolve())]
     root = importlib.import_module(module_name.split(".")[0])

@@ -63,18 +63,19 @@ def check_environment(cfg: EtarlConfig, fmt: PromptFormat) -> None:
     from rollout_workers.agent_loop import stop_token_ids
     from rollout_workers.environments import resolve_environment
 
+    arguments = cfg.rollout.environment_arguments()
     make = None
     try:
         make = resolve_environment(multi_turn.environment)
         if multi_turn.environment == "tools":  # built-in: its tools and reward load here as in each process
-            make(**cfg.rollout.environment_arguments())
+            make(**arguments)
         stop_token_ids(fmt.tokenizer, multi_turn.stop)
     except ValueError as err:
         raise ConfigError(f"rollout.multi_turn: {err}") from None
     except TypeError as err:  # an environment_kwargs key it does not take
         raise ConfigError(f"rollout.multi_turn: {_unknown_argument(make, err)}") from None
     if multi_turn.environment == "tools":
-        _check_tools_template(fmt, cfg.rollout.environment_arguments().get("format", "hermes"))
+        _check_tools_template(fmt, arguments.get("format", "hermes"))
 
 
 def _unknown_argument(make, err: TypeError) -> str:
@@ -206,13 +207,13 @@ def _tool_py_modules(environment_kwargs: dict) -> list[str]:
     """What the workers need to import the tools environment's tools file and tool classes."""
     from rollout_workers.environments.tool_classes import class_modules
     from rollout_workers.environments.verl_stand_in import verl_stand_in
-    from rollout_workers.rewards import reward_py_modules
+    from rollout_workers.rewards import module_py_modules
 
-    specs = [environment_kwargs["path"]] if environment_kwargs.get("path") else []
+    names = [environment_kwargs["path"]] if environment_kwargs.get("path") else []
     if environment_kwargs.get("config"):
-        specs += class_modules(environment_kwargs["config"])
+        names += class_modules(environment_kwargs["config"])
     with verl_stand_in():  # finding a module's package may run it, and it may import verl
-        return [module for spec in specs for module in reward_py_modules(f"{spec}:tools")]
+        return [module for name in names for module in module_py_modules(name)]
 
 
 def ray_runtime_env(cfg: EtarlConfig, env_vars: dict[str, str] | None = None) -> dict | None:

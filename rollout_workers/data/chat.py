@@ -42,12 +42,16 @@ def _read_json(path: Path) -> dict:
     return data if isinstance(data, dict) else {}
 
 
-def model_context_len(model_dir: str | os.PathLike) -> int | None:
-    """The longest sequence (prompt + response) the model folder's config allows; None: it says not.
-    A multimodal model's config holds its language model's under `text_config`."""
+def _config_parts(model_dir: str | os.PathLike) -> tuple[dict, dict]:
+    """The model folder's config.json and its `text_config` ({} if none): a multimodal model's config
+    holds its language model's there."""
     config = _read_json(Path(model_dir) / "config.json")
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
-    limits = [int(part[k]) for part in (config, text) for k in _CONTEXT_KEYS
+    return config, config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+
+
+def model_context_len(model_dir: str | os.PathLike) -> int | None:
+    """The longest sequence (prompt + response) the model folder's config allows; None: it says not."""
+    limits = [int(part[k]) for part in _config_parts(model_dir) for k in _CONTEXT_KEYS
               if isinstance(part.get(k), int) and part[k] > 0]
     return min(limits) if limits else None
 
@@ -55,9 +59,7 @@ def model_context_len(model_dir: str | os.PathLike) -> int | None:
 def context_can_stretch(model_dir: str | os.PathLike) -> bool:
     """Whether the model's config scales its positions (RoPE scaling: YaRN, dynamic ...), so an
     engine may serve more than `model_context_len`."""
-    config = _read_json(Path(model_dir) / "config.json")
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
-    for part in (config, text):
+    for part in _config_parts(model_dir):
         scaling = part.get("rope_scaling") or part.get("rope_parameters")
         if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type", "default")) != "default":
             return True
@@ -158,10 +160,10 @@ class PromptFormat:
     def _template_kwargs(self, problem: Problem) -> dict:
         if not self.selectable_tools:
             return self.template_kwargs
-        from rollout_workers.environments.function_tools import selected_tools
+        from rollout_workers.environments.function_tools import prompt_tools
 
         tools = {schema["function"]["name"]: schema for schema in self.template_kwargs["tools"]}
-        return {**self.template_kwargs, "tools": list(selected_tools(tools, problem.extra_info).values())}
+        return {**self.template_kwargs, "tools": list(prompt_tools(tools, problem.extra_info)[0].values())}
 
     def encode_followup(self, messages: list[dict]) -> list[int]:
         """The token ids of chat messages that follow a policy turn (a tool's result, a user's reply),

@@ -49,8 +49,6 @@ from rollout_workers.environments.tool_classes import ClassTool, load_tool_class
 from rollout_workers.environments.verl_stand_in import FUNCTION_TOOL_MARK, verl_stand_in
 from rollout_workers.rewards import Reward, load_module
 
-
-
 _LOADED: dict[str, dict[str, Callable]] = {}  # once per process: a file's top-level code runs once
 
 
@@ -106,8 +104,12 @@ def tool_schemas(path: str | None = None, config: str | None = None) -> list[dic
     order: a class's from its tool config or class, a function's from its signature and docstring
     or the schema verl's decorator was given. ValueError names a function whose docstring or type
     hints do not make one."""
+    return _schemas(load_all_tools(path, config), path)
+
+
+def _schemas(tools: dict[str, Callable | ClassTool], path: str | None) -> list[dict]:
     return [tool.schema() if isinstance(tool, ClassTool) else _function_schema(name, tool, path)
-            for name, tool in load_all_tools(path, config).items()]
+            for name, tool in tools.items()]
 
 
 def _function_schema(name: str, fn: Callable, path: str) -> dict:
@@ -191,7 +193,7 @@ class FunctionTools(Environment):
         self.tools = load_all_tools(path, config)
         self.format = format
         # qwen3_coder's parameters are text, typed by the tool's schema
-        self.schemas = {s["function"]["name"]: s for s in tool_schemas(path, config)} if format != "hermes" else {}
+        self.schemas = {s["function"]["name"]: s for s in _schemas(self.tools, path)} if format != "hermes" else {}
         key = json.dumps([reward, reward_kwargs], sort_keys=True)
         if key not in _REWARDS:
             _REWARDS[key] = Reward(reward, reward_kwargs)
@@ -208,8 +210,7 @@ class FunctionTools(Environment):
 
     def reset(self, problem: Problem) -> None:
         self.problem, self.tool_turns, self.calls, self.errors, self.tool_rewards = problem, 0, 0, 0, []
-        self.active_tools = selected_tools(self.tools, problem.extra_info)
-        self.tools_kwargs = prompt_tools_kwargs(problem.extra_info)
+        self.active_tools, self.tools_kwargs = prompt_tools(self.tools, problem.extra_info)
         return None  # the problem's prompt, through the chat template (which lists the tools)
 
     def step(self, action: str) -> StepResult:
@@ -256,11 +257,15 @@ class FunctionTools(Environment):
         return cut_response(text, self.max_length, self.side), reward
 
 
-def selected_tools(tools: dict[str, Any], extra_info: dict | None) -> dict[str, Any]:
-    """The tools a prompt sees: those its extra_info's `tool_selection` names (verl's per-sample
-    tools; names that are no tool are passed over), or all. ValueError for a malformed
-    `tool_selection` or `tools_kwargs` (the start checks every prompt through this)."""
-    prompt_tools_kwargs(extra_info)
+def prompt_tools(tools: dict[str, Any], extra_info: dict | None) -> tuple[dict[str, Any], dict[str, dict | None]]:
+    """A prompt's tools and their kwargs, from its extra_info, checked: ValueError for a malformed
+    `tool_selection` or `tools_kwargs` (the start checks every prompt through this, in its template)."""
+    return _selected(tools, extra_info), _tools_kwargs(extra_info)
+
+
+def _selected(tools: dict[str, Any], extra_info: dict | None) -> dict[str, Any]:
+    """The tools a prompt sees: those its `tool_selection` names (verl's per-sample tools; names
+    that are no tool are passed over), or all."""
     selection = (extra_info or {}).get("tool_selection")
     if not selection:
         return tools
@@ -275,7 +280,7 @@ def selected_tools(tools: dict[str, Any], extra_info: dict | None) -> dict[str, 
     return selected
 
 
-def prompt_tools_kwargs(extra_info: dict | None) -> dict[str, dict | None]:
+def _tools_kwargs(extra_info: dict | None) -> dict[str, dict | None]:
     """A prompt's `extra_info.tools_kwargs` ({tool name: {create_kwargs: {...}}}, verl's), {} when it
     has none; ValueError when it is not that shape."""
     tools_kwargs = (extra_info or {}).get("tools_kwargs") or {}
