@@ -22,7 +22,7 @@ from uuid import uuid4
 from verl.tools.base_tool import BaseTool
 from verl.tools.schemas import OpenAIFunctionToolSchema, ToolResponse
 
-from rollout_workers.rewards import gsm8k_reward
+from rollout_workers.verl_rewards import gsm8k_reward
 
 
 class Gsm8kTool(BaseTool):

@@ -9,8 +9,8 @@ Three forms are accepted, told apart by their signature:
                                                                   BatchRewardManager): one call a group
 A dict's "score" is the reward and its other numeric entries become metrics `reward/<key>`
 (averaged over a step's samples). Any form may be `async` (awaited). Built-ins are named
-("math", "exact"); any other is "package.module:function" or "path/to/file.py:function" (verl's
-`custom_reward_function.path`). A module that is not an installed package travels to the workers
+("math", "exact", "gsm8k", "verl": verl's default reward, see verl_rewards); any other is
+"package.module:function" or "path/to/file.py:function" (verl's `custom_reward_function.path`). A module that is not an installed package travels to the workers
 in the Ray job's runtime environment (`reward_py_modules`); a file reward is loaded from its path,
 else, on a node without that path, as the module of the same name shipped that way.
 `RewardRunner` calls the function in a child process with a per-response timeout (a batch call
@@ -41,8 +41,8 @@ from typing import Any, NamedTuple
 
 from rollout_workers.child_process import BadChildReply, ChildLimits, ChildProcess, ChildStartFailed, serve
 from rollout_workers.data.problems import Problem
+from rollout_workers.verl_rewards import gsm8k_reward, verl_default_reward
 
-RewardFn = Callable[[str, str], float]
 PLAIN_FORM = "fn(response, answer) -> float"
 VERL_FORM = "compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float | dict"
 VERL_ARGS = ("data_source", "solution_str", "ground_truth", "extra_info")
@@ -95,32 +95,8 @@ def exact_match_reward(response: str, answer: str) -> float:
     return float(response.strip() == answer.strip())
 
 
-_GSM8K_TAIL = 300  # characters verl's rule reads at the end of a response
-_GSM8K_STRICT = re.compile(r"#### (-?[0-9.,]+)")
-_GSM8K_FLEXIBLE = re.compile(r"-?[0-9.,]+")
-
-
-def gsm8k_reward(response: str, answer: str, method: str = "strict", format_score: float = 0.0,
-                 score: float = 1.0) -> float:
-    """verl's rule for openai/gsm8k (its default reward for that data_source): in the response's last
-    300 characters, the number after the last '#### ' without its commas (strict), or the last run
-    of digits, dots and commas that is not '.' (flexible), compared as text with the answer: `score`
-    when equal, `format_score` when not, 0 when there is none."""
-    if method not in ("strict", "flexible"):
-        raise ValueError(f"gsm8k: method is {method!r}, not strict or flexible")
-    tail = response[-_GSM8K_TAIL:]
-    if method == "strict":
-        found = _GSM8K_STRICT.findall(tail)
-        final = found[-1].replace(",", "") if found else None
-    else:
-        found = _GSM8K_FLEXIBLE.findall(tail)
-        final = next((x for x in reversed(found) if x != "."), found[0] if found else None)
-    if final is None:
-        return 0.0
-    return float(score) if final == answer else float(format_score)
-
-
-BUILTIN_REWARDS: dict[str, RewardFn] = {"math": math_reward, "exact": exact_match_reward, "gsm8k": gsm8k_reward}
+BUILTIN_REWARDS: dict[str, Callable] = {"math": math_reward, "exact": exact_match_reward, "gsm8k": gsm8k_reward,
+                                        "verl": verl_default_reward}
 
 
 def is_file_spec(module_part: str) -> bool:

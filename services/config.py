@@ -409,7 +409,7 @@ class EtarlConfig(BaseModel):
             from rollout_workers.rewards import BUILTIN_REWARDS
 
             without = ("multi-turn rollouts take their rewards from the environment" if self.rollout.multi_turn.environment
-                       else f"rollout.reward={self.rollout.reward} returns a number" if self.rollout.reward in BUILTIN_REWARDS
+                       else f"rollout.reward={self.rollout.reward} is one score" if self.rollout.reward in BUILTIN_REWARDS
                        else None)
             if without:
                 raise ValueError(f"learner.advantage.estimator=gdpo normalises the parts of a reward one by one, but "

@@ -16,9 +16,10 @@ import json
 import logging
 import os
 import re
+from collections import Counter
 from pathlib import Path
 
-from rollout_workers.data import (InvalidPrompts, Problem, PromptFormat, PromptReport, check_prompts,
+from rollout_workers.data import (MAX_LISTED, InvalidPrompts, Problem, PromptFormat, PromptReport, check_prompts,
                                   context_can_stretch, model_context_len)
 from services.config import ConfigError, EtarlConfig
 
@@ -136,6 +137,32 @@ def _checked_files(files: dict[str, tuple[str, int | None]], task, fmt: PromptFo
     return reports
 
 
+def _rows_reward(cfg: EtarlConfig) -> str | None:
+    """The reward spec that scores the rows of a prompt file: the run's, or the tools environment's; None where
+    another environment scores them."""
+    if not cfg.rollout.multi_turn.enabled:
+        return cfg.rollout.reward
+    if cfg.rollout.multi_turn.environment == "tools":
+        return cfg.rollout.environment_arguments()["reward"]
+    return None
+
+
+def unscorable_rows(cfg: EtarlConfig, report: PromptReport) -> str | None:
+    """Why rollout.reward=verl cannot score rows of a checked file (each data_source it has no rule for, with
+    its row count); None when it can score them all, or the run's reward is another."""
+    if _rows_reward(cfg) != "verl":
+        return None
+    from rollout_workers.verl_rewards import unscorable_sources
+
+    counts = Counter(problem.data_source for problem in report.problems)
+    whys = sorted(unscorable_sources(counts).items(), key=lambda item: -counts[item[0]])
+    if not whys:
+        return None
+    listed = "; ".join(f"{counts[source]} rows of data_source {source!r}: {why}" for source, why in whys[:MAX_LISTED])
+    more = f" (and {len(whys) - MAX_LISTED} more data sources)" if len(whys) > MAX_LISTED else ""
+    return f"rollout.reward=verl cannot score {listed}{more}"
+
+
 def check_run_inputs(cfg: EtarlConfig, model_dir) -> None:
     """Check the model folder, the reward and the prompt files before a run starts (see above)."""
     fmt = prompt_format(cfg, model_dir)
@@ -150,16 +177,28 @@ def check_run_inputs(cfg: EtarlConfig, model_dir) -> None:
             report.usable(cfg.rollout.task.skip_invalid)
         except InvalidPrompts as err:
             raise ConfigError(f"{key}: {err}") from None
+        unscorable = unscorable_rows(cfg, report)
+        if unscorable:
+            raise ConfigError(f"{key}: {unscorable}")
         log.info("prompts %s", report.summary())
 
 
 def check_eval_inputs(cfg: EtarlConfig, model_dir) -> None:
     """`etarl eval`'s checks before an engine starts: a held-out set to evaluate on, the model
-    folder's tokenizer and context, and a multi-turn run's environment."""
-    if cfg.rollout.task.kind == "file" and not cfg.rollout.task.heldout_path:
+    folder's tokenizer and context, a multi-turn run's environment, and with rollout.reward=verl the
+    held-out rows' data sources."""
+    task = cfg.rollout.task
+    if task.kind == "file" and not task.heldout_path:
         raise ConfigError("rollout.task.heldout_path is unset: etarl eval evaluates on the held-out prompts "
                           "(set it)")
-    check_environment(cfg, prompt_format(cfg, model_dir))
+    fmt = prompt_format(cfg, model_dir)
+    check_environment(cfg, fmt)
+    if task.kind == "file" and _rows_reward(cfg) == "verl":  # its data sources, read before an engine starts
+        files = {key: (path, cfg.eval.max_new_tokens) for key, path in task.files("heldout_path").items()}
+        for key, report in _checked_files(files, task, fmt).items():
+            unscorable = unscorable_rows(cfg, report)
+            if unscorable:
+                raise ConfigError(f"{key}: {unscorable}")
 
 
 def data_check(cfg: EtarlConfig, model_dir, paths: list[str] | None = None) -> tuple[str, bool]:
@@ -179,6 +218,7 @@ def data_check(cfg: EtarlConfig, model_dir, paths: list[str] | None = None) -> t
     lines, accepted = [f"model {model_dir}: {fmt.describe()}"], True
     for key, report in reports.items():
         lines.append(report.summary() if paths else f"{key} = {report.summary()}")
+        unscorable = unscorable_rows(cfg, report)
         if not report.problems:
             accepted = False
             lines.append("  a run would refuse this file: it holds no usable prompt")
@@ -188,8 +228,11 @@ def data_check(cfg: EtarlConfig, model_dir, paths: list[str] | None = None) -> t
             accepted = False
             lines.append("  a run would refuse this file: fix the rows, or set rollout.task.skip_invalid=true to "
                          "skip them")
-        else:
+        elif not unscorable:
             lines.append("  every row is usable")
+        if unscorable:
+            accepted = False
+            lines.append(f"  a run would refuse this file: {unscorable}")
     return "\n".join(lines), accepted
 
 

@@ -56,9 +56,8 @@ ONE_REWARD = "etarl tells the manager by the reward's signature: compute_score(d
              "call (verl's batch); DAPO's overlong shaping is rollout.overlong_buffer"
 NO_REWARD_MODEL = "etarl starts no reward model: serve the judge apart and call it from the reward " \
                   "(examples/judge_reward.py; its URL and key named in rollout.reward_env)"
-DEFAULT_REWARD = ("verl's default reward goes by data_source; etarl's math takes the final answer as a number "
-                  "(the built-in task's default is exact); verl's openai/gsm8k rule is rollout.reward=gsm8k, its "
-                  "other rules rollout.reward=verl.utils.reward_score:default_compute_score with verl installed")
+DEFAULT_REWARD = ("verl's default reward by data_source, without verl: GSM8K, MATH, DAPO/AIME and Search-R1 rows; "
+                  "a run refuses at start rows of any other data_source")
 REWARD_KWARGS = Rule("rollout.reward_kwargs.", "the reward's keyword arguments")
 RULES: dict[str, Rule] = {
     # data
@@ -404,8 +403,8 @@ def translate(overrides: list[tuple[str, Any]]) -> tuple[list[str], list[str]]:
     if "rollout.task.path" in etarl:
         etarl.setdefault("rollout.task.kind", "file")
         if not any(key.startswith(REWARD_FUNCTIONS) for key in given):
-            etarl.setdefault("rollout.reward", "math")
-            lines.append(f"  (no custom_reward_function -> rollout.reward=math: {DEFAULT_REWARD})")
+            etarl.setdefault("rollout.reward", "verl")
+            lines.append(f"  (no custom_reward_function -> rollout.reward=verl: {DEFAULT_REWARD})")
     return lines, [f"{key}={text}" for key, text in etarl.items()]
 
 

@@ -143,7 +143,7 @@ def test_ppo_with_a_critic_takes_groups_of_one_and_names_a_misspelled_critic_key
 
 def test_gdpo_needs_a_reward_with_parts():
     gdpo = ["learner.advantage.estimator=gdpo", "learner.advantage.gdpo_reward_keys=[format,accuracy]"]
-    with pytest.raises(ConfigError, match="rollout.reward=exact returns a number, with no parts"):
+    with pytest.raises(ConfigError, match="rollout.reward=exact is one score, with no parts"):
         load_config(None, gdpo)  # the default's reward is the built-in exact match
     with pytest.raises(ConfigError, match="multi-turn rollouts take their rewards from the environment"):
         load_config(None, gdpo + ["rollout.reward=my_rewards:score", "rollout.multi_turn.environment=calculator"])
@@ -316,8 +316,9 @@ def test_a_verl_command_line_without_a_reward_function_is_told_which_reward_etar
     with pytest.raises(ConfigError) as refused:
         load_config(None, [k for k in VERL_GRPO if not k.startswith("custom_reward_function.")])
     said = str(refused.value)
-    assert "(no custom_reward_function -> rollout.reward=math: verl's default reward goes by data_source" in said
-    assert "rollout.reward=gsm8k" in said and "rollout.reward=math" in said.splitlines()[-1]  # in the line to paste
+    assert "(no custom_reward_function -> rollout.reward=verl: verl's default reward by data_source, without verl" \
+        in said
+    assert "rollout.reward=verl" in said.splitlines()[-1]  # in the line to paste
     with pytest.raises(ConfigError) as refused:
         load_config(None, VERL_GRPO)
     assert "no custom_reward_function" not in str(refused.value)

@@ -12,7 +12,7 @@ import pytest
 
 from services.cli import EXIT_CONFIG_ERROR, main
 from services.config import ConfigError, load_config
-from services.inputs import check_run_inputs, ray_runtime_env
+from services.inputs import check_eval_inputs, check_run_inputs, ray_runtime_env
 
 GOOD_REWARD = "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n"
 
@@ -210,3 +210,33 @@ def test_data_check_refuses_the_environment_a_run_would_refuse_naming_the_key_me
     assert code == EXIT_CONFIG_ERROR
     assert "rollout.multi_turn: environment_kwargs.max_tool_turn: not an argument of the environment (did you mean " \
            "max_tool_turns?); it takes path, config, reward" in err
+
+
+def test_rows_the_verl_reward_cannot_score_stop_a_run_data_check_and_eval_before_an_engine(tiny_model_dir, tmp_path,
+                                                                                          capsys):
+    def row(source, answer="4"):
+        return {"prompt": [{"role": "user", "content": "2+2?"}], "data_source": source,
+                "reward_model": {"style": "rule", "ground_truth": answer}}
+
+    scorable = write_rows(tmp_path / "gsm8k.jsonl", [row("openai/gsm8k"), row("aime24"), row("lighteval/MATH")])
+    mixed = write_rows(tmp_path / "mixed.jsonl", [row("openai/gsm8k"), row("numina_olympiads"), row("my_set"),
+                                                  row("my_set")])
+    cfg = load_config(None, [f"run.model={tiny_model_dir}", "rollout.task.kind=file", f"rollout.task.path={scorable}",
+                             f"rollout.task.heldout_path={mixed}", "rollout.reward=verl"])
+    with pytest.raises(ConfigError) as refused:
+        check_run_inputs(cfg, tiny_model_dir)
+    said = str(refused.value)
+    assert said.startswith("rollout.task.heldout_path: rollout.reward=verl cannot score 2 rows of data_source "
+                           "'my_set': verl's default reward has no rule for it either")
+    assert "1 rows of data_source 'numina_olympiads': verl scores it with prime_math" in said
+    cfg.rollout.task.heldout_path = str(scorable)
+    check_run_inputs(cfg, tiny_model_dir)  # every source has its rule
+    with pytest.raises(ConfigError, match="rollout.task.heldout_path: rollout.reward=verl cannot score"):
+        check_eval_inputs(cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={
+            "task": cfg.rollout.task.model_copy(update={"heldout_path": str(mixed)})})}), tiny_model_dir)
+    code = main(["data", "check", str(scorable), str(mixed), f"run.model={tiny_model_dir}", "rollout.reward=verl"])
+    out = capsys.readouterr().out
+    assert code == 1 and out.count("a run would refuse this file") == 1
+    assert "a run would refuse this file: rollout.reward=verl cannot score 2 rows of data_source 'my_set'" in out
+    # Another reward scores what it is given: no data_source is asked for.
+    assert main(["data", "check", str(mixed), f"run.model={tiny_model_dir}", "rollout.reward=math"]) == 0
