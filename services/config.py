@@ -282,6 +282,13 @@ class MetricsConfig(BaseModel):
     port: Optional[int] = Field(None, ge=0, le=65535, description="serve /metrics for Prometheus on this "
                                 "port (0: any free port; None: off)")
     host: str = "127.0.0.1"
+    trackers: list[Literal["wandb", "tensorboard"]] = Field(
+        default_factory=list, description="experiment trackers that also get every step's and evaluation's "
+        "metrics (verl's trainer.logger): wandb (Weights & Biases; WANDB_API_KEY, or WANDB_MODE=offline, in the "
+        "driver's environment), tensorboard (RUN_DIR/tensorboard)")
+    project: str = Field("etarl", description="the W&B project (verl's trainer.project_name)")
+    experiment: Optional[str] = Field(None, description="the run's name in W&B (verl's trainer.experiment_name); "
+                                      "None: the run folder's name")
 
 
 # ---------------------------------------------------------------- the tree

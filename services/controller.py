@@ -158,6 +158,8 @@ class Controller:
         self._quarantines_said = 0  # rollout/quarantined as last said on the console
         self._started = False
         self.buffer = self.learner = self.weights = self.evaluations = self.exporter = self.workers = None
+        self.trackers = None  # W&B / TensorBoard (metrics.trackers)
+        self.failed = False  # the run raised: a W&B run is marked failed
         self.placement = None
         self.eta_control = None  # buffer.gate.eta: auto
 
@@ -182,6 +184,7 @@ class Controller:
         check_shared_paths(self.run_dir, run_paths(cfg, self.model_dir))  # before any actor: a node that
         # sees another folder would fail the run at its first checkpoint
         (self.run_dir / CONFIG_FILE).write_text(cfg.to_yaml())
+        self._open_trackers()  # before any actor: a tracker that cannot start stops the run here
         self.placement = Placement(plan, cfg.ray.placement_timeout_s)
         from learner.distributed import LearnerGroup
 
@@ -236,6 +239,16 @@ class Controller:
         log.info("resumed from %s: step %d, version %d, buffer %s", checkpoint, self.step, self.version, restored)
         return state
 
+    def _open_trackers(self) -> None:
+        metrics = self.cfg.metrics
+        if not metrics.trackers:
+            return
+        from services.trackers import open_trackers
+
+        resumed_at = int(ckpt.read_state(self.resume_from)["step"]) if self.resume_from is not None else None
+        self.trackers = open_trackers(metrics.trackers, self.run_dir, metrics.project, metrics.experiment,
+                                      self.cfg.model_dump(mode="json"), resumed_at)
+
     def _start_exporter(self) -> None:
         if self.cfg.metrics.port is None:
             return
@@ -266,6 +279,9 @@ class Controller:
         if self.placement is not None:
             self.placement.release()
             self.placement = None
+        if self.trackers is not None:
+            self.trackers.close(failed=self.failed)
+            self.trackers = None
         if self._made_run_dir:
             try:
                 self.run_dir.rmdir()  # a run refused before it wrote anything leaves no empty folder
@@ -277,7 +293,8 @@ class Controller:
     def run(self) -> RunResult:
         started = time.perf_counter()
         cfg = self.cfg
-        metric_log = MetricLog(self.run_dir, resume_after_step=self.step if self.resume_from else None)
+        metric_log = MetricLog(self.run_dir, resume_after_step=self.step if self.resume_from else None,
+                               trackers=self.trackers)
         with _logs_above_the_bar():  # log lines above the progress bar, not inside it
             progress = _progress(cfg, self.step)
             try:
@@ -592,6 +609,9 @@ def run_training(cfg: EtarlConfig, resume: str | os.PathLike | None = None) -> R
     try:
         controller.start()
         return controller.run()
+    except BaseException:
+        controller.failed = True
+        raise
     finally:
         controller.stop()
         if previous is not None:

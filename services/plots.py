@@ -28,7 +28,8 @@ class MetricLog:
     in the folder of one that ended before its first checkpoint moves that one's log aside to
     `metrics.jsonl.prev`."""
 
-    def __init__(self, run_dir: str | os.PathLike, resume_after_step: int | None = None) -> None:
+    def __init__(self, run_dir: str | os.PathLike, resume_after_step: int | None = None, trackers=None) -> None:
+        self.trackers = trackers  # services.trackers.Trackers: each record also goes to W&B / TensorBoard
         self.path = Path(run_dir) / METRICS_FILE
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if resume_after_step is not None and self.path.exists():
@@ -41,6 +42,8 @@ class MetricLog:
     def write(self, record: dict) -> None:
         self._file.write(json.dumps(_finite(record)) + "\n")
         self._file.flush()
+        if self.trackers is not None:
+            self.trackers.log(record)
 
     def close(self) -> None:
         self._file.close()

@@ -23,6 +23,8 @@ import yaml
 from rollout_workers.environments.tool_calls import FORMATS as TOOL_CALL_FORMATS
 from services.yaml_values import yaml_value
 
+TRACKERS = ("wandb", "tensorboard")  # metrics.trackers' names (services/trackers.py)
+
 # verl's top-level sections; none of them is one of etarl's (mode, run, ray, buffer, rollout, learner, eval, metrics)
 VERL_SECTIONS = ("actor_rollout_ref", "algorithm", "async_training", "critic", "custom_reward_function", "data",
                  "distillation", "global_profiler", "ray_kwargs", "reward", "reward_manager", "reward_model",
@@ -198,10 +200,8 @@ RULES: dict[str, Rule] = {
     **{key: Rule(None, CLUSTER) for key in ("trainer.nnodes", "trainer.n_gpus_per_node", "rollout.nnodes",
                                             "rollout.n_gpus_per_node")},
     "rollout.total_rollout_steps": Rule(None, "etarl counts learner steps: run.steps"),
-    "trainer.logger": Rule(None, "etarl writes metrics.jsonl and plots to the run folder and serves Prometheus "
-                                 "metrics (metrics.port)"),
-    "trainer.project_name": Rule(None, "a run is its folder (run.run_dir)"),
-    "trainer.experiment_name": Rule(None, "a run is its folder (run.run_dir)"),
+    "trainer.project_name": Rule("metrics.project", "the W&B project"),
+    "trainer.experiment_name": Rule("metrics.experiment", "the run's name in W&B"),
 }
 # Whole sections: under another name, or without an etarl counterpart.
 PREFIXES = {
@@ -321,6 +321,16 @@ def _tools(key: str, value: Any, given: dict) -> Said:
             ("rollout.multi_turn.environment_kwargs." + which, value, "")]
 
 
+def _trackers(key: str, value: Any, given: dict) -> Said:
+    """verl's trainer.logger: console (etarl always prints), wandb and tensorboard are etarl's too."""
+    names = [value] if isinstance(value, str) else list(value) if isinstance(value, (list, tuple)) else [value]
+    kept = [name for name in names if name in TRACKERS]
+    others = [str(name) for name in names if name not in TRACKERS and name != "console"]
+    note = (f"etarl has no {', '.join(others)} tracker (it has {', '.join(TRACKERS)}); " if others else "") + \
+        "the console, metrics.jsonl and plots in the run folder, Prometheus on metrics.port, always"
+    return [("metrics.trackers", kept, note)] if kept else [(None, None, note)]
+
+
 def _routing(key: str, value: Any, given: dict) -> Said:
     if ACTOR + "router_replay.mode" in given:
         return []  # the mode says it
@@ -335,6 +345,7 @@ JOINS: dict[str, Callable[[str, Any, dict], Said]] = {
     ACTOR + "clip_ratio": _clip_ratio,
     **{ROLLOUT + "val_kwargs." + k: _validation for k in ("n", "temperature", "do_sample")},
     "trainer.total_training_steps": _steps,
+    "trainer.logger": _trackers,
     ROLLOUT + "enable_rollout_routing_replay": _routing,
     ROLLOUT + "multi_turn.function_tool_path": _tools,
     ROLLOUT + "multi_turn.tool_config_path": _tools,

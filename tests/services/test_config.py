@@ -290,7 +290,7 @@ def test_verl_keys_are_refused_with_etarls_names_and_a_command_line_that_loads()
     assert "these are verl's keys, which etarl does not read" in message
     assert "actor_rollout_ref.rollout.n=5 -> rollout.sampling.n=5" in message
     assert "data.max_prompt_length=512 -> rollout.engine.max_model_len=1536" in message
-    assert "trainer.logger: no etarl key" in message
+    assert "trainer.logger=[console, wandb] -> metrics.trackers=[wandb] (the console, metrics.jsonl" in message
     assert "trainer.total_epochs: no etarl key: etarl counts steps" in message
     assert "actor_rollout_ref.actor.fsdp_config.param_offload: no etarl key" in message
     cfg = load_config(None, shlex.split(message.splitlines()[-1]))  # the etarl line, as a shell reads it
@@ -389,6 +389,8 @@ def test_verl_keys_that_change_nothing_in_verl_or_etarl_become_no_key(verl, said
     (["data.max_prompt_length=null", "data.max_response_length=100", "actor_rollout_ref.rollout.max_model_len=null"],
      "rollout.sampling.max_new_tokens=100"),  # nulls are verl's defaults: etarl's stand
     (["algorithm.adv_estimator=grpo_vectorized"], "learner.advantage.estimator=grpo"),
+    (["trainer.logger=['console','wandb','swanlab']", "trainer.project_name=gsm8k", "trainer.experiment_name=q05"],
+     "'metrics.trackers=[wandb]' metrics.project=gsm8k metrics.experiment=q05"),  # console always; no swanlab
     (["custom_reward_function.path=r.py", 'custom_reward_function.reward_kwargs.mode="yes"'],
      "'rollout.reward_kwargs.mode=\"yes\"'"),  # a string YAML would read as true stays a string
     (["reward_model.overlong_buffer.enable=True", "reward_model.overlong_buffer.len=4",
@@ -430,7 +432,8 @@ def test_every_rule_of_the_verl_table_gives_a_line_that_loads():
                      "actor_rollout_ref.actor.policy_loss.clip_cov_ub": 5.0,
                      "actor_rollout_ref.rollout.top_p": 1.0, "actor_rollout_ref.rollout.top_k": -1,
                      "actor_rollout_ref.rollout.max_model_len": 1536, "data.truncation": "error",
-                     "actor_rollout_ref.rollout.multi_turn.format": "hermes"}
+                     "actor_rollout_ref.rollout.multi_turn.format": "hermes", "trainer.project_name": "verl_examples",
+                     "trainer.experiment_name": "gsm8k"}
     for key, rule in RULES.items():
         if rule.etarl is None or key.startswith(("data.train_files", "data.val_files", "critic.model.path",
                                                   "trainer.default_local_dir", "actor_rollout_ref.model.path")):
