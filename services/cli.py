@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import json
+import logging
 import os
 import sys
 import threading
@@ -137,6 +138,14 @@ def _dispatch(args) -> int:
         from services.placement import QUIET_VLLM
 
         os.environ["VLLM_LOGGING_LEVEL"] = QUIET_VLLM  # the engine runs here: its warnings would bury the result
+        # etarl's own lines on stderr (what is evaluated, on which engine), through a handler of its own: one
+        # on the root would print vLLM's warnings a second time. stdout is the metrics' JSON alone.
+        said = logging.StreamHandler()
+        said.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+        etarl_log = logging.getLogger("etarl")
+        etarl_log.addHandler(said)
+        etarl_log.setLevel(logging.INFO)
+        etarl_log.propagate = False
 
         if args.run and not args.config:  # a run is evaluated on its own task and settings
             from services.controller import engine_for_this_machine, resume_config

@@ -649,6 +649,9 @@ def evaluate_model(cfg: EtarlConfig, model: str | None = None, run_dir: str | No
         cfg = cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"engine": kind})})
     check_eval_inputs(cfg, folder)
     evaluator = PolicyEvaluator.from_config(cfg, folder)
+    task = cfg.rollout.task
+    held_out = ", ".join(task.files("heldout_path").values()) if task.kind == "file" else f"the {task.kind} task"
+    log.info("etarl eval: %s on %d held-out prompts of %s", folder, len(evaluator.prompts), held_out)
     try:
         return evaluator.evaluate_payload(None)
     finally:

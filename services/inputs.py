@@ -180,7 +180,7 @@ def check_run_inputs(cfg: EtarlConfig, model_dir) -> None:
         unscorable = unscorable_rows(cfg, report)
         if unscorable:
             raise ConfigError(f"{key}: {unscorable}")
-        log.info("prompts %s", report.summary())
+        log.info("prompts %s", report.summary(list_bad=False))  # usable() logged the rows it skips
 
 
 def check_eval_inputs(cfg: EtarlConfig, model_dir) -> None:

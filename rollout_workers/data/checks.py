@@ -52,8 +52,9 @@ class PromptReport:
         p50, p99 = (int(np.percentile(counts, q, method="higher")) for q in (50, 99))
         return {"p50": p50, "p99": p99, "max": int(counts.max())}
 
-    def summary(self) -> str:
-        """A few lines for a person: counts, token statistics against the context, the bad rows."""
+    def summary(self, list_bad: bool = True) -> str:
+        """A few lines for a person: counts, token statistics against the context, the bad rows (unless
+        `list_bad` is false: where they were listed already)."""
         lines = [f"{self.source}: {self.rows} rows, {len(self.problems)} usable, {len(self.bad)} unusable"]
         stats = self.token_stats()
         if stats:
@@ -65,7 +66,7 @@ class PromptReport:
             lines.append(f"  tokens per prompt: p50 {stats['p50']}, p99 {stats['p99']}, max {stats['max']}{room}")
         if self.cut:
             lines.append(f"  {self.cut} prompts cut to fit (rollout.task.truncation={self.truncation})")
-        if self.bad:
+        if self.bad and list_bad:
             shown = self.bad[:MAX_LISTED]
             more = f"; the first {len(shown)}" if len(self.bad) > len(shown) else ""
             lines.append(f"  unusable rows ({len(self.bad)}{more}):")

@@ -110,6 +110,7 @@ def test_eval_prints_only_its_metrics_and_ends_its_engine(tiny_model_dir, tmp_pa
     assert out.returncode == 0, out.stderr[-3000:]
     metrics = json.loads(out.stdout)
     assert metrics["eval/num_prompts"] == 8 and 0 <= metrics["eval/accuracy"] <= 1 and "eval/pass@2" in metrics
+    assert f"etarl eval: {tiny_model_dir} on 8 held-out prompts of the " in out.stderr  # what it evaluated, on stderr
     assert "Traceback" not in out.stderr and "Exception ignored" not in out.stderr, out.stderr[-3000:]
     assert "leaked shared_memory" not in out.stderr, out.stderr[-3000:]
 

@@ -58,6 +58,7 @@ def test_skip_invalid_starts_with_the_usable_rows_and_logs_the_others(tiny_model
     text = caplog.text
     assert "skipping 2 unusable rows" in text and "row 2: no answer" in text
     assert "4 rows, 2 usable, 2 unusable" in text and "tokens per prompt: p50" in text
+    assert text.count("row 2: no answer") == 1  # listed once, where they are skipped
     assert "reward math (etarl form)" in text
 
 
