@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import json
 import logging
 import os
@@ -134,32 +135,45 @@ def _dispatch(args) -> int:
         print(f"plots: {result.run_dir / 'plots'}/*.png   metrics: {result.run_dir / 'metrics.jsonl'}")
         return 0 if result.completed or result.interrupted else 1
     if args.command == "eval":
-        from services.controller import evaluate_model
-        from services.placement import QUIET_VLLM
-
-        os.environ["VLLM_LOGGING_LEVEL"] = QUIET_VLLM  # the engine runs here: its warnings would bury the result
-        # etarl's own lines on stderr (what is evaluated, on which engine), through a handler of its own: one
-        # on the root would print vLLM's warnings a second time. stdout is the metrics' JSON alone.
-        said = logging.StreamHandler()
-        said.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
-        etarl_log = logging.getLogger("etarl")
-        etarl_log.addHandler(said)
-        etarl_log.setLevel(logging.INFO)
-        etarl_log.propagate = False
-
-        if args.run and not args.config:  # a run is evaluated on its own task and settings
-            from services.controller import engine_for_this_machine, resume_config
-
-            cfg = resume_config(args.run, None, args.overrides)
-            cfg = engine_for_this_machine(cfg, {o.partition("=")[0] for o in args.overrides})
-        else:
-            cfg = load_config(args.config, args.overrides)
-        metrics = evaluate_model(cfg, model=args.model, run_dir=args.run)
-        print(json.dumps(metrics, indent=1))
-        return 0
+        return _evaluate(args)
     if args.command == "data":
         return _data_check(args)
     raise AssertionError(args.command)
+
+
+def _evaluate(args) -> int:
+    from services.config import load_config
+    from services.controller import evaluate_model
+    from services.placement import QUIET_VLLM
+
+    os.environ["VLLM_LOGGING_LEVEL"] = QUIET_VLLM  # the engine runs here: its warnings would bury the result
+    if args.run and not args.config:  # a run is evaluated on its own task and settings
+        from services.controller import engine_for_this_machine, resume_config
+
+        cfg = resume_config(args.run, None, args.overrides)
+        cfg = engine_for_this_machine(cfg, {o.partition("=")[0] for o in args.overrides})
+    else:
+        cfg = load_config(args.config, args.overrides)
+    with _etarl_lines_on_stderr():
+        metrics = evaluate_model(cfg, model=args.model, run_dir=args.run)
+    print(json.dumps(metrics, indent=1))  # stdout is the metrics' JSON alone
+    return 0
+
+
+@contextlib.contextmanager
+def _etarl_lines_on_stderr():
+    """etarl's INFO lines (what `etarl eval` evaluates, on which engine) on stderr, through a handler on
+    etarl's logger alone (one on the root would print vLLM's warnings a second time), for the block."""
+    etarl_log = logging.getLogger("etarl")
+    handler, level = logging.StreamHandler(sys.stderr), etarl_log.level
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    etarl_log.addHandler(handler)
+    etarl_log.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        etarl_log.removeHandler(handler)
+        etarl_log.setLevel(level)
 
 
 def _is_override(item: str) -> bool:
