@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections import Counter
 from dataclasses import dataclass, field
 
 from rollout_workers.data.chat import PromptFormat
@@ -22,6 +23,7 @@ from rollout_workers.data.synthetic import mixed_problems
 
 log = logging.getLogger(__name__)
 MAX_LISTED = 20
+MAX_SOURCES = 8  # data sources a summary names, the most rows first
 
 
 class InvalidPrompts(ValueError):
@@ -64,6 +66,11 @@ class PromptReport:
                 room = (f" (context {self.context_len} - max_new_tokens {new}: prompts of up to "
                         f"{self.context_len - new} tokens fit)")
             lines.append(f"  tokens per prompt: p50 {stats['p50']}, p99 {stats['p99']}, max {stats['max']}{room}")
+        sources = Counter(problem.data_source for problem in self.problems if problem.data_source)
+        if sources:  # what a verl reward goes by
+            shown = ", ".join(f"{source} ({count})" for source, count in sources.most_common(MAX_SOURCES))
+            more = f" and {len(sources) - MAX_SOURCES} more" if len(sources) > MAX_SOURCES else ""
+            lines.append(f"  data sources: {shown}{more}")
         if self.cut:
             lines.append(f"  {self.cut} prompts cut to fit (rollout.task.truncation={self.truncation})")
         if self.bad and list_bad:

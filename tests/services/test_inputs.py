@@ -238,6 +238,7 @@ def test_rows_the_verl_reward_cannot_score_stop_a_run_data_check_and_eval_before
     code = main(["data", "check", str(scorable), str(mixed), f"run.model={tiny_model_dir}", "rollout.reward=verl"])
     out = capsys.readouterr().out
     assert code == 1 and out.count("a run would refuse this file") == 1
+    assert "data sources: my_set (2), openai/gsm8k (1), numina_olympiads (1)" in out  # most rows first
     assert "a run would refuse this file: rollout.reward=verl cannot score 2 rows of data_source 'my_set'" in out
     # Another reward scores what it is given: no data_source is asked for.
     assert main(["data", "check", str(mixed), f"run.model={tiny_model_dir}", "rollout.reward=math"]) == 0
