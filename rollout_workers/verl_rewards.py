@@ -14,7 +14,9 @@ and Search-R1 files score in etarl as they score in verl:
 The rules are written from verl's behaviour (verl 1dda039) and checked against verl's functions on
 random texts. verl's other rules need packages etarl does not carry (sympy for prime_math, a sandbox
 for code, mathruler for geometry3k): their rows, and rows of a data_source verl has no rule for, are
-refused when a run starts (`unscorable_sources`), and fail as a reward error if one reaches a worker.
+refused when a run starts (`unscorable`, with rows whose reference their rule cannot read), and fail as
+a reward error if one reaches a worker. In a multi-turn tools run the rule reads the answer turn, where verl
+reads the whole response (a Search-R1 answer in an earlier turn, or its tag count, differ there).
 """
 from __future__ import annotations
 
@@ -315,10 +317,32 @@ def why_unscorable(data_source: Any) -> str | None:
     return "verl's default reward has no rule for it either: set rollout.reward to a function that scores it"
 
 
-def unscorable_sources(data_sources: Iterable[Any]) -> dict[Any, str]:
-    """{data_source: why} for those of `data_sources` rollout.reward=verl cannot score."""
-    whys = {source: why_unscorable(source) for source in set(data_sources)}
-    return {source: why for source, why in whys.items() if why is not None}
+def _why_bad_reference(data_source: Any, ground_truth: Any) -> str | None:
+    """Why a row's ground_truth cannot be scored by its data_source's rule (verl's rules compare text,
+    Search-R1's a {'target': answers} map); None when it can."""
+    if _rule(data_source) is search_r1_reward:
+        targets = ground_truth.get("target") if isinstance(ground_truth, dict) else None
+        if isinstance(targets, str) or (isinstance(targets, list) and targets
+                                        and all(isinstance(t, str) for t in targets)):
+            return None
+        return "its ground_truth is not {'target': [answers]} (so it never scores)"
+    if not isinstance(ground_truth, str):
+        return f"its ground_truth is a {type(ground_truth).__name__}, not text (verl compares text: it never scores)"
+    return None
+
+
+def unscorable(rows: Iterable[tuple[Any, Any]]) -> dict[tuple[Any, str], int]:
+    """{(data_source, why): row count} for the (data_source, ground_truth) rows rollout.reward=verl cannot
+    score: a data_source without a rule here, or a reference its rule cannot read."""
+    counts: dict[tuple[Any, str], int] = {}
+    by_source: dict[Any, str | None] = {}
+    for source, truth in rows:
+        if source not in by_source:
+            by_source[source] = why_unscorable(source)
+        why = by_source[source] or _why_bad_reference(source, truth)
+        if why:
+            counts[(source, why)] = counts.get((source, why), 0) + 1
+    return counts
 
 
 def verl_default_reward(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None):

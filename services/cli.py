@@ -162,17 +162,21 @@ def _evaluate(args) -> int:
 
 @contextlib.contextmanager
 def _etarl_lines_on_stderr():
-    """etarl's INFO lines (what `etarl eval` evaluates, on which engine) on stderr, through a handler on
-    etarl's logger alone (one on the root would print vLLM's warnings a second time), for the block."""
+    """etarl's INFO lines (what `etarl eval` evaluates, on which engine) on stderr for the block: through a
+    handler on etarl's logger where no handler would show them (one on the root would print vLLM's warnings
+    a second time), else through the handlers there are."""
     etarl_log = logging.getLogger("etarl")
-    handler, level = logging.StreamHandler(sys.stderr), etarl_log.level
-    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
-    etarl_log.addHandler(handler)
+    handler = None if etarl_log.hasHandlers() else logging.StreamHandler(sys.stderr)
+    level = etarl_log.level
+    if handler is not None:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+        etarl_log.addHandler(handler)
     etarl_log.setLevel(logging.INFO)
     try:
         yield
     finally:
-        etarl_log.removeHandler(handler)
+        if handler is not None:
+            etarl_log.removeHandler(handler)
         etarl_log.setLevel(level)
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, Tag, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, Tag, ValidationError, field_validator, model_validator
 
 from rollout_workers.tiny_model import TinyModelSpec
 from services.yaml_values import yaml_value
@@ -289,6 +289,11 @@ class MetricsConfig(BaseModel):
     project: str = Field("etarl", description="the W&B project (verl's trainer.project_name)")
     experiment: Optional[str] = Field(None, description="the run's name in W&B (verl's trainer.experiment_name); "
                                       "None: the run folder's name")
+
+    @field_validator("trackers")
+    @classmethod
+    def _each_tracker_once(cls, value: list[str]) -> list[str]:
+        return list(dict.fromkeys(value))  # one named twice would get every metric twice
 
 
 # ---------------------------------------------------------------- the tree

@@ -20,7 +20,7 @@ from collections import Counter
 from pathlib import Path
 
 from rollout_workers.data import (MAX_LISTED, InvalidPrompts, Problem, PromptFormat, PromptReport, check_prompts,
-                                  context_can_stretch, model_context_len)
+                                  context_can_stretch, model_context_len, read_prompt_file)
 from services.config import ConfigError, EtarlConfig
 
 log = logging.getLogger("etarl")
@@ -147,19 +147,28 @@ def _rows_reward(cfg: EtarlConfig) -> str | None:
     return None
 
 
-def unscorable_rows(cfg: EtarlConfig, report: PromptReport) -> str | None:
-    """Why rollout.reward=verl cannot score rows of a checked file (each data_source it has no rule for, with
-    its row count); None when it can score them all, or the run's reward is another."""
+def _check_verl_reward_task(cfg: EtarlConfig) -> None:
+    """rollout.reward=verl goes by each row's data_source, which the built-in tasks' problems do not have."""
+    if _rows_reward(cfg) == "verl" and cfg.rollout.task.kind != "file":
+        raise ConfigError(f"rollout.reward=verl scores verl rows by their data_source, and the built-in "
+                          f"rollout.task.kind={cfg.rollout.task.kind} task has none: use rollout.reward=math or exact, "
+                          "or a file of verl rows (rollout.task.kind=file)")
+
+
+def unscorable_rows(cfg: EtarlConfig, problems: list[Problem]) -> str | None:
+    """Why rollout.reward=verl cannot score some of a file's rows (a data_source it has no rule for, or a
+    reference the rule cannot read, each with its row count); None when it can score them all, or the
+    run's reward is another."""
     if _rows_reward(cfg) != "verl":
         return None
-    from rollout_workers.verl_rewards import unscorable_sources
+    from rollout_workers.verl_rewards import unscorable
 
-    counts = Counter(problem.data_source for problem in report.problems)
-    whys = sorted(unscorable_sources(counts).items(), key=lambda item: -counts[item[0]])
-    if not whys:
+    counts = unscorable((problem.data_source, problem.answer) for problem in problems)
+    if not counts:
         return None
-    listed = "; ".join(f"{counts[source]} rows of data_source {source!r}: {why}" for source, why in whys[:MAX_LISTED])
-    more = f" (and {len(whys) - MAX_LISTED} more data sources)" if len(whys) > MAX_LISTED else ""
+    whys = sorted(counts.items(), key=lambda item: -item[1])
+    listed = "; ".join(f"{count} rows of data_source {source!r}: {why}" for (source, why), count in whys[:MAX_LISTED])
+    more = f" (and {len(whys) - MAX_LISTED} more)" if len(whys) > MAX_LISTED else ""
     return f"rollout.reward=verl cannot score {listed}{more}"
 
 
@@ -167,6 +176,7 @@ def check_run_inputs(cfg: EtarlConfig, model_dir) -> None:
     """Check the model folder, the reward and the prompt files before a run starts (see above)."""
     fmt = prompt_format(cfg, model_dir)
     reward = check_reward(cfg)
+    _check_verl_reward_task(cfg)
     check_environment(cfg, fmt)
     log.info("model %s: %s; reward %s (%s form)", model_dir, fmt.describe(), reward.spec, reward.form)
     if cfg.rollout.task.truncation != "error" and not fmt.context_len:
@@ -177,7 +187,7 @@ def check_run_inputs(cfg: EtarlConfig, model_dir) -> None:
             report.usable(cfg.rollout.task.skip_invalid)
         except InvalidPrompts as err:
             raise ConfigError(f"{key}: {err}") from None
-        unscorable = unscorable_rows(cfg, report)
+        unscorable = unscorable_rows(cfg, report.problems)
         if unscorable:
             raise ConfigError(f"{key}: {unscorable}")
         log.info("prompts %s", report.summary(list_bad=False))  # usable() logged the rows it skips
@@ -191,12 +201,15 @@ def check_eval_inputs(cfg: EtarlConfig, model_dir) -> None:
     if task.kind == "file" and not task.heldout_path:
         raise ConfigError("rollout.task.heldout_path is unset: etarl eval evaluates on the held-out prompts "
                           "(set it)")
-    fmt = prompt_format(cfg, model_dir)
-    check_environment(cfg, fmt)
-    if task.kind == "file" and _rows_reward(cfg) == "verl":  # its data sources, read before an engine starts
-        files = {key: (path, cfg.eval.max_new_tokens) for key, path in task.files("heldout_path").items()}
-        for key, report in _checked_files(files, task, fmt).items():
-            unscorable = unscorable_rows(cfg, report)
+    _check_verl_reward_task(cfg)
+    check_environment(cfg, prompt_format(cfg, model_dir))
+    if task.kind == "file" and _rows_reward(cfg) == "verl":  # the rows' data sources, before an engine starts
+        for key, path in task.files("heldout_path").items():
+            try:
+                problems = read_prompt_file(path, task).problems
+            except (OSError, ValueError) as err:
+                raise ConfigError(f"{key}: {err}") from None
+            unscorable = unscorable_rows(cfg, problems)
             if unscorable:
                 raise ConfigError(f"{key}: {unscorable}")
 
@@ -218,7 +231,7 @@ def data_check(cfg: EtarlConfig, model_dir, paths: list[str] | None = None) -> t
     lines, accepted = [f"model {model_dir}: {fmt.describe()}"], True
     for key, report in reports.items():
         lines.append(report.summary() if paths else f"{key} = {report.summary()}")
-        unscorable = unscorable_rows(cfg, report)
+        unscorable = unscorable_rows(cfg, report.problems)
         if not report.problems:
             accepted = False
             lines.append("  a run would refuse this file: it holds no usable prompt")

@@ -11,7 +11,10 @@ from __future__ import annotations
 import logging
 import math
 import numbers
+import os
 import secrets
+import shutil
+import threading
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -21,6 +24,7 @@ log = logging.getLogger("etarl")
 
 WANDB_ID_FILE = "wandb_run_id"  # in the run folder: a resumed run logs to the same W&B run
 TENSORBOARD_DIR = "tensorboard"
+CLOSE_WAIT_S = 120.0  # for a tracker to send what it holds when the run ends
 
 
 class Tracker(Protocol):
@@ -50,17 +54,30 @@ class WandbTracker:
             raise ConfigError("metrics.trackers: wandb is not installed (pip install wandb)") from None
         id_file = run_dir / WANDB_ID_FILE
         run_id = id_file.read_text().strip() if resumed and id_file.is_file() else secrets.token_hex(4)
+        offline = os.environ.get("WANDB_MODE", "").lower() in ("offline", "dryrun", "disabled")
         try:
-            # console="off": etarl's progress bar and logs stay on the terminal as they are
+            # no key: an error now, not W&B's interactive prompt in a terminal
+            if not offline and not wandb.login(prompt=False, verify=False):
+                raise ConfigError("metrics.trackers: W&B has no API key: set WANDB_API_KEY (or WANDB_MODE=offline) "
+                                  "where the driver runs, or drop wandb from metrics.trackers")
+            # create_new: a W&B run the calling process has open (a notebook's, a sweep's) is left alone.
+            # console="off": etarl's progress bar and logs stay on the terminal as they are.
             self.run = wandb.init(project=project, name=experiment, id=run_id, resume="allow", dir=str(run_dir),
-                                  config=config, settings=wandb.Settings(console="off"))
-        except Exception as err:  # noqa: BLE001 - wandb's errors have no common base: any stops the start
-            raise ConfigError(f"metrics.trackers: W&B did not start ({type(err).__name__}: {err}); set WANDB_API_KEY "
-                              "(or WANDB_MODE=offline) where the driver runs, or drop wandb from metrics.trackers") \
-                from None
-        id_file.write_text(run_id)
-        self.run.define_metric("step")
-        self.run.define_metric("*", step_metric="step")
+                                  config=config, reinit="create_new", settings=wandb.Settings(console="off"))
+        except Exception as err:  # noqa: BLE001 - wandb's errors have no common base
+            if wandb.run is None:  # W&B's process-wide state as it was, for a later start with other settings
+                wandb.teardown()
+            if isinstance(err, ConfigError):
+                raise
+            raise ConfigError(f"metrics.trackers: W&B did not start ({type(err).__name__}: {err}); drop wandb from "
+                              "metrics.trackers, or set WANDB_MODE=offline to sync the run later") from None
+        try:
+            self.run.define_metric("step")
+            self.run.define_metric("*", step_metric="step")
+            id_file.write_text(run_id)
+        except BaseException:
+            self.close(failed=True)
+            raise
 
     def log(self, scalars: dict[str, float], step: int) -> None:
         self.run.log({"step": step, **scalars})
@@ -68,8 +85,11 @@ class WandbTracker:
     def close(self, failed: bool) -> None:
         import wandb
 
-        self.run.finish(exit_code=1 if failed else 0)
-        wandb.teardown()  # its service process ends with the run, not with the interpreter
+        try:
+            self.run.finish(exit_code=1 if failed else 0)
+        finally:
+            if wandb.run is None:  # no other W&B run in this process: its service process ends with ours
+                wandb.teardown()
 
 
 class TensorBoardTracker:
@@ -82,8 +102,12 @@ class TensorBoardTracker:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
             raise ConfigError("metrics.trackers: tensorboard is not installed (pip install tensorboard)") from None
+        folder = run_dir / TENSORBOARD_DIR
+        if resume_after_step is None and folder.exists():  # an earlier run's, as metrics.jsonl.prev is
+            shutil.rmtree(folder.with_name(TENSORBOARD_DIR + ".prev"), ignore_errors=True)
+            folder.replace(folder.with_name(TENSORBOARD_DIR + ".prev"))
         purge = None if resume_after_step is None else resume_after_step + 1
-        self.writer = SummaryWriter(log_dir=str(run_dir / TENSORBOARD_DIR), purge_step=purge)
+        self.writer = SummaryWriter(log_dir=str(folder), purge_step=purge)
 
     def log(self, scalars: dict[str, float], step: int) -> None:
         for key, value in scalars.items():
@@ -101,12 +125,12 @@ class Trackers:
         self.active = list(trackers)
 
     def log(self, record: dict[str, Any]) -> None:
-        step, values = int(record.get("step", 0)), scalars(record)
+        step = record.get("step")
         for tracker in list(self.active):
             try:
-                tracker.log(values, step)
+                tracker.log(scalars(record), int(step))
             except Exception as err:  # noqa: BLE001 - a tracker's failure is never the run's
-                log.warning("the %s tracker failed at step %d and is dropped (metrics.jsonl has every step): %s: %s",
+                log.warning("the %s tracker failed at step %s and is dropped (metrics.jsonl has every step): %s: %s",
                             tracker.name, step, type(err).__name__, err)
                 self.active.remove(tracker)
                 self._close(tracker, failed=True)
@@ -118,10 +142,25 @@ class Trackers:
 
     @staticmethod
     def _close(tracker: Tracker, failed: bool) -> None:
-        try:
-            tracker.close(failed)
-        except Exception as err:  # noqa: BLE001
-            log.warning("the %s tracker did not close cleanly: %s: %s", tracker.name, type(err).__name__, err)
+        """tracker.close, waited for CLOSE_WAIT_S at most: W&B's finish can hang on an unreachable server,
+        and a finished run must still end."""
+        errors: list[BaseException] = []
+
+        def close() -> None:
+            try:
+                tracker.close(failed)
+            except Exception as err:  # noqa: BLE001
+                errors.append(err)
+
+        closing = threading.Thread(target=close, name=f"etarl-close-{tracker.name}", daemon=True)
+        closing.start()
+        closing.join(CLOSE_WAIT_S)
+        if closing.is_alive():
+            log.warning("the %s tracker did not close within %.0f s (its server unreachable?); left behind",
+                        tracker.name, CLOSE_WAIT_S)
+        elif errors:
+            log.warning("the %s tracker did not close cleanly: %s: %s", tracker.name, type(errors[0]).__name__,
+                        errors[0])
 
 
 def open_trackers(names: list[str], run_dir: Path, project: str, experiment: str | None, config: dict,

@@ -324,7 +324,7 @@ def _tools(key: str, value: Any, given: dict) -> Said:
 def _trackers(key: str, value: Any, given: dict) -> Said:
     """verl's trainer.logger: console (etarl always prints), wandb and tensorboard are etarl's too."""
     names = [value] if isinstance(value, str) else list(value) if isinstance(value, (list, tuple)) else [value]
-    kept = [name for name in names if name in TRACKERS]
+    kept = list(dict.fromkeys(name for name in names if name in TRACKERS))
     others = [str(name) for name in names if name not in TRACKERS and name != "console"]
     note = (f"etarl has no {', '.join(others)} tracker (it has {', '.join(TRACKERS)}); " if others else "") + \
         "the console, metrics.jsonl and plots in the run folder, Prometheus on metrics.port, always"

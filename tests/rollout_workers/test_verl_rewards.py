@@ -8,8 +8,8 @@ import pytest
 
 from rollout_workers.data.problems import Problem
 from rollout_workers.rewards import Reward
-from rollout_workers.verl_rewards import (math_dapo_reward, math_reward, search_r1_reward, unscorable_sources,
-                                          verl_default_reward)
+from rollout_workers.verl_rewards import (math_dapo_reward, math_reward, search_r1_reward, unscorable,
+                                          verl_default_reward, why_unscorable)
 
 
 @pytest.mark.parametrize("response,reference,expected", [
@@ -84,11 +84,21 @@ def test_the_built_in_verl_reward_is_called_in_verls_form_and_logs_dapos_accurac
         Reward("verl", {"method": "flexible"})
 
 
-def test_data_sources_it_cannot_score_are_named_with_what_to_do():
-    whys = unscorable_sources(["openai/gsm8k", "aime25", "numina_olympiads", "taco", "my_set", "", "openai/gsm8k"])
-    assert set(whys) == {"numina_olympiads", "taco", "my_set", ""}
-    assert "prime_math (sympy, pylatexenc)" in whys["numina_olympiads"]
-    assert "verl.utils.reward_score:default_compute_score with verl installed" in whys["taco"]
-    assert "no rule for it either" in whys["my_set"] and "rows without a data_source" in whys[""]
+def test_rows_it_cannot_score_are_counted_by_data_source_with_what_to_do():
+    rows = [("openai/gsm8k", "4"), ("aime25", "7"), ("numina_olympiads", "1"), ("taco", "x"), ("my_set", "1"),
+            ("", "1"), ("openai/gsm8k", "5"), ("lighteval/MATH", 5), ("aime24", ["7"]),
+            ("searchR1_nq", {"target": ["Paris"]}), ("searchR1_nq", {"target": []}), ("searchR1_nq", "Paris")]
+    found = unscorable(rows)
+    expected = {("numina_olympiads", "verl scores it with prime_math (sympy, pylatexenc)"): 1,
+                ("taco", "verl scores it with prime_code or a Sandbox Fusion server"): 1,
+                ("my_set", "verl's default reward has no rule for it either"): 1,
+                ("", "rows without a data_source"): 1,
+                ("lighteval/MATH", "its ground_truth is a int, not text"): 1,
+                ("aime24", "its ground_truth is a list, not text"): 1,
+                ("searchR1_nq", "its ground_truth is not {'target': [answers]}"): 2}
+    assert len(found) == len(expected)
+    for (source, start), count in expected.items():  # each reason as it begins
+        assert [n for (s, why), n in found.items() if s == source and why.startswith(start)] == [count], source
+    assert "verl.utils.reward_score:default_compute_score with verl installed" in why_unscorable("taco")
     with pytest.raises(ValueError, match="cannot score data_source 'my_set': verl's default reward has no rule"):
         verl_default_reward("my_set", "Answer: 1", "1")

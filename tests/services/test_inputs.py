@@ -221,7 +221,7 @@ def test_rows_the_verl_reward_cannot_score_stop_a_run_data_check_and_eval_before
 
     scorable = write_rows(tmp_path / "gsm8k.jsonl", [row("openai/gsm8k"), row("aime24"), row("lighteval/MATH")])
     mixed = write_rows(tmp_path / "mixed.jsonl", [row("openai/gsm8k"), row("numina_olympiads"), row("my_set"),
-                                                  row("my_set")])
+                                                  row("my_set"), row("lighteval/MATH", answer=4)])
     cfg = load_config(None, [f"run.model={tiny_model_dir}", "rollout.task.kind=file", f"rollout.task.path={scorable}",
                              f"rollout.task.heldout_path={mixed}", "rollout.reward=verl"])
     with pytest.raises(ConfigError) as refused:
@@ -230,6 +230,7 @@ def test_rows_the_verl_reward_cannot_score_stop_a_run_data_check_and_eval_before
     assert said.startswith("rollout.task.heldout_path: rollout.reward=verl cannot score 2 rows of data_source "
                            "'my_set': verl's default reward has no rule for it either")
     assert "1 rows of data_source 'numina_olympiads': verl scores it with prime_math" in said
+    assert "1 rows of data_source 'lighteval/MATH': its ground_truth is a int, not text" in said
     cfg.rollout.task.heldout_path = str(scorable)
     check_run_inputs(cfg, tiny_model_dir)  # every source has its rule
     with pytest.raises(ConfigError, match="rollout.task.heldout_path: rollout.reward=verl cannot score"):
@@ -242,3 +243,7 @@ def test_rows_the_verl_reward_cannot_score_stop_a_run_data_check_and_eval_before
     assert "a run would refuse this file: rollout.reward=verl cannot score 2 rows of data_source 'my_set'" in out
     # Another reward scores what it is given: no data_source is asked for.
     assert main(["data", "check", str(mixed), f"run.model={tiny_model_dir}", "rollout.reward=math"]) == 0
+    # The built-in tasks have no data_source to go by.
+    with pytest.raises(ConfigError, match="rollout.reward=verl scores verl rows by their data_source, and the "
+                                          "built-in rollout.task.kind=synthetic task has none"):
+        check_run_inputs(load_config(None, [f"run.model={tiny_model_dir}", "rollout.reward=verl"]), tiny_model_dir)

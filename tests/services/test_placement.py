@@ -389,6 +389,8 @@ def test_etarl_eval_of_a_run_saved_with_vllm_takes_the_transformers_engine_where
 class _NoEvaluation:
     """Stands in for an evaluator where only the engine chosen for it is checked."""
 
+    prompts = ()
+
     def evaluate_payload(self, payload):
         return {}
 

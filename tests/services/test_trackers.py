@@ -74,6 +74,27 @@ def test_wandb_without_a_key_stops_the_run_at_start_saying_what_to_set(tmp_path,
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc login either
     monkeypatch.setenv("WANDB_SILENT", "true")
-    with pytest.raises(ConfigError, match=r"metrics.trackers: W&B did not start .*set WANDB_API_KEY \(or "
-                                          r"WANDB_MODE=offline\)"):
+    with pytest.raises(ConfigError, match=r"metrics.trackers: W&B has no API key: set WANDB_API_KEY \(or "
+                                          r"WANDB_MODE=offline\) where the driver runs"):
         open_trackers(["tensorboard", "wandb"], tmp_path, "etarl", None, {}, None)
+
+
+def test_a_users_own_wandb_run_is_left_alone_and_an_earlier_runs_tensorboard_log_is_moved_aside(tmp_path,
+                                                                                               wandb_offline):
+    import wandb
+
+    (tmp_path / "tensorboard").mkdir()
+    (tmp_path / "tensorboard" / "events.out.tfevents.earlier").write_text("an earlier run's")
+    mine = wandb.init(project="mine", dir=str(tmp_path / "mine"), mode="offline")  # a notebook's, a sweep's
+    try:
+        trackers = open_trackers(["tensorboard", "wandb"], tmp_path, "etarl-tests", None, {}, None)
+        trackers.log({"step": 1, "reward/mean": 0.5})
+        trackers.close()
+        assert wandb.run is mine and (tmp_path / WANDB_ID_FILE).read_text() != mine.id
+        mine.log({"still": 1})  # not finished by etarl's close
+    finally:
+        mine.finish()
+        wandb.teardown()
+    assert [run_id for run_id, _, _ in wandb_runs(tmp_path)] == [(tmp_path / WANDB_ID_FILE).read_text()]
+    assert (tmp_path / "tensorboard.prev" / "events.out.tfevents.earlier").exists()
+    assert tensorboard_scalars(tmp_path, "reward/mean") == [(1, 0.5)]
