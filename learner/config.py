@@ -176,7 +176,9 @@ class LearnerConfig(BaseModel):
     weight_decay: float = Field(0.01, ge=0)
     warmup_steps: int = Field(0, ge=0)
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
-    total_steps: Optional[int] = Field(None, ge=1, description="steps the decay spans (linear/cosine)")
+    total_steps: Optional[int] = Field(None, ge=1, description="steps the decay spans (linear/cosine); None: the "
+                                       "run's steps (run.steps, or those run.epochs works out), as verl's decay spans "
+                                       "its run")
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="the decayed lr floor, as a fraction of lr")
     grad_clip: Optional[float] = Field(1.0, gt=0, description="max global grad norm (None: no clipping)")
 
@@ -253,8 +255,6 @@ class LearnerConfig(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self):
-        if self.lr_schedule != "constant" and self.total_steps is None:
-            raise ValueError(f"lr_schedule {self.lr_schedule!r} needs total_steps (the steps the decay spans)")
         if self.total_steps is not None and self.warmup_steps > self.total_steps:
             raise ValueError(f"warmup_steps ({self.warmup_steps}) exceeds total_steps ({self.total_steps})")
         if self.prox_logp == "loglinear" and self.bypass_mode:

@@ -27,6 +27,8 @@ def lr_factor(step: int, warmup_steps: int, schedule: str, total_steps: int | No
 def adamw_with_schedule(params, lr: float, betas, eps: float, weight_decay: float, warmup_steps: int,
                         schedule: str = "constant", total_steps: int | None = None, min_ratio: float = 0.0):
     """(AdamW over `params`, its LambdaLR scheduler following `lr_factor`)."""
+    if schedule != "constant" and total_steps is None:  # a run fills it in from its steps; a learner alone cannot
+        raise ValueError(f"lr_schedule {schedule!r} needs total_steps (the steps the decay spans)")
     optimizer = torch.optim.AdamW(params, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step, warmup_steps, schedule, total_steps, min_ratio))

@@ -32,6 +32,11 @@ class RunConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     steps: int = Field(40, ge=1, description="learner steps (weight versions) to run")
+    epochs: Optional[float] = Field(None, gt=0, description="passes over the train prompts (verl's "
+                                    "trainer.total_epochs); set, it decides run.steps when the run starts: usable "
+                                    "prompts // buffer.gate.batch_size steps an epoch (verl's loader drops a last "
+                                    "partial batch) times epochs, rounded down (the saved config then names the "
+                                    "steps). A file's prompts only (rollout.task.kind=file)")
     seed: int = Field(0, description="the run's seed: the learner's, the held-out set's, and (unless they are "
                       "set) the train prompts' order (rollout.task.seed) and the sampler's (rollout.sampling.seed)")
     run_dir: Optional[str] = Field(None, description="where logs, plots and checkpoints go; None: runs/<time>")
@@ -427,6 +432,15 @@ class EtarlConfig(BaseModel):
                 raise ValueError(f"learner.advantage.estimator=gdpo normalises the parts of a reward one by one, but "
                                  f"{without}, with no parts: use a verl-form reward whose dict holds "
                                  f"{self.learner.advantage.gdpo_reward_keys}")
+        if self.run.epochs is not None and self.rollout.task.kind != "file":
+            raise ValueError(f"run.epochs counts passes over a prompt file (rollout.task.kind=file); the built-in "
+                             f"{self.rollout.task.kind} task has no fixed size: set run.steps")
+        learner = self.learner
+        if learner.lr_schedule != "constant" and learner.total_steps is None and self.run.epochs is None:
+            learner.total_steps = self.run.steps  # the decay spans the run, as verl's does
+            if learner.warmup_steps > learner.total_steps:
+                raise ValueError(f"learner.warmup_steps ({learner.warmup_steps}) exceeds the run's {self.run.steps} "
+                                 "steps, which the decay spans (learner.total_steps unset)")
         if sampling.top_p < 1.0 or sampling.top_k > 0:
             raise ValueError(
                 f"rollout.sampling.top_p={sampling.top_p} / top_k={sampling.top_k} truncate the sampler's distribution: "

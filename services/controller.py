@@ -37,7 +37,7 @@ from services import checkpoint as ckpt
 from services.buffer_handle import BufferHandle
 from services.config import (TINY_MODEL, TINY_MOE_MODEL, ConfigError, EtarlConfig, build_config, fill_sample_limits,
                              read_yaml)
-from services.inputs import check_run_inputs
+from services.inputs import check_run_inputs, with_epochs
 from services.learner_failures import LearnerFailures
 from services.placement import Placement, check_plan_before_start, start_ray
 from services.plots import MetricLog, plot_run
@@ -176,7 +176,9 @@ class Controller:
         self.learner_failures = LearnerFailures(self.run_dir)
         self.learner_failures.recover()  # a batch the last process died on counts a failed delivery
         fill_sample_limits(cfg, self.model_dir)  # vocabulary and context: the buffer refuses what the model cannot take
-        check_run_inputs(cfg, self.model_dir)
+        train_prompts = check_run_inputs(cfg, self.model_dir)
+        if cfg.run.epochs is not None:  # the steps, now that the usable prompts are counted
+            self.cfg = cfg = with_epochs(cfg, train_prompts)
         plan = start_ray(cfg)
         self.cfg = cfg = plan.config  # with the layout chosen for the GPUs found (services/placement.py)
         from services.shared_paths import check_shared_paths, run_paths

@@ -14,6 +14,7 @@ import difflib
 import inspect
 import json
 import logging
+import math
 import os
 import re
 from collections import Counter
@@ -172,8 +173,9 @@ def unscorable_rows(cfg: EtarlConfig, problems: list[Problem]) -> str | None:
     return f"rollout.reward=verl cannot score {listed}{more}"
 
 
-def check_run_inputs(cfg: EtarlConfig, model_dir) -> None:
-    """Check the model folder, the reward and the prompt files before a run starts (see above)."""
+def check_run_inputs(cfg: EtarlConfig, model_dir) -> int | None:
+    """Check the model folder, the reward and the prompt files before a run starts (see above); the
+    number of usable train prompts of a file task (None: a built-in task)."""
     fmt = prompt_format(cfg, model_dir)
     reward = check_reward(cfg)
     _check_verl_reward_task(cfg)
@@ -182,6 +184,7 @@ def check_run_inputs(cfg: EtarlConfig, model_dir) -> None:
     if cfg.rollout.task.truncation != "error" and not fmt.context_len:
         log.warning("rollout.task.truncation=%s cuts nothing: the context is unknown (the model's config does not "
                     "say it): set rollout.engine.max_model_len", cfg.rollout.task.truncation)
+    train_keys, train_prompts = set(cfg.rollout.task.files("path")), 0
     for key, report in prompt_reports(cfg, fmt).items():
         try:
             report.usable(cfg.rollout.task.skip_invalid)
@@ -191,6 +194,31 @@ def check_run_inputs(cfg: EtarlConfig, model_dir) -> None:
         if unscorable:
             raise ConfigError(f"{key}: {unscorable}")
         log.info("prompts %s", report.summary(list_bad=False))  # usable() logged the rows it skips
+        if key in train_keys:
+            train_prompts += len(report.problems)
+    return train_prompts if cfg.rollout.task.kind == "file" else None
+
+
+def with_epochs(cfg: EtarlConfig, train_prompts: int) -> EtarlConfig:
+    """`cfg` with run.epochs worked out as run.steps over `train_prompts` usable prompts (and, where the
+    learning rate decays over the run, learner.total_steps); epochs cleared, so a resumed run keeps the
+    steps. verl's count: prompts // batch size steps an epoch (its loader drops a last partial batch)."""
+    run, learner, batch_size = cfg.run, cfg.learner, cfg.buffer.gate.batch_size
+    per_epoch = train_prompts // batch_size
+    if per_epoch == 0:
+        raise ConfigError(f"run.epochs: {train_prompts} usable train prompts make no batch of buffer.gate.batch_size="
+                          f"{batch_size} prompts: use fewer prompts per step, or set run.steps")
+    steps = max(1, math.floor(per_epoch * run.epochs))
+    log.info("run.epochs=%g: %d usable prompts // buffer.gate.batch_size %d = %d steps an epoch -> run.steps=%d",
+             run.epochs, train_prompts, batch_size, per_epoch, steps)
+    decay = {}
+    if learner.lr_schedule != "constant" and learner.total_steps is None:
+        if learner.warmup_steps > steps:
+            raise ConfigError(f"learner.warmup_steps ({learner.warmup_steps}) exceeds the {steps} steps of run.epochs="
+                              f"{run.epochs:g}, which the decay spans")
+        decay = {"total_steps": steps}
+    return cfg.model_copy(update={"run": run.model_copy(update={"steps": steps, "epochs": None}),
+                                  "learner": learner.model_copy(update=decay)})
 
 
 def check_eval_inputs(cfg: EtarlConfig, model_dir) -> None:

@@ -94,7 +94,7 @@ RULES: dict[str, Rule] = {
     ACTOR + "optim.lr_warmup_steps": Rule("learner.warmup_steps", value=_off_if_negative),
     ACTOR + "optim.lr_warmup_steps_ratio": Rule(None, "etarl counts warm-up in steps: learner.warmup_steps = the "
                                                       "ratio x the run's steps"),
-    ACTOR + "optim.lr_scheduler_type": Rule("learner.lr_schedule", "cosine and linear need learner.total_steps"),
+    ACTOR + "optim.lr_scheduler_type": Rule("learner.lr_schedule", "cosine and linear decay over the run's steps, as verl's do"),
     ACTOR + "optim.min_lr_ratio": Rule("learner.min_lr_ratio"),
     ACTOR + "optim.total_training_steps": Rule("learner.total_steps"),
     ACTOR + "ppo_mini_batch_size": Rule("learner.ppo_mini_batch_size", "groups, that is prompts, as verl's"),
@@ -186,7 +186,6 @@ RULES: dict[str, Rule] = {
     "critic.loss_agg_mode": Rule("learner.critic.loss_agg_mode"),
     "critic.model.path": Rule("learner.critic.model_path"),
     # the trainer
-    "trainer.total_epochs": Rule(None, "etarl counts steps: run.steps = epochs x prompts / data.train_batch_size"),
     "trainer.test_freq": Rule("run.eval_every", "verl's -1: no evaluation during training; etarl's 0: at the start "
                                                 "and the end", _off_if_negative),
     "trainer.save_freq": Rule("run.checkpoint_every", "verl's -1: no checkpoint; etarl's 0: one at the end",
@@ -321,6 +320,13 @@ def _tools(key: str, value: Any, given: dict) -> Said:
             ("rollout.multi_turn.environment_kwargs." + which, value, "")]
 
 
+def _epochs(key: str, value: Any, given: dict) -> Said:
+    if given.get("trainer.total_training_steps") is not None:
+        return [(None, None, "trainer.total_training_steps decides the steps, as in verl")]
+    return [("run.epochs", value, "the steps are worked out when the run starts: usable prompts // "
+             "buffer.gate.batch_size an epoch")]
+
+
 def _trackers(key: str, value: Any, given: dict) -> Said:
     """verl's trainer.logger: console (etarl always prints), wandb and tensorboard are etarl's too."""
     names = [value] if isinstance(value, str) else list(value) if isinstance(value, (list, tuple)) else [value]
@@ -345,6 +351,7 @@ JOINS: dict[str, Callable[[str, Any, dict], Said]] = {
     ACTOR + "clip_ratio": _clip_ratio,
     **{ROLLOUT + "val_kwargs." + k: _validation for k in ("n", "temperature", "do_sample")},
     "trainer.total_training_steps": _steps,
+    "trainer.total_epochs": _epochs,
     "trainer.logger": _trackers,
     ROLLOUT + "enable_rollout_routing_replay": _routing,
     ROLLOUT + "multi_turn.function_tool_path": _tools,

@@ -163,7 +163,8 @@ def test_a_run_with_bad_prompts_in_its_file_finishes_its_steps(ray_cluster, tmp_
     rows = good[:2] + bad[:1] + good[2:4] + bad[1:] + good[4:]
     path = tmp_path / "prompts.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cfg = e2e_config(tmp_path / "run", "run.steps=3", "eval.enabled=false", "run.checkpoint_every=0",
+    # run.epochs=3: 6 usable prompts // 4 a step = 1 step an epoch, 3 steps
+    cfg = e2e_config(tmp_path / "run", "run.epochs=3", "eval.enabled=false", "run.checkpoint_every=0",
                      "rollout.task.kind=file", f"rollout.task.path={path}", "rollout.task.skip_invalid=true",
                      "rollout.reward=math", "buffer.gate.batch_size=4", "rollout.sampling.n=4",
                      "rollout.engine.kind=hf")  # the rows are judged before any engine: the faster one
@@ -171,6 +172,8 @@ def test_a_run_with_bad_prompts_in_its_file_finishes_its_steps(ray_cluster, tmp_
         result = run_training(cfg)
     assert result.completed and result.version == 3
     assert "skipping 3 unusable rows" in caplog.text
+    assert "run.epochs=3: 6 usable prompts // buffer.gate.batch_size 4 = 1 steps an epoch -> run.steps=3" in caplog.text
+    assert "epochs: null" in (tmp_path / "run" / "config.yaml").read_text()  # the saved config names the steps
     named = {line.split(" row ")[-1] for line in caplog.text.splitlines() if "prompts.jsonl row " in line}
     for row, why in ((3, "empty prompt"), (6, "no answer"), (7, "exceeds the engine's context")):
         assert any(line.startswith(f"{row}: ") and why in line for line in named), (why, named)

@@ -678,13 +678,15 @@ def test_lr_schedule_warms_up_then_decays():
     assert lr_factor(12, 2, "linear", 12, 0.1) == pytest.approx(0.1)
     assert lr_factor(7, 2, "cosine", 12, 0.0) == pytest.approx(0.5)
     assert lr_factor(50, 2, "cosine", 12, 0.0) == pytest.approx(0.0)
+    from learner.optimizer import adamw_with_schedule
+
+    with pytest.raises(ValueError, match="lr_schedule 'cosine' needs total_steps"):  # a learner built alone
+        adamw_with_schedule([torch.nn.Parameter(torch.zeros(1))], 1e-3, (0.9, 0.999), 1e-8, 0.0, 0, "cosine", None)
 
 
 def test_config_errors_name_the_field(policy_dir):
     with pytest.raises(ValidationError, match="ppo_epoch"):
         LearnerConfig(model_path=str(policy_dir), ppo_epoch=2)
-    with pytest.raises(ValidationError, match="needs total_steps"):
-        LearnerConfig(model_path=str(policy_dir), lr_schedule="cosine")
     with pytest.raises(ValidationError, match="bypass mode"):
         LearnerConfig(model_path=str(policy_dir), prox_logp="loglinear", rollout_correction="bypass_pg_is")
     with pytest.raises(ValidationError, match="unknown rollout-correction preset"):

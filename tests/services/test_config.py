@@ -291,7 +291,7 @@ def test_verl_keys_are_refused_with_etarls_names_and_a_command_line_that_loads()
     assert "actor_rollout_ref.rollout.n=5 -> rollout.sampling.n=5" in message
     assert "data.max_prompt_length=512 -> rollout.engine.max_model_len=1536" in message
     assert "trainer.logger=[console, wandb] -> metrics.trackers=[wandb] (the console, metrics.jsonl" in message
-    assert "trainer.total_epochs: no etarl key: etarl counts steps" in message
+    assert "trainer.total_epochs=15 -> run.epochs=15 (the steps are worked out when the run starts" in message
     assert "actor_rollout_ref.actor.fsdp_config.param_offload: no etarl key" in message
     cfg = load_config(None, shlex.split(message.splitlines()[-1]))  # the etarl line, as a shell reads it
     assert cfg.run.steps == 40 and cfg.run.model == "tiny"  # the user's own etarl keys kept
@@ -481,3 +481,18 @@ def test_etarl_train_with_verl_keys_exits_with_the_translation(tmp_path, capsys)
     # a verl config file: each of its sections said to be verl's
     with pytest.raises(ConfigError, match=r"data: unknown key \(a section of verl's config"):
         build_config({"data": {"train_batch_size": 8}})
+
+
+def test_a_decaying_learning_rate_spans_the_run_unless_told_and_epochs_need_a_prompt_file():
+    cfg = load_config(None, ["run.steps=30", "learner.lr_schedule=cosine", "learner.warmup_steps=5"])
+    assert cfg.learner.total_steps == 30  # as verl's decay spans its run
+    assert load_config(None, ["learner.lr_schedule=linear", "learner.total_steps=12", "learner.warmup_steps=2"]) \
+        .learner.total_steps == 12
+    with pytest.raises(ConfigError, match=r"learner.warmup_steps \(50\) exceeds the run's 30 steps"):
+        load_config(None, ["run.steps=30", "learner.lr_schedule=cosine", "learner.warmup_steps=50"])
+    with pytest.raises(ConfigError, match="run.epochs counts passes over a prompt file"):
+        load_config(None, ["run.epochs=2"])
+    epochs = load_config(None, ["run.epochs=2", "rollout.task.kind=file", "rollout.task.path=p.jsonl",
+                                "learner.lr_schedule=cosine"])
+    assert epochs.learner.total_steps is None  # worked out with the steps, when the prompts are counted
+

@@ -12,7 +12,7 @@ import pytest
 
 from services.cli import EXIT_CONFIG_ERROR, main
 from services.config import ConfigError, load_config
-from services.inputs import check_eval_inputs, check_run_inputs, ray_runtime_env
+from services.inputs import check_eval_inputs, check_run_inputs, ray_runtime_env, with_epochs
 
 GOOD_REWARD = "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n"
 
@@ -247,3 +247,25 @@ def test_rows_the_verl_reward_cannot_score_stop_a_run_data_check_and_eval_before
     with pytest.raises(ConfigError, match="rollout.reward=verl scores verl rows by their data_source, and the "
                                           "built-in rollout.task.kind=synthetic task has none"):
         check_run_inputs(load_config(None, [f"run.model={tiny_model_dir}", "rollout.reward=verl"]), tiny_model_dir)
+
+
+def test_epochs_become_steps_from_the_usable_prompts_as_verl_counts_them(tiny_model_dir, tmp_path, caplog):
+    rows = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(10)] + [{"prompt": "no answer"}]
+    train = write_rows(tmp_path / "train.jsonl", rows)
+    cfg = load_config(None, [f"run.model={tiny_model_dir}", "rollout.task.kind=file", f"rollout.task.path={train}",
+                             "rollout.task.skip_invalid=true", "eval.enabled=false", "rollout.reward=math",
+                             "buffer.gate.batch_size=4", "run.epochs=2.5", "learner.lr_schedule=cosine",
+                             "learner.warmup_steps=2"])
+    prompts = check_run_inputs(cfg, tiny_model_dir)
+    assert prompts == 10  # the row without an answer is skipped, not counted
+    with caplog.at_level(logging.INFO, logger="etarl"):
+        resolved = with_epochs(cfg, prompts)
+    # 10 // 4 = 2 steps an epoch (a last partial batch dropped), x 2.5
+    assert (resolved.run.steps, resolved.run.epochs, resolved.learner.total_steps) == (5, None, 5)
+    assert "run.epochs=2.5: 10 usable prompts // buffer.gate.batch_size 4 = 2 steps an epoch -> run.steps=5" \
+        in caplog.text
+    with pytest.raises(ConfigError, match="run.epochs: 3 usable train prompts make no batch"):
+        with_epochs(cfg, 3)
+    with pytest.raises(ConfigError, match=r"learner.warmup_steps \(2\) exceeds the 1 steps of run.epochs=0.5"):
+        with_epochs(cfg.model_copy(update={"run": cfg.run.model_copy(update={"epochs": 0.5})}), prompts)
+
