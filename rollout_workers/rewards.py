@@ -42,6 +42,7 @@ from typing import Any, NamedTuple
 from rollout_workers.child_process import BadChildReply, ChildLimits, ChildProcess, ChildStartFailed, serve
 from rollout_workers.data.problems import Problem
 from rollout_workers.verl_rewards import gsm8k_reward, verl_default_reward
+from rollout_workers.verl_stand_in import verl_import_hint, verl_stand_in
 
 PLAIN_FORM = "fn(response, answer) -> float"
 VERL_FORM = "compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float | dict"
@@ -120,19 +121,26 @@ def _load_file_module(path: Path, spec: str, kind: str = "reward"):
         module_spec.loader.exec_module(module)
     except Exception as err:
         del sys.modules[name]
-        raise ValueError(f"{kind} {spec!r}: loading {str(path)!r} failed: {type(err).__name__}: {err}") from None
+        why = f"{type(err).__name__}: {err}"
+        raise ValueError(f"{kind} {spec!r}: loading {str(path)!r} failed: {why}{verl_import_hint(why)}") from None
     return module
 
 
 def load_module(module_name: str, spec: str, kind: str = "reward"):
     """The module of a spec: a file path (loaded from the file) or an importable module name;
     ValueError says why it cannot be had."""
+    with verl_stand_in():  # a file written for verl imports verl's reward_score helpers
+        return _import_module(module_name, spec, kind)
+
+
+def _import_module(module_name: str, spec: str, kind: str):
     if is_file_spec(module_name):
         return _load_file_module(Path(module_name).expanduser(), spec, kind)
     try:
         return importlib.import_module(module_name)
     except ImportError as err:
-        raise ValueError(f"{kind} {spec!r}: cannot import module {module_name!r} ({err})") from None
+        raise ValueError(f"{kind} {spec!r}: cannot import module {module_name!r} ({err}){verl_import_hint(str(err))}") \
+            from None
     except Exception as err:  # the module's own code failed (a missing key, a syntax error)
         raise ValueError(f"{kind} {spec!r}: importing {module_name!r} failed: {type(err).__name__}: {err}") from None
 
@@ -266,11 +274,12 @@ class Reward:
 
     def _call(self, response, problem) -> Any:
         args, kwargs = self._arguments(response, problem)
-        result = self.fn(*args, **kwargs)
-        if inspect.isawaitable(result):
-            if self._loop is None:
-                self._loop = asyncio.new_event_loop()
-            result = self._loop.run_until_complete(result)
+        with verl_stand_in():  # verl's rewards import their rules when called
+            result = self.fn(*args, **kwargs)
+            if inspect.isawaitable(result):
+                if self._loop is None:
+                    self._loop = asyncio.new_event_loop()
+                result = self._loop.run_until_complete(result)
         return result
 
     def __call__(self, response: str, problem: Problem) -> Scored:

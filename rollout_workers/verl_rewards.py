@@ -31,21 +31,25 @@ _GSM8K_STRICT = re.compile(r"#### (-?[0-9.,]+)")
 _GSM8K_FLEXIBLE = re.compile(r"-?[0-9.,]+")
 
 
-def gsm8k_reward(response: str, answer: str, method: str = "strict", format_score: float = 0.0,
-                 score: float = 1.0) -> float:
-    """verl's rule for openai/gsm8k (its default reward for that data_source): in the response's last
-    300 characters, the number after the last '#### ' without its commas (strict), or the last run
-    of digits, dots and commas that is not '.' (flexible), compared as text with the answer: `score`
-    when equal, `format_score` when not, 0 when there is none."""
+def gsm8k_answer(response: str, method: str = "strict") -> str | None:
+    """The answer verl's GSM8K rule reads in the response's last 300 characters: the number after the last
+    '#### ' without its commas (strict), or the last run of digits, dots and commas that is not '.'
+    (flexible); None when there is none."""
     if method not in ("strict", "flexible"):
         raise ValueError(f"gsm8k: method is {method!r}, not strict or flexible")
     tail = response[-_GSM8K_TAIL:]
     if method == "strict":
         found = _GSM8K_STRICT.findall(tail)
-        final = found[-1].replace(",", "") if found else None
-    else:
-        found = _GSM8K_FLEXIBLE.findall(tail)
-        final = next((x for x in reversed(found) if x != "."), found[0] if found else None)
+        return found[-1].replace(",", "") if found else None
+    found = _GSM8K_FLEXIBLE.findall(tail)
+    return next((x for x in reversed(found) if x != "."), found[0] if found else None)
+
+
+def gsm8k_reward(response: str, answer: str, method: str = "strict", format_score: float = 0.0,
+                 score: float = 1.0) -> float:
+    """verl's rule for openai/gsm8k (its default reward for that data_source): gsm8k_answer compared as
+    text with the answer: `score` when equal, `format_score` when not, 0 when there is none."""
+    final = gsm8k_answer(response, method)
     if final is None:
         return 0.0
     return float(score) if final == answer else float(format_score)
@@ -66,7 +70,7 @@ def _closing_brace(text: str, start: int) -> int | None:
     return None
 
 
-def _last_boxed_math(text: str) -> str | None:
+def last_boxed_math(text: str) -> str | None:
     """What verl's MATH rule takes as the last boxed answer, with its wrapper: '\\boxed ' and what follows
     the last one up to a '$' when the text has that spaced form at all; else from the last '\\boxed'
     (or, without one, the last '\\fbox') to its closing brace."""
@@ -81,7 +85,7 @@ def _last_boxed_math(text: str) -> str | None:
     return None if end is None else text[start:end + 1]
 
 
-def _last_boxed(text: str) -> str | None:
+def last_boxed(text: str) -> str | None:
     """The last '\\boxed{...}' of a text (DAPO's rule), braces balanced; None without a closed one."""
     start = text.rfind("\\boxed{")
     if start < 0:
@@ -90,7 +94,7 @@ def _last_boxed(text: str) -> str | None:
     return None if end is None else text[start:end + 1]
 
 
-def _unboxed(boxed: str) -> str:
+def unboxed(boxed: str) -> str:
     """The inside of '\\boxed{...}' or the rest of '\\boxed ...'; ValueError for anything else (an
     '\\fbox{}' among them: verl's MATH rule finds it but cannot read it, so it scores 0)."""
     if "\\boxed " in boxed:
@@ -187,11 +191,11 @@ def math_equivalent(answer: Any, reference: Any) -> bool:
 def math_reward(solution_str: str, ground_truth: Any) -> float:
     """verl's rule for MATH rows: 1.0 when the last boxed answer is math_equivalent to the reference, else
     0.0 (also where the boxed answer cannot be read)."""
-    boxed = _last_boxed_math(solution_str)
+    boxed = last_boxed_math(solution_str)
     if boxed is None:
         return 0.0
     try:
-        return float(math_equivalent(_unboxed(boxed), ground_truth))
+        return float(math_equivalent(unboxed(boxed), ground_truth))
     except ValueError:
         return 0.0
 
@@ -232,25 +236,42 @@ def dapo_normalized(answer: str) -> str:
     return answer.strip()
 
 
-def _dapo_verdict(tail: str, reference: Any) -> tuple[bool, str | None]:
+def _dapo_boxed(tail: str, reference: Any, pause_tokens_index: list[int] | None) -> tuple[bool, str | None]:
+    """(correct, the box read): the last \\boxed{} of the last 100 characters (of those before the last
+    pause token's, with `pause_tokens_index`), compared with the reference as it is."""
+    if pause_tokens_index is not None:
+        if len(pause_tokens_index) != 4:
+            raise ValueError(f"pause_tokens_index holds 4 indices, not {len(pause_tokens_index)}")
+        window = tail[pause_tokens_index[-1] - _DAPO_BOX_TAIL:]
+    else:
+        window = tail[-_DAPO_BOX_TAIL:]
+    boxed = last_boxed(window)
+    inside = None if boxed is None else boxed[len("\\boxed{"):-1]
+    return inside == reference, inside
+
+
+def _dapo_verdict(tail: str, reference: Any, strict_box_verify: bool = False,
+                  pause_tokens_index: list[int] | None = None) -> tuple[bool, str | None]:
     """(correct, the answer read): the last 'Answer: ...' line normalised and compared with the normalised
-    reference; without one, the last \\boxed{} of the last 100 characters compared as it is."""
+    reference; without one (or with strict_box_verify, only), the box of _dapo_boxed."""
+    if strict_box_verify:
+        return _dapo_boxed(tail, reference, pause_tokens_index)
     found = _DAPO_ANSWER.findall(tail)
     said = dapo_normalized(found[-1] if found else _DAPO_INVALID)
     said_correct = said == dapo_normalized(reference)
     if said != _DAPO_INVALID:
         return said_correct, said
-    boxed = _last_boxed(tail[-_DAPO_BOX_TAIL:])
-    if boxed is not None:
-        inside = boxed[len("\\boxed{"):-1]
-        return inside == reference, inside
+    box_correct, inside = _dapo_boxed(tail, reference, pause_tokens_index)
+    if inside is not None:
+        return box_correct, inside
     return said_correct, said
 
 
-def math_dapo_reward(solution_str: str, ground_truth: Any) -> dict:
+def math_dapo_reward(solution_str: str, ground_truth: Any, strict_box_verify: bool = False,
+                     pause_tokens_index: list[int] | None = None) -> dict:
     """verl's rule for DAPO and AIME rows: {"score": 1.0 when correct else -1.0, "acc": correct, "pred":
     the answer read} from the response's last 300 characters (see _dapo_verdict)."""
-    correct, said = _dapo_verdict(solution_str[-_DAPO_TAIL:], ground_truth)
+    correct, said = _dapo_verdict(solution_str[-_DAPO_TAIL:], ground_truth, strict_box_verify, pause_tokens_index)
     return {"score": 1.0 if correct else -1.0, "acc": correct, "pred": said}
 
 
@@ -266,19 +287,31 @@ def qa_normalized(text: str) -> str:
     return " ".join(_ARTICLES.sub(" ", text.lower().translate(_PUNCTUATION)).split())
 
 
-def search_r1_reward(solution_str: str, ground_truth: Any, format_score: float = 0.0, score: float = 1.0) -> float:
+def search_r1_answer(solution_str: str) -> str | None:
+    """The last <answer>...</answer> of a response, stripped; None without one."""
+    answers = _ANSWER_TAG.findall(solution_str)
+    return answers[-1].strip() if answers else None
+
+
+def exact_match(prediction: str, answers: Any) -> int:
+    """1 when the prediction equals one of `answers` (one answer or a list) after qa_normalized, else 0."""
+    answers = [answers] if isinstance(answers, str) else answers
+    said = qa_normalized(prediction)
+    return int(any(qa_normalized(answer) == said for answer in answers))
+
+
+def search_r1_reward(solution_str: str, ground_truth: Any, method: str = "strict", format_score: float = 0.0,
+                     score: float = 1.0) -> float:
     """verl's rule for Search-R1 rows: the last <answer>...</answer> matched exactly (after qa_normalized)
     against ground_truth["target"] (one answer or a list): `score` when one matches (a quarter of it past
-    10 opening or closing tags), `format_score` when none does, 0 without an answer."""
+    10 opening or closing tags), `format_score` when none does, 0 without an answer. `method` is taken and
+    unused, as in verl."""
     if not isinstance(ground_truth, dict) or "target" not in ground_truth:
         raise ValueError(f"a Search-R1 row's ground_truth is {{'target': [answers]}}, not {ground_truth!r:.100}")
-    answers = _ANSWER_TAG.findall(solution_str)
-    if not answers:
+    said = search_r1_answer(solution_str)
+    if said is None:
         return 0
-    targets = ground_truth["target"]
-    targets = [targets] if isinstance(targets, str) else targets
-    said = qa_normalized(answers[-1].strip())
-    if not any(qa_normalized(target) == said for target in targets):
+    if not exact_match(said, ground_truth["target"]):
         return format_score
     if max(solution_str.count("<answer>"), solution_str.count("</answer>")) > _MAX_ANSWER_TAGS:
         return score / 4

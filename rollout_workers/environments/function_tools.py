@@ -46,7 +46,7 @@ from rollout_workers.data.problems import Problem
 from rollout_workers.environments.base import Environment, StepResult
 from rollout_workers.environments.tool_calls import FORMATS, parsed_calls, without_calls
 from rollout_workers.environments.tool_classes import ClassTool, load_tool_classes
-from rollout_workers.environments.verl_stand_in import FUNCTION_TOOL_MARK, verl_stand_in
+from rollout_workers.verl_stand_in import FUNCTION_TOOL_MARK, verl_stand_in
 from rollout_workers.rewards import Reward, load_module
 
 _LOADED: dict[str, dict[str, Callable]] = {}  # once per process: a file's top-level code runs once

@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from rollout_workers.environments.verl_stand_in import STOOD_IN, verl_stand_in
+from rollout_workers.verl_stand_in import verl_import_hint, verl_stand_in
 from rollout_workers.rewards import is_file_spec, load_module
 
 _INTERPOLATION = re.compile(r"\$\{[^}]*\}")
@@ -100,9 +100,7 @@ def _import_hint(error: str) -> str:
     if "relative import" in error:
         return (" (a file copied out of verl/tools/ imports its neighbours relatively: write "
                 "`from verl.tools.base_tool import BaseTool`, and the same for schemas)")
-    if "No module named 'verl" in error or "from 'verl." in error:
-        return f" (etarl stands in for {', '.join(STOOD_IN)} only: anything else of verl needs verl installed)"
-    return ""
+    return verl_import_hint(error)
 
 
 def _key(spec: str) -> str:

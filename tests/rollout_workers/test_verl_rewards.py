@@ -102,3 +102,42 @@ def test_rows_it_cannot_score_are_counted_by_data_source_with_what_to_do():
     assert "verl.utils.reward_score:default_compute_score with verl installed" in why_unscorable("taco")
     with pytest.raises(ValueError, match="cannot score data_source 'my_set': verl's default reward has no rule"):
         verl_default_reward("my_set", "Answer: 1", "1")
+
+
+VERL_WRITTEN_REWARD = '''
+from verl.utils.reward_score import default_compute_score, math_dapo
+from verl.utils.reward_score.math_reward import is_equiv, last_boxed_only_string, remove_boxed
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    if data_source == "my_math":
+        boxed = last_boxed_only_string(solution_str)
+        return float(boxed is not None and is_equiv(remove_boxed(boxed), ground_truth))
+    if data_source == "lazy":
+        from verl.utils.reward_score import gsm8k  # imported when called, as verl's own code does
+        return gsm8k.compute_score(solution_str, ground_truth)
+    if data_source == "strict":
+        return math_dapo.compute_score(solution_str, ground_truth, strict_box_verify=True)
+    return default_compute_score(data_source, solution_str, ground_truth, extra_info)
+'''
+
+
+def test_a_reward_file_written_against_verls_reward_score_loads_and_scores_without_verl(tmp_path):
+    import importlib.util
+    import sys
+
+    assert importlib.util.find_spec("verl") is None  # etarl's stand-ins, not verl
+    path = tmp_path / "my_reward.py"
+    path.write_text(VERL_WRITTEN_REWARD)
+    reward = Reward(f"{path}:compute_score")
+    assert "verl" not in sys.modules  # stood in while it loaded, not after
+    cases = [("my_math", "so \\boxed{\\frac12}", "0.5", 1.0), ("lazy", "#### 7", "7", 1.0),
+             ("strict", "\\boxed{3}", "3", 1.0), ("math_dapo", "Answer: 3", "4", -1.0),
+             ("openai/gsm8k", "#### 9", "9", 1.0)]
+    for source, response, reference, value in cases:
+        assert reward(response, Problem("?", reference, data_source=source)).value == value, source
+    assert "verl" not in sys.modules
+    path.write_text("from verl.utils.reward_score.prime_math import compute_score\n")
+    with pytest.raises(ValueError, match=r"No module named 'verl.utils.reward_score.prime_math' \(etarl stands in "
+                                         r"for .*verl.utils.reward_score .*anything else of verl needs verl installed"):
+        Reward(f"{path}:compute_score")

@@ -1,12 +1,16 @@
-"""What a verl tools file imports from verl, stood in while etarl loads it, so that it loads as it is
-with verl installed or not: `verl.tools.function_tool`'s decorator always (verl's registers the
-function in verl's registry), and, without verl, the classes a BaseTool subclass is written against
-(`verl.tools.base_tool.BaseTool`, `verl.tools.schemas`' ToolResponse and OpenAI schema models) and
-`verl.utils.rollout_trace.rollout_trace_op` (verl's tracing, here a decorator that changes nothing).
-A file importing anything else of verl needs verl installed; the error names what it imported."""
+"""What a verl tools or reward file imports from verl, stood in while etarl loads it (and calls a reward),
+so that it loads as it is with verl installed or not: `verl.tools.function_tool`'s decorator always (verl's
+registers the function in verl's registry), and, without verl, the classes a BaseTool subclass is written
+against (`verl.tools.base_tool.BaseTool`, `verl.tools.schemas`' ToolResponse and OpenAI schema models),
+`verl.utils.rollout_trace.rollout_trace_op` (verl's tracing, here a decorator that changes nothing) and
+`verl.utils.reward_score`: `default_compute_score` and the GSM8K, MATH (`math_reward`, older verl's
+`math`), DAPO (`math_dapo`) and Search-R1 (`search_r1_like_qa_em`) modules' `compute_score` and helpers,
+from etarl's rules (rollout_workers/verl_rewards.py; where verl asserts, they raise ValueError). A file
+importing anything else of verl needs verl installed; the error names what it imported."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import sys
 import types
@@ -17,7 +21,9 @@ from pydantic import BaseModel, Field
 
 FUNCTION_TOOL_MARK = "__etarl_function_tool__"  # (name, schema) set by the stand-in of verl's decorator
 # the verl modules stood in (the decorator's always, the others without verl); their packages too
-STOOD_IN = ("verl.tools.function_tool", "verl.tools.schemas", "verl.tools.base_tool", "verl.utils.rollout_trace")
+REWARD_SCORE = "verl.utils.reward_score"
+STOOD_IN = ("verl.tools.function_tool", "verl.tools.schemas", "verl.tools.base_tool", "verl.utils.rollout_trace",
+            REWARD_SCORE)
 
 
 def function_tool(name=None, *, schema: Any = None):
@@ -100,6 +106,51 @@ def rollout_trace_op(fn):
     return fn
 
 
+def verl_import_hint(error: str) -> str:
+    """A hint for an import error of a file written for verl: what etarl stands in for ("" for another error)."""
+    if "No module named 'verl" in error or "from 'verl." in error:
+        return (f" (etarl stands in for {', '.join(STOOD_IN)} (default_compute_score; gsm8k, math_reward, math_dapo, "
+                "search_r1_like_qa_em) only: anything else of verl needs verl installed)")
+    return ""
+
+
+def default_compute_score(data_source, solution_str, ground_truth, extra_info=None, sandbox_fusion_url=None,
+                          concurrent_semaphore=None, memory_limit_mb=None, **kwargs):
+    """verl's default reward for the data sources etarl has its rules for (the sandbox's arguments are
+    for code rows, which need verl)."""
+    from rollout_workers.verl_rewards import verl_default_reward
+
+    return verl_default_reward(data_source, solution_str, ground_truth, extra_info)
+
+
+def _reward_score_modules(module) -> list[types.ModuleType]:
+    """verl.utils.reward_score and its modules of the rules etarl carries, under verl's names."""
+    from rollout_workers import verl_rewards as rules
+
+    def dapo_remove_boxed(boxed: str) -> str:
+        if not (boxed.startswith("\\boxed{") and boxed.endswith("}")):
+            raise ValueError(f"box error: {boxed}")
+        return boxed[len("\\boxed{"):-1]
+
+    math_reward = dict(compute_score=rules.math_reward, last_boxed_only_string=rules.last_boxed_math,
+                       remove_boxed=rules.unboxed, strip_string=rules.math_normalized,
+                       is_equiv=lambda str1, str2, verbose=False: rules.math_equivalent(str1, str2))
+    parts = {
+        "gsm8k": module(f"{REWARD_SCORE}.gsm8k", compute_score=rules.gsm8k_reward, extract_solution=rules.gsm8k_answer),
+        "math_reward": module(f"{REWARD_SCORE}.math_reward", **math_reward),
+        "math": module(f"{REWARD_SCORE}.math", **math_reward),
+        "math_dapo": module(f"{REWARD_SCORE}.math_dapo", compute_score=rules.math_dapo_reward,
+                            last_boxed_only_string=rules.last_boxed, remove_boxed=dapo_remove_boxed,
+                            normalize_final_answer=rules.dapo_normalized),
+        "search_r1_like_qa_em": module(f"{REWARD_SCORE}.search_r1_like_qa_em", compute_score=rules.search_r1_reward,
+                                       normalize_answer=rules.qa_normalized, em_check=rules.exact_match,
+                                       extract_solution=rules.search_r1_answer),
+    }
+    package = module(REWARD_SCORE, package=True, default_compute_score=default_compute_score,
+                     _default_compute_score=default_compute_score, **parts)
+    return [package, *parts.values()]
+
+
 def _modules(verl_installed: bool) -> dict[str, types.ModuleType]:
     """The stand-in modules by name: the decorator's module always, the rest without verl."""
     def module(name: str, package: bool = False, **names) -> types.ModuleType:
@@ -118,15 +169,23 @@ def _modules(verl_installed: bool) -> dict[str, types.ModuleType]:
                     module("verl.tools.schemas", **schemas),
                     module("verl.tools.base_tool", BaseTool=BaseTool, **schemas),
                     module("verl.utils", package=True),
-                    module("verl.utils.rollout_trace", rollout_trace_op=rollout_trace_op)]
+                    module("verl.utils.rollout_trace", rollout_trace_op=rollout_trace_op),
+                    *_reward_score_modules(module)]
     return {m.__name__: m for m in modules}
+
+
+@functools.cache
+def _stand_ins() -> dict[str, types.ModuleType]:
+    """The stand-ins of this process, made once (a reward's every call is made among them)."""
+    return _modules(importlib.util.find_spec("verl") is not None)
 
 
 @contextlib.contextmanager
 def verl_stand_in():
-    """The stand-ins in `sys.modules` while a tools file loads; whatever those names were before is
-    put back afterwards (the loaded code keeps what it imported)."""
-    stand_ins = _modules(importlib.util.find_spec("verl") is not None)
+    """The stand-ins in `sys.modules` while a tools or reward file loads (or a reward is called: it may
+    import verl then); whatever those names were before is put back afterwards (the loaded code keeps
+    what it imported)."""
+    stand_ins = _stand_ins()
     before = {name: sys.modules.get(name) for name in stand_ins}
     sys.modules.update(stand_ins)
     try:
