@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from learner.distributed import FullWeightBuckets
+from learner.optimizer import load_schedule
 from lm.checkpoint_names import to_checkpoint_names
 
 TRAINER_STATE_FILE = "trainer.pt"
@@ -122,7 +123,7 @@ def load_training_state(folder: Path, trainer: dict, model, optimizer, critic=No
     if critic is not None:
         set_state_dict(critic.model, critic.optimizer, model_state_dict=state[CRITIC_MODEL],
                        optim_state_dict=state[CRITIC_OPTIMIZER], options=_state_dict_options())
-        critic.scheduler.load_state_dict(trainer[CRITIC_SCHEDULER])
+        load_schedule(critic.scheduler, trainer[CRITIC_SCHEDULER])
 
 
 def write_policy(folder: Path, model, source_dir: str, rank: int, sharded: bool,

@@ -35,6 +35,16 @@ def adamw_with_schedule(params, lr: float, betas, eps: float, weight_decay: floa
     return optimizer, scheduler
 
 
+def load_schedule(scheduler, state: dict) -> None:
+    """A saved scheduler's position, its learning rates worked out again from this run's schedule: the saved
+    ones are the saving run's (a run resumed with more steps stretches a decay over the run: its first
+    step would otherwise take the old schedule's last rate)."""
+    scheduler.load_state_dict(state)
+    for group, base_lr, factor in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["lr"] = base_lr * factor(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]  # get_last_lr() agrees
+
+
 def clip_and_step(params, optimizer, max_norm: float | None, writing=contextlib.nullcontext) -> float:
     """Clip to the global norm (None: no clipping) and step inside `writing()`; a non-finite
     gradient skips the step (no update beats a corrupted one) and is reported as inf."""

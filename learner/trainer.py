@@ -76,7 +76,7 @@ from learner.distributed import (
     unique_state_names,
 )
 from learner.losses import compute_policy_loss, count_tokens_and_sequences, kl_penalty, staleness_metrics
-from learner.optimizer import adamw_with_schedule, clip_and_step
+from learner.optimizer import adamw_with_schedule, clip_and_step, load_schedule
 from learner.routing_replay import MismatchCounts, RoutingReplay, require_routing
 from lm.causal_lm import (
     causal_lm_on_meta,
@@ -986,7 +986,7 @@ class Learner:
             raise KeyError(f"learner state is missing {sorted(missing)}")
         self._load_model_weights(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        load_schedule(self.scheduler, state["scheduler"])
         self.version = int(state["version"])
         self.kl_reward_coef = float(state.get("kl_reward_coef", self.kl_reward_coef))  # older states: the config's
 
@@ -1030,7 +1030,7 @@ class Learner:
             self.load_state_dict({"model": read_policy_weights(folder / POLICY_DIR), **state})
             return
         load_training_state(folder, state, self.model, self.optimizer, self.critic)
-        self.scheduler.load_state_dict(state["scheduler"])
+        load_schedule(self.scheduler, state["scheduler"])
         self.version = int(state["version"])
         self.kl_reward_coef = float(state.get("kl_reward_coef", self.kl_reward_coef))
 

@@ -131,8 +131,11 @@ class TaskConfig(_Strict):
 
     @model_validator(mode="after")
     def _check(self):
-        if self.kind == "file" and not self.path:
+        if self.kind == "file" and not (self.path or self.heldout_path):  # etarl eval needs only held-out ones
             raise ValueError("task.kind=file needs task.path (a .jsonl or .parquet file, or a list of them)")
+        if self.kind != "file" and self.heldout_path:
+            raise ValueError(f"task.heldout_path is read with task.kind=file, and the task is the built-in "
+                             f"{self.kind} one: set rollout.task.kind=file")
         if self.kind == "synthetic" and (not self.families or not self.difficulties):
             raise ValueError("a synthetic task needs at least one family and one difficulty")
         if any(d < 1 for d in self.difficulties):

@@ -6,8 +6,9 @@ and Search-R1 files score in etarl as they score in verl:
   lighteval/MATH, DigitalLearningGmbH/MATH-lighteval, HuggingFaceH4/MATH-500
                                                   math_reward (Hendrycks' MATH): the last \\boxed{},
                                                   equal after the MATH normalisation; 1.0 or 0.0
-  math_dapo, math, math_dapo_reasoning, aime*     math_dapo: "Answer: ..." (else the last \\boxed{})
-                                                  in the last 300 characters; {score: 1.0 or -1.0, acc}
+  math_dapo, math, math_dapo_reasoning, aime*     math_dapo: "Answer: ..." (else the last \\boxed{}, as
+                                                  verl since August 2026, #7407) in the last 300
+                                                  characters; {score: 1.0 or -1.0, acc}
   searchR1_nq, searchR1_triviaqa, ...             search_r1: the last <answer>...</answer>, an exact
                                                   match of ground_truth["target"] after normalising
 
@@ -360,7 +361,10 @@ def _why_bad_reference(data_source: Any, ground_truth: Any) -> str | None:
             return None
         return "its ground_truth is not {'target': [answers]} (so it never scores)"
     if not isinstance(ground_truth, str):
-        return f"its ground_truth is a {type(ground_truth).__name__}, not text (verl compares text: it never scores)"
+        kind = ("missing" if ground_truth is None else "a number" if isinstance(ground_truth, (int, float))
+                else "a list" if isinstance(ground_truth, list) else "a map" if isinstance(ground_truth, dict)
+                else f"a {type(ground_truth).__name__}")
+        return f"its ground_truth is {kind}, not text (verl compares text: it never scores)"
     return None
 
 

@@ -436,11 +436,10 @@ class EtarlConfig(BaseModel):
             raise ValueError(f"run.epochs counts passes over a prompt file (rollout.task.kind=file); the built-in "
                              f"{self.rollout.task.kind} task has no fixed size: set run.steps")
         learner = self.learner
-        if learner.lr_schedule != "constant" and learner.total_steps is None and self.run.epochs is None:
-            learner.total_steps = self.run.steps  # the decay spans the run, as verl's does
-            if learner.warmup_steps > learner.total_steps:
-                raise ValueError(f"learner.warmup_steps ({learner.warmup_steps}) exceeds the run's {self.run.steps} "
-                                 "steps, which the decay spans (learner.total_steps unset)")
+        if learner.lr_schedule != "constant" and learner.total_steps is None and self.run.epochs is None \
+                and learner.warmup_steps > self.run.steps:
+            raise ValueError(f"learner.warmup_steps ({learner.warmup_steps}) exceeds the run's {self.run.steps} "
+                             "steps, which the decay spans (learner.total_steps unset)")
         if sampling.top_p < 1.0 or sampling.top_k > 0:
             raise ValueError(
                 f"rollout.sampling.top_p={sampling.top_p} / top_k={sampling.top_k} truncate the sampler's distribution: "
@@ -451,6 +450,16 @@ class EtarlConfig(BaseModel):
     @property
     def eta(self) -> Optional[int]:
         return self.buffer.gate.eta
+
+    def learner_for_run(self, model_dir) -> LearnerConfig:
+        """The learner's config as a run builds it: its model folder, and a decay without total_steps spanning
+        the run's steps (worked out here, not saved: a resumed run with more steps stretches it, as verl's
+        decay spans the total steps of the run it resumes)."""
+        learner = self.learner
+        update: dict[str, Any] = {"model_path": str(model_dir)}
+        if learner.lr_schedule != "constant" and learner.total_steps is None:
+            update["total_steps"] = self.run.steps
+        return learner.model_copy(update=update)
 
     @property
     def batch_size(self) -> int:

@@ -179,6 +179,10 @@ class Controller:
         train_prompts = check_run_inputs(cfg, self.model_dir)
         if cfg.run.epochs is not None:  # the steps, now that the usable prompts are counted
             self.cfg = cfg = with_epochs(cfg, train_prompts)
+        if cfg.metrics.trackers:  # W&B's key before Ray starts (the trackers open once the layout is chosen)
+            from services.trackers import check_trackers
+
+            check_trackers(cfg.metrics.trackers)
         plan = start_ray(cfg)
         self.cfg = cfg = plan.config  # with the layout chosen for the GPUs found (services/placement.py)
         from services.shared_paths import check_shared_paths, run_paths
@@ -190,7 +194,7 @@ class Controller:
         self.placement = Placement(plan, cfg.ray.placement_timeout_s)
         from learner.distributed import LearnerGroup
 
-        learner_cfg = cfg.learner.model_copy(update={"model_path": str(self.model_dir)})
+        learner_cfg = cfg.learner_for_run(self.model_dir)
         self.buffer = BufferHandle(cfg, self.run_dir)
         self.weights = WeightPublisher(cfg.rollout.num_workers)
         self._start_exporter()

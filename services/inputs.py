@@ -168,7 +168,8 @@ def unscorable_rows(cfg: EtarlConfig, problems: list[Problem]) -> str | None:
     if not counts:
         return None
     whys = sorted(counts.items(), key=lambda item: -item[1])
-    listed = "; ".join(f"{count} rows of data_source {source!r}: {why}" for (source, why), count in whys[:MAX_LISTED])
+    listed = "; ".join(f"{count} row{'s' * (count != 1)} of data_source {source!r}: {why}"
+                       for (source, why), count in whys[:MAX_LISTED])
     more = f" (and {len(whys) - MAX_LISTED} more)" if len(whys) > MAX_LISTED else ""
     return f"rollout.reward=verl cannot score {listed}{more}"
 
@@ -176,6 +177,9 @@ def unscorable_rows(cfg: EtarlConfig, problems: list[Problem]) -> str | None:
 def check_run_inputs(cfg: EtarlConfig, model_dir) -> int | None:
     """Check the model folder, the reward and the prompt files before a run starts (see above); the
     number of usable train prompts of a file task (None: a built-in task)."""
+    if cfg.rollout.task.kind == "file" and not cfg.rollout.task.path:
+        raise ConfigError("rollout.task.path is unset: a run trains on the prompts of a file (the held-out ones "
+                          "alone serve etarl eval)")
     fmt = prompt_format(cfg, model_dir)
     reward = check_reward(cfg)
     _check_verl_reward_task(cfg)
@@ -200,25 +204,22 @@ def check_run_inputs(cfg: EtarlConfig, model_dir) -> int | None:
 
 
 def with_epochs(cfg: EtarlConfig, train_prompts: int) -> EtarlConfig:
-    """`cfg` with run.epochs worked out as run.steps over `train_prompts` usable prompts (and, where the
-    learning rate decays over the run, learner.total_steps); epochs cleared, so a resumed run keeps the
-    steps. verl's count: prompts // batch size steps an epoch (its loader drops a last partial batch)."""
+    """`cfg` with run.epochs worked out as run.steps over `train_prompts` usable prompts, epochs cleared (a
+    resumed run keeps the steps, or takes new ones). verl's count: prompts // batch size steps an epoch (its
+    loader drops a last partial batch)."""
     run, learner, batch_size = cfg.run, cfg.learner, cfg.buffer.gate.batch_size
     per_epoch = train_prompts // batch_size
     if per_epoch == 0:
         raise ConfigError(f"run.epochs: {train_prompts} usable train prompts make no batch of buffer.gate.batch_size="
                           f"{batch_size} prompts: use fewer prompts per step, or set run.steps")
     steps = max(1, math.floor(per_epoch * run.epochs))
-    log.info("run.epochs=%g: %d usable prompts // buffer.gate.batch_size %d = %d steps an epoch -> run.steps=%d",
-             run.epochs, train_prompts, batch_size, per_epoch, steps)
-    decay = {}
-    if learner.lr_schedule != "constant" and learner.total_steps is None:
-        if learner.warmup_steps > steps:
-            raise ConfigError(f"learner.warmup_steps ({learner.warmup_steps}) exceeds the {steps} steps of run.epochs="
-                              f"{run.epochs:g}, which the decay spans")
-        decay = {"total_steps": steps}
-    return cfg.model_copy(update={"run": run.model_copy(update={"steps": steps, "epochs": None}),
-                                  "learner": learner.model_copy(update=decay)})
+    log.info("run.epochs=%g: %d usable prompts // buffer.gate.batch_size %d = %d steps an epoch -> run.steps=%d "
+             "(run.epochs decides the steps: a run.steps given with it is not read)", run.epochs, train_prompts,
+             batch_size, per_epoch, steps)
+    if learner.lr_schedule != "constant" and learner.total_steps is None and learner.warmup_steps > steps:
+        raise ConfigError(f"learner.warmup_steps ({learner.warmup_steps}) exceeds the {steps} steps of run.epochs="
+                          f"{run.epochs:g}, which the decay spans")
+    return cfg.model_copy(update={"run": run.model_copy(update={"steps": steps, "epochs": None})})
 
 
 def check_eval_inputs(cfg: EtarlConfig, model_dir) -> None:

@@ -35,10 +35,40 @@ class Tracker(Protocol):
     def close(self, failed: bool) -> None: ...
 
 
+NOT_PLOTTED = ("step", "time")  # the x axis, and a record's wall-clock time
+
+
 def scalars(record: dict) -> dict[str, float]:
-    """The finite numbers of a metric record (not its step): what a tracker can plot."""
+    """The finite numbers of a metric record (not its step or time): what a tracker can plot."""
     return {key: float(value) for key, value in record.items()
-            if key != "step" and isinstance(value, numbers.Real) and math.isfinite(value)}
+            if key not in NOT_PLOTTED and isinstance(value, numbers.Real) and math.isfinite(value)}
+
+
+def wandb_with_a_key():
+    """The wandb module, where it is installed and has an API key (or runs offline): a ConfigError now, not
+    W&B's interactive prompt in a terminal."""
+    try:
+        import wandb
+    except ImportError:
+        raise ConfigError("metrics.trackers: wandb is not installed (pip install wandb)") from None
+    offline = os.environ.get("WANDB_MODE", "").lower() in ("offline", "dryrun", "disabled")
+    if not offline and not wandb.login(prompt=False, verify=False):
+        if wandb.run is None:  # W&B's process-wide state as it was, for a later start with other settings
+            wandb.teardown()
+        raise ConfigError("metrics.trackers: W&B has no API key: set WANDB_API_KEY (or WANDB_MODE=offline) where "
+                          "the driver runs, or drop wandb from metrics.trackers")
+    return wandb
+
+
+def check_trackers(names: list[str]) -> None:
+    """What the trackers need, checked before Ray and the actors start: wandb's key, tensorboard installed."""
+    if "wandb" in names:
+        wandb_with_a_key()
+    if "tensorboard" in names:
+        try:
+            import torch.utils.tensorboard  # noqa: F401
+        except ImportError:
+            raise ConfigError("metrics.trackers: tensorboard is not installed (pip install tensorboard)") from None
 
 
 class WandbTracker:
@@ -48,27 +78,19 @@ class WandbTracker:
     name = "wandb"
 
     def __init__(self, run_dir: Path, project: str, experiment: str, config: dict, resumed: bool) -> None:
-        try:
-            import wandb
-        except ImportError:
-            raise ConfigError("metrics.trackers: wandb is not installed (pip install wandb)") from None
+        wandb = wandb_with_a_key()
         id_file = run_dir / WANDB_ID_FILE
         run_id = id_file.read_text().strip() if resumed and id_file.is_file() else secrets.token_hex(4)
-        offline = os.environ.get("WANDB_MODE", "").lower() in ("offline", "dryrun", "disabled")
         try:
-            # no key: an error now, not W&B's interactive prompt in a terminal
-            if not offline and not wandb.login(prompt=False, verify=False):
-                raise ConfigError("metrics.trackers: W&B has no API key: set WANDB_API_KEY (or WANDB_MODE=offline) "
-                                  "where the driver runs, or drop wandb from metrics.trackers")
             # create_new: a W&B run the calling process has open (a notebook's, a sweep's) is left alone.
             # console="off": etarl's progress bar and logs stay on the terminal as they are.
+            # quiet: W&B's run summary at the end is left out (etarl prints its own).
             self.run = wandb.init(project=project, name=experiment, id=run_id, resume="allow", dir=str(run_dir),
-                                  config=config, reinit="create_new", settings=wandb.Settings(console="off"))
+                                  config=config, reinit="create_new",
+                                  settings=wandb.Settings(console="off", quiet=True))
         except Exception as err:  # noqa: BLE001 - wandb's errors have no common base
             if wandb.run is None:  # W&B's process-wide state as it was, for a later start with other settings
                 wandb.teardown()
-            if isinstance(err, ConfigError):
-                raise
             raise ConfigError(f"metrics.trackers: W&B did not start ({type(err).__name__}: {err}); drop wandb from "
                               "metrics.trackers, or set WANDB_MODE=offline to sync the run later") from None
         try:

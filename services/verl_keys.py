@@ -61,6 +61,16 @@ NO_REWARD_MODEL = "etarl starts no reward model: serve the judge apart and call 
 DEFAULT_REWARD = ("verl's default reward by data_source, without verl: GSM8K, MATH, DAPO/AIME and Search-R1 rows; "
                   "a run refuses at start rows of any other data_source")
 REWARD_KWARGS = Rule("rollout.reward_kwargs.", "the reward's keyword arguments")
+# verl's defaults that etarl's embedded default (a tiny model's run) does not share: a verl command line gets
+# verl's where it names none of the keys that set them. {etarl key: (verl keys, verl's value, note)}
+VERL_DEFAULTS = {
+    "learner.lr": ((ACTOR + "optim.lr",), 1e-6, "verl's actor learning rate"),
+    "learner.warmup_steps": ((ACTOR + "optim.lr_warmup_steps", ACTOR + "optim.lr_warmup_steps_ratio"), 0,
+                             "verl warms up for no step"),
+    "rollout.task.shuffle": (("data.shuffle",), True, "verl shuffles its train prompts"),
+    "rollout.sampling.max_new_tokens": (("data.max_response_length", ROLLOUT + "response_length"), 512,
+                                        "verl's response length"),
+}
 RULES: dict[str, Rule] = {
     # data
     "data.train_files": Rule("rollout.task.path", "with rollout.task.kind=file; a list: the files one after "
@@ -92,6 +102,7 @@ RULES: dict[str, Rule] = {
     ACTOR + "optim.clip_grad": Rule("learner.grad_clip"),
     ACTOR + "grad_clip": Rule("learner.grad_clip"),
     ACTOR + "optim.lr_warmup_steps": Rule("learner.warmup_steps", value=_off_if_negative),
+    ACTOR + "optim.warmup_style": Rule("learner.lr_schedule", "verl's older name of lr_scheduler_type"),
     ACTOR + "optim.lr_warmup_steps_ratio": Rule(None, "etarl counts warm-up in steps: learner.warmup_steps = the "
                                                       "ratio x the run's steps"),
     ACTOR + "optim.lr_scheduler_type": Rule("learner.lr_schedule", "cosine and linear decay over the run's steps, as verl's do"),
@@ -418,11 +429,18 @@ def translate(overrides: list[tuple[str, Any]]) -> tuple[list[str], list[str]]:
                 continue
             etarl[target] = _text(new)
             lines.append(f"  {key}={_text(value)} -> {target}={etarl[target]}" + (f" ({note})" if note else ""))
-    if "rollout.task.path" in etarl:
+    if "rollout.task.path" in etarl or "rollout.task.heldout_path" in etarl:  # verl's data: a run on files
         etarl.setdefault("rollout.task.kind", "file")
         if not any(key.startswith(REWARD_FUNCTIONS) for key in given):
             etarl.setdefault("rollout.reward", "verl")
             lines.append(f"  (no custom_reward_function -> rollout.reward=verl: {DEFAULT_REWARD})")
+        unsaid = {target: (value, why) for target, (verl_keys, value, why) in VERL_DEFAULTS.items()
+                  if target not in etarl and not any(key in given for key in verl_keys)}
+        for target, (value, why) in unsaid.items():
+            etarl[target] = _text(value)
+        if unsaid:
+            lines.append("  (verl's defaults where etarl's embedded default differs: " + "; ".join(
+                f"{target}={_text(value)} ({why})" for target, (value, why) in unsaid.items()) + ")")
     return lines, [f"{key}={text}" for key, text in etarl.items()]
 
 

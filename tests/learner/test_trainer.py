@@ -684,6 +684,28 @@ def test_lr_schedule_warms_up_then_decays():
         adamw_with_schedule([torch.nn.Parameter(torch.zeros(1))], 1e-3, (0.9, 0.999), 1e-8, 0.0, 0, "cosine", None)
 
 
+def test_a_resumed_schedule_takes_its_rate_from_this_runs_schedule_not_the_saved_one():
+    from learner.optimizer import adamw_with_schedule, load_schedule
+
+    def schedule(total):
+        return adamw_with_schedule([torch.nn.Parameter(torch.zeros(1))], 1e-3, (0.9, 0.999), 1e-8, 0.0, 0, "cosine",
+                                   total)
+
+    optimizer, scheduler = schedule(3)
+    for _ in range(3):
+        optimizer.step()
+        scheduler.step()
+    saved, saved_lr = scheduler.state_dict(), optimizer.param_groups[0]["lr"]
+    assert saved_lr == pytest.approx(0.0)  # the end of a 3-step decay
+    same_optimizer, same = schedule(3)
+    load_schedule(same, saved)
+    assert same_optimizer.param_groups[0]["lr"] == saved_lr and same.get_last_lr() == [saved_lr]  # the same run
+    longer_optimizer, longer = schedule(5)  # resumed with run.steps=5: step 4 of a 5-step decay
+    load_schedule(longer, saved)
+    expected = 1e-3 * lr_factor(3, 0, "cosine", 5, 0.0)
+    assert expected > 0 and longer_optimizer.param_groups[0]["lr"] == pytest.approx(expected)
+
+
 def test_config_errors_name_the_field(policy_dir):
     with pytest.raises(ValidationError, match="ppo_epoch"):
         LearnerConfig(model_path=str(policy_dir), ppo_epoch=2)

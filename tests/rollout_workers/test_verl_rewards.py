@@ -93,7 +93,7 @@ def test_rows_it_cannot_score_are_counted_by_data_source_with_what_to_do():
                 ("taco", "verl scores it with prime_code or a Sandbox Fusion server"): 1,
                 ("my_set", "verl's default reward has no rule for it either"): 1,
                 ("", "rows without a data_source"): 1,
-                ("lighteval/MATH", "its ground_truth is a int, not text"): 1,
+                ("lighteval/MATH", "its ground_truth is a number, not text"): 1,
                 ("aime24", "its ground_truth is a list, not text"): 1,
                 ("searchR1_nq", "its ground_truth is not {'target': [answers]}"): 2}
     assert len(found) == len(expected)

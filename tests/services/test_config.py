@@ -418,6 +418,7 @@ def test_every_rule_of_the_verl_table_gives_a_line_that_loads():
 
     verl_defaults = {"data.max_response_length": 512, "actor_rollout_ref.rollout.n": 1, "data.train_batch_size": 1024,
                      "actor_rollout_ref.actor.optim.lr_scheduler_type": "constant", "algorithm.kl_penalty": "kl",
+                     "actor_rollout_ref.actor.optim.warmup_style": "constant",
                      "algorithm.kl_ctrl.type": "fixed", "actor_rollout_ref.rollout.name": "vllm",
                      "actor_rollout_ref.rollout.dtype": "bfloat16",
                      "actor_rollout_ref.actor.kl_loss_type": "low_var_kl",
@@ -485,14 +486,30 @@ def test_etarl_train_with_verl_keys_exits_with_the_translation(tmp_path, capsys)
 
 def test_a_decaying_learning_rate_spans_the_run_unless_told_and_epochs_need_a_prompt_file():
     cfg = load_config(None, ["run.steps=30", "learner.lr_schedule=cosine", "learner.warmup_steps=5"])
-    assert cfg.learner.total_steps == 30  # as verl's decay spans its run
+    assert cfg.learner.total_steps is None and cfg.learner_for_run("/m").total_steps == 30  # as verl's spans its run
+    longer = cfg.model_copy(update={"run": cfg.run.model_copy(update={"steps": 50})})  # a resume with more steps
+    assert longer.learner_for_run("/m").total_steps == 50 and longer.learner_for_run("/m").model_path == "/m"
     assert load_config(None, ["learner.lr_schedule=linear", "learner.total_steps=12", "learner.warmup_steps=2"]) \
-        .learner.total_steps == 12
+        .learner_for_run("/m").total_steps == 12  # told: kept
     with pytest.raises(ConfigError, match=r"learner.warmup_steps \(50\) exceeds the run's 30 steps"):
         load_config(None, ["run.steps=30", "learner.lr_schedule=cosine", "learner.warmup_steps=50"])
     with pytest.raises(ConfigError, match="run.epochs counts passes over a prompt file"):
         load_config(None, ["run.epochs=2"])
     epochs = load_config(None, ["run.epochs=2", "rollout.task.kind=file", "rollout.task.path=p.jsonl",
                                 "learner.lr_schedule=cosine"])
-    assert epochs.learner.total_steps is None  # worked out with the steps, when the prompts are counted
+    assert epochs.learner.total_steps is None  # the steps are worked out when the prompts are counted
 
+
+
+def test_a_verl_data_line_gets_verls_defaults_where_etarls_embedded_default_differs():
+    from services.verl_keys import translate
+
+    lines, etarl = translate([("data.train_files", "a.parquet"), ("actor_rollout_ref.actor.optim.lr", 3e-6),
+                              ("data.max_response_length", 1024)])
+    assert etarl == ["rollout.task.path=a.parquet", "learner.lr=3.0e-06", "rollout.sampling.max_new_tokens=1024",
+                     "rollout.task.kind=file", "rollout.reward=verl", "learner.warmup_steps=0",
+                     "rollout.task.shuffle=true"]  # what the line named stays; only what it did not is filled
+    assert "(verl's defaults where etarl's embedded default differs: learner.warmup_steps=0 (verl warms up" in \
+        "\n".join(lines)
+    _, held_out_only = translate([("data.val_files", "t.parquet")])
+    assert "rollout.task.kind=file" in held_out_only  # etarl eval reads a held-out file only with kind=file

@@ -229,8 +229,8 @@ def test_rows_the_verl_reward_cannot_score_stop_a_run_data_check_and_eval_before
     said = str(refused.value)
     assert said.startswith("rollout.task.heldout_path: rollout.reward=verl cannot score 2 rows of data_source "
                            "'my_set': verl's default reward has no rule for it either")
-    assert "1 rows of data_source 'numina_olympiads': verl scores it with prime_math" in said
-    assert "1 rows of data_source 'lighteval/MATH': its ground_truth is a int, not text" in said
+    assert "1 row of data_source 'numina_olympiads': verl scores it with prime_math" in said
+    assert "1 row of data_source 'lighteval/MATH': its ground_truth is a number, not text" in said
     cfg.rollout.task.heldout_path = str(scorable)
     check_run_inputs(cfg, tiny_model_dir)  # every source has its rule
     with pytest.raises(ConfigError, match="rollout.task.heldout_path: rollout.reward=verl cannot score"):
@@ -261,11 +261,22 @@ def test_epochs_become_steps_from_the_usable_prompts_as_verl_counts_them(tiny_mo
     with caplog.at_level(logging.INFO, logger="etarl"):
         resolved = with_epochs(cfg, prompts)
     # 10 // 4 = 2 steps an epoch (a last partial batch dropped), x 2.5
-    assert (resolved.run.steps, resolved.run.epochs, resolved.learner.total_steps) == (5, None, 5)
+    assert (resolved.run.steps, resolved.run.epochs, resolved.learner_for_run("/m").total_steps) == (5, None, 5)
     assert "run.epochs=2.5: 10 usable prompts // buffer.gate.batch_size 4 = 2 steps an epoch -> run.steps=5" \
         in caplog.text
     with pytest.raises(ConfigError, match="run.epochs: 3 usable train prompts make no batch"):
         with_epochs(cfg, 3)
     with pytest.raises(ConfigError, match=r"learner.warmup_steps \(2\) exceeds the 1 steps of run.epochs=0.5"):
         with_epochs(cfg.model_copy(update={"run": cfg.run.model_copy(update={"epochs": 0.5})}), prompts)
+
+
+def test_etarl_eval_needs_only_held_out_prompts_and_a_run_its_train_file(tiny_model_dir, tmp_path):
+    held = write_rows(tmp_path / "held.jsonl", [{"prompt": "5+5=", "answer": "10"}])
+    cfg = load_config(None, [f"run.model={tiny_model_dir}", "rollout.task.kind=file",
+                             f"rollout.task.heldout_path={held}", "rollout.reward=math"])
+    check_eval_inputs(cfg, tiny_model_dir)
+    with pytest.raises(ConfigError, match="rollout.task.path is unset: a run trains on the prompts of a file"):
+        check_run_inputs(cfg, tiny_model_dir)
+    with pytest.raises(ConfigError, match="task.heldout_path is read with task.kind=file"):  # not ignored
+        load_config(None, [f"rollout.task.heldout_path={held}"])
 

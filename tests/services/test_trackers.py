@@ -69,7 +69,7 @@ def test_a_tracker_that_fails_is_dropped_and_the_others_go_on(caplog):
     assert steady.closed == [False]
 
 
-def test_wandb_without_a_key_stops_the_run_at_start_saying_what_to_set(tmp_path, monkeypatch):
+def test_wandb_without_a_key_stops_the_run_at_start_saying_what_to_set(tmp_path, monkeypatch, tiny_model_dir):
     monkeypatch.setenv("WANDB_MODE", "online")
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc login either
@@ -77,6 +77,14 @@ def test_wandb_without_a_key_stops_the_run_at_start_saying_what_to_set(tmp_path,
     with pytest.raises(ConfigError, match=r"metrics.trackers: W&B has no API key: set WANDB_API_KEY \(or "
                                           r"WANDB_MODE=offline\) where the driver runs"):
         open_trackers(["tensorboard", "wandb"], tmp_path, "etarl", None, {}, None)
+
+    # A run stops before Ray starts: nothing written to its folder, not even its config.
+    from services.cli import EXIT_CONFIG_ERROR, main
+
+    run_dir = tmp_path / "run"
+    assert main(["train", f"run.model={tiny_model_dir}", f"run.run_dir={run_dir}", "metrics.trackers=[wandb]",
+                 "run.progress=false"]) == EXIT_CONFIG_ERROR
+    assert not run_dir.exists()
 
 
 def test_a_users_own_wandb_run_is_left_alone_and_an_earlier_runs_tensorboard_log_is_moved_aside(tmp_path,
