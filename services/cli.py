@@ -147,6 +147,9 @@ def _evaluate(args) -> int:
     from services.placement import QUIET_VLLM
 
     os.environ["VLLM_LOGGING_LEVEL"] = QUIET_VLLM  # the engine runs here: its warnings would bury the result
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()  # its weight-loading bar, here on the console
     if args.run and not args.config:  # a run is evaluated on its own task and settings
         from services.controller import engine_for_this_machine, resume_config
 

@@ -148,6 +148,11 @@ class HFEngine(GenerationEngine):
         if memory_share is not None and self.device.type == "cuda":
             torch.cuda.set_per_process_memory_fraction(memory_share, self.device)
         self.model = load_causal_lm(model_dir, dtype=dtype, device=str(self.device)).eval()
+        from transformers import GenerationConfig
+
+        # the folder's sampling defaults (an instruct model's temperature, top_p) are not the run's: every
+        # generate() call says all it wants, and transformers would warn that greedy calls ignore them
+        self.model.generation_config = GenerationConfig()
         self.dtype = dtype
         self.version = version
         self.vocab_size = self.model.config.vocab_size
