@@ -17,7 +17,6 @@ import logging
 import math
 import os
 import re
-from collections import Counter
 from pathlib import Path
 
 from rollout_workers.data import (MAX_LISTED, InvalidPrompts, Problem, PromptFormat, PromptReport, check_prompts,
@@ -291,8 +290,8 @@ def _submitted_job_runtime_env() -> dict:
 def _tool_py_modules(environment_kwargs: dict) -> list[str]:
     """What the workers need to import the tools environment's tools file and tool classes."""
     from rollout_workers.environments.tool_classes import class_modules
-    from rollout_workers.verl_stand_in import verl_stand_in
     from rollout_workers.rewards import module_py_modules
+    from rollout_workers.verl_stand_in import verl_stand_in
 
     names = [environment_kwargs["path"]] if environment_kwargs.get("path") else []
     if environment_kwargs.get("config"):
