@@ -326,6 +326,15 @@ class RolloutConfig(_Strict):
                              "rollout.multi_turn.max_total_tokens, not by max_new_tokens per turn")
         return self
 
+    def rows_reward(self) -> str | None:
+        """The reward spec that scores a prompt file's rows: this one, or the tools environment's; None where
+        another environment scores them."""
+        if not self.multi_turn.enabled:
+            return self.reward
+        if self.multi_turn.environment == "tools":
+            return self.environment_arguments()["reward"]
+        return None
+
     def environment_arguments(self) -> dict[str, Any]:
         """The keyword arguments the environment is built with: multi_turn.environment_kwargs, and for
         the built-in tools environment, where they do not say, the run's reward and a tool-turn limit

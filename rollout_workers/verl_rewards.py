@@ -15,15 +15,14 @@ and Search-R1 files score in etarl as they score in verl:
 The rules are written from verl's behaviour (verl 1dda039) and checked against verl's functions on
 random texts. verl's other rules need packages etarl does not carry (sympy for prime_math, a sandbox
 for code, mathruler for geometry3k): their rows, and rows of a data_source verl has no rule for, are
-refused when a run starts (`unscorable`, with rows whose reference their rule cannot read), and fail as
-a reward error if one reaches a worker. In a multi-turn tools run the rule reads the answer turn, where verl
+bad rows (`why_unscorable_row`, with rows whose reference their rule cannot read: refused when a run
+starts, or skipped with rollout.task.skip_invalid), and fail as a reward error if one reaches a worker. In a multi-turn tools run the rule reads the answer turn, where verl
 reads the whole response (a Search-R1 answer in an earlier turn, or its tag count, differ there).
 """
 from __future__ import annotations
 
 import re
 import string
-from collections.abc import Iterable
 from typing import Any
 
 # ---------------------------------------------------------------- openai/gsm8k
@@ -368,18 +367,11 @@ def _why_bad_reference(data_source: Any, ground_truth: Any) -> str | None:
     return None
 
 
-def unscorable(rows: Iterable[tuple[Any, Any]]) -> dict[tuple[Any, str], int]:
-    """{(data_source, why): row count} for the (data_source, ground_truth) rows rollout.reward=verl cannot
-    score: a data_source without a rule here, or a reference its rule cannot read."""
-    counts: dict[tuple[Any, str], int] = {}
-    by_source: dict[Any, str | None] = {}
-    for source, truth in rows:
-        if source not in by_source:
-            by_source[source] = why_unscorable(source)
-        why = by_source[source] or _why_bad_reference(source, truth)
-        if why:
-            counts[(source, why)] = counts.get((source, why), 0) + 1
-    return counts
+def why_unscorable_row(data_source: Any, ground_truth: Any) -> str | None:
+    """Why rollout.reward=verl cannot score a row (a data_source without a rule here, or a reference its rule
+    cannot read), as a bad row says it; None when it can."""
+    why = why_unscorable(data_source) or _why_bad_reference(data_source, ground_truth)
+    return None if why is None else f"rollout.reward=verl cannot score it: data_source {data_source!r}: {why}"
 
 
 def verl_default_reward(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None):

@@ -152,7 +152,7 @@ class RolloutWorker:
             self.tokenizer = load_tokenizer(cfg.model_path)
             self.prompt_format = PromptFormat.for_rollout(cfg.model_path, cfg, self.tokenizer)
         if self.prompts is None:
-            self.prompts = train_prompts(cfg.task, self.prompt_format, cfg.sampling.max_new_tokens)
+            self.prompts = train_prompts(cfg.task, self.prompt_format, cfg.sampling.max_new_tokens, cfg.rows_reward())
         if self.rewards is None and not cfg.multi_turn.enabled:
             self.rewards = RewardRunner.for_rollout(cfg)
         while not cfg.multi_turn.enabled and self._streams() and len(self._more_rewards) < cfg.reward_processes - 1:
@@ -923,7 +923,7 @@ class RolloutWorker:
             key = (spec["num_prompts"], spec["seed"], spec["max_new_tokens"])
             if self.__dict__.get("_eval_prompts_key") != key:
                 problems = heldout_problems(cfg.task, spec["num_prompts"], spec["seed"], self.prompt_format,
-                                            spec["max_new_tokens"])
+                                            spec["max_new_tokens"], cfg.rows_reward())
                 self._eval_prompts = [(p, self.prompt_format.encode(p, spec["max_new_tokens"])) for p in problems]
                 self._eval_prompts_key = key
             prompts = self._eval_prompts

@@ -171,7 +171,8 @@ class PolicyEvaluator:
         task = cfg.rollout.task
         tokenizer = load_tokenizer(model_dir)
         prompt_format = PromptFormat.for_rollout(model_dir, cfg.rollout, tokenizer)
-        problems = heldout_problems(task, cfg.eval.num_prompts, cfg.run.seed, prompt_format, cfg.eval.max_new_tokens)
+        problems = heldout_problems(task, cfg.eval.num_prompts, cfg.run.seed, prompt_format, cfg.eval.max_new_tokens,
+                                    cfg.rollout.rows_reward())
         prompts = [EvalPrompt(prompt_format.encode(p, cfg.eval.max_new_tokens), p) for p in problems]
         # Multi-turn episodes are scored by their environment; single-turn answers by the reward,
         # in its own process (made before the engine: a bad spec fails before a model is loaded).

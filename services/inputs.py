@@ -19,8 +19,8 @@ import os
 import re
 from pathlib import Path
 
-from rollout_workers.data import (MAX_LISTED, InvalidPrompts, Problem, PromptFormat, PromptReport, check_prompts,
-                                  context_can_stretch, model_context_len, read_prompt_file)
+from rollout_workers.data import (InvalidPrompts, Problem, PromptFormat, PromptReport, check_prompts,
+                                  context_can_stretch, model_context_len)
 from services.config import ConfigError, EtarlConfig
 
 log = logging.getLogger("etarl")
@@ -122,55 +122,29 @@ def prompt_reports(cfg: EtarlConfig, fmt: PromptFormat) -> dict[str, PromptRepor
             raise ConfigError("rollout.task.heldout_path is unset, so there are no held-out prompts to evaluate on: "
                               "set it, or eval.enabled=false")
         files |= {key: (path, cfg.eval.max_new_tokens) for key, path in task.files("heldout_path").items()}
-    return _checked_files(files, task, fmt)
+    return _checked_files(files, task, fmt, cfg.rollout.rows_reward())
 
 
-def _checked_files(files: dict[str, tuple[str, int | None]], task, fmt: PromptFormat) -> dict[str, PromptReport]:
-    """{name: (path, max_new_tokens)} checked, by name; a file that cannot be read is a ConfigError
-    naming it (by its config key, where that is its name)."""
+def _checked_files(files: dict[str, tuple[str, int | None]], task, fmt: PromptFormat,
+                   reward: str | None) -> dict[str, PromptReport]:
+    """{name: (path, max_new_tokens)} checked, by name (`reward`: the spec that scores the rows, as
+    check_prompts takes it); a file that cannot be read is a ConfigError naming it (by its config key,
+    where that is its name)."""
     reports = {}
     for name, (path, max_new_tokens) in files.items():
         try:
-            reports[name] = check_prompts(path, task, fmt, max_new_tokens)
+            reports[name] = check_prompts(path, task, fmt, max_new_tokens, reward)
         except (OSError, ValueError) as err:
             raise ConfigError(str(err) if name == path else f"{name}: {err}") from None
     return reports
 
 
-def _rows_reward(cfg: EtarlConfig) -> str | None:
-    """The reward spec that scores the rows of a prompt file: the run's, or the tools environment's; None where
-    another environment scores them."""
-    if not cfg.rollout.multi_turn.enabled:
-        return cfg.rollout.reward
-    if cfg.rollout.multi_turn.environment == "tools":
-        return cfg.rollout.environment_arguments()["reward"]
-    return None
-
-
 def _check_verl_reward_task(cfg: EtarlConfig) -> None:
     """rollout.reward=verl goes by each row's data_source, which the built-in tasks' problems do not have."""
-    if _rows_reward(cfg) == "verl" and cfg.rollout.task.kind != "file":
+    if cfg.rollout.rows_reward() == "verl" and cfg.rollout.task.kind != "file":
         raise ConfigError(f"rollout.reward=verl scores verl rows by their data_source, and the built-in "
                           f"rollout.task.kind={cfg.rollout.task.kind} task has none: use rollout.reward=math or exact, "
                           "or a file of verl rows (rollout.task.kind=file)")
-
-
-def unscorable_rows(cfg: EtarlConfig, problems: list[Problem]) -> str | None:
-    """Why rollout.reward=verl cannot score some of a file's rows (a data_source it has no rule for, or a
-    reference the rule cannot read, each with its row count); None when it can score them all, or the
-    run's reward is another."""
-    if _rows_reward(cfg) != "verl":
-        return None
-    from rollout_workers.verl_rewards import unscorable
-
-    counts = unscorable((problem.data_source, problem.answer) for problem in problems)
-    if not counts:
-        return None
-    whys = sorted(counts.items(), key=lambda item: -item[1])
-    listed = "; ".join(f"{count} row{'s' * (count != 1)} of data_source {source!r}: {why}"
-                       for (source, why), count in whys[:MAX_LISTED])
-    more = f" (and {len(whys) - MAX_LISTED} more)" if len(whys) > MAX_LISTED else ""
-    return f"rollout.reward=verl cannot score {listed}{more}"
 
 
 def check_run_inputs(cfg: EtarlConfig, model_dir) -> int | None:
@@ -193,9 +167,6 @@ def check_run_inputs(cfg: EtarlConfig, model_dir) -> int | None:
             report.usable(cfg.rollout.task.skip_invalid)
         except InvalidPrompts as err:
             raise ConfigError(f"{key}: {err}") from None
-        unscorable = unscorable_rows(cfg, report.problems)
-        if unscorable:
-            raise ConfigError(f"{key}: {unscorable}")
         log.info("prompts %s", report.summary(list_bad=False))  # usable() logged the rows it skips
         if key in train_keys:
             train_prompts += len(report.problems)
@@ -231,15 +202,13 @@ def check_eval_inputs(cfg: EtarlConfig, model_dir) -> None:
                           "(set it)")
     _check_verl_reward_task(cfg)
     check_environment(cfg, prompt_format(cfg, model_dir))
-    if task.kind == "file" and _rows_reward(cfg) == "verl":  # the rows' data sources, before an engine starts
+    reward = cfg.rollout.rows_reward()
+    if task.kind == "file" and reward == "verl":  # the rows' data sources, read before an engine starts
         for key, path in task.files("heldout_path").items():
             try:
-                problems = read_prompt_file(path, task).problems
+                check_prompts(path, task, reward=reward).usable(task.skip_invalid)
             except (OSError, ValueError) as err:
                 raise ConfigError(f"{key}: {err}") from None
-            unscorable = unscorable_rows(cfg, problems)
-            if unscorable:
-                raise ConfigError(f"{key}: {unscorable}")
 
 
 def data_check(cfg: EtarlConfig, model_dir, paths: list[str] | None = None) -> tuple[str, bool]:
@@ -250,7 +219,8 @@ def data_check(cfg: EtarlConfig, model_dir, paths: list[str] | None = None) -> t
     fmt = prompt_format(cfg, model_dir)
     check_environment(cfg, fmt)  # as a run's start does: a bad environment is refused here too
     if paths:
-        reports = _checked_files({path: (path, cfg.rollout.sampling.max_new_tokens) for path in paths}, task, fmt)
+        reports = _checked_files({path: (path, cfg.rollout.sampling.max_new_tokens) for path in paths}, task, fmt,
+                                 cfg.rollout.rows_reward())
     elif task.kind != "file":
         raise ConfigError("no prompt file named, and the config's prompts are built in (rollout.task.kind="
                           f"{task.kind}): name a file, or set rollout.task.path")
@@ -259,7 +229,6 @@ def data_check(cfg: EtarlConfig, model_dir, paths: list[str] | None = None) -> t
     lines, accepted = [f"model {model_dir}: {fmt.describe()}"], True
     for key, report in reports.items():
         lines.append(report.summary() if paths else f"{key} = {report.summary()}")
-        unscorable = unscorable_rows(cfg, report.problems)
         if not report.problems:
             accepted = False
             lines.append("  a run would refuse this file: it holds no usable prompt")
@@ -269,11 +238,8 @@ def data_check(cfg: EtarlConfig, model_dir, paths: list[str] | None = None) -> t
             accepted = False
             lines.append("  a run would refuse this file: fix the rows, or set rollout.task.skip_invalid=true to "
                          "skip them")
-        elif not unscorable:
+        else:
             lines.append("  every row is usable")
-        if unscorable:
-            accepted = False
-            lines.append(f"  a run would refuse this file: {unscorable}")
     return "\n".join(lines), accepted
 
 

@@ -59,7 +59,7 @@ ONE_REWARD = "etarl tells the manager by the reward's signature: compute_score(d
 NO_REWARD_MODEL = "etarl starts no reward model: serve the judge apart and call it from the reward " \
                   "(examples/judge_reward.py; its URL and key named in rollout.reward_env)"
 DEFAULT_REWARD = ("verl's default reward by data_source, without verl: GSM8K, MATH, DAPO/AIME and Search-R1 rows; "
-                  "a run refuses at start rows of any other data_source")
+                  "a row of another data_source is a bad row")
 REWARD_KWARGS = Rule("rollout.reward_kwargs.", "the reward's keyword arguments")
 # verl's defaults that etarl's embedded default (a tiny model's run) does not share: a verl command line gets
 # verl's where it names none of the keys that set them. {etarl key: (verl keys, verl's value, note)}

@@ -20,6 +20,7 @@ from rollout_workers.data.chat import PromptFormat
 from rollout_workers.data.files import BadRow, read_prompt_file
 from rollout_workers.data.problems import Problem, PromptSet
 from rollout_workers.data.synthetic import mixed_problems
+from rollout_workers.verl_rewards import why_unscorable_row
 
 log = logging.getLogger(__name__)
 MAX_LISTED = 20
@@ -96,9 +97,11 @@ class PromptReport:
 
 
 def check_prompts(path, task, prompt_format: PromptFormat | None = None,
-                  max_new_tokens: int | None = None) -> PromptReport:
+                  max_new_tokens: int | None = None, reward: str | None = None) -> PromptReport:
     """Read and check a prompt file. Without a PromptFormat only the rows' shape is checked;
-    with one, each prompt is rendered and tokenized, and checked against the context."""
+    with one, each prompt is rendered and tokenized, and checked against the context. With
+    `reward` (the spec that scores the rows: RolloutConfig.rows_reward()) "verl", a row it cannot
+    score (its data_source, its ground_truth) is a bad row too."""
     prompt_file = read_prompt_file(path, task)
     report = PromptReport(prompt_file.source, prompt_file.rows, [], list(prompt_file.bad),
                           context_len=prompt_format.context_len if prompt_format else None,
@@ -106,6 +109,8 @@ def check_prompts(path, task, prompt_format: PromptFormat | None = None,
                           truncation=prompt_format.truncation if prompt_format else "error")
     for problem in prompt_file.problems:
         why, count = _token_problem(problem, prompt_format, max_new_tokens)
+        if not why and reward == "verl":
+            why = why_unscorable_row(problem.data_source, problem.answer)
         if why:
             report.bad.append(BadRow(report.source, problem.row, why))
             continue
@@ -135,29 +140,31 @@ def _token_problem(problem: Problem, prompt_format: PromptFormat | None, max_new
 
 
 def _usable_problems(task, key: str, prompt_format: PromptFormat | None,
-                     max_new_tokens: int | None) -> list[list[Problem]]:
+                     max_new_tokens: int | None, reward: str | None) -> list[list[Problem]]:
     """The usable problems of each file of `key` ("path" or "heldout_path")."""
-    return [check_prompts(path, task, prompt_format, max_new_tokens).usable(task.skip_invalid)
+    return [check_prompts(path, task, prompt_format, max_new_tokens, reward).usable(task.skip_invalid)
             for path in task.files(key).values()]
 
 
-def train_prompts(task, prompt_format: PromptFormat | None = None, max_new_tokens: int | None = None) -> PromptSet:
-    """The training prompt set of a TaskConfig (a file's unusable rows refused or skipped)."""
+def train_prompts(task, prompt_format: PromptFormat | None = None, max_new_tokens: int | None = None,
+                  reward: str | None = None) -> PromptSet:
+    """The training prompt set of a TaskConfig (a file's unusable rows refused or skipped; `reward` as
+    check_prompts takes it: the driver and every worker skip the same rows)."""
     shuffle_seed = task.seed if task.shuffle else None
     if task.kind == "file":
-        files = _usable_problems(task, "path", prompt_format, max_new_tokens)
+        files = _usable_problems(task, "path", prompt_format, max_new_tokens, reward)
         return PromptSet([problem for problems in files for problem in problems], shuffle_seed)  # file after file
     return PromptSet(mixed_problems(list(task.families), list(task.difficulties), "train", task.num_prompts, task.seed),
                      shuffle_seed)
 
 
 def heldout_problems(task, count: int, seed: int | None = None, prompt_format: PromptFormat | None = None,
-                     max_new_tokens: int | None = None) -> list[Problem]:
+                     max_new_tokens: int | None = None, reward: str | None = None) -> list[Problem]:
     """Up to `count` held-out problems of a TaskConfig (never in its training set)."""
     if task.kind == "file":
         if not task.heldout_path:
             raise ValueError("task.kind=file has no task.heldout_path: there is no held-out set to evaluate on")
-        files = _usable_problems(task, "heldout_path", prompt_format, max_new_tokens)
+        files = _usable_problems(task, "heldout_path", prompt_format, max_new_tokens, reward)
         # the files' rows taken in turn, so that `count` of them holds some of every file
         taken = (problem for row in itertools.zip_longest(*files) for problem in row if problem is not None)
         return list(itertools.islice(taken, count))

@@ -213,8 +213,8 @@ def test_data_check_refuses_the_environment_a_run_would_refuse_naming_the_key_me
            "max_tool_turns?); it takes path, config, reward" in err
 
 
-def test_rows_the_verl_reward_cannot_score_stop_a_run_data_check_and_eval_before_an_engine(tiny_model_dir, tmp_path,
-                                                                                          capsys):
+def test_rows_the_verl_reward_cannot_score_are_bad_rows_refused_or_skipped_before_an_engine(tiny_model_dir, tmp_path,
+                                                                                           capsys):
     def row(source, answer="4"):
         return {"prompt": [{"role": "user", "content": "2+2?"}], "data_source": source,
                 "reward_model": {"style": "rule", "ground_truth": answer}}
@@ -227,20 +227,26 @@ def test_rows_the_verl_reward_cannot_score_stop_a_run_data_check_and_eval_before
     with pytest.raises(ConfigError) as refused:
         check_run_inputs(cfg, tiny_model_dir)
     said = str(refused.value)
-    assert said.startswith("rollout.task.heldout_path: rollout.reward=verl cannot score 2 rows of data_source "
-                           "'my_set': verl's default reward has no rule for it either")
-    assert "1 row of data_source 'numina_olympiads': verl scores it with prime_math" in said
-    assert "1 row of data_source 'lighteval/MATH': its ground_truth is a number, not text" in said
-    cfg.rollout.task.heldout_path = str(scorable)
-    check_run_inputs(cfg, tiny_model_dir)  # every source has its rule
-    with pytest.raises(ConfigError, match="rollout.task.heldout_path: rollout.reward=verl cannot score"):
-        check_eval_inputs(cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={
-            "task": cfg.rollout.task.model_copy(update={"heldout_path": str(mixed)})})}), tiny_model_dir)
+    assert said.startswith("rollout.task.heldout_path: prompt file has unusable rows, the run does not start")
+    assert f"{mixed} row 2: rollout.reward=verl cannot score it: data_source 'numina_olympiads': verl scores it " \
+           "with prime_math" in said
+    assert f"{mixed} row 3: rollout.reward=verl cannot score it: data_source 'my_set': verl's default reward has " \
+           "no rule for it either" in said
+    assert f"{mixed} row 5: rollout.reward=verl cannot score it: data_source 'lighteval/MATH': its ground_truth is " \
+           "a number, not text" in said
+    with pytest.raises(ConfigError, match="rollout.task.heldout_path: prompt file has unusable rows"):
+        check_eval_inputs(cfg, tiny_model_dir)  # before an engine starts
+    skipping = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={
+        "task": cfg.rollout.task.model_copy(update={"skip_invalid": True})})})
+    check_run_inputs(skipping, tiny_model_dir)  # one bad row does not stop a run that skips them
+    from rollout_workers.data import heldout_problems
+
+    held = heldout_problems(skipping.rollout.task, 10, reward=skipping.rollout.rows_reward())  # as a worker reads them
+    assert [(p.data_source, p.row) for p in held] == [("openai/gsm8k", 1)]
     code = main(["data", "check", str(scorable), str(mixed), f"run.model={tiny_model_dir}", "rollout.reward=verl"])
     out = capsys.readouterr().out
-    assert code == 1 and out.count("a run would refuse this file") == 1
-    assert "data sources: my_set (2), openai/gsm8k (1), numina_olympiads (1)" in out  # most rows first
-    assert "a run would refuse this file: rollout.reward=verl cannot score 2 rows of data_source 'my_set'" in out
+    assert code == 1 and f"{mixed}: 5 rows, 1 usable, 4 unusable" in out
+    assert f"{scorable}: 3 rows, 3 usable, 0 unusable" in out and "data sources: openai/gsm8k (1)" in out
     # Another reward scores what it is given: no data_source is asked for.
     assert main(["data", "check", str(mixed), f"run.model={tiny_model_dir}", "rollout.reward=math"]) == 0
     # The built-in tasks have no data_source to go by.
