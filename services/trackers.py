@@ -44,6 +44,13 @@ def scalars(record: dict) -> dict[str, float]:
             if key not in NOT_PLOTTED and isinstance(value, numbers.Real) and math.isfinite(value)}
 
 
+def _end_wandb(wandb) -> None:
+    """W&B's process-wide state and service process ended, unless another W&B run of this process (a
+    caller's) still uses them: a later start begins afresh, with its own settings."""
+    if wandb.run is None:
+        wandb.teardown()
+
+
 def wandb_with_a_key():
     """The wandb module, where it is installed and has an API key (or runs offline): a ConfigError now, not
     W&B's interactive prompt in a terminal."""
@@ -53,8 +60,7 @@ def wandb_with_a_key():
         raise ConfigError("metrics.trackers: wandb is not installed (pip install wandb)") from None
     offline = os.environ.get("WANDB_MODE", "").lower() in ("offline", "dryrun", "disabled")
     if not offline and not wandb.login(prompt=False, verify=False):
-        if wandb.run is None:  # W&B's process-wide state as it was, for a later start with other settings
-            wandb.teardown()
+        _end_wandb(wandb)
         raise ConfigError("metrics.trackers: W&B has no API key: set WANDB_API_KEY (or WANDB_MODE=offline) where "
                           "the driver runs, or drop wandb from metrics.trackers")
     return wandb
@@ -89,8 +95,7 @@ class WandbTracker:
                                   config=config, reinit="create_new",
                                   settings=wandb.Settings(console="off", quiet=True))
         except Exception as err:  # noqa: BLE001 - wandb's errors have no common base
-            if wandb.run is None:  # W&B's process-wide state as it was, for a later start with other settings
-                wandb.teardown()
+            _end_wandb(wandb)
             raise ConfigError(f"metrics.trackers: W&B did not start ({type(err).__name__}: {err}); drop wandb from "
                               "metrics.trackers, or set WANDB_MODE=offline to sync the run later") from None
         try:
@@ -110,8 +115,7 @@ class WandbTracker:
         try:
             self.run.finish(exit_code=1 if failed else 0)
         finally:
-            if wandb.run is None:  # no other W&B run in this process: its service process ends with ours
-                wandb.teardown()
+            _end_wandb(wandb)
 
 
 class TensorBoardTracker:
