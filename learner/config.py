@@ -253,6 +253,13 @@ class LearnerConfig(BaseModel):
             raise ValueError(f"betas must lie in [0, 1), got {value}")
         return value
 
+    def check_decay_span(self, steps: int, what: str) -> None:
+        """A decay without total_steps spans a run's `steps` (`what` says which): ValueError where the
+        warm-up alone is longer."""
+        if self.lr_schedule != "constant" and self.total_steps is None and self.warmup_steps > steps:
+            raise ValueError(f"learner.warmup_steps ({self.warmup_steps}) exceeds {what}, which the decay spans "
+                             "(learner.total_steps unset)")
+
     @model_validator(mode="after")
     def _consistent(self):
         if self.total_steps is not None and self.warmup_steps > self.total_steps:

@@ -10,9 +10,10 @@ Three forms are accepted, told apart by their signature:
 A dict's "score" is the reward and its other numeric entries become metrics `reward/<key>`
 (averaged over a step's samples). Any form may be `async` (awaited). Built-ins are named
 ("math", "exact", "gsm8k", "verl": verl's default reward, see verl_rewards); any other is
-"package.module:function" or "path/to/file.py:function" (verl's `custom_reward_function.path`). A module that is not an installed package travels to the workers
-in the Ray job's runtime environment (`reward_py_modules`); a file reward is loaded from its path,
-else, on a node without that path, as the module of the same name shipped that way.
+"package.module:function" or "path/to/file.py:function" (verl's `custom_reward_function.path`). A
+module that is not an installed package travels to the workers in the Ray job's runtime environment
+(`reward_py_modules`); a file reward is loaded from its path, else, on a node without that path, as
+the module of the same name shipped that way.
 `RewardRunner` calls the function in a child process with a per-response timeout (a batch call
 has its responses' timeouts and CPU seconds together): a reward that
 hangs, crashes, kills its process or returns a non-number is scored `failure_reward`, counted,

@@ -4,7 +4,7 @@ and Search-R1 files score in etarl as they score in verl:
 
   openai/gsm8k                                    gsm8k_reward: the number after the last '#### '
   lighteval/MATH, DigitalLearningGmbH/MATH-lighteval, HuggingFaceH4/MATH-500
-                                                  math_reward (Hendrycks' MATH): the last \\boxed{},
+                                                  hendrycks_math_reward: the last \\boxed{},
                                                   equal after the MATH normalisation; 1.0 or 0.0
   math_dapo, math, math_dapo_reasoning, aime*     math_dapo: "Answer: ..." (else the last \\boxed{}, as
                                                   verl since August 2026, #7407) in the last 300
@@ -16,8 +16,9 @@ The rules are written from verl's behaviour (verl 1dda039) and checked against v
 random texts. verl's other rules need packages etarl does not carry (sympy for prime_math, a sandbox
 for code, mathruler for geometry3k): their rows, and rows of a data_source verl has no rule for, are
 bad rows (`why_unscorable_row`, with rows whose reference their rule cannot read: refused when a run
-starts, or skipped with rollout.task.skip_invalid), and fail as a reward error if one reaches a worker. In a multi-turn tools run the rule reads the answer turn, where verl
-reads the whole response (a Search-R1 answer in an earlier turn, or its tag count, differ there).
+starts, or skipped with rollout.task.skip_invalid), and fail as a reward error if one reaches a worker.
+In a multi-turn tools run the rule reads the answer turn, where verl reads the whole response (a
+Search-R1 answer in an earlier turn, or its tag count, differ there).
 """
 from __future__ import annotations
 
@@ -188,7 +189,7 @@ def math_equivalent(answer: Any, reference: Any) -> bool:
         return answer == reference
 
 
-def math_reward(solution_str: str, ground_truth: Any) -> float:
+def hendrycks_math_reward(solution_str: str, ground_truth: Any) -> float:
     """verl's rule for MATH rows: 1.0 when the last boxed answer is math_equivalent to the reference, else
     0.0 (also where the boxed answer cannot be read)."""
     boxed = last_boxed_math(solution_str)
@@ -321,7 +322,7 @@ def search_r1_reward(solution_str: str, ground_truth: Any, method: str = "strict
 # ---------------------------------------------------------------- by data_source
 _RULES = {"openai/gsm8k": gsm8k_reward,
           **dict.fromkeys(("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500"),
-                          math_reward),
+                          hendrycks_math_reward),
           **dict.fromkeys(("math_dapo", "math", "math_dapo_reasoning"), math_dapo_reward),
           **dict.fromkeys([f"searchR1_{name}" for name in ("nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa",
                                                            "musique", "bamboogle")], search_r1_reward)}

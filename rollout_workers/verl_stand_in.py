@@ -132,7 +132,7 @@ def _reward_score_modules(module) -> list[types.ModuleType]:
             raise ValueError(f"box error: {boxed}")
         return boxed[len("\\boxed{"):-1]
 
-    math_reward = dict(compute_score=rules.math_reward, last_boxed_only_string=rules.last_boxed_math,
+    math_reward = dict(compute_score=rules.hendrycks_math_reward, last_boxed_only_string=rules.last_boxed_math,
                        remove_boxed=rules.unboxed, strip_string=rules.math_normalized,
                        is_equiv=lambda str1, str2, verbose=False: rules.math_equivalent(str1, str2))
     parts = {

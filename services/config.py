@@ -281,13 +281,16 @@ def _config_in_manifest(path: Path, manifest: dict) -> dict:
     return data
 
 
+TRACKERS = ("wandb", "tensorboard")  # experiment trackers etarl feeds (services/trackers.py)
+
+
 class MetricsConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     port: Optional[int] = Field(None, ge=0, le=65535, description="serve /metrics for Prometheus on this "
                                 "port (0: any free port; None: off)")
     host: str = "127.0.0.1"
-    trackers: list[Literal["wandb", "tensorboard"]] = Field(
+    trackers: list[Literal[TRACKERS]] = Field(
         default_factory=list, description="experiment trackers that also get every step's and evaluation's "
         "metrics (verl's trainer.logger): wandb (Weights & Biases; WANDB_API_KEY, or WANDB_MODE=offline, in the "
         "driver's environment), tensorboard (RUN_DIR/tensorboard)")
@@ -435,11 +438,8 @@ class EtarlConfig(BaseModel):
         if self.run.epochs is not None and self.rollout.task.kind != "file":
             raise ValueError(f"run.epochs counts passes over a prompt file (rollout.task.kind=file); the built-in "
                              f"{self.rollout.task.kind} task has no fixed size: set run.steps")
-        learner = self.learner
-        if learner.lr_schedule != "constant" and learner.total_steps is None and self.run.epochs is None \
-                and learner.warmup_steps > self.run.steps:
-            raise ValueError(f"learner.warmup_steps ({learner.warmup_steps}) exceeds the run's {self.run.steps} "
-                             "steps, which the decay spans (learner.total_steps unset)")
+        if self.run.epochs is None:  # with epochs, checked once the steps are worked out (services/inputs.py)
+            self.learner.check_decay_span(self.run.steps, f"the run's {self.run.steps} steps")
         if sampling.top_p < 1.0 or sampling.top_k > 0:
             raise ValueError(
                 f"rollout.sampling.top_p={sampling.top_p} / top_k={sampling.top_k} truncate the sampler's distribution: "

@@ -32,6 +32,7 @@ import numpy as np
 from buffer.core import with_failures
 from buffer.errors import BufferUnavailable
 from rollout_workers.agent_loop import ENV_ERROR, multi_turn_metrics
+from rollout_workers.data import InvalidPrompts
 from rollout_workers.rewards import REWARD_ERROR, reward_metrics
 from services import checkpoint as ckpt
 from services.buffer_handle import BufferHandle
@@ -654,7 +655,10 @@ def evaluate_model(cfg: EtarlConfig, model: str | None = None, run_dir: str | No
             log.info("etarl eval: %s", why)
         cfg = cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"engine": kind})})
     check_eval_inputs(cfg, folder)
-    evaluator = PolicyEvaluator.from_config(cfg, folder)
+    try:
+        evaluator = PolicyEvaluator.from_config(cfg, folder)  # reads the held-out rows before its engine
+    except InvalidPrompts as err:
+        raise ConfigError(f"rollout.task.heldout_path: {err}") from None
     task = cfg.rollout.task
     held_out = ", ".join(task.files("heldout_path").values()) if task.kind == "file" else f"the {task.kind} task"
     log.info("etarl eval: %s on %d held-out prompts of %s", folder, len(evaluator.prompts), held_out)

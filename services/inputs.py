@@ -140,7 +140,8 @@ def _checked_files(files: dict[str, tuple[str, int | None]], task, fmt: PromptFo
 
 
 def _check_verl_reward_task(cfg: EtarlConfig) -> None:
-    """rollout.reward=verl goes by each row's data_source, which the built-in tasks' problems do not have."""
+    """rollout.reward=verl goes by each row's data_source, which the built-in tasks' problems do not have
+    (checked by a run and eval, not by the config: `etarl data check FILE` takes files of any config)."""
     if cfg.rollout.rows_reward() == "verl" and cfg.rollout.task.kind != "file":
         raise ConfigError(f"rollout.reward=verl scores verl rows by their data_source, and the built-in "
                           f"rollout.task.kind={cfg.rollout.task.kind} task has none: use rollout.reward=math or exact, "
@@ -177,7 +178,7 @@ def with_epochs(cfg: EtarlConfig, train_prompts: int) -> EtarlConfig:
     """`cfg` with run.epochs worked out as run.steps over `train_prompts` usable prompts, epochs cleared (a
     resumed run keeps the steps, or takes new ones). verl's count: prompts // batch size steps an epoch (its
     loader drops a last partial batch)."""
-    run, learner, batch_size = cfg.run, cfg.learner, cfg.buffer.gate.batch_size
+    run, batch_size = cfg.run, cfg.buffer.gate.batch_size
     per_epoch = train_prompts // batch_size
     if per_epoch == 0:
         raise ConfigError(f"run.epochs: {train_prompts} usable train prompts make no batch of buffer.gate.batch_size="
@@ -186,29 +187,23 @@ def with_epochs(cfg: EtarlConfig, train_prompts: int) -> EtarlConfig:
     log.info("run.epochs=%g: %d usable prompts // buffer.gate.batch_size %d = %d steps an epoch -> run.steps=%d "
              "(run.epochs decides the steps: a run.steps given with it is not read)", run.epochs, train_prompts,
              batch_size, per_epoch, steps)
-    if learner.lr_schedule != "constant" and learner.total_steps is None and learner.warmup_steps > steps:
-        raise ConfigError(f"learner.warmup_steps ({learner.warmup_steps}) exceeds the {steps} steps of run.epochs="
-                          f"{run.epochs:g}, which the decay spans")
+    try:
+        cfg.learner.check_decay_span(steps, f"the {steps} steps of run.epochs={run.epochs:g}")
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     return cfg.model_copy(update={"run": run.model_copy(update={"steps": steps, "epochs": None})})
 
 
 def check_eval_inputs(cfg: EtarlConfig, model_dir) -> None:
     """`etarl eval`'s checks before an engine starts: a held-out set to evaluate on, the model
-    folder's tokenizer and context, a multi-turn run's environment, and with rollout.reward=verl the
-    held-out rows' data sources."""
+    folder's tokenizer and context, and a multi-turn run's environment (the held-out rows are checked
+    where the evaluator reads them, before its engine starts)."""
     task = cfg.rollout.task
     if task.kind == "file" and not task.heldout_path:
         raise ConfigError("rollout.task.heldout_path is unset: etarl eval evaluates on the held-out prompts "
                           "(set it)")
     _check_verl_reward_task(cfg)
     check_environment(cfg, prompt_format(cfg, model_dir))
-    reward = cfg.rollout.rows_reward()
-    if task.kind == "file" and reward == "verl":  # the rows' data sources, read before an engine starts
-        for key, path in task.files("heldout_path").items():
-            try:
-                check_prompts(path, task, reward=reward).usable(task.skip_invalid)
-            except (OSError, ValueError) as err:
-                raise ConfigError(f"{key}: {err}") from None
 
 
 def data_check(cfg: EtarlConfig, model_dir, paths: list[str] | None = None) -> tuple[str, bool]:

@@ -21,9 +21,8 @@ from typing import Any, Callable, Optional
 import yaml
 
 from rollout_workers.environments.tool_calls import FORMATS as TOOL_CALL_FORMATS
+from services.config import TRACKERS
 from services.yaml_values import yaml_value
-
-TRACKERS = ("wandb", "tensorboard")  # metrics.trackers' names (services/trackers.py)
 
 # verl's top-level sections; none of them is one of etarl's (mode, run, ray, buffer, rollout, learner, eval, metrics)
 VERL_SECTIONS = ("actor_rollout_ref", "algorithm", "async_training", "critic", "custom_reward_function", "data",

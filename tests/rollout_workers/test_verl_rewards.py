@@ -8,8 +8,8 @@ import pytest
 
 from rollout_workers.data.problems import Problem
 from rollout_workers.rewards import Reward
-from rollout_workers.verl_rewards import (math_dapo_reward, math_reward, search_r1_reward, verl_default_reward,
-                                          why_unscorable, why_unscorable_row)
+from rollout_workers.verl_rewards import (hendrycks_math_reward, math_dapo_reward, search_r1_reward,
+                                          verl_default_reward, why_unscorable, why_unscorable_row)
 
 
 @pytest.mark.parametrize("response,reference,expected", [
@@ -33,7 +33,7 @@ from rollout_workers.verl_rewards import (math_dapo_reward, math_reward, search_
     ("\\boxed{5}", 5, 0.0),  # a reference that is no text equals no text
 ])
 def test_math_rows_score_as_verls_math_reward(response, reference, expected):
-    assert math_reward(response, reference) == expected
+    assert hendrycks_math_reward(response, reference) == expected
     assert verl_default_reward("lighteval/MATH", response, reference) == expected
 
 

@@ -234,8 +234,10 @@ def test_rows_the_verl_reward_cannot_score_are_bad_rows_refused_or_skipped_befor
            "no rule for it either" in said
     assert f"{mixed} row 5: rollout.reward=verl cannot score it: data_source 'lighteval/MATH': its ground_truth is " \
            "a number, not text" in said
+    from services.controller import evaluate_model
+
     with pytest.raises(ConfigError, match="rollout.task.heldout_path: prompt file has unusable rows"):
-        check_eval_inputs(cfg, tiny_model_dir)  # before an engine starts
+        evaluate_model(cfg, model=str(tiny_model_dir))  # before an engine starts
     skipping = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={
         "task": cfg.rollout.task.model_copy(update={"skip_invalid": True})})})
     check_run_inputs(skipping, tiny_model_dir)  # one bad row does not stop a run that skips them
