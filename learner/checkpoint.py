@@ -6,7 +6,13 @@
     folder/trainer.pt        scheduler states, the learner version and the reward KL penalty's β
                              (rank 0; small)
     folder/policy/           the policy as an HF folder for `etarl eval` and users, written
-                             bucket by bucket from the shards (rank 0 holds one file's worth)
+                             bucket by bucket from the shards (rank 0 holds one file's worth);
+                             with LoRA its adapted weights merged
+    folder/lora_adapter/     with LoRA: the adapters alone as a PEFT folder (adapter_config.json,
+                             adapter_model.safetensors) over the run's base model
+
+Only trainable tensors are in the shards: with LoRA the adapters and their optimizer state, not the
+frozen base (which the learner reads from its model folder again).
 
 DCP keys tensors by parameter name, not by rank, so a checkpoint loads into another world size
 or strategy (FSDP <-> replicas): DCP reshards on load. A checkpoint of the former layout (the full
@@ -17,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import shutil
 import warnings
 from pathlib import Path
@@ -30,6 +37,7 @@ from lm.checkpoint_names import to_checkpoint_names
 TRAINER_STATE_FILE = "trainer.pt"
 SHARDS_DIR = "trainer_shards"
 POLICY_DIR = "policy"
+ADAPTER_DIR = "lora_adapter"
 # the critic's parts (PPO with gae): in the same DCP save and trainer.pt as the policy's
 CRITIC_MODEL, CRITIC_OPTIMIZER, CRITIC_SCHEDULER = "critic_model", "critic_optimizer", "critic_scheduler"
 # The policy is written in files of about this size: rank 0 holds one of them in host memory.
@@ -42,8 +50,10 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json", ".lock
 def _state_dict_options():
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    # Sharded (DTensor) entries under FSDP; plain tensors otherwise.
-    return StateDictOptions(full_state_dict=False, cpu_offload=False)
+    # Sharded (DTensor) entries under FSDP; plain tensors otherwise; frozen weights (LoRA's base) are
+    # the model folder's, not the checkpoint's: loading leaves them as they are (not strict), while
+    # DCP's load has already failed on any trainable tensor the checkpoint lacks.
+    return StateDictOptions(full_state_dict=False, cpu_offload=False, ignore_frozen_params=True, strict=False)
 
 
 @contextlib.contextmanager
@@ -65,26 +75,34 @@ def _shard_states(model, optimizer, critic) -> dict:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_state, optim_state = get_state_dict(model, optimizer, options=_state_dict_options())
-    state = {"model": model_state, "optimizer": optim_state}
+    state = {"model": _without_frozen(model, model_state), "optimizer": optim_state}
     if critic is not None:
-        state[CRITIC_MODEL], state[CRITIC_OPTIMIZER] = get_state_dict(critic.model, critic.optimizer,
-                                                                      options=_state_dict_options())
+        critic_model, state[CRITIC_OPTIMIZER] = get_state_dict(critic.model, critic.optimizer,
+                                                               options=_state_dict_options())
+        state[CRITIC_MODEL] = _without_frozen(critic.model, critic_model)
     return state
 
 
+def _without_frozen(model, state: dict) -> dict:
+    """`state` without frozen parameters: `ignore_frozen_params` misses a frozen tied name (a tied LM
+    head, 0.9 GB at Qwen2.5-1.5B's vocabulary), which `named_parameters` lists only once."""
+    frozen = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    return {name: value for name, value in state.items() if name not in frozen}
+
+
 def save_training_state(folder: Path, model, optimizer, scheduler, version: int, rank: int,
-                        kl_reward_coef: float = 0.0, critic=None) -> None:
+                        kl_reward_coef: float = 0.0, critic=None, lora: dict | None = None) -> None:
     """Every rank: its shards of model and optimizer (and of the `critic`'s: anything with model,
     optimizer and scheduler) into `folder/trainer_shards/`, one DCP save; rank 0 also
-    `folder/trainer.pt` (schedulers, version, the reward KL penalty's β). A collective under a
-    process group."""
+    `folder/trainer.pt` (schedulers, version, the reward KL penalty's β, the LoRA settings the
+    shards were trained with). A collective under a process group."""
     import torch.distributed.checkpoint as dcp
 
     with _dcp_processes() as no_dist:
         dcp.save(_shard_states(model, optimizer, critic), checkpoint_id=str(folder / SHARDS_DIR), no_dist=no_dist)
     if rank == 0:
         state = {"scheduler": scheduler.state_dict(), "version": int(version), "shards": SHARDS_DIR,
-                 "kl_reward_coef": float(kl_reward_coef)}
+                 "kl_reward_coef": float(kl_reward_coef), "lora": lora}
         if critic is not None:
             state[CRITIC_SCHEDULER] = critic.scheduler.state_dict()
         torch.save(state, folder / TRAINER_STATE_FILE)
@@ -97,11 +115,11 @@ def read_trainer_file(folder: Path) -> dict:
     return torch.load(trainer_file, map_location="cpu", weights_only=True)
 
 
-def load_training_state(folder: Path, trainer: dict, model, optimizer, critic=None) -> None:
+def load_training_state(folder: Path, trainer: dict, model, optimizer, critic=None, lora: dict | None = None) -> None:
     """Every rank: its shards of model and optimizer (and the `critic`'s, its scheduler from
     `trainer`, the checkpoint's `read_trainer_file`) from `folder/trainer_shards/` (a collective).
-    A run with a critic cannot resume from a checkpoint without one, nor the other way round: the
-    two runs train different things."""
+    A run with a critic cannot resume from a checkpoint without one, nor the other way round, nor
+    one with other LoRA settings (`lora`: this learner's): the runs train different things."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
@@ -113,6 +131,10 @@ def load_training_state(folder: Path, trainer: dict, model, optimizer, critic=No
         wants = "with one (advantage.estimator gae)" if critic is not None else "without one"
         raise ValueError(f"checkpoint {str(folder)!r} {has}; this learner runs {wants}: resume with the "
                          f"estimator the run was written with")
+    if trainer.get("lora") != lora:
+        written = f"LoRA {trainer.get('lora')}" if trainer.get("lora") else "no LoRA (every weight trained)"
+        raise ValueError(f"checkpoint {str(folder)!r} was trained with {written}; this learner has "
+                         f"{f'LoRA {lora}' if lora else 'none'}: resume with the run's learner.lora")
     # DCP loads in place: the state dicts of the live models and optimizers say which shards this
     # rank wants; the optimizer's state is created first (get_state_dict does) so it has slots.
     state = _shard_states(model, optimizer, critic)
@@ -164,6 +186,41 @@ def write_policy(folder: Path, model, source_dir: str, rank: int, sharded: bool,
     for f in Path(source_dir).iterdir():
         if f.is_file() and not f.name.endswith(_WEIGHT_SUFFIXES) and not (folder / f.name).exists():
             shutil.copy2(f, folder / f.name)
+    return folder
+
+
+def write_adapter(folder: Path, model, adapters, source_dir: str, rank: int, sharded: bool) -> Path | None:
+    """LoRA's adapters alone as a PEFT folder over the base model `source_dir`: adapter_config.json
+    and adapter_model.safetensors under PEFT's names (`base_model.model.<layer>.lora_A.weight`),
+    what `peft.PeftModel.from_pretrained(base, folder)` loads. Every rank must call it under FSDP
+    (each adapter is gathered: at rank 64 on a 7B model about 160 M parameters, 0.6 GB in float32)."""
+    from safetensors.torch import save_file
+
+    from learner.distributed import whole_tensor
+    from learner.lora import target_names
+
+    if not sharded and rank != 0:
+        return None
+    stored = {}
+    for name in sorted(adapters.shapes):
+        full = whole_tensor(model.get_parameter(name).detach())  # a collective under FSDP
+        if rank == 0:
+            stored[f"base_model.model.{name}"] = full.to("cpu").contiguous()
+    if rank != 0:
+        return None
+    # PEFT's target_modules: the layers' last names where they pick exactly these layers, else a
+    # regular expression of exactly their names
+    suffixes = sorted({name.rsplit(".", 1)[-1] for name in adapters.names})
+    exact = target_names(model, suffixes) == adapters.names
+    targets = suffixes if exact else "^(" + "|".join(re.escape(n) for n in adapters.names) + ")$"
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(source_dir),
+              "r": adapters.config.rank, "lora_alpha": adapters.config.alpha, "target_modules": targets,
+              "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "inference_mode": True,
+              "init_lora_weights": True, "use_rslora": False, "use_dora": False, "modules_to_save": None}
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(stored, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
+    (folder / "adapter_config.json").write_text(json.dumps(config, indent=1), encoding="utf-8")
     return folder
 
 

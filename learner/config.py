@@ -98,7 +98,8 @@ class BroadcastSync(_WeightChannel):
         None, description="FSDP: gather and send one bucket at a time while every rank waits (rank 0 holds "
         "two buckets, not a model; the send is on the step path, short with NCCL; a restarted engine gets the "
         "next version) instead of gathering a whole version to rank 0's host and sending it in the background "
-        "(one model copy in the publish dtype on rank 0). None: on under FSDP")
+        "(one model copy in the publish dtype on rank 0). None: on under FSDP, and with learner.lora on a GPU "
+        "(each version's merged weights would be a model copy on the GPU)")
     snapshot: Optional[bool] = Field(
         None, description="copy the weights (in the publish dtype) before sending, so the next optimizer "
         "step waits only for the copy, not the send: one more model copy in memory. None: on with gloo "
@@ -143,6 +144,36 @@ class DiagnosticsConfig(BaseModel):
         "host memory of this many copies of the model")
 
 
+class LoraConfig(BaseModel):
+    """Low-rank adapters on the policy's linear layers, every other weight frozen (learner/lora.py):
+    the optimizer and gradients hold the adapters only, the engines and the saved policy get merged
+    weights, the KL reference is the policy without its adapters (no second model)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rank: int = Field(..., ge=1, description="r, the adapters' inner size (verl's lora_rank)")
+    alpha: float = Field(16.0, gt=0, description="the update is scaled by alpha / rank (verl's lora_alpha)")
+    target_modules: Union[Literal["all-linear"], list[str], str] = Field(
+        "all-linear", description="all-linear: every linear layer but the LM head; a list: modules by their last "
+        "name parts (q_proj, v_proj, ...); another string: a regular expression the whole module name matches")
+    exclude_modules: Union[list[str], str] = Field(
+        [], description="modules taken back out of target_modules, named the same two ways")
+
+    @field_validator("target_modules", "exclude_modules")
+    @classmethod
+    def _patterns_compile(cls, value):
+        import re
+
+        if isinstance(value, str) and value != "all-linear":
+            try:
+                re.compile(value)
+            except re.error as exc:
+                raise ValueError(f"{value!r} is not a regular expression: {exc}") from None
+        if isinstance(value, list) and not all(value):
+            raise ValueError("module names must not be empty")
+        return value
+
+
 class LearnerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -164,6 +195,9 @@ class LearnerConfig(BaseModel):
         "the activation memory of false (per token and layer about 2 bytes x (6 x hidden + 2 x kv + 2 x "
         "intermediate) under bfloat16 autocast: 55 KB at Qwen2.5-1.5B's shape, x 28 layers x 16,384 tokens = "
         "25 GB; docs/architecture.md)")
+    lora: Optional[LoraConfig] = Field(
+        None, description="train low-rank adapters instead of every weight (None: full fine-tuning); e.g. "
+        "learner.lora.rank=64 (learner/lora.py)")
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="auto: the GPU Ray assigned to the rank if CUDA works there, else the CPU; cuda: "
         "that GPU or an error (lm/device.py)")

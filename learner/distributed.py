@@ -215,16 +215,28 @@ class FullWeightBuckets:
     Every rank must iterate to the end (each gather is a collective); only a rank with `keep` gets
     the tensors (moved to `out_device`, e.g. the CPU), the others get empty dicts. Names are the
     model's state-dict names, tied ones included (they share one tensor, gathered once, in one
-    bucket); `len()` is the number of buckets, known before the first gather."""
+    bucket); `len()` is the number of buckets, known before the first gather.
+
+    A model with LoRA adapters (`learner.lora`) gives its adapted weights merged, W + scale · B A
+    (A and B gathered beside W, merged on W's device in float32, then cast to `dtype`), and the
+    adapters' own names not at all: what leaves is a plain model's weights."""
 
     def __init__(self, model, bucket_bytes: int, dtype: torch.dtype | None = None, keep: bool = True,
                  out_device: torch.device | str | None = None):
+        from learner.lora import is_adapter_name, merges
+
         # keep_vars: tied names then share one object (a plain state_dict() detaches each anew).
         state = model.state_dict(keep_vars=True)
+        merged = merges(model)
+        self._merges: dict[int, tuple[torch.Tensor, torch.Tensor, float]] = {}  # tensor index -> (A, B, scale)
+        state = {name: tensor for name, tensor in state.items() if not (merged and is_adapter_name(name))}
         self._tensors: list[torch.Tensor] = []
         self._names: list[list[str]] = []
         index_of: dict[int, int] = {}
         for name, tensor in state.items():
+            if name in merged:
+                a_name, b_name, scale = merged[name]
+                self._merges[len(self._tensors)] = (model.get_parameter(a_name), model.get_parameter(b_name), scale)
             if id(tensor) in index_of:
                 self._names[index_of[id(tensor)]].append(name)
                 continue
@@ -255,7 +267,7 @@ class FullWeightBuckets:
         return [self._names[i][0] for i in self.buckets[bucket]]
 
     def __iter__(self):
-        from torch.distributed.tensor import DTensor
+        from learner.lora import merged_weight
 
         for bucket in self.buckets:
             out: dict[str, torch.Tensor] = {}
@@ -263,7 +275,10 @@ class FullWeightBuckets:
                 tensor = self._tensors[i].detach()
                 if self.dtype is not None:
                     tensor = tensor.to(self.dtype)  # the shard, on its device: the gather moves the publish dtype
-                full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor  # a collective
+                full = whole_tensor(tensor)  # a collective under FSDP
+                if i in self._merges:
+                    lora_a, lora_b, scale = self._merges[i]
+                    full = merged_weight(full, whole_tensor(lora_a.detach()), whole_tensor(lora_b.detach()), scale)
                 if not self.keep:
                     continue
                 if self.out_device is not None:
@@ -271,6 +286,13 @@ class FullWeightBuckets:
                 for name in self._names[i]:
                     out[name] = full
             yield out
+
+
+def whole_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor: an FSDP shard (DTensor) all-gathered, a plain tensor as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def node_interface(address: str) -> str | None:

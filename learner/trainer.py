@@ -56,12 +56,14 @@ from learner.batch import (
     shape_bucket,
 )
 from learner.checkpoint import (  # noqa: F401 (the part names: services.checkpoint checks they agree)
+    ADAPTER_DIR,
     POLICY_DIR,
     TRAINER_STATE_FILE,
     load_training_state,
     read_policy_weights,
     read_trainer_file,
     save_training_state,
+    write_adapter,
     write_policy,
 )
 from learner.config import LearnerConfig
@@ -75,6 +77,7 @@ from learner.distributed import (
     shard_model,
     unique_state_names,
 )
+from learner.lora import LoraAdapters, is_adapter_name
 from learner.losses import compute_policy_loss, count_tokens_and_sequences, kl_penalty, staleness_metrics
 from learner.optimizer import adamw_with_schedule, clip_and_step, load_schedule
 from learner.routing_replay import MismatchCounts, RoutingReplay, require_routing
@@ -181,6 +184,7 @@ class Learner:
             self.device.type == "cuda" or config.attn_implementation == "varlen"
         torch.manual_seed(config.seed)
         self.load_report: dict[str, float] = {}  # host memory the policy's load added (sharded: per rank)
+        self.adapters: LoraAdapters | None = None  # learner.lora: set as the policy is built
         self.model = self._build_model(trainable=True)
         # MoE: hooks on the policy's routers (learner.routing_replay), idle unless a pass plans replay
         self.routing = RoutingReplay(self.model, config.routing_replay)
@@ -197,8 +201,9 @@ class Learner:
         self.weight_guard = ParameterGuard()
         self.publication: Publication | None = None  # rank 0, once a board is attached
         # The KL penalty's reference (in the loss, in the reward or both): the initial policy, frozen.
+        # With LoRA it is the policy with its adapters off (`_reference_log_probs`): no second model.
         self.ref_model = None
-        if config.policy_loss.kl_coef > 0 or config.kl_in_reward.coef > 0:
+        if self._uses_reference() and self.adapters is None:
             self.ref_model = self._build_model(trainable=False)
         self.kl_reward_coef = config.kl_in_reward.coef  # β of the reward's KL penalty (adaptive: it moves)
         # PPO with GAE: a value model beside the policy, sharded and trained the same way
@@ -226,15 +231,20 @@ class Learner:
                                diag.exact_drift_rows, self.config.temperature, self.config.pad_token_id)
 
     def _build_model(self, trainable: bool):
-        """The policy (or, not `trainable`, the frozen KL reference) on this rank (`build_model`)."""
+        """The policy (or, not `trainable`, the frozen KL reference) on this rank (`build_model`),
+        the policy with its LoRA adapters where `learner.lora` asks for them."""
         cfg = self.config
         return self.build_model(
             load=lambda device: load_causal_lm(cfg.model_path, dtype=cfg.dtype, device=device,
                                                attn_implementation=cfg.attn_implementation),
             on_meta=lambda: causal_lm_on_meta(cfg.model_path, cfg.dtype, cfg.attn_implementation),
-            source=lambda names: checkpoint_tensors(cfg.model_path, names), trainable=trainable)
+            source=lambda names: checkpoint_tensors(cfg.model_path, names), trainable=trainable,
+            adapt=self._add_adapters if trainable and cfg.lora is not None else None)
 
-    def build_model(self, load, on_meta, source, trainable: bool):
+    def _add_adapters(self, model) -> None:
+        self.adapters = LoraAdapters(model, self.config.lora, self.config.seed)
+
+    def build_model(self, load, on_meta, source, trainable: bool, adapt=None):
         """A model of this rank (the policy, its reference, the critic): `load(device)` loads it whole,
         `on_meta()` builds it without values, `source(names)` reads the folder's tensors by name (None:
         the folder does not name them as the model does). Without FSDP a full copy per rank. With
@@ -242,19 +252,22 @@ class Learner:
         rank 0 alone reads the folder and sends each rank its shards (`learner.distributed.
         fill_shards`), tensor by tensor from the safetensors files where they name every tensor (no
         rank holds the model on the host), else from the model loaded whole on rank 0 (one copy per
-        node)."""
+        node). `adapt(model)` adds to the model before it is sharded (LoRA's adapters, which start
+        from their own values, not the folder's)."""
         if not self._sharded:
-            return self._prepare(load(str(self.device)), trainable)
-        model = self._prepare(on_meta(), trainable)  # no values: ~0 bytes
+            return self._prepare(load(str(self.device)), trainable, adapt)
+        model = self._prepare(on_meta(), trainable, adapt)  # no values: ~0 bytes
         tensors, whole = None, 0.0
         if self.comm.rank == 0:
-            tensors = source(unique_state_names(model))
+            tensors = source([name for name in unique_state_names(model) if not is_adapter_name(name)])
             whole = float(tensors is None)
         # measured from here: the first build also imported transformers' model code (~200 MB)
         with PeakRSS() as peak:
             model = shard_model(model, self.config.mixed_precision)
             if whole:
                 tensors = load("cpu").state_dict()
+            if tensors is not None and self.adapters is not None and adapt is not None:
+                tensors = self.adapters.with_initial_values(tensors)
             fill_shards(model, tensors, self.device)
             del tensors
         if trainable and not self.load_report:  # the policy's, built first
@@ -262,8 +275,10 @@ class Learner:
                                 "whole_model_read": whole}
         return model
 
-    def _prepare(self, model, trainable: bool):
+    def _prepare(self, model, trainable: bool, adapt=None):
         model.config.use_cache = False
+        if adapt is not None:
+            adapt(model)
         # Dropout off for good: the proximal pass, the update and the sampler must see one policy.
         model.eval()
         if not trainable:
@@ -327,9 +342,9 @@ class Learner:
         if self.drift_probe is not None and self.drift_probe.due(self.version):
             with _timed(timing, "timing_s/exact_drift_probe"):
                 drift.update(self.drift_probe.measure(shard, inputs.old_log_prob, owned, self.version))
-        if self.ref_model is not None:
+        if self._uses_reference():
             with _timed(timing, "timing_s/ref"):
-                inputs.ref_log_prob, _ = self._no_grad_log_probs(shard, model=self.ref_model)
+                inputs.ref_log_prob = self._reference_log_probs(shard)
 
         # 2b. Advantages over the whole batch (every rank the same), the reward's KL penalty first.
         rewards, token_rewards, kl_reward, critic_metrics = batch.rewards, batch.token_rewards, {}, {}
@@ -498,7 +513,7 @@ class Learner:
             return
         if not keeps_version(self.version, diag.exact_drift_every, diag.keep_versions):
             return
-        state = self.full_state_dict()
+        state = self.policy_weights()
         if self.drift_probe is not None:
             self.drift_probe.remember(self.version, state)
 
@@ -731,6 +746,18 @@ class Learner:
                     sum_pi_squared[rows, : squares.shape[1]] = squares
         return out, sum_pi_squared
 
+    def _uses_reference(self) -> bool:
+        """A KL penalty (in the loss, the reward or both) compares the policy with its reference."""
+        return self.config.policy_loss.kl_coef > 0 or self.config.kl_in_reward.coef > 0
+
+    def _reference_log_probs(self, batch: TrainBatch) -> torch.Tensor:
+        """[rows, T] the reference policy's log-probs: the frozen initial model, or with LoRA the
+        policy with its adapters off (the frozen weights are the initial model's)."""
+        if self.adapters is None:
+            return self._no_grad_log_probs(batch, model=self.ref_model)[0]
+        with self.adapters.disabled():
+            return self._no_grad_log_probs(batch, model=self.model)[0]  # a model given: no routing replay
+
     def _idle_pass(self, grad: bool, model=None, run=None) -> None:
         """A zero-weight pass over one pad token for a rank with no rows in a micro-batch slot:
         under FSDP every pass gathers parameters (and every backward reduces gradients) across
@@ -826,14 +853,24 @@ class Learner:
                 copies[id(tensor)] = tensor.detach().cpu()
         return {k: copies[id(v)] for k, v in state.items()}
 
+    def policy_weights(self) -> dict[str, torch.Tensor]:
+        """The weights of a plain model that computes what the policy computes, full, on the CPU,
+        in the policy's dtype: `full_state_dict`, or with LoRA the adapted weights merged and the
+        adapters left out (rank 0's; a gather under FSDP: call on every rank, others get {})."""
+        if self.adapters is None:
+            return self.full_state_dict()
+        buckets = FullWeightBuckets(self.model, 2**62, keep=self.comm.rank == 0, out_device="cpu")
+        return {name: tensor for bucket in buckets for name, tensor in bucket.items()}
+
     def _publishable(self) -> dict[str, torch.Tensor]:
         """The weights to send, every name (a tied lm_head too: vLLM's in-place reload keeps its
         old lm_head if the stream lacks it; the channels send a shared storage's bytes once), named
         as the checkpoint names them (an MoE's fused experts cut per expert, as copies: the folder
         channel's safetensors refuses views of one storage; lm/checkpoint_names.py). Views of the
         live parameters, or copies in the publish dtype: gathered under FSDP (rank 0's, empty
-        elsewhere), a GPU's on the host (`_gathered`)."""
-        if self._sharded or self._publishes_host_copies():
+        elsewhere), a GPU's on the host (`_gathered`); with LoRA the adapted weights merged, as
+        copies (`_gathered` too: the frozen rest are views that never change)."""
+        if self._sharded or self._publishes_host_copies() or self.adapters is not None:
             state = self._gathered()
         elif self._publish_on_device():
             state = {k: v.detach() for k, v in self.model.state_dict().items()}  # views, on the GPU
@@ -878,20 +915,25 @@ class Learner:
         return torch_dtype(self.config.weight_sync.dtype) if self.config.weight_sync.dtype else None
 
     def _streams_buckets(self) -> bool:
-        """FSDP with the broadcast channel: each version is gathered and sent a bucket at a time."""
+        """The broadcast channel under FSDP, or with LoRA on a GPU (a merged version is otherwise a
+        whole model's copy on the GPU), unless `stream_buckets` says otherwise: each version is
+        gathered (merged) and sent a bucket at a time."""
         sync = self.config.weight_sync
-        return self._sharded and sync.channel == "broadcast" and sync.stream_buckets is not False
+        if sync.channel != "broadcast" or sync.stream_buckets is False:
+            return False
+        return bool(sync.stream_buckets) or self._sharded or self.adapters is not None and self.device.type == "cuda"
 
     def _publish_streamed(self) -> None:
         """Every rank gathers the version a bucket at a time (each parameter cast to the publish
-        dtype on its device) while rank 0 sends each bucket as its send reaches it: rank 0 holds two
-        buckets, never a model, and the step waits for the send. Every rank runs every gather, also
-        when rank 0's send fails part-way."""
-        buckets = self._publish_buckets()
+        dtype on its device, LoRA's merged) while rank 0 sends each bucket as its send reaches it:
+        rank 0 holds two buckets, never a model, and the step waits for the send. Under FSDP every
+        rank runs every gather, also when rank 0's send fails part-way; replicas leave it to rank 0."""
         if self.comm.rank != 0:
-            for _ in buckets:
-                pass
+            if self._sharded:  # replicas: rank 0 has the whole version
+                for _ in self._publish_buckets():
+                    pass
             return
+        buckets = self._publish_buckets()
         stream = BucketStream(to_checkpoint_names(bucket, copy=True) for bucket in buckets)
         layout = Layout.of(to_checkpoint_names(buckets.meta()).items())
         try:
@@ -1010,11 +1052,15 @@ class Learner:
 
     def save_checkpoint(self, folder) -> Path | None:
         """`folder/policy/` (HF folder), `folder/trainer_shards/` (model and optimizer, each rank
-        its shards) and `folder/trainer.pt` (scheduler, version): see `learner.checkpoint`."""
+        its shards), `folder/trainer.pt` (scheduler, version) and with LoRA `folder/lora_adapter/`
+        (PEFT's folder): see `learner.checkpoint`."""
         folder = Path(folder)
         self.save_policy(folder / POLICY_DIR)
+        if self.adapters is not None:
+            write_adapter(folder / ADAPTER_DIR, self.model, self.adapters, self.config.model_path, self.comm.rank,
+                          self._sharded)
         save_training_state(folder, self.model, self.optimizer, self.scheduler, self.version, self.comm.rank,
-                            kl_reward_coef=self.kl_reward_coef, critic=self.critic)
+                            kl_reward_coef=self.kl_reward_coef, critic=self.critic, lora=self._lora_settings())
         return folder if self.comm.rank == 0 else None
 
     def load_checkpoint(self, folder) -> None:
@@ -1023,16 +1069,21 @@ class Learner:
         folder = Path(folder)
         state = read_trainer_file(folder)
         if "shards" not in state:
-            if self._sharded or self.critic is not None:
+            if self._sharded or self.critic is not None or self.adapters is not None:
                 raise ValueError(f"checkpoint {str(folder)!r} holds rank 0's optimizer state only (written before "
-                                 f"sharded checkpoints): it cannot resume an FSDP learner or one with a critic; "
-                                 f"resume it without FSDP (and without a critic: it has none)")
+                                 f"sharded checkpoints): it cannot resume an FSDP learner, one with a critic or "
+                                 f"one with LoRA; resume it without FSDP (and without a critic or LoRA: it has "
+                                 f"neither)")
             self.load_state_dict({"model": read_policy_weights(folder / POLICY_DIR), **state})
             return
-        load_training_state(folder, state, self.model, self.optimizer, self.critic)
+        load_training_state(folder, state, self.model, self.optimizer, self.critic, lora=self._lora_settings())
         load_schedule(self.scheduler, state["scheduler"])
         self.version = int(state["version"])
         self.kl_reward_coef = float(state.get("kl_reward_coef", self.kl_reward_coef))
+
+    def _lora_settings(self) -> dict | None:
+        """What a checkpoint's adapters were trained as (None: every weight trained)."""
+        return self.config.lora.model_dump() if self.config.lora is not None else None
 
     @property
     def _sharded(self) -> bool:

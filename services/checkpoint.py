@@ -3,6 +3,7 @@ loss right after a checkpoint leaves LATEST naming a half-written or truncated c
 
     RUN_DIR/checkpoints/step_000020/
         policy/           the policy as an HF folder (config, safetensors, tokenizer)   [learner]
+        lora_adapter/     with learner.lora: the adapters as a PEFT folder               [learner]
         trainer.pt        scheduler state, learner version                               [learner]
         trainer_shards/   model + optimizer, each rank its own shards (DCP)              [learner, every rank]
         buffer.msgpack    the buffer's gate counters, data cursor, tickets and contents [buffer, transport ray]

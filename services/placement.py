@@ -306,7 +306,8 @@ def check_plan(cfg: EtarlConfig, cluster: Cluster) -> Plan:
 # master weights with bfloat16 autocast and gradient checkpointing, its packed micro-batches through
 # flash varlen attention where the model has no sliding window; learner ranks > 1 talk over
 # NCCL, and shard (FSDP) where the full float32 state (16 bytes per parameter: weights, gradients,
-# AdamW's two moments; twice that with gae's critic) would take more than half a GPU.
+# AdamW's two moments; with LoRA 4 bytes of frozen weights, the adapters' share being ~1 %; gae's
+# critic adds 16) would take more than half a GPU.
 
 COLOCATED_ENGINE_SHARE = 0.3
 SEPARATE_ENGINE_SHARE = 0.85
@@ -460,9 +461,13 @@ def resolve_layout(cfg: EtarlConfig, cluster: Cluster, params: float | None = No
             gpu_defaults["learner.distributed.backend"] = "nccl"
         else:
             reasons.append("the GPUs are declared, CUDA is missing here: the learner ranks keep gloo")
-        # PPO with gae trains a critic of about the policy's size beside it
-        models, which = (2, "policy and critic: ") if learner.advantage.estimator == "gae" else (1, "")
-        state = 16 * params * models if params is not None else 0.0
+        # PPO with gae trains a critic of about the policy's size beside it; a LoRA policy keeps its
+        # float32 weights (4 bytes per parameter) and trains adapters of about 1 % of them
+        lora = learner.lora is not None
+        policy_bytes = 4 if lora else 16
+        critic = learner.advantage.estimator == "gae"
+        which = ("policy and critic: " if critic else "") + ("frozen LoRA base, " if lora else "")
+        state = (policy_bytes + 16 * critic) * params if params is not None else 0.0
         if state > 0.5 * gpu_gib * 2**30:
             gpu_defaults["learner.distributed.strategy"] = "fsdp"
             reasons.append(f"learner state {state / 2**30:.0f} GiB ({which}float32 weights, gradients, AdamW) > half "

@@ -93,7 +93,13 @@ RULES: dict[str, Rule] = {
     MODEL + "enable_gradient_checkpointing": Rule("learner.gradient_checkpointing"),
     MODEL + "use_remove_padding": Rule("learner.packing", "auto packs where it pays: on GPUs",
                                        lambda v: "auto" if v else False),
-    MODEL + "lora_rank": Rule(None, "etarl trains every weight (no LoRA)"),
+    MODEL + "lora_adapter_path": Rule(None, "etarl's adapters start new (B = 0: the base model); it writes "
+                                            "its own as a PEFT folder, lora_adapter/ in each checkpoint"),
+    **{key: Rule(None, "etarl builds its adapters in the learner (learner.lora) and sends engines merged weights")
+       for key in (MODEL + "use_shm", ROLLOUT + "layered_summon")},
+    ROLLOUT + "load_format": Rule(None, "etarl's engines load the model folder, then each version the learner "
+                                        "publishes"),
+    "critic.model.lora_rank": Rule(None, "etarl's critic trains every weight; learner.lora adapts the policy"),
     # the actor
     ACTOR + "optim.lr": Rule("learner.lr"),
     ACTOR + "optim.weight_decay": Rule("learner.weight_decay"),
@@ -347,6 +353,18 @@ def _trackers(key: str, value: Any, given: dict) -> Said:
     return [("metrics.trackers", kept, note)] if kept else [(None, None, note)]
 
 
+def _lora(key: str, value: Any, given: dict) -> Said:
+    """verl's LoRA: lora_rank > 0 turns it on; the other keys go with it."""
+    rank = given.get(MODEL + "lora_rank", 0)
+    if not isinstance(rank, int) or rank <= 0:
+        return [(None, None, "LoRA is off: verl's lora_rank is 0 (etarl trains every weight without learner.lora)")]
+    part = key[len(MODEL):]
+    target = {"lora_rank": "rank", "lora_alpha": "alpha"}.get(part, part)
+    if part in ("target_modules", "exclude_modules") and isinstance(value, str) and "," in value:
+        value = [name.strip() for name in value.split(",")]  # verl's "q_proj,v_proj"
+    return [("learner.lora." + target, value, "")]
+
+
 def _routing(key: str, value: Any, given: dict) -> Said:
     if ACTOR + "router_replay.mode" in given:
         return []  # the mode says it
@@ -364,6 +382,7 @@ JOINS: dict[str, Callable[[str, Any, dict], Said]] = {
     "trainer.total_epochs": _epochs,
     "trainer.logger": _trackers,
     ROLLOUT + "enable_rollout_routing_replay": _routing,
+    **{MODEL + key: _lora for key in ("lora_rank", "lora_alpha", "target_modules", "exclude_modules")},
     ROLLOUT + "multi_turn.function_tool_path": _tools,
     ROLLOUT + "multi_turn.tool_config_path": _tools,
 }

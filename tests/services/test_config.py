@@ -350,6 +350,7 @@ def test_a_verl_value_yaml_cannot_read_is_a_string_in_the_line():
     (["rollout.total_rollout_steps=100"], "etarl counts learner steps: run.steps"),  # in etarl's own section's name
     (["algorithm.adv_estimator=grpo_passk", "algorithm.norm_adv_by_std_in_grpo=False"],
      "etarl's grpo_passk divides by the group's std"),
+    (["actor_rollout_ref.model.lora_rank=0", "actor_rollout_ref.model.lora_alpha=32"], "LoRA is off"),
 ])
 def test_verl_keys_that_change_nothing_in_verl_or_etarl_become_no_key(verl, said):
     with pytest.raises(ConfigError) as refused:
@@ -393,6 +394,9 @@ def test_verl_keys_that_change_nothing_in_verl_or_etarl_become_no_key(verl, said
      "'metrics.trackers=[wandb]' metrics.project=gsm8k metrics.experiment=q05"),  # console always; no swanlab
     (["custom_reward_function.path=r.py", 'custom_reward_function.reward_kwargs.mode="yes"'],
      "'rollout.reward_kwargs.mode=\"yes\"'"),  # a string YAML would read as true stays a string
+    (["actor_rollout_ref.model.target_modules=q_proj,v_proj", "actor_rollout_ref.model.lora_rank=32",
+      "actor_rollout_ref.model.lora_alpha=64", "actor_rollout_ref.model.use_shm=True"],
+     "'learner.lora.target_modules=[q_proj, v_proj]' learner.lora.rank=32 learner.lora.alpha=64"),
     (["reward_model.overlong_buffer.enable=True", "reward_model.overlong_buffer.len=4",
       "algorithm.filter_groups.enable=True"],
      "rollout.overlong_buffer.enabled=true rollout.overlong_buffer.len=4 rollout.filter_groups.enabled=true"),

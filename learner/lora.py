@@ -1,0 +1,147 @@
+"""LoRA for the policy (`learner.lora`): low-rank adapters beside frozen weights, made as PEFT makes
+them but without PEFT's module wrappers, so every weight keeps the name the checkpoint and the
+engines know.
+
+A target linear layer `m` (weight W [out, in]) gets two children, `m.lora_A` (A [r, in]) and
+`m.lora_B` (B [out, r]), and a forward hook that adds scale · B(A(x)) to its output, scale = alpha / r;
+W and every other weight of the model are frozen, so the optimizer holds the adapters only. A starts
+as PEFT's (Kaiming-uniform, |a| <= 1/sqrt(in)), from a generator seeded by the run's seed and the
+layer's name (every rank and world size draws the same), and B as zeros: at the start the policy is
+the base model, the engines' version 0.
+
+What leaves the learner is merged, W + scale · B A (`merged_weight`): the engines load plain weights
+(no engine needs LoRA support) and the saved policy is a plain HF folder. The KL reference is the
+policy with its adapters off (`LoraAdapters.disabled`): no second model. The adapters alone also
+leave as a PEFT folder (`learner.checkpoint.write_adapter`).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import re
+import zlib
+
+import torch
+
+ADAPTER_PARTS = ("lora_A", "lora_B")
+
+
+def is_adapter_name(name: str) -> bool:
+    """Whether a state-dict name is an adapter's (`<layer>.lora_A.weight`, `<layer>.lora_B.weight`)."""
+    parts = name.split(".")
+    return len(parts) >= 3 and parts[-1] == "weight" and parts[-2] in ADAPTER_PARTS
+
+
+def target_names(model: torch.nn.Module, target_modules, exclude_modules=()) -> list[str]:
+    """The linear layers LoRA adapts, by module name, as PEFT picks them: "all-linear" is every
+    `nn.Linear` but the output layer (the LM head); a list names modules by their last name parts
+    ("q_proj" is every `*.q_proj`); any other string is a regular expression the whole name
+    matches. `exclude_modules` (a list or a regular expression) takes names back out. MoE routers
+    and fused experts are not `nn.Linear`: they stay frozen."""
+    output = model.get_output_embeddings()
+    linear = [name for name, m in model.named_modules()
+              if isinstance(m, torch.nn.Linear) and m is not output and not name.endswith(ADAPTER_PARTS)]
+    picked = [name for name in linear if target_modules == "all-linear" or _matches(name, target_modules)]
+    picked = [name for name in picked if not (exclude_modules and _matches(name, exclude_modules))]
+    if not picked:
+        examples = sorted({name.rsplit(".", 1)[-1] for name in linear})
+        raise ValueError(f"learner.lora.target_modules {target_modules!r} (less exclude_modules {exclude_modules!r}) "
+                         f"picks none of {type(model).__name__}'s linear layers; their names end in {examples}")
+    return picked
+
+
+def _matches(name: str, pattern) -> bool:
+    if isinstance(pattern, str):
+        return re.fullmatch(pattern, name) is not None
+    return any(name == p or name.endswith("." + p) for p in pattern)
+
+
+def initial_value(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """An adapter's starting value (float32, CPU): A Kaiming-uniform as PEFT's (bound 1/sqrt(in)),
+    B zeros. Depends on the seed, the name and the shape only."""
+    if name.split(".")[-2] == "lora_B":
+        return torch.zeros(shape)
+    generator = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+    bound = 1.0 / math.sqrt(shape[1])
+    return torch.empty(shape).uniform_(-bound, bound, generator=generator)
+
+
+def merged_weight(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float,
+                  dtype: torch.dtype | None = None) -> torch.Tensor:
+    """W + scale · B A, computed in float32 at least, in `dtype` (default W's)."""
+    compute = torch.promote_types(weight.dtype, torch.float32)
+    delta = lora_b.to(device=weight.device, dtype=compute) @ lora_a.to(device=weight.device, dtype=compute)
+    return (weight.to(compute) + scale * delta).to(dtype or weight.dtype)
+
+
+def merges(model: torch.nn.Module) -> dict[str, tuple[str, str, float]]:
+    """{weight name: (its A's name, its B's name, scale)} of the model's adapted layers ({} without
+    LoRA): what a full-weight export merges (`learner.distributed.FullWeightBuckets`)."""
+    found = {}
+    for name, module in model.named_modules():
+        if hasattr(module, "lora_scale"):
+            found[f"{name}.weight"] = (f"{name}.lora_A.weight", f"{name}.lora_B.weight", module.lora_scale)
+    return found
+
+
+class LoraAdapters:
+    """The adapters of one model (see the module doc). Construct before sharding: on a model on the
+    meta device the adapters are made there too and take their values with the rest
+    (`with_initial_values`); on a real device they start at `initial_value` at once."""
+
+    def __init__(self, model: torch.nn.Module, config, seed: int):
+        self.config, self.seed = config, seed
+        self.scale = config.alpha / config.rank
+        self.names = target_names(model, config.target_modules, config.exclude_modules)
+        self.enabled = True
+        self.shapes: dict[str, tuple[int, int]] = {}  # adapter name -> shape
+        model.requires_grad_(False)
+        for name in self.names:
+            layer = model.get_submodule(name)
+            weight = layer.weight
+            for part, shape in (("lora_A", (config.rank, layer.in_features)),
+                                ("lora_B", (layer.out_features, config.rank))):
+                adapter = torch.nn.Linear(shape[1], shape[0], bias=False, device="meta", dtype=weight.dtype)
+                self.shapes[f"{name}.{part}.weight"] = shape
+                if weight.device.type != "meta":
+                    value = initial_value(f"{name}.{part}.weight", shape, seed)
+                    adapter.weight = torch.nn.Parameter(value.to(device=weight.device, dtype=weight.dtype))
+                adapter.train(layer.training)
+                setattr(layer, part, adapter)
+            layer.lora_scale = self.scale
+            layer.register_forward_hook(self._add_update)
+
+    def _add_update(self, layer, args, output):
+        if not self.enabled:
+            return output
+        return output + layer.lora_B(layer.lora_A(args[0])) * self.scale
+
+    @contextlib.contextmanager
+    def disabled(self):
+        """The base model's passes (the KL reference) through the same modules."""
+        self.enabled = False
+        try:
+            yield
+        finally:
+            self.enabled = True
+
+    def parameter_count(self) -> int:
+        return sum(a * b for a, b in self.shapes.values())
+
+    def with_initial_values(self, source):
+        """`source` (tensors by name, for `learner.distributed.fill_shards`) with the adapters'
+        starting values added."""
+        return _WithAdapters(source, self.shapes, self.seed)
+
+
+class _WithAdapters:
+    def __init__(self, source, shapes: dict[str, tuple[int, int]], seed: int):
+        self.source, self.shapes, self.seed = source, shapes, seed
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.shapes or name in self.source
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name in self.shapes:
+            return initial_value(name, self.shapes[name], self.seed)
+        return self.source[name]
