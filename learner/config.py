@@ -182,7 +182,8 @@ class LearnerConfig(BaseModel):
         "float32", description="weights, gradients and optimizer state (float64: exactness checks on CPU). "
         "bfloat16 halves their memory but costs the updates: bfloat16 keeps 8 bits of mantissa, so an update "
         "below ~0.4% of a weight (lr 1e-6 Adam steps are ~1e-6 absolute) rounds away; prefer float32 with "
-        "mixed_precision=bfloat16")
+        "mixed_precision=bfloat16. With lora only the frozen weights take it (the adapters stay float32): "
+        "bfloat16 then halves the frozen model's memory and costs no update")
     mixed_precision: Optional[Literal["bfloat16"]] = Field(
         None, description="compute the forward and backward passes in bfloat16 while weights, gradients and "
         "optimizer state stay in `dtype` (float32): under FSDP its MixedPrecisionPolicy (bfloat16 all-gathers "

@@ -218,8 +218,10 @@ class FullWeightBuckets:
     bucket); `len()` is the number of buckets, known before the first gather.
 
     A model with LoRA adapters (`learner.lora`) gives its adapted weights merged, W + scale · B A
-    (A and B gathered beside W, merged on W's device in float32, then cast to `dtype`), and the
-    adapters' own names not at all: what leaves is a plain model's weights."""
+    computed in float32 and rounded once to `dtype` (as the learner's merged forward rounds it;
+    under FSDP each rank merges its own rows of W and B with the whole A, and the merged rows are
+    gathered in `dtype`), and the adapters' own names not at all: what leaves is a plain model's
+    weights."""
 
     def __init__(self, model, bucket_bytes: int, dtype: torch.dtype | None = None, keep: bool = True,
                  out_device: torch.device | str | None = None):
@@ -267,18 +269,16 @@ class FullWeightBuckets:
         return [self._names[i][0] for i in self.buckets[bucket]]
 
     def __iter__(self):
-        from learner.lora import merged_weight
-
         for bucket in self.buckets:
             out: dict[str, torch.Tensor] = {}
             for i in bucket:
                 tensor = self._tensors[i].detach()
-                if self.dtype is not None:
-                    tensor = tensor.to(self.dtype)  # the shard, on its device: the gather moves the publish dtype
-                full = whole_tensor(tensor)  # a collective under FSDP
                 if i in self._merges:
-                    lora_a, lora_b, scale = self._merges[i]
-                    full = merged_weight(full, whole_tensor(lora_a.detach()), whole_tensor(lora_b.detach()), scale)
+                    full = self._merged(i, tensor)
+                else:
+                    if self.dtype is not None:
+                        tensor = tensor.to(self.dtype)  # the shard, on its device: the gather moves the publish dtype
+                    full = whole_tensor(tensor)  # a collective under FSDP
                 if not self.keep:
                     continue
                 if self.out_device is not None:
@@ -286,6 +286,27 @@ class FullWeightBuckets:
                 for name in self._names[i]:
                     out[name] = full
             yield out
+
+
+    def _merged(self, i: int, weight: torch.Tensor) -> torch.Tensor:
+        """Tensor i (an adapted weight) merged with its adapters, whole, in the publish dtype (collectives
+        under FSDP). W's and B's shards hold the same rows of [out, ...] (one mesh, Shard(0)), so a rank
+        merges its rows with the whole A (the small gather) and only the merged rows are gathered."""
+        from torch.distributed.tensor import DTensor
+
+        from learner.lora import merged_weight
+
+        lora_a, lora_b, scale = self._merges[i]
+        dtype = self.dtype or weight.dtype
+        a = whole_tensor(lora_a.detach())
+        if not isinstance(weight, DTensor):
+            return merged_weight(weight, a, whole_tensor(lora_b.detach()), scale, dtype)
+        b = lora_b.detach()
+        if b.placements != weight.placements or b.device_mesh != weight.device_mesh:
+            raise RuntimeError(f"an adapter is sharded as {b.placements}, its weight as {weight.placements}")
+        rows = merged_weight(weight.to_local(), a, b.to_local(), scale, dtype)
+        return DTensor.from_local(rows, weight.device_mesh, weight.placements, run_check=False, shape=weight.shape,
+                                  stride=weight.stride()).full_tensor()
 
 
 def whole_tensor(tensor: torch.Tensor) -> torch.Tensor:

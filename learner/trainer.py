@@ -978,7 +978,8 @@ class Learner:
             self._publish_streamed()  # every rank, the send on the step path: all of it is blocked time
         else:
             # copies the publication owns: FSDP's gather (a collective: every rank), a GPU's host copies
-            owned = self._sharded or self.comm.rank == 0 and self._publishes_host_copies()
+            owned = self._sharded or self.comm.rank == 0 and (
+                self._publishes_host_copies() or self.adapters is not None)  # LoRA's: merged copies
             gathered = self._publishable() if owned else None
         if self.comm.rank != 0:
             return None
@@ -1010,7 +1011,9 @@ class Learner:
 
     def state_dict(self) -> dict:
         """A snapshot (copies, not live views) of model, optimizer, scheduler and version (and the
-        critic's weights, to inspect: a run resumes its critic from `save_checkpoint`)."""
+        critic's weights, to inspect: a run resumes its critic from `save_checkpoint`). With LoRA the
+        model's tensors are as trained, unmerged, the adapters under their own names
+        (`policy_weights` is what a plain model needs)."""
         state = {
             "model": self.full_state_dict(),
             "optimizer": self.optimizer.state_dict(),

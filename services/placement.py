@@ -462,9 +462,9 @@ def resolve_layout(cfg: EtarlConfig, cluster: Cluster, params: float | None = No
         else:
             reasons.append("the GPUs are declared, CUDA is missing here: the learner ranks keep gloo")
         # PPO with gae trains a critic of about the policy's size beside it; a LoRA policy keeps its
-        # float32 weights (4 bytes per parameter) and trains adapters of about 1 % of them
+        # frozen weights in learner.dtype (4 or 2 bytes per parameter) and trains adapters of ~1 % of them
         lora = learner.lora is not None
-        policy_bytes = 4 if lora else 16
+        policy_bytes = (2 if learner.dtype in ("bfloat16", "float16") else 4) if lora else 16
         critic = learner.advantage.estimator == "gae"
         which = ("policy and critic: " if critic else "") + ("frozen LoRA base, " if lora else "")
         state = (policy_bytes + 16 * critic) * params if params is not None else 0.0

@@ -360,8 +360,10 @@ def _lora(key: str, value: Any, given: dict) -> Said:
         return [(None, None, "LoRA is off: verl's lora_rank is 0 (etarl trains every weight without learner.lora)")]
     part = key[len(MODEL):]
     target = {"lora_rank": "rank", "lora_alpha": "alpha"}.get(part, part)
-    if part in ("target_modules", "exclude_modules") and isinstance(value, str) and "," in value:
-        value = [name.strip() for name in value.split(",")]  # verl's "q_proj,v_proj"
+    names = value.split(",") if isinstance(value, str) else []
+    if part in ("target_modules", "exclude_modules") and len(names) > 1 and \
+            all(name.strip().isidentifier() for name in names):
+        value = [name.strip() for name in names]  # "q_proj,v_proj"; any other string is a regular expression
     return [("learner.lora." + target, value, "")]
 
 

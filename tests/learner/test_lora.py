@@ -184,6 +184,25 @@ def test_an_adapter_subset_leaves_as_a_regular_expression_peft_reads(policy_dir,
     assert (_logits(peft_model, groups) - _logits(learner.model, groups)).abs().max() < 1e-10
 
 
+def test_a_bfloat16_base_keeps_float32_adapters(policy_dir, groups):
+    """learner.dtype=bfloat16 with LoRA: the frozen model in half the memory, the adapters and their
+    AdamW state in float32 (their small updates land), each adapter's input cast to float32 and its
+    update back to the layer's bfloat16 output."""
+    learner = Learner(_config(policy_dir, dtype="bfloat16"))
+    assert {p.dtype for p in learner.params} == {torch.float32}
+    assert learner.model.get_submodule("model.layers.0.mlp.up_proj").weight.dtype == torch.bfloat16
+    before = params_of(learner.model)
+    assert learner.train_step(groups)["actor/grad_norm"] > 0
+    after = params_of(learner.model)
+    assert {k for k in after if not torch.equal(after[k], before[k])} == {k for k in after if "lora_" in k}
+    assert {t.dtype for state in learner.optimizer.state.values() for t in state.values() if t.dim()} == \
+        {torch.float32}
+    merged = learner.policy_weights()["model.layers.0.mlp.up_proj.weight"]  # rounded once, to the base's dtype
+    layer = learner.model.get_submodule("model.layers.0.mlp.up_proj")
+    assert merged.dtype == torch.bfloat16 and torch.equal(merged, (
+        layer.weight.float() + learner.adapters.scale * layer.lora_B.weight @ layer.lora_A.weight).to(torch.bfloat16))
+
+
 def test_mixed_precision_and_selective_checkpointing_train_the_adapters(policy_dir, groups):
     learner = Learner(_config(policy_dir, dtype="float32", mixed_precision="bfloat16",
                               gradient_checkpointing="selective", packing=True, attn_implementation="varlen"))
@@ -287,12 +306,12 @@ def test_a_lora_learner_streams_merged_buckets_into_an_engine(policy_dir, groups
         assert engine.version == 1, errors
         got, live = engine.model.state_dict(), learner.model.state_dict()
         assert got.keys() == learner.policy_weights().keys()
-        for name in got:  # the frozen weights in bfloat16; an adapted one cast, then merged (FullWeightBuckets)
+        for name in got:  # the frozen weights in bfloat16; an adapted one merged in float32, rounded once
             want = live[name].to(torch.bfloat16)
             layer = name.removesuffix(".weight")
             if layer in learner.adapters.names:
-                want = merged_weight(want, live[layer + ".lora_A.weight"], live[layer + ".lora_B.weight"],
-                                     learner.adapters.scale)
+                want = merged_weight(live[name], live[layer + ".lora_A.weight"], live[layer + ".lora_B.weight"],
+                                     learner.adapters.scale, torch.bfloat16)
                 assert not torch.equal(want, live[name].to(torch.bfloat16))  # the adapters moved
             assert torch.equal(got[name], want), name
     finally:
