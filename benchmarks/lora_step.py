@@ -5,13 +5,20 @@ and time of a step, and what publishing a version costs (with LoRA: merged weigh
 
 A Qwen2-shaped policy with Qwen's vocabulary (benchmarks/learner_memory.py's `build_policy`;
 default 512 wide, 4 layers; --quick 128 x 2; --shape a Qwen2.5 model's shape) and random groups of
---batch sequences (default 8) of --min-len to --max-len tokens (default 256-1,024; --quick 32-160) (learner_memory's `random_groups`). Each mode
+--batch sequences (default 8) of --min-len to --max-len tokens (default 256-1,024; --quick 32-160;
+learner_memory's `random_groups`). Each mode
 (full: every weight trains; lora: `learner.lora.rank=R` on every linear layer) runs in a child
 process of its own, so each peak is its own: a warm-up step, then --steps measured steps (new
 lengths each; their times summed), the peak memory over them (CPU resident set, CUDA allocated),
 AdamW's state in bytes, and one publication's weights (`Learner._publishable`: views of the live
 weights for full fine-tuning on a CPU, merged copies with LoRA; host copies on a GPU) timed.
 --mixed-precision and --checkpointing set the learner's options of those names.
+
+First, what bfloat16 does to a small update (`rounding`): on one --rounding-width square layer
+(W on the bfloat16 grid, as a released model's; 256 random inputs), the share of the exact update's
+effect x (s B A)^T that survives where an engine computes with round(W + s B A) and where a learner
+under bfloat16 autocast computes x W^T + s B(A x) (PEFT's form, etarl's), for updates of 1e-6 to
+1e-2 the size of W (learner/lora.py's doc quotes it).
 
 What to expect: AdamW's state is 8 bytes per trainable parameter (two float32 moments): with
 LoRA the adapters' r x (in + out) per linear layer instead of the model; gradients likewise. The
@@ -78,6 +85,30 @@ def child(spec: dict) -> dict:
             "published_tensors": len(weights)}
 
 
+def rounding(width: int, rank: int = 16) -> list[dict]:
+    """The share of a LoRA update's effect that survives bfloat16, engine (merged weights) vs learner
+    (autocast, the adapter path added to the rounded output), by the update's size relative to W."""
+    import torch.nn.functional as F
+
+    generator = torch.Generator().manual_seed(0)
+    weight = (torch.randn(width, width, generator=generator) * 0.02).bfloat16().float()
+    lora_a = (torch.rand(rank, width, generator=generator) * 2 - 1) / width**0.5
+    x = torch.randn(256, width, generator=generator)
+    base = F.linear(x.bfloat16(), weight.bfloat16()).float()
+    rows = []
+    for size in (1e-6, 1e-5, 1e-4, 1e-3, 1e-2):
+        lora_b = torch.randn(width, rank, generator=generator) * size
+        delta = lora_b @ lora_a
+        exact = F.linear(x, delta)
+        engine = F.linear(x.bfloat16(), (weight + delta).bfloat16()).float() - base
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            learner = (F.linear(x, weight) + F.linear(F.linear(x, lora_a), lora_b)).float() - base
+        kept = lambda got: float((got * exact).sum() / (exact * exact).sum())  # noqa: E731
+        rows.append({"update_over_weight": float(delta.abs().mean() / weight.abs().mean()),
+                     "engine_keeps": kept(engine), "learner_keeps": kept(learner)})
+    return rows
+
+
 def run_child(spec: dict) -> dict:
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     done = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True,
@@ -100,6 +131,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2, help="measured steps per mode")
     parser.add_argument("--mixed-precision", action="store_true", help="learner.mixed_precision=bfloat16")
     parser.add_argument("--checkpointing", nargs="?", const="full", choices=("full", "selective"))
+    parser.add_argument("--rounding-width", type=int, default=1024, help="the bfloat16 rounding layer's width")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -115,9 +147,13 @@ def main() -> None:
             "min_len": min_len, "max_len": max_len, "budget": 2 * max_len, "steps": args.steps,
             "mixed_precision": "bfloat16" if args.mixed_precision else None, "checkpointing": args.checkpointing}
     print(f"Qwen2 vocab {QWEN_VOCAB}, hidden {hidden}, {layers} layers; {spec['batch']} sequences of "
-          f"{min_len}-{max_len} tokens per step, {args.steps} measured steps; LoRA rank {args.rank} on every linear layer; device "
-          f"{args.device}, {torch.get_num_threads()} torch thread(s)")
+          f"{min_len}-{max_len} tokens per step, {args.steps} measured steps; LoRA rank {args.rank} on every linear "
+          f"layer; device {args.device}, {torch.get_num_threads()} torch thread(s)")
     started = time.perf_counter()
+    kept = rounding(args.rounding_width)
+    print(f"  bfloat16 rounding of an update (a {args.rounding_width}-wide layer): " + ", ".join(
+        f"{r['update_over_weight']:.0e} of W: engine keeps {r['engine_keeps']:.3f}, "
+        f"learner {r['learner_keeps']:.3f}" for r in kept))
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         spec["model"] = str(build_policy(Path(tmp) / "policy", QWEN_VOCAB, hidden, layers, max_len + 8, intermediate,
@@ -141,7 +177,7 @@ def main() -> None:
                   "step_time": lora["step_s"] / full["step_s"], "publish_time": lora["publish_s"] / full["publish_s"]}
         print("  LoRA / full: " + ", ".join(f"{k} {v:.3f}" for k, v in ratios.items()))
     print(json.dumps({"setup": {k: v for k, v in spec.items() if k != "model"} | {"hidden": hidden, "layers": layers},
-                      "full": full, "lora": lora, "lora_over_full": ratios,
+                      "rounding": kept, "full": full, "lora": lora, "lora_over_full": ratios,
                       "wall_s": round(time.perf_counter() - started, 1)}))
 
 

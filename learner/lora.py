@@ -14,12 +14,12 @@ What leaves the learner is merged, W + scale · B A (`merged_weight`): the engin
 (no engine needs LoRA support) and the saved policy is a plain HF folder. An engine in bfloat16
 computes with round(W + scale · B A), which drops an update entry below half a bfloat16 step of W;
 a learner computing in bfloat16 (mixed_precision) drops the same updates where it rounds each
-layer's output, y + scale · B(A x): measured on a 1,024-wide layer, both keep 2 % of an update
-1e-5 the size of W, 21 % at 4e-4, 96 % at 4e-3, alike (full fine-tuning's bfloat16 compute over
-float32 master weights drops them the same way; A and B, like master weights, keep them until they
-add up). The KL reference is the policy with its adapters off (`LoraAdapters.disabled`): no second
-model. The adapters alone also
-leave as a PEFT folder (`learner.checkpoint.write_adapter`).
+layer's output, y + scale · B(A x): on a 1,024-wide layer (benchmarks/lora_step.py) both keep 2 %
+of an update 4e-5 the size of W, 21 % at 4e-4, 96 % at 4e-3, alike (full fine-tuning's bfloat16
+compute over float32 master weights drops them the same way; A and B, like master weights, keep
+them until they add up). The KL reference is the policy with its adapters off
+(`LoraAdapters.disabled`): no second model. The adapters alone also leave as a PEFT folder
+(`learner.checkpoint.write_adapter`).
 """
 from __future__ import annotations
 
