@@ -335,9 +335,10 @@ def child_throughput(spec: dict) -> dict:
 CHILDREN = {"step": child_step, "head": child_head, "throughput": child_throughput}
 
 
-def run_child(spec: dict) -> dict:
+def run_child(spec: dict, script: str = __file__) -> dict:
+    """`script --child SPEC` in a fresh process (its peak memory its own): the JSON of its last line."""
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    done = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, script, "--child", json.dumps(spec)], capture_output=True, text=True,
                           env=env)
     if done.returncode != 0:
         tail = (done.stderr or done.stdout).strip().splitlines()[-3:]

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,7 +41,14 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.learner_memory import QWEN_VOCAB, SHAPES, PeakMemory, build_policy, random_groups  # noqa: E402
+from benchmarks.learner_memory import (  # noqa: E402
+    QWEN_VOCAB,
+    SHAPES,
+    PeakMemory,
+    build_policy,
+    random_groups,
+    run_child,
+)
 
 MiB = 2**20
 
@@ -109,16 +115,6 @@ def rounding(width: int, rank: int = 16) -> list[dict]:
     return rows
 
 
-def run_child(spec: dict) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    done = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True,
-                          env=env)
-    if done.returncode != 0:
-        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-        return {"error": f"exit {done.returncode}: {' | '.join(tail)}"}
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a 128 x 2 model, sequences of 32-160 tokens")
@@ -159,7 +155,7 @@ def main() -> None:
         spec["model"] = str(build_policy(Path(tmp) / "policy", QWEN_VOCAB, hidden, layers, max_len + 8, intermediate,
                                          heads, kv_heads))
         for mode in ("full", "lora"):
-            results[mode] = run_child({**spec, "mode": mode})
+            results[mode] = run_child({**spec, "mode": mode}, script=__file__)
             r = results[mode]
             if "error" in r:
                 print(f"  {mode}: {r['error']}")

@@ -115,6 +115,15 @@ def read_trainer_file(folder: Path) -> dict:
     return torch.load(trainer_file, map_location="cpu", weights_only=True)
 
 
+def check_lora_settings(folder: Path, trainer: dict, lora: dict | None) -> None:
+    """ValueError unless the checkpoint (its `read_trainer_file`) was trained with these LoRA settings
+    (`LoraConfig.model_dump()`, None: every weight trained): other adapters cannot take its shards."""
+    if trainer.get("lora") != lora:
+        written = f"LoRA {trainer.get('lora')}" if trainer.get("lora") else "no LoRA (every weight trained)"
+        raise ValueError(f"checkpoint {str(folder)!r} was trained with {written}; this run has "
+                         f"{f'LoRA {lora}' if lora else 'none'}: resume with the run's learner.lora")
+
+
 def load_training_state(folder: Path, trainer: dict, model, optimizer, critic=None, lora: dict | None = None) -> None:
     """Every rank: its shards of model and optimizer (and the `critic`'s, its scheduler from
     `trainer`, the checkpoint's `read_trainer_file`) from `folder/trainer_shards/` (a collective).
@@ -131,10 +140,7 @@ def load_training_state(folder: Path, trainer: dict, model, optimizer, critic=No
         wants = "with one (advantage.estimator gae)" if critic is not None else "without one"
         raise ValueError(f"checkpoint {str(folder)!r} {has}; this learner runs {wants}: resume with the "
                          f"estimator the run was written with")
-    if trainer.get("lora") != lora:
-        written = f"LoRA {trainer.get('lora')}" if trainer.get("lora") else "no LoRA (every weight trained)"
-        raise ValueError(f"checkpoint {str(folder)!r} was trained with {written}; this learner has "
-                         f"{f'LoRA {lora}' if lora else 'none'}: resume with the run's learner.lora")
+    check_lora_settings(folder, trainer, lora)
     # DCP loads in place: the state dicts of the live models and optimizers say which shards this
     # rank wants; the optimizer's state is created first (get_state_dict does) so it has slots.
     state = _shard_states(model, optimizer, critic)
@@ -213,7 +219,7 @@ def write_adapter(folder: Path, model, adapters, source_dir: str, rank: int, sha
     suffixes = sorted({name.rsplit(".", 1)[-1] for name in adapters.names})
     exact = target_names(model, suffixes) == adapters.names
     targets = suffixes if exact else "^(" + "|".join(re.escape(n) for n in adapters.names) + ")$"
-    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(source_dir),
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(Path(source_dir).resolve()),
               "r": adapters.config.rank, "lora_alpha": adapters.config.alpha, "target_modules": targets,
               "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "inference_mode": True,
               "init_lora_weights": True, "use_rslora": False, "use_dora": False, "modules_to_save": None}

@@ -161,7 +161,7 @@ class LoraConfig(BaseModel):
 
     @field_validator("target_modules", "exclude_modules")
     @classmethod
-    def _patterns_compile(cls, value):
+    def _patterns_compile(cls, value, info):
         import re
 
         if isinstance(value, str) and value != "all-linear":
@@ -171,6 +171,8 @@ class LoraConfig(BaseModel):
                 raise ValueError(f"{value!r} is not a regular expression: {exc}") from None
         if isinstance(value, list) and not all(value):
             raise ValueError("module names must not be empty")
+        if info.field_name == "target_modules" and value == []:
+            raise ValueError("an empty list adapts nothing: name modules, or all-linear")
         return value
 
 
@@ -287,6 +289,10 @@ class LearnerConfig(BaseModel):
         if not all(0.0 <= b < 1.0 for b in value):
             raise ValueError(f"betas must lie in [0, 1), got {value}")
         return value
+
+    def lora_settings(self) -> dict | None:
+        """The LoRA settings a checkpoint records (None: every weight trained)."""
+        return self.lora.model_dump() if self.lora is not None else None
 
     def check_decay_span(self, steps: int, what: str) -> None:
         """A decay without total_steps spans a run's `steps` (`what` says which): ValueError where the

@@ -52,8 +52,10 @@ def target_names(model: torch.nn.Module, target_modules, exclude_modules=()) -> 
     picked = [name for name in picked if not (exclude_modules and _matches(name, exclude_modules))]
     if not picked:
         examples = sorted({name.rsplit(".", 1)[-1] for name in linear})
+        hint = (f" (a string is one regular expression of a whole name: several names are a list, "
+                f"[{target_modules}])" if isinstance(target_modules, str) and "," in target_modules else "")
         raise ValueError(f"learner.lora.target_modules {target_modules!r} (less exclude_modules {exclude_modules!r}) "
-                         f"picks none of {type(model).__name__}'s linear layers; their names end in {examples}")
+                         f"picks none of {type(model).__name__}'s linear layers; their names end in {examples}{hint}")
     return picked
 
 

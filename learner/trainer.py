@@ -1086,7 +1086,7 @@ class Learner:
 
     def _lora_settings(self) -> dict | None:
         """What a checkpoint's adapters were trained as (None: every weight trained)."""
-        return self.config.lora.model_dump() if self.config.lora is not None else None
+        return self.config.lora_settings()
 
     @property
     def _sharded(self) -> bool:

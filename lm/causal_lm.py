@@ -31,6 +31,9 @@ def check_model_dir(path: str | os.PathLike) -> Path:
     if not folder.is_dir():
         raise FileNotFoundError(f"model path {str(folder)!r} does not exist or is not a folder")
     if not (folder / "config.json").is_file():
+        if (folder / "adapter_config.json").is_file():
+            raise FileNotFoundError(f"model path {str(folder)!r} holds LoRA adapters (PEFT's adapter_config.json), not "
+                                    f"a model: take the merged policy/ beside it (etarl eval --run RUN_DIR does)")
         raise FileNotFoundError(f"model path {str(folder)!r} has no config.json: not an HF model folder")
     return folder
 

@@ -38,7 +38,7 @@ from services import checkpoint as ckpt
 from services.buffer_handle import BufferHandle
 from services.config import (TINY_MODEL, TINY_MOE_MODEL, ConfigError, EtarlConfig, build_config, fill_sample_limits,
                              read_yaml)
-from services.inputs import check_run_inputs, with_epochs
+from services.inputs import check_resume_settings, check_run_inputs, with_epochs
 from services.learner_failures import LearnerFailures
 from services.placement import Placement, check_plan_before_start, start_ray
 from services.plots import MetricLog, plot_run
@@ -178,6 +178,8 @@ class Controller:
         self.learner_failures.recover()  # a batch the last process died on counts a failed delivery
         fill_sample_limits(cfg, self.model_dir)  # vocabulary and context: the buffer refuses what the model cannot take
         train_prompts = check_run_inputs(cfg, self.model_dir)
+        if self.resume_from is not None:
+            check_resume_settings(cfg, self.resume_from)
         if cfg.run.epochs is not None:  # the steps, now that the usable prompts are counted
             self.cfg = cfg = with_epochs(cfg, train_prompts)
         if cfg.metrics.trackers:  # W&B's key before Ray starts (the trackers open once the layout is chosen)
@@ -190,7 +192,8 @@ class Controller:
 
         check_shared_paths(self.run_dir, run_paths(cfg, self.model_dir))  # before any actor: a node that
         # sees another folder would fail the run at its first checkpoint
-        (self.run_dir / CONFIG_FILE).write_text(cfg.to_yaml())
+        if self.resume_from is None:  # a resume's once its checkpoint took it: a refused one changes nothing
+            self._write_config()
         self._open_trackers()  # before any actor: a tracker that cannot start stops the run here
         self.placement = Placement(plan, cfg.ray.placement_timeout_s)
         from learner.distributed import LearnerGroup
@@ -209,6 +212,7 @@ class Controller:
         state = None
         if self.resume_from is not None:
             state = self._restore(self.resume_from)
+            self._write_config()
         if state is None:
             self.buffer.client.set_version(self.version)
         self._start_eta_control()
@@ -219,6 +223,9 @@ class Controller:
 
             self.evaluations = WorkerEvaluations(cfg, self.workers.workers)
         self._started = True
+
+    def _write_config(self) -> None:
+        (self.run_dir / CONFIG_FILE).write_text(self.cfg.to_yaml())
 
     def _start_eta_control(self) -> None:
         gate = self.cfg.buffer.gate

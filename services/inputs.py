@@ -158,6 +158,7 @@ def check_run_inputs(cfg: EtarlConfig, model_dir) -> int | None:
     reward = check_reward(cfg)
     _check_verl_reward_task(cfg)
     check_environment(cfg, fmt)
+    check_lora(cfg, model_dir)
     log.info("model %s: %s; reward %s (%s form)", model_dir, fmt.describe(), reward.spec, reward.form)
     if cfg.rollout.task.truncation != "error" and not fmt.context_len:
         log.warning("rollout.task.truncation=%s cuts nothing: the context is unknown (the model's config does not "
@@ -172,6 +173,32 @@ def check_run_inputs(cfg: EtarlConfig, model_dir) -> int | None:
         if key in train_keys:
             train_prompts += len(report.problems)
     return train_prompts if cfg.rollout.task.kind == "file" else None
+
+
+def check_lora(cfg: EtarlConfig, model_dir) -> None:
+    """learner.lora's target_modules pick some of the model's linear layers (the model built on the meta
+    device: no weights read), checked before Ray starts rather than in the learner's actor."""
+    if cfg.learner.lora is None:
+        return
+    from learner.lora import target_names
+    from lm.causal_lm import causal_lm_on_meta
+
+    lora = cfg.learner.lora
+    try:
+        target_names(causal_lm_on_meta(model_dir), lora.target_modules, lora.exclude_modules)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
+def check_resume_settings(cfg: EtarlConfig, checkpoint) -> None:
+    """A resumed run trains what its checkpoint holds: the same LoRA settings (or none), checked before
+    Ray starts."""
+    from learner.checkpoint import check_lora_settings, read_trainer_file
+
+    try:
+        check_lora_settings(Path(checkpoint), read_trainer_file(Path(checkpoint)), cfg.learner.lora_settings())
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
 
 
 def with_epochs(cfg: EtarlConfig, train_prompts: int) -> EtarlConfig:

@@ -95,8 +95,11 @@ RULES: dict[str, Rule] = {
                                        lambda v: "auto" if v else False),
     MODEL + "lora_adapter_path": Rule(None, "etarl's adapters start new (B = 0: the base model); it writes "
                                             "its own as a PEFT folder, lora_adapter/ in each checkpoint"),
-    **{key: Rule(None, "etarl builds its adapters in the learner (learner.lora) and sends engines merged weights")
-       for key in (MODEL + "use_shm", ROLLOUT + "layered_summon")},
+    MODEL + "use_shm": Rule(None, "etarl's engines and learner read the model folder where it is"),
+    ROLLOUT + "layered_summon": Rule(None, "etarl sends engines merged weights a bucket at a time (learner.lora)"),
+    MODEL + "lora.merge": Rule(None, "etarl always sends engines merged weights"),
+    **{MODEL + "lora." + key: Rule(None, "etarl's adapters are PEFT's LoRA: A Kaiming-uniform, B zeros, float32")
+       for key in ("type", "lora_A_init_method", "lora_B_init_method", "dtype")},
     ROLLOUT + "load_format": Rule(None, "etarl's engines load the model folder, then each version the learner "
                                         "publishes"),
     "critic.model.lora_rank": Rule(None, "etarl's critic trains every weight; learner.lora adapts the policy"),
@@ -354,12 +357,19 @@ def _trackers(key: str, value: Any, given: dict) -> Said:
 
 
 def _lora(key: str, value: Any, given: dict) -> Said:
-    """verl's LoRA: lora_rank > 0 turns it on; the other keys go with it."""
-    rank = given.get(MODEL + "lora_rank", 0)
-    if not isinstance(rank, int) or rank <= 0:
+    """verl's LoRA: lora_rank > 0 turns it on (or the nested lora.rank, which verl reads first); the
+    other keys go with it."""
+    def positive(value) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+    nested_on = positive(given.get(MODEL + "lora.rank"))
+    if not nested_on and not positive(given.get(MODEL + "lora_rank")):
         return [(None, None, "LoRA is off: verl's lora_rank is 0 (etarl trains every weight without learner.lora)")]
-    part = key[len(MODEL):]
+    part = key[len(MODEL):].removeprefix("lora.")
     target = {"lora_rank": "rank", "lora_alpha": "alpha"}.get(part, part)
+    if key.startswith(MODEL + "lora.") != nested_on:
+        return [(None, None, f"verl reads the {'nested lora.*' if nested_on else 'lora_*'} keys here (those whose "
+                             f"rank is above 0)")]
     names = value.split(",") if isinstance(value, str) else []
     if part in ("target_modules", "exclude_modules") and len(names) > 1 and \
             all(name.strip().isidentifier() for name in names):
@@ -384,7 +394,8 @@ JOINS: dict[str, Callable[[str, Any, dict], Said]] = {
     "trainer.total_epochs": _epochs,
     "trainer.logger": _trackers,
     ROLLOUT + "enable_rollout_routing_replay": _routing,
-    **{MODEL + key: _lora for key in ("lora_rank", "lora_alpha", "target_modules", "exclude_modules")},
+    **{MODEL + key: _lora for key in ("lora_rank", "lora_alpha", "target_modules", "exclude_modules",
+                                      "lora.rank", "lora.alpha", "lora.target_modules", "lora.exclude_modules")},
     ROLLOUT + "multi_turn.function_tool_path": _tools,
     ROLLOUT + "multi_turn.tool_config_path": _tools,
 }

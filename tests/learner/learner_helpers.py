@@ -2,6 +2,8 @@
 responses sampled from it with their behaviour log-probs, as the buffer would hand them over."""
 from __future__ import annotations
 
+import contextlib
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -65,3 +67,31 @@ def params_of(model) -> dict[str, torch.Tensor]:
 def max_param_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys()
     return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+@contextlib.contextmanager
+def engine_following(board, engine):
+    """A rollout worker's weight loop in a thread: `engine` receives each new version published on
+    `board`. Yields the list of errors the loop met; the thread ends with the block."""
+    from lm.weight_sync import WeightSubscription
+
+    stop, errors = threading.Event(), []
+
+    def follow():
+        subscription = WeightSubscription(board, "worker-0", engine.version)
+        while not stop.is_set():
+            try:
+                if subscription.newest_version() > engine.version:
+                    subscription.receive(engine, wait_s=5.0, stop=stop)
+            except Exception as err:
+                errors.append(f"{type(err).__name__}: {err}")
+            stop.wait(0.01)
+
+    loop = threading.Thread(target=follow, daemon=True)
+    loop.start()
+    try:
+        yield errors
+    finally:
+        stop.set()
+        loop.join(30)
+        assert not loop.is_alive()

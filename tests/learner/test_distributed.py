@@ -11,7 +11,7 @@ import torch
 from learner.config import LearnerConfig
 from learner.distributed import LearnerGroup
 from learner.trainer import Learner
-from learner_helpers import build_tiny_policy, max_param_diff, params_of, sample_groups
+from learner_helpers import build_tiny_policy, engine_following, max_param_diff, params_of, sample_groups
 from lm.weight_sync import resolve_weights
 
 # Micro-batches of one or two rows (the longest sequence here has 12 tokens): ranks plan different
@@ -124,11 +124,9 @@ def test_an_fsdp_learner_streams_each_version_bucket_by_bucket_into_an_engine(po
     stream reaches it; the engine (a transformers engine in this process, receiving like a worker)
     ends with exactly the learner's weights in the publish dtype, version by version, and the
     step waited for the send (its blocked time)."""
-    import threading
-
     import ray
 
-    from lm.weight_sync import WeightStore, WeightSubscription
+    from lm.weight_sync import WeightStore
     from rollout_workers.engines.hf_engine import HFEngine
 
     groups = sample_groups(policy_dir, n_groups=2, n=2, seed=5, logprob_noise=0.2)
@@ -138,36 +136,22 @@ def test_an_fsdp_learner_streams_each_version_bucket_by_bucket_into_an_engine(po
                                         "publish_bucket_mb": 0.02},
                            weight_sync={"channel": "broadcast", "dtype": "bfloat16", "bucket_mb": 0.01,
                                         "address": "127.0.0.1", "timeout_s": 60})
-    engine, stop, errors = HFEngine(policy_dir, dtype="bfloat16"), threading.Event(), []
-
-    def follow():  # a rollout worker's weight loop
-        subscription = WeightSubscription(board, "worker-0", engine.version)
-        while not stop.is_set():
-            try:
-                if subscription.newest_version() > engine.version:
-                    subscription.receive(engine, wait_s=5.0, stop=stop)
-            except Exception as err:
-                errors.append(f"{type(err).__name__}: {err}")
-            stop.wait(0.01)
-
-    loop = threading.Thread(target=follow, daemon=True)
-    loop.start()
-    group = LearnerGroup(config, ray_options={"num_cpus": 0})
-    try:
-        group.attach_weight_board(board)
-        for version in (1, 2):
-            group.train_step(groups)
-            timings = group.publish_weights()  # returns once the engine has the version
-            assert timings["version"] == version and timings["engines"] == 1 and timings["blocked_s"] > 0
-            assert engine.version == version, errors
-            want = group.state_dict()["model"]
-            got = engine.model.state_dict()
-            assert all(torch.equal(got[k], want[k].to(torch.bfloat16)) for k in want), version
-    finally:
-        stop.set()
-        loop.join(30)
-        group.shutdown()
-    assert not errors and not loop.is_alive()
+    engine = HFEngine(policy_dir, dtype="bfloat16")
+    with engine_following(board, engine) as errors:
+        group = LearnerGroup(config, ray_options={"num_cpus": 0})
+        try:
+            group.attach_weight_board(board)
+            for version in (1, 2):
+                group.train_step(groups)
+                timings = group.publish_weights()  # returns once the engine has the version
+                assert timings["version"] == version and timings["engines"] == 1 and timings["blocked_s"] > 0
+                assert engine.version == version, errors
+                want = group.state_dict()["model"]
+                got = engine.model.state_dict()
+                assert all(torch.equal(got[k], want[k].to(torch.bfloat16)) for k in want), version
+        finally:
+            group.shutdown()
+    assert not errors
 
 
 def test_a_batch_smaller_than_the_world_is_refused(policy_dir):

@@ -16,7 +16,7 @@ from learner.config import LearnerConfig
 from learner.distributed import LearnerGroup
 from learner.lora import initial_value, merged_weight, target_names
 from learner.trainer import Learner
-from learner_helpers import build_tiny_policy, max_param_diff, params_of, sample_groups
+from learner_helpers import build_tiny_policy, engine_following, max_param_diff, params_of, sample_groups
 from lm.causal_lm import load_causal_lm, response_log_probs
 from lm.weight_sync import resolve_weights
 
@@ -113,6 +113,8 @@ def test_target_modules_pick_layers_as_peft_does(policy_dir):
         target_names(model, ["query_key_value"])
     with pytest.raises(ValueError, match="not a regular expression"):
         LearnerConfig(model_path=str(policy_dir), lora={"rank": 2, "target_modules": "q_proj["})
+    with pytest.raises(ValueError, match="an empty list adapts nothing"):
+        LearnerConfig(model_path=str(policy_dir), lora={"rank": 2, "target_modules": []})
     # A's start is PEFT's Kaiming-uniform bound 1/sqrt(in), fixed by the seed and the name alone
     a = initial_value("model.layers.0.self_attn.q_proj.lora_A.weight", (4, 32), seed=0)
     assert torch.equal(a, initial_value("model.layers.0.self_attn.q_proj.lora_A.weight", (4, 32), seed=0))
@@ -157,15 +159,18 @@ def test_a_checkpoint_holds_the_adapters_resumes_exactly_and_peft_loads_them(pol
     settings = json.loads((adapter / "adapter_config.json").read_text())
     assert (settings["r"], settings["lora_alpha"], settings["peft_type"]) == (4, 8, "LORA")
     assert sorted(settings["target_modules"]) == sorted(ATTENTION_AND_MLP)
+    assert settings["base_model_name_or_path"] == str(policy_dir.resolve())
+    with pytest.raises(FileNotFoundError, match="holds LoRA adapters .* take the merged policy/ beside it"):
+        load_causal_lm(adapter)
     peft_model = PeftModel.from_pretrained(load_causal_lm(policy_dir, dtype="float64"), str(adapter)).eval()
     merged = load_causal_lm(policy, dtype="float64")
     assert (_logits(peft_model, groups) - _logits(merged, groups)).abs().max() < 1e-10
     assert (_logits(merged, groups) - _logits(load_causal_lm(policy_dir, dtype="float64"), groups)).abs().max() > 1e-3
 
     # another run's settings: refused, saying which
-    with pytest.raises(ValueError, match=r"trained with LoRA \{'rank': 4, .*this learner has LoRA \{'rank': 8"):
+    with pytest.raises(ValueError, match=r"trained with LoRA \{'rank': 4, .*this run has LoRA \{'rank': 8"):
         Learner(_config(policy_dir, lora={"rank": 8})).load_checkpoint(tmp_path / "ckpt")
-    with pytest.raises(ValueError, match="this learner has none: resume with the run's learner.lora"):
+    with pytest.raises(ValueError, match="this run has none: resume with the run's learner.lora"):
         Learner(_config(policy_dir, lora=None)).load_checkpoint(tmp_path / "ckpt")
 
 
@@ -272,11 +277,9 @@ def test_a_lora_learner_streams_merged_buckets_into_an_engine(policy_dir, groups
     merged version would be a model copy on the GPU): each bucket is merged and sent as the gloo
     stream reaches it, and the engine (a transformers engine in this process, receiving as a
     worker does) ends with the merged weights in the publish dtype."""
-    import threading
-
     import ray
 
-    from lm.weight_sync import WeightStore, WeightSubscription
+    from lm.weight_sync import WeightStore
     from rollout_workers.engines.hf_engine import HFEngine
 
     board = ray.remote(WeightStore).options(num_cpus=0, max_concurrency=16).remote()
@@ -284,38 +287,24 @@ def test_a_lora_learner_streams_merged_buckets_into_an_engine(policy_dir, groups
         "channel": "broadcast", "dtype": "bfloat16", "bucket_mb": 0.01, "address": "127.0.0.1", "timeout_s": 60,
         "stream_buckets": True}, distributed={"publish_bucket_mb": 0.02}))
     assert learner._streams_buckets()
-    engine, stop, errors = HFEngine(policy_dir, dtype="bfloat16"), threading.Event(), []
-
-    def follow():  # a rollout worker's weight loop
-        subscription = WeightSubscription(board, "worker-0", engine.version)
-        while not stop.is_set():
-            try:
-                if subscription.newest_version() > engine.version:
-                    subscription.receive(engine, wait_s=5.0, stop=stop)
-            except Exception as err:
-                errors.append(f"{type(err).__name__}: {err}")
-            stop.wait(0.01)
-
-    loop = threading.Thread(target=follow, daemon=True)
-    loop.start()
-    try:
-        learner.attach_weight_board(board)
-        learner.train_step(groups)
-        timings = learner.publish_weights()  # returns once the engine has the version
-        assert timings["version"] == 1 and timings["engines"] == 1 and timings["blocked_s"] > 0
-        assert engine.version == 1, errors
-        got, live = engine.model.state_dict(), learner.model.state_dict()
-        assert got.keys() == learner.policy_weights().keys()
-        for name in got:  # the frozen weights in bfloat16; an adapted one merged in float32, rounded once
-            want = live[name].to(torch.bfloat16)
-            layer = name.removesuffix(".weight")
-            if layer in learner.adapters.names:
-                want = merged_weight(live[name], live[layer + ".lora_A.weight"], live[layer + ".lora_B.weight"],
-                                     learner.adapters.scale, torch.bfloat16)
-                assert not torch.equal(want, live[name].to(torch.bfloat16))  # the adapters moved
-            assert torch.equal(got[name], want), name
-    finally:
-        stop.set()
-        loop.join(30)
-        learner.close_weight_sync()
-    assert not errors and not loop.is_alive()
+    engine = HFEngine(policy_dir, dtype="bfloat16")
+    with engine_following(board, engine) as errors:
+        try:
+            learner.attach_weight_board(board)
+            learner.train_step(groups)
+            timings = learner.publish_weights()  # returns once the engine has the version
+            assert timings["version"] == 1 and timings["engines"] == 1 and timings["blocked_s"] > 0
+            assert engine.version == 1, errors
+            got, live = engine.model.state_dict(), learner.model.state_dict()
+            assert got.keys() == learner.policy_weights().keys()
+            for name in got:  # the frozen weights in bfloat16; an adapted one merged in float32, rounded once
+                want = live[name].to(torch.bfloat16)
+                layer = name.removesuffix(".weight")
+                if layer in learner.adapters.names:
+                    want = merged_weight(live[name], live[layer + ".lora_A.weight"], live[layer + ".lora_B.weight"],
+                                         learner.adapters.scale, torch.bfloat16)
+                    assert not torch.equal(want, live[name].to(torch.bfloat16))  # the adapters moved
+                assert torch.equal(got[name], want), name
+        finally:
+            learner.close_weight_sync()
+    assert not errors

@@ -170,6 +170,37 @@ def test_a_new_run_in_the_folder_of_a_run_with_checkpoints_is_refused_naming_res
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["checkpoints", "metrics.jsonl"]
 
 
+def test_a_resume_with_other_lora_settings_is_refused_before_ray_and_keeps_the_runs_config(tmp_path, capsys):
+    """A checkpoint's adapters fit only the LoRA settings they were trained with: a resume under others
+    (or none) is refused before Ray starts, naming both, and the run's config.yaml stays as it was (a
+    refused resume used to leave its overrides there, breaking every later plain --resume)."""
+    import torch
+
+    from services.config import load_config
+
+    run = tmp_path / "run"
+    step = run / "checkpoints" / "step_000005"
+    step.mkdir(parents=True)
+    (step / "state.json").write_text("{}")
+    cfg = load_config(None, ["learner.lora.rank=4", "run.steps=5", f"run.run_dir={run}"])
+    torch.save({"lora": cfg.learner.lora_settings(), "version": 5}, step / "trainer.pt")
+    saved = cfg.to_yaml()
+    (run / "config.yaml").write_text(saved)
+    for overrides, said in ((["learner.lora.rank=8", "run.steps=9"], "this run has LoRA {'rank': 8"),
+                            (["learner.lora=null"], "this run has none")):
+        assert main(["train", "--resume", str(run), *overrides]) == EXIT_CONFIG_ERROR
+        err = capsys.readouterr().err
+        assert "was trained with LoRA {'rank': 4" in err and said in err, err[-600:]
+        assert (run / "config.yaml").read_text() == saved
+
+
+def test_lora_target_modules_that_pick_nothing_are_refused_before_ray(tmp_path, capsys):
+    assert main(["train", "learner.lora.rank=4", "learner.lora.target_modules=q_proj,v_proj",
+                 f"run.run_dir={tmp_path / 'run'}"]) == EXIT_CONFIG_ERROR
+    err = capsys.readouterr().err
+    assert "picks none of" in err and "several names are a list, [q_proj,v_proj]" in err and "Traceback" not in err
+
+
 def test_a_run_refused_at_its_start_leaves_no_empty_run_folder(tmp_path, capsys):
     """A typo refused by the start's checks does not litter runs/ with an empty folder per try; a
     folder the user made stays."""
