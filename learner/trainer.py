@@ -266,7 +266,7 @@ class Learner:
             model = shard_model(model, self.config.mixed_precision)
             if whole:
                 tensors = load("cpu").state_dict()
-            if tensors is not None and self.adapters is not None and adapt is not None:
+            if tensors is not None and adapt is not None:  # rank 0 sends the adapters' start with the rest
                 tensors = self.adapters.with_initial_values(tensors)
             fill_shards(model, tensors, self.device)
             del tensors
