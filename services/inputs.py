@@ -197,7 +197,7 @@ def check_resume_settings(cfg: EtarlConfig, checkpoint) -> None:
 
     try:
         check_lora_settings(Path(checkpoint), read_trainer_file(Path(checkpoint)), cfg.learner.lora_settings())
-    except ValueError as err:
+    except (ValueError, FileNotFoundError) as err:  # a checkpoint without trainer.pt: said before Ray starts too
         raise ConfigError(str(err)) from None
 
 
