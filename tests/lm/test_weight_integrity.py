@@ -195,7 +195,9 @@ def test_a_broadcast_version_holding_a_nan_is_refused_for_good_and_the_next_load
             with torch.no_grad():
                 learner.model.model.layers[0].self_attn.q_proj.weight[2, 2] = -math.inf
             learner.publish_and_wait(board)
-            wait_for(lambda: all(s.refused for s in threads.subscriptions.values()))
+            # the subscription marks the refusal before its engine thread records the error: wait for both
+            wait_for(lambda: all(s.refused for s in threads.subscriptions.values())
+                     and all(threads.errors[name] for name in engines))
             for name, engine in engines.items():
                 assert_unchanged(engine, before[name])
                 assert threads.errors[name] == [
