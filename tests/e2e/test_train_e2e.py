@@ -19,6 +19,7 @@ from pathlib import Path
 
 import msgpack
 import pytest
+import torch
 
 from services import checkpoint as ckpt
 from services.config import load_config
@@ -180,3 +181,38 @@ def test_a_run_with_bad_prompts_in_its_file_finishes_its_steps(ray_cluster, tmp_
     records = step_records(tmp_path / "run")
     assert [r["step"] for r in records] == [1, 2, 3]
     assert all(r["rollout/quarantined"] == 0 and r["rollout/filtered"] == 0 for r in records)
+
+
+def test_a_lora_run_checkpoints_its_adapters_and_resumes_only_under_its_settings(ray_cluster, tmp_path):
+    """learner.lora through a whole run: the engines train on merged versions, a checkpoint holds the
+    merged policy/ (its frozen weights the base's, its adapted ones moved) and the adapters as a PEFT
+    folder, the run resumes, and a resume under other LoRA settings is refused with the run's
+    config.yaml left as it was."""
+    import json
+
+    from lm.causal_lm import load_causal_lm
+    from services.config import ConfigError
+
+    run_dir = tmp_path / "run"
+    cfg = e2e_config(run_dir, "run.steps=4", "run.checkpoint_every=2", "eval.enabled=false",
+                     "buffer.gate.batch_size=4", "rollout.sampling.n=4", "rollout.engine.kind=hf",
+                     "learner.lora.rank=4", "learner.lr=1e-2", "learner.warmup_steps=0")
+    first = run_training(cfg)
+    assert first.completed and first.version == 4
+    checkpoint = ckpt.latest_checkpoint(run_dir)
+    adapter = json.loads((checkpoint / "lora_adapter" / "adapter_config.json").read_text())
+    assert adapter["r"] == 4 and adapter["peft_type"] == "LORA"
+    policy = load_causal_lm(checkpoint / "policy").state_dict()
+    base = load_causal_lm(adapter["base_model_name_or_path"]).state_dict()
+    assert policy.keys() == base.keys()
+    assert torch.equal(policy["model.embed_tokens.weight"], base["model.embed_tokens.weight"])  # frozen
+    moved = [k for k in policy if "proj" in k and not torch.equal(policy[k], base[k])]
+    assert moved and all(k.endswith(".weight") for k in moved)
+
+    saved = (run_dir / "config.yaml").read_text()
+    with pytest.raises(ConfigError, match=r"was trained with LoRA \{'rank': 4"):
+        run_training(load_config(run_dir / "config.yaml", ["run.steps=6", "learner.lora.rank=8"]), resume=run_dir)
+    assert (run_dir / "config.yaml").read_text() == saved
+    second = run_training(load_config(run_dir / "config.yaml", ["run.steps=6"]), resume=run_dir)
+    assert second.completed and second.version == 6
+    assert [r["step"] for r in step_records(run_dir)] == list(range(1, 7))
