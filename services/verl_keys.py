@@ -377,6 +377,18 @@ def _lora(key: str, value: Any, given: dict) -> Said:
     return [("learner.lora." + target, value, "")]
 
 
+def _model_dtype(key: str, value: Any, given: dict) -> Said:
+    """verl's FSDP model_dtype: the dtype its actor keeps its weights in (fp32 by default)."""
+    names = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
+             "fp16": "float16", "float16": "float16"}
+    if value not in names:
+        return [(None, None, f"{value!r} is none of {sorted(names)}")]
+    lora = any(k.endswith(("lora_rank", "lora.rank")) and isinstance(v, int) and v > 0 for k, v in given.items())
+    note = "with LoRA the frozen weights' dtype (the adapters stay float32)" if lora else \
+        "prefer float32 with learner.mixed_precision=bfloat16 for full fine-tuning"
+    return [("learner.dtype", names[value], note if names[value] != "float32" else "")]
+
+
 def _routing(key: str, value: Any, given: dict) -> Said:
     if ACTOR + "router_replay.mode" in given:
         return []  # the mode says it
@@ -394,6 +406,7 @@ JOINS: dict[str, Callable[[str, Any, dict], Said]] = {
     "trainer.total_epochs": _epochs,
     "trainer.logger": _trackers,
     ROLLOUT + "enable_rollout_routing_replay": _routing,
+    ACTOR + "fsdp_config.model_dtype": _model_dtype,
     **{MODEL + key: _lora for key in ("lora_rank", "lora_alpha", "target_modules", "exclude_modules",
                                       "lora.rank", "lora.alpha", "lora.target_modules", "lora.exclude_modules")},
     ROLLOUT + "multi_turn.function_tool_path": _tools,

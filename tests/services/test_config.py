@@ -397,6 +397,8 @@ def test_verl_keys_that_change_nothing_in_verl_or_etarl_become_no_key(verl, said
     (["actor_rollout_ref.model.target_modules=q_proj,v_proj", "actor_rollout_ref.model.lora_rank=32",
       "actor_rollout_ref.model.lora_alpha=64", "actor_rollout_ref.model.use_shm=True"],
      "'learner.lora.target_modules=[q_proj, v_proj]' learner.lora.rank=32 learner.lora.alpha=64"),
+    (["actor_rollout_ref.actor.fsdp_config.model_dtype=bf16", "actor_rollout_ref.model.lora_rank=8"],
+     "learner.dtype=bfloat16 learner.lora.rank=8"),  # with LoRA: the frozen weights' dtype
     (["actor_rollout_ref.model.lora.rank=16", "actor_rollout_ref.model.lora_rank=8",
       "actor_rollout_ref.model.lora.alpha=8", "+actor_rollout_ref.model.lora.merge=True"],
      "learner.lora.rank=16 learner.lora.alpha=8"),  # verl's nested form, which verl reads first
