@@ -192,7 +192,7 @@ class Controller:
 
         check_shared_paths(self.run_dir, run_paths(cfg, self.model_dir))  # before any actor: a node that
         # sees another folder would fail the run at its first checkpoint
-        if self.resume_from is None:  # a resume's once its checkpoint took it: a refused one changes nothing
+        if self.resume_from is None:  # a resume writes it once restored: a refused one leaves the run's as it was
             self._write_config()
         self._open_trackers()  # before any actor: a tracker that cannot start stops the run here
         self.placement = Placement(plan, cfg.ray.placement_timeout_s)
