@@ -1063,7 +1063,7 @@ class Learner:
             write_adapter(folder / ADAPTER_DIR, self.model, self.adapters, self.config.model_path, self.comm.rank,
                           self._sharded)
         save_training_state(folder, self.model, self.optimizer, self.scheduler, self.version, self.comm.rank,
-                            kl_reward_coef=self.kl_reward_coef, critic=self.critic, lora=self._lora_settings())
+                            kl_reward_coef=self.kl_reward_coef, critic=self.critic, lora=self.config.lora_settings())
         return folder if self.comm.rank == 0 else None
 
     def load_checkpoint(self, folder) -> None:
@@ -1079,14 +1079,10 @@ class Learner:
                                  f"neither)")
             self.load_state_dict({"model": read_policy_weights(folder / POLICY_DIR), **state})
             return
-        load_training_state(folder, state, self.model, self.optimizer, self.critic, lora=self._lora_settings())
+        load_training_state(folder, state, self.model, self.optimizer, self.critic, lora=self.config.lora_settings())
         load_schedule(self.scheduler, state["scheduler"])
         self.version = int(state["version"])
         self.kl_reward_coef = float(state.get("kl_reward_coef", self.kl_reward_coef))
-
-    def _lora_settings(self) -> dict | None:
-        """What a checkpoint's adapters were trained as (None: every weight trained)."""
-        return self.config.lora_settings()
 
     @property
     def _sharded(self) -> bool:
