@@ -1,6 +1,6 @@
 """verl's default reward without verl: `rollout.reward=verl` scores each row by its data_source with the
-rule `verl.utils.reward_score.default_compute_score` uses for it, so a verl user's GSM8K, MATH, DAPO/AIME
-and Search-R1 files score in etarl as they score in verl:
+rule `verl.utils.reward_score.default_compute_score` uses for it, so a verl user's GSM8K, MATH, DAPO/AIME,
+Search-R1 and PRIME (Eurus-2-RL-Data's math) files score in etarl as they score in verl:
 
   openai/gsm8k                                    gsm8k_reward: the number after the last '#### '
   lighteval/MATH, DigitalLearningGmbH/MATH-lighteval, HuggingFaceH4/MATH-500
@@ -11,19 +11,29 @@ and Search-R1 files score in etarl as they score in verl:
                                                   characters; {score: 1.0 or -1.0, acc}
   searchR1_nq, searchR1_triviaqa, ...             search_r1: the last <answer>...</answer>, an exact
                                                   match of ground_truth["target"] after normalising
+  numina_aops_forum, numina_olympiads, ...        prime_math: the answer after the last "answer is"
+                                                  or in the last box, graded by prm800k's rule (sympy
+                                                  within 10 s), else ToRA's math_equal; 1.0 or 0.0
 
 The rules are written from verl's behaviour (verl 1dda039) and checked against verl's functions on
-random texts. verl's other rules need packages etarl does not carry (sympy for prime_math, a sandbox
-for code, mathruler for geometry3k): their rows, and rows of a data_source verl has no rule for, are
-bad rows (`why_unscorable_row`, with rows whose reference their rule cannot read: refused when a run
-starts, or skipped with rollout.task.skip_invalid), and fail as a reward error if one reaches a worker.
+random texts. verl's other rules need more than Python (a sandbox for code, mathruler and images for
+geometry3k): their rows, and rows of a data_source verl has no rule for, are bad rows
+(`why_unscorable_row`, with rows whose reference their rule cannot read: refused when a run starts, or
+skipped with rollout.task.skip_invalid), and fail as a reward error if one reaches a worker.
 In a multi-turn tools run the rule reads the answer turn, where verl reads the whole response (a
 Search-R1 answer in an earlier turn, or its tag count, differ there).
 """
 from __future__ import annotations
 
+import ast
+import contextlib
+import logging
+import math
+import operator
 import re
+import signal
 import string
+import threading
 from typing import Any
 
 # ---------------------------------------------------------------- openai/gsm8k
@@ -319,16 +329,445 @@ def search_r1_reward(solution_str: str, ground_truth: Any, method: str = "strict
     return score
 
 
+# ---------------------------------------------------------------- numina_* (verl's prime_math)
+# PRIME's grader: prm800k's grade_answer, then ToRA's math_equal. Where verl runs Python's eval or sympy's
+# parse_expr on a model's answer, these evaluate plain values only (numbers, arithmetic, brackets; for sympy
+# also symbols and its elementary functions): the same results, without running a model's code.
+_PRIME_AFTER = ("answer:", "answer is", "answers are")  # the answer follows the last of each
+_PRIME_BEFORE = ("is answer", "is the answer", "are answers", "are the answers")  # ... precedes it
+_PRIME_LAST_AFTER = ("be ", "is ", "are ", "=", ": ", "get ", "be\n", "is\n", "are\n", ":\n", "get\n")
+_PRIME_REPLACED = (("\\%", "%"), ("\\$", "$"), ("$", ""), ("%", ""), (" or ", " , "), (" and ", " , "),
+                   ("million", "*10^6"), ("billion", "*10^9"), ("trillion", "*10^12"))
+_PRIME_UNITS = [re.compile(f"{unit}(es)?(s)? *(\\^[0-9]+)?") for unit in (
+    "degree", "cm", "centimeter", "meter", "mile", "second", "minute", "hour", "day", "week", "month", "year",
+    "foot", "feet", "inch", "yard", "liter")]
+_PRIME_SYMBOLS = (("√", "sqrt"), ("π", "pi"), ("∞", "inf"), ("∪", "U"), ("·", "*"), ("×", "*"))
+_PRIME_ENCLOSING_TEXT = re.compile(r"^\\text\{(?P<text>.+?)\}$")
+_PRIME_THOUSANDS = re.compile(r"(\d)(,)(\d\d\d)($|\D)")
+_PRIME_FRACTION = re.compile(r"^-?[0-9]+.?/0*[1-9][0-9]*.?$")
+_PRIME_UNSAFE = ("^{", "^(")  # exponent forms sympy may hang on: not tried
+_PRIME_UNSAFE_POWERS = (re.compile(r"\^[0-9]+\^"), re.compile(r"\^[0-9][0-9]+"))
+_PRIME_SYMPY_S = 10.0  # verl's limit on one sympy comparison
+_PRIME_PI_VALUES = (math.pi, 3.14)  # a \pi answer is right with either
+_PRIME_MAX_CHARS = 1000  # of an answer that math_equal compares
+
+
+def prime_math_answer(response: str) -> tuple[bool, str]:
+    """(found, the answer) as verl's prime_math cuts it from a response: after the last "answer:" (or
+    "answer is", "answers are"), before a following "is the answer" (and kin), the inside of the last
+    \\boxed{} (or \\fbox{}) there, up to the last ". ", after the last "is ", "be ", "=", ": ", "get " (and
+    kin); found only where a marker or box was and the answer holds a digit."""
+    found = False
+    for marker in _PRIME_AFTER:
+        at = response.lower().rfind(marker)  # as verl: an index of the lower-cased text
+        if at != -1:
+            found, response = True, response[at + len(marker):].strip()
+    for marker in _PRIME_BEFORE:
+        at = response.lower().rfind(marker)
+        if at != -1:
+            found, response = True, response[:at].strip()
+    boxed = _prime_boxed(response)
+    if boxed:
+        found, response = True, boxed
+    if ". " in response:
+        at = response.lower().rfind(". ")
+        if at != -1:
+            response = response[:at].strip()
+    for marker in _PRIME_LAST_AFTER:
+        at = response.lower().rfind(marker)
+        if at != -1:
+            found, response = True, response[at + len(marker):].strip()
+    return found and any(c.isdigit() for c in response), response
+
+
+def _prime_boxed(text: str) -> str | None:
+    """The stripped inside of the last \\boxed (else \\fbox): from the first '{' after it to the '}' that
+    brings the braces back to zero; None where there is none."""
+    start = text.rfind("\\boxed")
+    if start < 0:
+        start = text.rfind("\\fbox")
+        if start < 0:
+            return None
+    close = _closing_brace(text, start)
+    return None if close is None else text[text.find("{", start) + 1:close].strip()
+
+
+def _mathd_normalized(answer: str) -> str:
+    """prm800k's MATH normal form: an enclosing \\text{} dropped, then math_normalized; the answer as it
+    then is where that raises."""
+    answer = answer.strip()
+    try:
+        enclosed = _PRIME_ENCLOSING_TEXT.search(answer)
+        if enclosed is not None:
+            answer = enclosed.group("text").strip()
+        return math_normalized(answer)
+    except Exception:  # noqa: BLE001 - as verl: any failure keeps the answer
+        return answer
+
+
+def _is_float(text: str) -> bool:
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False
+
+
+def _is_whole(value: Any) -> bool:
+    """Within 1e-7 of an integer (False for what cannot be rounded: inf, nan, text)."""
+    try:
+        return abs(value - int(round(value))) <= 1e-7
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _without_thousands_commas(text: str) -> str:
+    """'1,000,000' -> '1000000'; a tuple's commas ('1,2') stay."""
+    while True:
+        stripped = _PRIME_THOUSANDS.sub(r"\1\3\4", text)
+        if stripped == text:
+            return text
+        text = stripped
+
+
+def _text_is_whole(text: str) -> bool:
+    try:
+        return _is_whole(float(_without_thousands_commas(text)))
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _latex_as_text(expr: str) -> str:
+    """A LaTeX answer as plain text sympy can read (pylatexenc's latex2text; √, π, ∞, ∪, ·, × spelled out)."""
+    from pylatexenc.latex2text import LatexNodes2Text
+
+    logging.getLogger("pylatexenc").setLevel(logging.ERROR)  # a model's broken LaTeX is not a warning to log
+    expr = expr.replace("\\tfrac", "\\frac").replace("\\dfrac", "\\frac").replace("\\frac", " \\frac")
+    expr = LatexNodes2Text().latex_to_text(expr)
+    for old, new in _PRIME_SYMBOLS:
+        expr = expr.replace(old, new)
+    return expr.strip()
+
+
+def _prm800k_normalized(expr: str) -> str:
+    """prm800k's normal form: no enclosing \\text{} or braces, dollars, percent signs, units or degrees;
+    "or"/"and" as commas; million and kin as powers of ten; LaTeX as text; "7 3/4" as "7+3/4"; lower
+    case; integers as integers."""
+    enclosed = _PRIME_ENCLOSING_TEXT.search(expr)
+    if enclosed is not None:
+        expr = enclosed.group("text")
+    for old, new in _PRIME_REPLACED:
+        expr = expr.replace(old, new)
+    for unit in _PRIME_UNITS:
+        expr = unit.sub("", expr)
+    expr = re.sub(r"\^ *\\circ", "", expr)
+    if len(expr) > 0 and expr[0] == "{" and expr[-1] == "}":
+        expr = expr[1:-1]
+    expr = re.sub(",\\\\! *", "", expr)
+    if _is_float(expr) and _is_whole(float(expr)):
+        expr = str(int(round(float(expr))))
+    if "\\" in expr:
+        with contextlib.suppress(Exception):
+            expr = _latex_as_text(expr)
+    expr = re.sub("- *", "-", expr)
+    expr = re.sub(r"([0-9]) +([0-9])", r"\1+\2", expr)  # a mixed number
+    expr = expr.lower()
+    if _text_is_whole(expr):
+        expr = str(int(float(expr.replace(",", ""))))
+    return expr
+
+
+def _sympy_may_try(expr: str) -> bool:
+    """prm800k's guard: at most two distinct letters (sqrt and frac aside) and no exponent form sympy may
+    hang on."""
+    letters = {c for c in expr.replace("sqrt", "").replace("frac", "") if c.isalpha()}
+    return (len(letters) <= 2 and not any(bad in expr for bad in _PRIME_UNSAFE)
+            and not any(bad.search(expr) for bad in _PRIME_UNSAFE_POWERS))
+
+
+@contextlib.contextmanager
+def _time_limit(seconds: float):
+    """TimeoutError after `seconds` of wall time, where this is a process's main thread with no timer of its
+    own running (a reward's child process is); elsewhere no limit (the reward's own timeout remains)."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getitimer(signal.ITIMER_REAL) != (0.0, 0.0)):
+        yield
+        return
+
+    def expire(signum, frame):
+        raise TimeoutError(f"over {seconds:g} s")
+
+    before = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, before)
+
+
+def _sympy_equal(truth: str, given: str) -> bool:
+    """sympy simplifies (truth)-(given) to 0, within 10 s; False where the guard refuses or sympy fails."""
+    expr = f"({truth})-({given})"
+    if not _sympy_may_try(expr):
+        return False
+    try:
+        import sympy
+        from sympy.parsing import sympy_parser
+
+        with _time_limit(_PRIME_SYMPY_S):
+            transformations = sympy_parser.standard_transformations + (
+                sympy_parser.implicit_multiplication_application,)
+            return sympy.simplify(sympy_parser.parse_expr(expr.replace("^", "**"),
+                                                          transformations=transformations)) == 0
+    except Exception:  # noqa: BLE001 - as verl: a parse error, sympy's failure or the time limit is "not equal"
+        return False
+
+
+def _tuple_parts(expr: str) -> list[str]:
+    """A tuple or interval's elements ('(1, 2]' -> ['1', '2']), or [expr]; [] for an empty text."""
+    expr = _without_thousands_commas(expr)
+    if not expr:
+        return []
+    if len(expr) > 2 and expr[0] in "()[]" and expr[-1] in "()[]" and not any(c in expr[1:-1] for c in "()[]"):
+        return [part.strip() for part in expr[1:-1].split(",")]
+    return [expr]
+
+
+def prm800k_equal(given: str, truth: str) -> bool:
+    """prm800k's grade_answer: equal in MATH normal form, or in prm800k's; else, element by element of a
+    tuple (same brackets), fractions as written, an integer only as an integer, anything else where sympy
+    simplifies the difference to 0."""
+    if _mathd_normalized(truth) == _mathd_normalized(given):
+        return True
+    truth, given = _prm800k_normalized(truth), _prm800k_normalized(given)
+    if truth == given:
+        return True
+    if not given:
+        return False
+    truth_parts, given_parts = _tuple_parts(truth), _tuple_parts(given)
+    if len(truth_parts) != len(given_parts) or \
+            (len(truth_parts) > 1 and (truth[0], truth[-1]) != (given[0], given[-1])):
+        return False
+    for truth_part, given_part in zip(truth_parts, given_parts):
+        if _PRIME_FRACTION.search(truth_part) and _PRIME_FRACTION.search(given_part):
+            equal = truth_part == given_part  # an unreduced fraction is not the answer
+        elif _text_is_whole(truth_part) != _text_is_whole(given_part):
+            equal = False
+        else:
+            equal = _sympy_equal(truth_part, given_part)
+        if not equal:
+            return False
+    return True
+
+
+_ARITHMETIC = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+               ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow,
+               ast.BitXor: operator.xor, ast.BitAnd: operator.and_, ast.BitOr: operator.or_,
+               ast.LShift: operator.lshift, ast.RShift: operator.rshift}
+_SIGNS = {ast.UAdd: operator.pos, ast.USub: operator.neg, ast.Invert: operator.invert, ast.Not: operator.not_}
+_LARGEST_RESULT = 10 ** 6  # bits of a power or shift, items of a repetition: beyond, eval would hang
+
+
+def _python_value(text: str) -> Any:
+    """What Python's eval makes of a text of literals, arithmetic and brackets ('2*3.14' -> 6.28, '[1, 2]' ->
+    [1, 2]); ValueError for anything else (names, calls: a model's code is never run)."""
+    try:
+        tree = ast.parse(text, mode="eval").body
+    except (SyntaxError, MemoryError, RecursionError) as err:
+        raise ValueError(f"not a Python value: {err}") from None
+    return _value_of(tree)
+
+
+def _too_large(op: ast.operator, left: Any, right: Any) -> bool:
+    """A power, shift or repetition whose result eval would spend minutes or gigabytes on."""
+    sequence = (str, bytes, list, tuple)
+    if isinstance(op, ast.Pow):
+        return isinstance(left, int) and isinstance(right, int) and left.bit_length() * right > _LARGEST_RESULT
+    if isinstance(op, ast.LShift):
+        return isinstance(right, int) and right > _LARGEST_RESULT
+    if isinstance(op, ast.Mult):
+        return ((isinstance(left, sequence) and isinstance(right, int) and len(left) * right > _LARGEST_RESULT)
+                or (isinstance(right, sequence) and isinstance(left, int) and len(right) * left > _LARGEST_RESULT))
+    return False
+
+
+def _value_of(node: ast.AST) -> Any:
+    if isinstance(node, ast.Constant):
+        return node.value
+    if isinstance(node, (ast.List, ast.Tuple, ast.Set)):
+        items = [_value_of(item) for item in node.elts]
+        return {ast.List: list, ast.Tuple: tuple, ast.Set: set}[type(node)](items)
+    if isinstance(node, ast.UnaryOp) and type(node.op) in _SIGNS:
+        return _SIGNS[type(node.op)](_value_of(node.operand))
+    if isinstance(node, ast.BinOp) and type(node.op) in _ARITHMETIC:
+        left, right = _value_of(node.left), _value_of(node.right)
+        if _too_large(node.op, left, right):
+            raise ValueError("too large to evaluate")
+        return _ARITHMETIC[type(node.op)](left, right)
+    raise ValueError(f"not a plain value: {type(node).__name__}")
+
+
+_SYMPY_CALLS = frozenset(("Matrix", "sqrt", "cbrt", "root", "Rational", "Integer", "Float", "exp", "log", "sin", "cos",
+                          "tan", "Abs", "factorial", "binomial"))
+_SYMPY_NODES = (ast.Expression, ast.List, ast.Tuple, ast.Constant, ast.BinOp, ast.UnaryOp, ast.operator,
+                ast.unaryop, ast.Load)
+
+
+def _sympy_value(text: str) -> Any:
+    """sympy's parse_expr of a text made of numbers, symbols, arithmetic, brackets and sympy's elementary
+    functions (Matrix, sqrt, Rational ...); ValueError for any other text (parse_expr would run it)."""
+    tree = ast.parse(text, mode="eval")
+    for node in ast.walk(tree):
+        plain = isinstance(node, _SYMPY_NODES) or (isinstance(node, ast.Name) and not node.id.startswith("_"))
+        call = isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _SYMPY_CALLS
+        if not (plain or call):
+            raise ValueError(f"not a plain sympy expression: {type(node).__name__}")
+    from sympy.parsing.sympy_parser import parse_expr
+
+    return parse_expr(text)
+
+
+def _tora_normalized(answer: Any, pi: float) -> Any:
+    """math_equal's first step: '$5' -> '5', '5%' -> '5', a base's subscript dropped ('101_2' -> 101; a
+    ValueError where the rest is not a number), \\pi as its value where the text is then arithmetic."""
+    if not isinstance(answer, str):
+        return answer
+    if re.match(r"\$\d+(\.\d+)?", answer):
+        return answer[1:]
+    if re.match(r"^\d+(\.\d+)?%$", answer) or re.match(r"^\d+(\.\d+)?\\%$", answer):
+        return answer.replace("\\%", "").replace("%", "")
+    if "_" in answer:
+        return int(float(answer.split("_")[0]))
+    if "\\pi" in answer:
+        at = answer.find("\\pi")
+        while at != -1:
+            factor = "*" if at > 0 and answer[at - 1].isdigit() else "1*"
+            answer = answer[:at] + f"{factor}{pi}" + answer[at + 3:]
+            at = answer.find("\\pi", at + 1)
+        with contextlib.suppress(Exception):
+            answer = _python_value(answer)
+    return answer
+
+
+def _tora_number(value: Any) -> tuple[bool, float | None]:
+    """(True, the number) where the value's text is a float with its commas (or '{,}'s) out."""
+    try:
+        text = str(value)
+        return True, float(text.replace("{,}", "") if "{,}" in text else text.replace(",", ""))
+    except ValueError:
+        return False, None
+
+
+def _interval_as_brackets(text: str) -> str:
+    """sympy's Interval(a, b) as [a, b] (Ropen as [a, b), Lopen as (a, b], open as (a, b))."""
+    for name, left, right in (("Interval", "[", "]"), ("Interval.Ropen", "[", ")"), ("Interval.Lopen", "(", "]"),
+                              ("Interval.open", "(", ")")):
+        inside = re.match(f"^{re.escape(name)}\\((.*)\\)$", text)
+        if inside:
+            return left + inside.group(1) + right
+    return text
+
+
+def tora_equal(prediction: Any, reference: Any, include_percentage: bool = True, tolerance: float = 1e-4,
+               pi: float = math.pi) -> bool:
+    """ToRA's math_equal as verl's prime_math runs it: equal as text (case and spaces aside); as numbers
+    (within `tolerance`, the reference also as a percentage); with brackets and braces aside; part by part
+    of an interval, a comma list, a Point or a pmatrix. Its symbolic step never runs in verl (its time limit
+    is a decorator used as a context manager: the TypeError is caught as a failure), so not here either.
+    Raises where verl's raises (the caller scores that 0)."""
+    prediction, reference = _tora_normalized(prediction, pi), _tora_normalized(reference, pi)
+    if isinstance(prediction, str) and len(prediction) > _PRIME_MAX_CHARS:
+        prediction = prediction[:_PRIME_MAX_CHARS]
+    if isinstance(prediction, str) and isinstance(reference, str):
+        if prediction.strip().lower() == reference.strip().lower() or \
+                prediction.replace(" ", "") == reference.replace(" ", ""):
+            return True
+    said, truth = _tora_number(prediction), _tora_number(reference)
+    if said[0] and truth[0]:
+        candidates = [truth[1] / 100, truth[1], truth[1] * 100] if include_percentage else [truth[1]]
+        return any(math.isclose(candidate, said[1], rel_tol=tolerance) for candidate in candidates)
+    if not prediction and prediction not in [0, False]:
+        return False
+    reference, prediction = str(reference).strip(), _interval_as_brackets(str(prediction).strip())
+
+    def parts_equal(said_parts, true_parts) -> bool:  # every pair compared (a raise in any counts), as verl
+        return all([tora_equal(s, t, include_percentage, tolerance) for s, t in zip(said_parts, true_parts)])
+
+    said_bare, true_bare = prediction, reference
+    if (prediction.startswith("[") and prediction.endswith("]") and not reference.startswith("(")) or \
+            (prediction.startswith("(") and prediction.endswith(")") and not reference.startswith("[")):
+        said_bare, true_bare = said_bare.strip("[]()"), true_bare.strip("[]()")
+    for bracket in "{}()":
+        said_bare, true_bare = said_bare.replace(bracket, ""), true_bare.replace(bracket, "")
+    if said_bare == true_bare:
+        return True
+    if prediction and reference and prediction[0] in "([" and prediction[-1] in ")]" and \
+            (prediction[0], prediction[-1]) == (reference[0], reference[-1]):
+        said_parts, true_parts = prediction[1:-1].split(","), reference[1:-1].split(",")
+        if len(said_parts) == len(true_parts) and parts_equal(said_parts, true_parts):
+            return True
+    if "," in prediction and "," in reference:
+        said_parts = [part.strip() for part in prediction.split(",")]
+        true_parts = [part.strip() for part in reference.split(",")]
+        if len(said_parts) == len(true_parts):
+            return parts_equal(said_parts, true_parts)
+    if prediction.startswith("Point") and reference[0] == "(" and reference[-1] == ")":
+        said_parts, true_parts = prediction[prediction.find("(") + 1:-1].split(","), reference[1:-1].split(",")
+        if len(said_parts) == len(true_parts) and parts_equal(said_parts, true_parts):
+            return True
+    if r"\begin{pmatrix}" in reference and prediction.startswith("Matrix"):
+        with contextlib.suppress(Exception):
+            said_matrix = _sympy_value(prediction)
+            true_items = reference.split()[1:-1:2]
+            if len(said_matrix) == len(true_items) and parts_equal(said_matrix, true_items):
+                return True
+    elif r"\begin{pmatrix}" in reference and prediction.startswith("[") and prediction.endswith("]"):
+        if isinstance(_python_value(prediction), list):
+            with contextlib.suppress(Exception):
+                said_matrix = _python_value(prediction)
+                rows = (reference.removeprefix(r"\\begin{pmatrix}").removeprefix(r"\begin{pmatrix}")
+                        .removesuffix(r"\\end{pmatrix}").removesuffix(r"\end{pmatrix}").split("\\"))
+                true_rows = [row.split("&") if "&" in row else row for row in rows]
+                if len(said_matrix) == len(true_rows) and parts_equal(said_matrix, true_rows):
+                    return True
+    return False
+
+
+def prime_math_score(model_output: Any, ground_truth: Any) -> tuple[bool, bool, str]:
+    """verl's prime_math.compute_score: (correct, formatted, the answer read). Correct where prm800k_equal
+    says so, else where tora_equal does (a \\pi answer with \\pi as 3.14159... or as 3.14); formatted where
+    the output has "Step 2:" and a box (True wherever prm800k_equal says correct)."""
+    model_output, ground_truth = str(model_output), str(ground_truth)
+    _, answer = prime_math_answer(model_output)
+    if prm800k_equal(answer, ground_truth):
+        return True, True, answer
+    formatted = "Step 2:" in model_output and "\\box" in model_output
+    try:
+        if "\\pi" in answer or "\\pi" in ground_truth:
+            correct = any([tora_equal(answer, ground_truth, pi=pi) for pi in _PRIME_PI_VALUES])
+        else:
+            correct = tora_equal(answer, ground_truth)
+    except Exception:  # noqa: BLE001 - as verl: an answer math_equal cannot read is wrong
+        correct = False
+    return correct, formatted, answer
+
+
+def prime_math_reward(solution_str: str, ground_truth: Any) -> float:
+    """verl's rule for numina_* rows (PRIME's Eurus-2-RL-Data): 1.0 where prime_math_score says correct."""
+    return float(prime_math_score(solution_str, ground_truth)[0])
+
+
 # ---------------------------------------------------------------- by data_source
 _RULES = {"openai/gsm8k": gsm8k_reward,
           **dict.fromkeys(("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500"),
                           hendrycks_math_reward),
           **dict.fromkeys(("math_dapo", "math", "math_dapo_reasoning"), math_dapo_reward),
           **dict.fromkeys([f"searchR1_{name}" for name in ("nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa",
-                                                           "musique", "bamboogle")], search_r1_reward)}
-_NEEDS_VERL = {**dict.fromkeys(("numina_aops_forum", "numina_synthetic_math", "numina_amc_aime", "numina_synthetic_amc",
-                                "numina_cn_k12", "numina_olympiads"), "prime_math (sympy, pylatexenc)"),
-               **dict.fromkeys(("codecontests", "apps", "codeforces", "taco"), "prime_code or a Sandbox Fusion server"),
+                                                           "musique", "bamboogle")], search_r1_reward),
+          **dict.fromkeys(("numina_aops_forum", "numina_synthetic_math", "numina_amc_aime", "numina_synthetic_amc",
+                           "numina_cn_k12", "numina_olympiads"), prime_math_reward)}
+_NEEDS_VERL = {**dict.fromkeys(("codecontests", "apps", "codeforces", "taco"), "prime_code or a Sandbox Fusion server"),
                "hiyouga/geometry3k": "geo3k (mathruler; its rows are images, which etarl does not take)"}
 WITH_VERL = "rollout.reward=verl.utils.reward_score:default_compute_score with verl installed on every node"
 
@@ -360,6 +799,9 @@ def _why_bad_reference(data_source: Any, ground_truth: Any) -> str | None:
                                         and all(isinstance(t, str) for t in targets)):
             return None
         return "its ground_truth is not {'target': [answers]} (so it never scores)"
+    if _rule(data_source) is prime_math_reward and isinstance(ground_truth, (int, float)) \
+            and not isinstance(ground_truth, bool):
+        return None  # prime_math reads str(ground_truth), as verl's
     if not isinstance(ground_truth, str):
         kind = ("missing" if ground_truth is None else "a number" if isinstance(ground_truth, (int, float))
                 else "a list" if isinstance(ground_truth, list) else "a map" if isinstance(ground_truth, dict)

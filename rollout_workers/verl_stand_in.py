@@ -4,7 +4,8 @@ registers the function in verl's registry), and, without verl, the classes a Bas
 against (`verl.tools.base_tool.BaseTool`, `verl.tools.schemas`' ToolResponse and OpenAI schema models),
 `verl.utils.rollout_trace.rollout_trace_op` (verl's tracing, here a decorator that changes nothing) and
 `verl.utils.reward_score`: `default_compute_score` and the GSM8K, MATH (`math_reward`, older verl's
-`math`), DAPO (`math_dapo`) and Search-R1 (`search_r1_like_qa_em`) modules' `compute_score` and helpers,
+`math`), DAPO (`math_dapo`), Search-R1 (`search_r1_like_qa_em`) and PRIME (`prime_math`, its
+`grader.math_equal`) modules' `compute_score` and helpers,
 from etarl's rules (rollout_workers/verl_rewards.py; where verl asserts, they raise ValueError). A file
 importing anything else of verl needs verl installed; the error names what it imported."""
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
+import math
 import sys
 import types
 from typing import Any
@@ -110,7 +112,7 @@ def verl_import_hint(error: str) -> str:
     """A hint for an import error of a file written for verl: what etarl stands in for ("" for another error)."""
     if "No module named 'verl" in error or "from 'verl." in error:
         return (f" (etarl stands in for {', '.join(STOOD_IN)} (default_compute_score; gsm8k, math_reward, math_dapo, "
-                "search_r1_like_qa_em) only: anything else of verl needs verl installed)")
+                "search_r1_like_qa_em, prime_math) only: anything else of verl needs verl installed)")
     return ""
 
 
@@ -146,9 +148,19 @@ def _reward_score_modules(module) -> list[types.ModuleType]:
                                        normalize_answer=rules.qa_normalized, em_check=rules.exact_match,
                                        extract_solution=rules.search_r1_answer),
     }
+
+    def math_equal(prediction, reference, include_percentage=True, tolerance=1e-4, timeout=10.0, pi=math.pi):
+        return rules.tora_equal(prediction, reference, include_percentage, tolerance, pi)
+
+    grader = module(f"{REWARD_SCORE}.prime_math.grader", math_equal=math_equal)
+    parts["prime_math"] = module(
+        f"{REWARD_SCORE}.prime_math", package=True, compute_score=rules.prime_math_score, grader=grader,
+        match_answer=rules.prime_math_answer, math_equal=math_equal,
+        grade_answer=lambda given_answer, ground_truth: given_answer is not None and rules.prm800k_equal(
+            given_answer, ground_truth))
     package = module(REWARD_SCORE, package=True, default_compute_score=default_compute_score,
                      _default_compute_score=default_compute_score, **parts)
-    return [package, *parts.values()]
+    return [package, *parts.values(), grader]
 
 
 def _modules(verl_installed: bool) -> dict[str, types.ModuleType]:

@@ -220,7 +220,7 @@ def test_rows_the_verl_reward_cannot_score_are_bad_rows_refused_or_skipped_befor
                 "reward_model": {"style": "rule", "ground_truth": answer}}
 
     scorable = write_rows(tmp_path / "gsm8k.jsonl", [row("openai/gsm8k"), row("aime24"), row("lighteval/MATH")])
-    mixed = write_rows(tmp_path / "mixed.jsonl", [row("openai/gsm8k"), row("numina_olympiads"), row("my_set"),
+    mixed = write_rows(tmp_path / "mixed.jsonl", [row("openai/gsm8k"), row("taco"), row("my_set"),
                                                   row("my_set"), row("lighteval/MATH", answer=4)])
     cfg = load_config(None, [f"run.model={tiny_model_dir}", "rollout.task.kind=file", f"rollout.task.path={scorable}",
                              f"rollout.task.heldout_path={mixed}", "rollout.reward=verl"])
@@ -228,8 +228,8 @@ def test_rows_the_verl_reward_cannot_score_are_bad_rows_refused_or_skipped_befor
         check_run_inputs(cfg, tiny_model_dir)
     said = str(refused.value)
     assert said.startswith("rollout.task.heldout_path: prompt file has unusable rows, the run does not start")
-    assert f"{mixed} row 2: rollout.reward=verl cannot score it: data_source 'numina_olympiads': verl scores it " \
-           "with prime_math" in said
+    assert f"{mixed} row 2: rollout.reward=verl cannot score it: data_source 'taco': verl scores it " \
+           "with prime_code" in said
     assert f"{mixed} row 3: rollout.reward=verl cannot score it: data_source 'my_set': verl's default reward has " \
            "no rule for it either" in said
     assert f"{mixed} row 5: rollout.reward=verl cannot score it: data_source 'lighteval/MATH': its ground_truth is " \
