@@ -25,8 +25,12 @@ want="$(sha256sum pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)-$EXT
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   :
 else
-  echo "[setup] creating .venv ($EXTRA); the first time this downloads torch and vLLM"
-  [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+  if [ -x .venv/bin/python ]; then
+    echo "[setup] updating .venv ($EXTRA): pyproject.toml or this script changed"
+  else
+    echo "[setup] creating .venv ($EXTRA); the first time this downloads torch and vLLM"
+    "$PYTHON" -m venv .venv
+  fi
   pip_quiet install -q --upgrade pip
   # Bytecode for some 26,000 files: 1 min 49 s of CPU here, which pip spends on one core and
   # compileall below on every core. Compiled now, not left to first imports: those write nothing
