@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import functools
 import logging
 import math
 import operator
@@ -34,6 +35,7 @@ import re
 import signal
 import string
 import threading
+import types
 from typing import Any
 
 # ---------------------------------------------------------------- openai/gsm8k
@@ -331,8 +333,8 @@ def search_r1_reward(solution_str: str, ground_truth: Any, method: str = "strict
 
 # ---------------------------------------------------------------- numina_* (verl's prime_math)
 # PRIME's grader: prm800k's grade_answer, then ToRA's math_equal. Where verl runs Python's eval or sympy's
-# parse_expr on a model's answer, these evaluate plain values only (numbers, arithmetic, brackets; for sympy
-# also symbols and its elementary functions): the same results, without running a model's code.
+# parse_expr on a model's answer, these evaluate plain values only (numbers, arithmetic, comparisons, brackets;
+# for sympy also symbols and its elementary functions): the same results, without running a model's code.
 _PRIME_AFTER = ("answer:", "answer is", "answers are")  # the answer follows the last of each
 _PRIME_BEFORE = ("is answer", "is the answer", "are answers", "are the answers")  # ... precedes it
 _PRIME_LAST_AFTER = ("be ", "is ", "are ", "=", ": ", "get ", "be\n", "is\n", "are\n", ":\n", "get\n")
@@ -518,8 +520,7 @@ def _sympy_equal(truth: str, given: str) -> bool:
         with _time_limit(_PRIME_SYMPY_S):
             transformations = sympy_parser.standard_transformations + (
                 sympy_parser.implicit_multiplication_application,)
-            return sympy.simplify(sympy_parser.parse_expr(expr.replace("^", "**"),
-                                                          transformations=transformations)) == 0
+            return sympy.simplify(_sympy_parsed(expr.replace("^", "**"), transformations)) == 0
     except Exception:  # noqa: BLE001 - as verl: a parse error, sympy's failure or the time limit is "not equal"
         return False
 
@@ -566,12 +567,18 @@ _ARITHMETIC = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.
                ast.BitXor: operator.xor, ast.BitAnd: operator.and_, ast.BitOr: operator.or_,
                ast.LShift: operator.lshift, ast.RShift: operator.rshift}
 _SIGNS = {ast.UAdd: operator.pos, ast.USub: operator.neg, ast.Invert: operator.invert, ast.Not: operator.not_}
-_LARGEST_RESULT = 10 ** 6  # bits of a power or shift, items of a repetition: beyond, eval would hang
+_COMPARISONS = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.LtE: operator.le,
+                ast.Gt: operator.gt, ast.GtE: operator.ge, ast.Is: operator.is_, ast.IsNot: operator.is_not,
+                ast.In: lambda a, b: a in b, ast.NotIn: lambda a, b: a not in b}
+_CONTAINERS = {ast.List: list, ast.Tuple: tuple, ast.Set: set}
+_LARGEST_BITS = 4 * 10 ** 6  # of an integer worked out (a power, product or shift): beyond, eval would hang
+_LARGEST_ITEMS = 10 ** 7  # of a repeated text or list
 
 
 def _python_value(text: str) -> Any:
-    """What Python's eval makes of a text of literals, arithmetic and brackets ('2*3.14' -> 6.28, '[1, 2]' ->
-    [1, 2]); ValueError for anything else (names, calls: a model's code is never run)."""
+    """What Python's eval makes of a text of literals, arithmetic, comparisons, brackets and indexing ('2*3.14'
+    -> 6.28, '[1, 2]' -> [1, 2]); ValueError for anything else (names, calls, attributes: a model's code is
+    never run) and for results too large to work out."""
     try:
         tree = ast.parse(text, mode="eval").body
     except (SyntaxError, MemoryError, RecursionError) as err:
@@ -580,52 +587,144 @@ def _python_value(text: str) -> Any:
 
 
 def _too_large(op: ast.operator, left: Any, right: Any) -> bool:
-    """A power, shift or repetition whose result eval would spend minutes or gigabytes on."""
+    """A power, product, shift, repetition or text formatting eval would spend minutes or gigabytes on."""
+    whole = isinstance(left, int) and isinstance(right, int)
     sequence = (str, bytes, list, tuple)
     if isinstance(op, ast.Pow):
-        return isinstance(left, int) and isinstance(right, int) and left.bit_length() * right > _LARGEST_RESULT
+        return whole and abs(left) > 1 and right > 0 and left.bit_length() * right > _LARGEST_BITS
     if isinstance(op, ast.LShift):
-        return isinstance(right, int) and right > _LARGEST_RESULT
+        return whole and left != 0 and left.bit_length() + right > _LARGEST_BITS
     if isinstance(op, ast.Mult):
-        return ((isinstance(left, sequence) and isinstance(right, int) and len(left) * right > _LARGEST_RESULT)
-                or (isinstance(right, sequence) and isinstance(left, int) and len(right) * left > _LARGEST_RESULT))
-    return False
+        if whole:
+            return left.bit_length() + right.bit_length() > _LARGEST_BITS
+        return ((isinstance(left, sequence) and isinstance(right, int) and len(left) * right > _LARGEST_ITEMS)
+                or (isinstance(right, sequence) and isinstance(left, int) and len(right) * left > _LARGEST_ITEMS))
+    return isinstance(op, ast.Mod) and isinstance(left, (str, bytes))  # '%0999999999d' % 0: a gigabyte
 
 
 def _value_of(node: ast.AST) -> Any:
+    if isinstance(node, ast.BinOp) and type(node.op) in _ARITHMETIC:
+        chain = []  # '1+2+3+...' nests to the left: worked along it, not by recursion (as long as eval takes)
+        while isinstance(node, ast.BinOp) and type(node.op) in _ARITHMETIC:
+            chain.append(node)
+            node = node.left
+        value = _value_of(node)
+        for link in reversed(chain):
+            right = _value_of(link.right)
+            if _too_large(link.op, value, right):
+                raise ValueError("too large to work out")
+            value = _ARITHMETIC[type(link.op)](value, right)
+        return value
     if isinstance(node, ast.Constant):
         return node.value
-    if isinstance(node, (ast.List, ast.Tuple, ast.Set)):
-        items = [_value_of(item) for item in node.elts]
-        return {ast.List: list, ast.Tuple: tuple, ast.Set: set}[type(node)](items)
+    if isinstance(node, tuple(_CONTAINERS)):
+        return _CONTAINERS[type(node)](_value_of(item) for item in node.elts)
+    if isinstance(node, ast.Dict) and None not in node.keys:
+        return {_value_of(key): _value_of(value) for key, value in zip(node.keys, node.values)}
     if isinstance(node, ast.UnaryOp) and type(node.op) in _SIGNS:
         return _SIGNS[type(node.op)](_value_of(node.operand))
-    if isinstance(node, ast.BinOp) and type(node.op) in _ARITHMETIC:
-        left, right = _value_of(node.left), _value_of(node.right)
-        if _too_large(node.op, left, right):
-            raise ValueError("too large to evaluate")
-        return _ARITHMETIC[type(node.op)](left, right)
+    if isinstance(node, ast.Compare) and all(type(op) in _COMPARISONS for op in node.ops):
+        left = _value_of(node.left)
+        for op, right_node in zip(node.ops, node.comparators):  # chained, stopping at the first false, as Python
+            right = _value_of(right_node)
+            if not _COMPARISONS[type(op)](left, right):
+                return False
+            left = right
+        return True
+    if isinstance(node, ast.BoolOp):
+        value = None
+        for operand in node.values:  # the deciding operand's value, as Python's and/or
+            value = _value_of(operand)
+            if bool(value) != isinstance(node.op, ast.And):
+                return value
+        return value
+    if isinstance(node, ast.IfExp):
+        return _value_of(node.body) if _value_of(node.test) else _value_of(node.orelse)
+    if isinstance(node, ast.Subscript):
+        return _value_of(node.value)[_value_of(node.slice)]
+    if isinstance(node, ast.Slice):
+        return slice(*(None if part is None else _value_of(part) for part in (node.lower, node.upper, node.step)))
     raise ValueError(f"not a plain value: {type(node).__name__}")
 
 
-_SYMPY_CALLS = frozenset(("Matrix", "sqrt", "cbrt", "root", "Rational", "Integer", "Float", "exp", "log", "sin", "cos",
-                          "tan", "Abs", "factorial", "binomial"))
-_SYMPY_NODES = (ast.Expression, ast.List, ast.Tuple, ast.Constant, ast.BinOp, ast.UnaryOp, ast.operator,
-                ast.unaryop, ast.Load)
+# What sympy's parse_expr may run of a model's answer: its code (parse_expr turns the text into Python code, then
+# evals it) checked first, so only numbers, symbols, arithmetic and these functions run; never a text argument
+# but a symbol's or a number's (sympy's functions sympify a text: that runs it).
+_SYMPY_FUNCTIONS = frozenset((
+    "Symbol", "Integer", "Float", "Rational", "Function", "Matrix", "sqrt", "root", "cbrt", "exp", "log", "ln", "sin",
+    "cos", "tan", "cot", "sec", "csc", "asin", "acos", "atan", "acot", "sinh", "cosh", "tanh", "Abs", "factorial",
+    "binomial", "floor", "ceiling", "frac", "Min", "Max", "min", "max", "gcd", "lcm", "re", "im", "sign", "Mod",
+    "conjugate"))
+_SYMPY_CONSTANTS = frozenset(("pi", "E", "I", "oo", "zoo", "nan", "EulerGamma", "GoldenRatio", "Catalan"))
+_NUMBER_TEXT = re.compile(r"[0-9.eE+\-/ ]+")
+# the text a call may take: a symbol's or an undefined function's name, a number's digits
+_SYMPY_TEXT_ARGUMENTS = {"Symbol": str.isidentifier, "Function": str.isidentifier,
+                         **dict.fromkeys(("Integer", "Float", "Rational"),
+                                         lambda text: _NUMBER_TEXT.fullmatch(text) is not None)}
+_SYMPY_OPERATORS = (ast.Add, ast.Sub, ast.Mult, ast.Div, ast.Pow, ast.Mod, ast.FloorDiv, ast.USub, ast.UAdd,
+                    ast.Eq, ast.NotEq, ast.Lt, ast.LtE, ast.Gt, ast.GtE)
 
 
-def _sympy_value(text: str) -> Any:
-    """sympy's parse_expr of a text made of numbers, symbols, arithmetic, brackets and sympy's elementary
-    functions (Matrix, sqrt, Rational ...); ValueError for any other text (parse_expr would run it)."""
-    tree = ast.parse(text, mode="eval")
-    for node in ast.walk(tree):
-        plain = isinstance(node, _SYMPY_NODES) or (isinstance(node, ast.Name) and not node.id.startswith("_"))
-        call = isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _SYMPY_CALLS
-        if not (plain or call):
-            raise ValueError(f"not a plain sympy expression: {type(node).__name__}")
-    from sympy.parsing.sympy_parser import parse_expr
+@functools.cache
+def _sympy_namespace() -> dict:
+    """parse_expr's own namespace: sympy's names, Python's built-in functions, max and min as Max and Min."""
+    import builtins
 
-    return parse_expr(text)
+    from sympy import Max, Min
+
+    namespace: dict = {}
+    exec("from sympy import *", namespace)  # noqa: S102 - a fixed import, as parse_expr builds it
+    namespace.update({name: value for name, value in vars(builtins).items()
+                      if isinstance(value, types.BuiltinFunctionType)})
+    namespace.update(max=Max, min=Min)
+    return namespace
+
+
+def _check_sympy_code(node: ast.AST) -> None:
+    """ValueError unless the code is numbers, allowed names, arithmetic, comparisons, brackets and calls of
+    _SYMPY_FUNCTIONS (a text only as a symbol's or a number's, an undefined function's name called)."""
+    if isinstance(node, ast.Call):
+        if node.keywords:
+            raise ValueError("keyword arguments")
+        function = node.func
+        if isinstance(function, ast.Call):  # Function('f')(x): an undefined function
+            if not (isinstance(function.func, ast.Name) and function.func.id == "Function"):
+                raise ValueError("a called call")
+            _check_sympy_code(function)
+        elif not (isinstance(function, ast.Name) and function.id in _SYMPY_FUNCTIONS):
+            raise ValueError(f"a call of {ast.unparse(function)[:40]}")
+        for argument in node.args:
+            if isinstance(argument, ast.Constant) and isinstance(argument.value, str):
+                readable = _SYMPY_TEXT_ARGUMENTS.get(getattr(function, "id", ""))
+                if readable is None or not readable(argument.value):
+                    raise ValueError("a text argument")
+            else:
+                _check_sympy_code(argument)
+        return
+    if isinstance(node, ast.Name):
+        if node.id not in _SYMPY_CONSTANTS:
+            raise ValueError(f"the name {node.id[:40]}")
+        return
+    if isinstance(node, ast.Constant):
+        if not isinstance(node.value, (int, float, complex)) or isinstance(node.value, bool):
+            raise ValueError("a constant that is no number")
+        return
+    if not isinstance(node, (ast.Expression, ast.BinOp, ast.UnaryOp, ast.Compare, ast.List, ast.Tuple, ast.Load,
+                             *_SYMPY_OPERATORS)):
+        raise ValueError(f"a {type(node).__name__}")
+    for child in ast.iter_child_nodes(node):
+        _check_sympy_code(child)
+
+
+def _sympy_parsed(text: str, transformations: tuple) -> Any:
+    """sympy's parse_expr(text, transformations=...), with the code it would run checked first (ValueError for
+    code that is not plain: _check_sympy_code)."""
+    from sympy.parsing.sympy_parser import eval_expr, stringify_expr
+
+    namespace = dict(_sympy_namespace())
+    code = stringify_expr(text, {}, namespace, transformations)
+    _check_sympy_code(ast.parse(code, mode="eval"))
+    return eval_expr(code, {}, namespace)
 
 
 def _tora_normalized(answer: Any, pi: float) -> Any:
@@ -717,8 +816,10 @@ def tora_equal(prediction: Any, reference: Any, include_percentage: bool = True,
         if len(said_parts) == len(true_parts) and parts_equal(said_parts, true_parts):
             return True
     if r"\begin{pmatrix}" in reference and prediction.startswith("Matrix"):
-        with contextlib.suppress(Exception):
-            said_matrix = _sympy_value(prediction)
+        with contextlib.suppress(Exception), _time_limit(_PRIME_SYMPY_S):
+            from sympy.parsing.sympy_parser import standard_transformations
+
+            said_matrix = _sympy_parsed(prediction, standard_transformations)
             true_items = reference.split()[1:-1:2]
             if len(said_matrix) == len(true_items) and parts_equal(said_matrix, true_items):
                 return True

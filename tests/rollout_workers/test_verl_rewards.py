@@ -128,12 +128,18 @@ def test_prime_math_never_runs_a_models_answer_as_code(tmp_path):
     """Where verl's prime_math hands the answer to Python's eval or sympy's parse_expr, etarl's evaluates
     plain values only: the code in these answers would write the file."""
     ran = tmp_path / "ran"
-    code = f"[open({str(ran)!r}, 'w').write('1')]"
+    code = f"__import__('pathlib').Path({str(ran)!r}).write_text('1')"
+    as_format = 'frac(f"' + "".join("{%d:c}" % ord(c) for c in code) + '")'  # two letters, as prm800k's guard lets
+    escaped = code.replace("_", "\\x5f")  # no '_': a base's subscript would end the grading first
     matrix = "\\begin{pmatrix} 1 \\end{pmatrix}"
-    for response, reference in [(f"\\boxed{{{code}}}", matrix), (f"\\boxed{{Matrix({code})}}", matrix),
-                                (f"\\boxed{{{code}\\pi}}", "\\pi")]:
+    for response, reference in [(f"\\boxed{{[{code}]}}", matrix),  # verl: eval
+                                (f"\\boxed{{{code}\\pi}}", "\\pi"),  # verl: eval
+                                (f"\\boxed{{Matrix([{code}])}}", matrix),  # verl: sympy's parse_expr
+                                (f'\\boxed{{Matrix([sin("{escaped}")])}}', matrix),  # sympy's sin sympifies a text
+                                (f"The answer is \\boxed{{{as_format}}}", "1/2")]:  # prm800k's sympy comparison
         assert prime_math_reward(response, reference) == 0.0
-    assert not ran.exists()
+        assert not ran.exists(), response
+    assert prime_math_reward("\\boxed{Matrix(1, 1, print)}", matrix) == 0.0  # sympy would call print(0, 0)
     assert prime_math_reward("\\boxed{[2**10**9]}", matrix) == 0.0  # refused, not computed for minutes
 
 
