@@ -252,7 +252,8 @@ class RolloutConfig(_Strict):
     filter_groups: FilterGroupsConfig = Field(default_factory=FilterGroupsConfig)
     overlong_buffer: OverlongBufferConfig = Field(default_factory=OverlongBufferConfig)
     reward: str = Field("math", description="built-in name (math, exact, gsm8k: verl's openai/gsm8k rule, verl: "
-                        "verl's default reward by data_source for GSM8K, MATH, DAPO/AIME and Search-R1 rows), "
+                        "verl's default reward by data_source for GSM8K, MATH, DAPO/AIME, Search-R1 and "
+                        "PRIME's numina_* rows), "
                         "'module:function' or "
                         "'path/to/file.py:function'; fn(response, answer) or verl's compute_score(data_source, "
                         "solution_str, ground_truth, extra_info=None), sync or async; multi-turn rollouts: their "

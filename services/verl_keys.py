@@ -57,7 +57,8 @@ ONE_REWARD = "etarl tells the manager by the reward's signature: compute_score(d
              "call (verl's batch); DAPO's overlong shaping is rollout.overlong_buffer"
 NO_REWARD_MODEL = "etarl starts no reward model: serve the judge apart and call it from the reward " \
                   "(examples/judge_reward.py; its URL and key named in rollout.reward_env)"
-DEFAULT_REWARD = ("verl's default reward by data_source, without verl: GSM8K, MATH, DAPO/AIME and Search-R1 rows; "
+DEFAULT_REWARD = ("verl's default reward by data_source, without verl: GSM8K, MATH, DAPO/AIME, Search-R1 and "
+                  "PRIME's numina_* rows; "
                   "a row of another data_source is a bad row")
 REWARD_KWARGS = Rule("rollout.reward_kwargs.", "the reward's keyword arguments")
 # verl's defaults that etarl's embedded default (a tiny model's run) does not share: a verl command line gets
