@@ -89,13 +89,20 @@ def last_boxed_math(text: str) -> str | None:
     (or, without one, the last '\\fbox') to its closing brace."""
     if "\\boxed " in text:
         return "\\boxed " + text.split("\\boxed ")[-1].split("$")[0]
+    box = _last_box(text)
+    return None if box is None else text[box[0]:box[1] + 1]
+
+
+def _last_box(text: str) -> tuple[int, int] | None:
+    """(the start of the last '\\boxed', else of the last '\\fbox'; the index of its closing brace), None
+    where there is none or it never closes."""
     start = text.rfind("\\boxed")
     if start < 0:
         start = text.rfind("\\fbox")
         if start < 0:
             return None
     end = _closing_brace(text, start)
-    return None if end is None else text[start:end + 1]
+    return None if end is None else (start, end)
 
 
 def last_boxed(text: str) -> str | None:
@@ -385,13 +392,8 @@ def prime_math_answer(response: str) -> tuple[bool, str]:
 def _prime_boxed(text: str) -> str | None:
     """The stripped inside of the last \\boxed (else \\fbox): from the first '{' after it to the '}' that
     brings the braces back to zero; None where there is none."""
-    start = text.rfind("\\boxed")
-    if start < 0:
-        start = text.rfind("\\fbox")
-        if start < 0:
-            return None
-    close = _closing_brace(text, start)
-    return None if close is None else text[text.find("{", start) + 1:close].strip()
+    box = _last_box(text)
+    return None if box is None else text[text.find("{", box[0]) + 1:box[1]].strip()
 
 
 def _mathd_normalized(answer: str) -> str:
