@@ -466,12 +466,13 @@ def resolve_layout(cfg: EtarlConfig, cluster: Cluster, params: float | None = No
         lora = learner.lora is not None
         policy_bytes = (2 if learner.dtype in ("bfloat16", "float16") else 4) if lora else 16
         critic = learner.advantage.estimator == "gae"
-        which = ("policy and critic: " if critic else "") + ("frozen LoRA base, " if lora else "")
+        which = [f"the policy's frozen {learner.dtype} LoRA base" if lora else "float32 weights, gradients, AdamW"]
+        which += ["the critic's float32 weights, gradients, AdamW"] if critic else []
         state = (policy_bytes + 16 * critic) * params if params is not None else 0.0
         if state > 0.5 * gpu_gib * 2**30:
             gpu_defaults["learner.distributed.strategy"] = "fsdp"
-            reasons.append(f"learner state {state / 2**30:.0f} GiB ({which}float32 weights, gradients, AdamW) > half "
-                           f"a GPU: sharded over the {ranks} ranks (FSDP)")
+            reasons.append(f"learner state {state / 2**30:.0f} GiB ({'; '.join(which)}) > half a GPU: sharded over "
+                           f"the {ranks} ranks (FSDP)")
             if state / ranks > 0.8 * gpu_gib * 2**30:
                 reasons.append(f"warning: {state / ranks / 2**30:.0f} GiB of learner state per rank is more than a "
                                f"{gpu_gib:g} GiB GPU holds with activations: add GPUs (learner.distributed.world_size)")

@@ -263,7 +263,8 @@ def test_a_critic_counts_in_the_learner_state_that_decides_sharding():
     assert cfg.learner.distributed.strategy == "allreduce"
     cfg, layout, _ = layout_for([(64, 8)], 1.5e9, "learner.advantage.estimator=gae")
     assert cfg.learner.distributed.strategy == "fsdp"
-    assert any("learner state 45 GiB (policy and critic: float32 weights" in r for r in layout.reasons)
+    assert any("learner state 45 GiB (float32 weights, gradients, AdamW; the critic's float32 weights" in r
+               for r in layout.reasons)
 
 
 def test_a_lora_policy_counts_its_frozen_weights_only():
@@ -273,7 +274,10 @@ def test_a_lora_policy_counts_its_frozen_weights_only():
     assert cfg.learner.distributed.strategy == "allreduce"
     cfg, layout, _ = layout_for([(64, 8)], 7e9, "learner.lora.rank=64", "learner.advantage.estimator=gae")
     assert cfg.learner.distributed.strategy == "fsdp"
-    assert any("learner state 130 GiB (policy and critic: frozen LoRA base, float32 weights" in r
+    assert any("learner state 130 GiB (the policy's frozen float32 LoRA base; the critic's float32 weights, "
+               "gradients, AdamW) > half a GPU" in r for r in layout.reasons)
+    cfg, layout, _ = layout_for([(64, 8)], 30e9, "learner.lora.rank=64", "learner.dtype=bfloat16")
+    assert any("learner state 56 GiB (the policy's frozen bfloat16 LoRA base) > half a GPU" in r
                for r in layout.reasons)
 
 
