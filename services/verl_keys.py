@@ -357,14 +357,17 @@ def _trackers(key: str, value: Any, given: dict) -> Said:
     return [("metrics.trackers", kept, note)] if kept else [(None, None, note)]
 
 
+def _rank_given(given: dict, key: str) -> bool:
+    """Whether verl's command line sets the policy's LoRA rank `key` (lora_rank or lora.rank) above 0."""
+    value = given.get(MODEL + key)
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
 def _lora(key: str, value: Any, given: dict) -> Said:
     """verl's LoRA: lora_rank > 0 turns it on (or the nested lora.rank, which verl reads first); the
     other keys go with it."""
-    def positive(value) -> bool:
-        return isinstance(value, int) and not isinstance(value, bool) and value > 0
-
-    nested_on = positive(given.get(MODEL + "lora.rank"))
-    if not nested_on and not positive(given.get(MODEL + "lora_rank")):
+    nested_on = _rank_given(given, "lora.rank")
+    if not nested_on and not _rank_given(given, "lora_rank"):
         return [(None, None, "LoRA is off: verl's lora_rank is 0 (etarl trains every weight without learner.lora)")]
     part = key[len(MODEL):].removeprefix("lora.")
     target = {"lora_rank": "rank", "lora_alpha": "alpha"}.get(part, part)
@@ -384,7 +387,7 @@ def _model_dtype(key: str, value: Any, given: dict) -> Said:
              "fp16": "float16", "float16": "float16"}
     if value not in names:
         return [(None, None, f"{value!r} is none of {sorted(names)}")]
-    lora = any(k.endswith(("lora_rank", "lora.rank")) and isinstance(v, int) and v > 0 for k, v in given.items())
+    lora = _rank_given(given, "lora.rank") or _rank_given(given, "lora_rank")
     note = "with LoRA the frozen weights' dtype (the adapters stay float32)" if lora else \
         "prefer float32 with learner.mixed_precision=bfloat16 for full fine-tuning"
     return [("learner.dtype", names[value], note if names[value] != "float32" else "")]
