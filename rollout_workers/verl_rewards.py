@@ -441,13 +441,20 @@ def _text_is_whole(text: str) -> bool:
         return False
 
 
-def _latex_as_text(expr: str) -> str:
-    """A LaTeX answer as plain text sympy can read (pylatexenc's latex2text; √, π, ∞, ∪, ·, × spelled out)."""
+@functools.cache
+def _latex_converter():
+    """pylatexenc's LaTeX-to-text converter, made once; its warnings about a model's broken LaTeX quieted
+    (they are not the run's)."""
     from pylatexenc.latex2text import LatexNodes2Text
 
-    logging.getLogger("pylatexenc").setLevel(logging.ERROR)  # a model's broken LaTeX is not a warning to log
+    logging.getLogger("pylatexenc").setLevel(logging.ERROR)
+    return LatexNodes2Text()
+
+
+def _latex_as_text(expr: str) -> str:
+    """A LaTeX answer as plain text sympy can read (pylatexenc's latex2text; √, π, ∞, ∪, ·, × spelled out)."""
     expr = expr.replace("\\tfrac", "\\frac").replace("\\dfrac", "\\frac").replace("\\frac", " \\frac")
-    expr = LatexNodes2Text().latex_to_text(expr)
+    expr = _latex_converter().latex_to_text(expr)
     for old, new in _PRIME_SYMBOLS:
         expr = expr.replace(old, new)
     return expr.strip()
