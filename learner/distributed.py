@@ -287,7 +287,6 @@ class FullWeightBuckets:
                     out[name] = full
             yield out
 
-
     def _merged(self, i: int, weight: torch.Tensor) -> torch.Tensor:
         """Tensor i (an adapted weight) merged with its adapters, whole, in the publish dtype (collectives
         under FSDP). W's and B's shards hold the same rows of [out, ...] (one mesh, Shard(0)), so a rank
