@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import re
 import shutil
 import warnings
 from pathlib import Path
@@ -200,10 +199,8 @@ def write_adapter(folder: Path, model, adapters, source_dir: str, rank: int, sha
     and adapter_model.safetensors under PEFT's names (`base_model.model.<layer>.lora_A.weight`),
     what `peft.PeftModel.from_pretrained(base, folder)` loads. Every rank must call it under FSDP
     (each adapter is gathered: at rank 64 on a 7B model about 160 M parameters, 0.6 GB in float32)."""
-    from safetensors.torch import save_file
-
     from learner.distributed import whole_tensor
-    from learner.lora import target_names
+    from lm.lora_weights import peft_target_modules, write_peft_folder
 
     if not sharded and rank != 0:
         return None
@@ -211,23 +208,11 @@ def write_adapter(folder: Path, model, adapters, source_dir: str, rank: int, sha
     for name in sorted(adapters.shapes):
         full = whole_tensor(model.get_parameter(name).detach())  # a collective under FSDP
         if rank == 0:
-            stored[f"base_model.model.{name}"] = full.to("cpu").contiguous()
+            stored[name] = full.to("cpu")
     if rank != 0:
         return None
-    # PEFT's target_modules: the layers' last names where they pick exactly these layers, else a
-    # regular expression of exactly their names
-    suffixes = sorted({name.rsplit(".", 1)[-1] for name in adapters.names})
-    exact = target_names(model, suffixes) == adapters.names
-    targets = suffixes if exact else "^(" + "|".join(re.escape(n) for n in adapters.names) + ")$"
-    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(Path(source_dir).resolve()),
-              "r": adapters.config.rank, "lora_alpha": adapters.config.alpha, "target_modules": targets,
-              "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "inference_mode": True,
-              "init_lora_weights": True, "use_rslora": False, "use_dora": False, "modules_to_save": None}
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file(stored, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
-    (folder / "adapter_config.json").write_text(json.dumps(config, indent=1), encoding="utf-8")
-    return folder
+    return write_peft_folder(folder, stored, adapters.config.rank, adapters.config.alpha,
+                             peft_target_modules(model, adapters.names), source_dir)
 
 
 def read_policy_weights(folder: Path) -> dict[str, torch.Tensor]:

@@ -146,8 +146,9 @@ class DiagnosticsConfig(BaseModel):
 
 class LoraConfig(BaseModel):
     """Low-rank adapters on the policy's linear layers, every other weight frozen (learner/lora.py):
-    the optimizer and gradients hold the adapters only, the engines and the saved policy get merged
-    weights, the KL reference is the policy without its adapters (no second model)."""
+    the optimizer and gradients hold the adapters only, the saved policy is merged weights, the
+    engines get merged weights or the adapters (`publish`), the KL reference is the policy without
+    its adapters (no second model)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -158,6 +159,12 @@ class LoraConfig(BaseModel):
         "name parts (q_proj, v_proj, ...); another string: a regular expression the whole module name matches")
     exclude_modules: Union[list[str], str] = Field(
         [], description="modules taken back out of target_modules, named the same two ways")
+    publish: Literal["merged", "adapter"] = Field(
+        "merged", description="what each version sends the engines. merged: every weight, W + alpha/rank * B A "
+        "(any engine; 15 GB a version for a 7B model in bfloat16). adapter: A and B alone (rank 64 on a 7B model's "
+        "seven projections: 0.3 GB), which vLLM applies as a LoRA adapter (LoRARequest, swapped in place) and the "
+        "transformers engine merges; through the object_store or folder channel (vLLM's weight transfer loads "
+        "model weights only); the saved policy/ stays merged (verl's lora.merge=False)")
 
     @field_validator("target_modules", "exclude_modules")
     @classmethod
@@ -292,7 +299,7 @@ class LearnerConfig(BaseModel):
 
     def lora_settings(self) -> dict | None:
         """The LoRA settings a checkpoint records (None: every weight trained)."""
-        return self.lora.model_dump() if self.lora is not None else None
+        return self.lora.model_dump(exclude={"publish"}) if self.lora is not None else None  # not what trains
 
     def check_decay_span(self, steps: int, what: str) -> None:
         """A decay without total_steps spans a run's `steps` (`what` says which): ValueError where the

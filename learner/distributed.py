@@ -221,15 +221,19 @@ class FullWeightBuckets:
     computed in float32 and rounded once to `dtype` (as the learner's merged forward rounds it;
     under FSDP each rank merges its own rows of W and B with the whole A, and the merged rows are
     gathered in `dtype`), and the adapters' own names not at all: what leaves is a plain model's
-    weights."""
+    weights. With `adapters_only` it gives the adapters alone instead (`learner.lora.publish=adapter`),
+    each whole, in `dtype`."""
 
     def __init__(self, model, bucket_bytes: int, dtype: torch.dtype | None = None, keep: bool = True,
-                 out_device: torch.device | str | None = None):
-        from learner.lora import is_adapter_name, merges
+                 out_device: torch.device | str | None = None, adapters_only: bool = False):
+        from learner.lora import merges
+        from lm.lora_weights import is_adapter_name
 
         # keep_vars: tied names then share one object (a plain state_dict() detaches each anew).
         state = model.state_dict(keep_vars=True)
-        merged = merges(model)
+        if adapters_only:
+            state = {name: tensor for name, tensor in state.items() if is_adapter_name(name)}
+        merged = {} if adapters_only else merges(model)
         self._merges: dict[int, tuple[torch.Tensor, torch.Tensor, float]] = {}  # tensor index -> (A, B, scale)
         state = {name: tensor for name, tensor in state.items() if not (merged and is_adapter_name(name))}
         self._tensors: list[torch.Tensor] = []
@@ -293,7 +297,7 @@ class FullWeightBuckets:
         merges its rows with the whole A (the small gather) and only the merged rows are gathered."""
         from torch.distributed.tensor import DTensor
 
-        from learner.lora import merged_weight
+        from lm.lora_weights import merged_weight
 
         lora_a, lora_b, scale = self._merges[i]
         dtype = self.dtype or weight.dtype

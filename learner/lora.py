@@ -25,45 +25,11 @@ from __future__ import annotations
 
 import contextlib
 import math
-import re
 import zlib
 
 import torch
 
-ADAPTER_PARTS = ("lora_A", "lora_B")
-
-
-def is_adapter_name(name: str) -> bool:
-    """Whether a state-dict name is an adapter's (`<layer>.lora_A.weight`, `<layer>.lora_B.weight`)."""
-    parts = name.split(".")
-    return len(parts) >= 3 and parts[-1] == "weight" and parts[-2] in ADAPTER_PARTS
-
-
-def target_names(model: torch.nn.Module, target_modules, exclude_modules=()) -> list[str]:
-    """The linear layers LoRA adapts, by module name, as PEFT picks them: "all-linear" is every
-    `nn.Linear` but the output layer (the LM head); a list names modules by their last name parts
-    ("q_proj" is every `*.q_proj`); any other string is a regular expression the whole name
-    matches. `exclude_modules` (a list or a regular expression) takes names back out. MoE routers
-    and fused experts are not `nn.Linear`: they stay frozen."""
-    output = model.get_output_embeddings()
-    linear = [name for name, m in model.named_modules()
-              if isinstance(m, torch.nn.Linear) and m is not output and not name.endswith(ADAPTER_PARTS)]
-    picked = [name for name in linear if target_modules == "all-linear" or _matches(name, target_modules)]
-    picked = [name for name in picked if not (exclude_modules and _matches(name, exclude_modules))]
-    if not picked:
-        examples = sorted({name.rsplit(".", 1)[-1] for name in linear})
-        hint = (f" (a string is one regular expression of a whole name: several names are a list, "
-                f"[{target_modules}])" if isinstance(target_modules, str) and "," in target_modules else "")
-        raise ValueError(f"learner.lora.target_modules {target_modules!r} (less exclude_modules {exclude_modules!r}) "
-                         f"picks none of {type(model).__name__}'s linear layers; their names end in {examples}{hint}")
-    return picked
-
-
-def _matches(name: str, pattern) -> bool:
-    if isinstance(pattern, str):
-        return re.fullmatch(pattern, name) is not None
-    return any(name == p or name.endswith("." + p) for p in pattern)
-
+from lm.lora_weights import target_names
 
 def initial_value(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
     """An adapter's starting value (float32, CPU): A Kaiming-uniform as PEFT's (bound 1/sqrt(in)),
@@ -73,14 +39,6 @@ def initial_value(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
     generator = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
     bound = 1.0 / math.sqrt(shape[1])
     return torch.empty(shape).uniform_(-bound, bound, generator=generator)
-
-
-def merged_weight(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float,
-                  dtype: torch.dtype | None = None) -> torch.Tensor:
-    """W + scale · B A, computed in float32 at least, rounded once to `dtype` (default W's)."""
-    compute = torch.promote_types(weight.dtype, torch.float32)
-    delta = lora_b.to(device=weight.device, dtype=compute) @ lora_a.to(device=weight.device, dtype=compute)
-    return (weight.to(compute) + scale * delta).to(dtype or weight.dtype)
 
 
 def merges(model: torch.nn.Module) -> dict[str, tuple[str, str, float]]:

@@ -77,7 +77,7 @@ from learner.distributed import (
     shard_model,
     unique_state_names,
 )
-from learner.lora import LoraAdapters, is_adapter_name
+from learner.lora import LoraAdapters
 from learner.losses import compute_policy_loss, count_tokens_and_sequences, kl_penalty, staleness_metrics
 from learner.optimizer import adamw_with_schedule, clip_and_step, load_schedule
 from learner.routing_replay import MismatchCounts, RoutingReplay, require_routing
@@ -91,6 +91,7 @@ from lm.causal_lm import (
 )
 from lm.checkpoint_names import to_checkpoint_names
 from lm.device import gpu_memory_peaks
+from lm.lora_weights import is_adapter_name
 from lm.weight_sync import (
     BroadcastSender,
     FolderSender,
@@ -869,7 +870,8 @@ class Learner:
         channel's safetensors refuses views of one storage; lm/checkpoint_names.py). Views of the
         live parameters, or copies in the publish dtype: gathered under FSDP (rank 0's, empty
         elsewhere), a GPU's on the host (`_gathered`); with LoRA the adapted weights merged, as
-        copies (`_gathered` too: the frozen rest are views that never change)."""
+        copies (`_gathered` too: the frozen rest are views that never change), or with
+        `learner.lora.publish=adapter` the adapters alone, as copies."""
         if self._sharded or self._publishes_host_copies() or self.adapters is not None:
             state = self._gathered()
         elif self._publish_on_device():
@@ -908,8 +910,9 @@ class Learner:
         copies), each parameter cast to the publish dtype on its device; rank 0 keeps them (on its
         GPU for NCCL/IPC, else its host)."""
         size = int(self.config.distributed.publish_bucket_mb * 2**20)
+        adapters_only = self.adapters is not None and self.config.lora.publish == "adapter"
         return FullWeightBuckets(self.model, size, dtype=self._publish_dtype(), keep=self.comm.rank == 0,
-                                 out_device=None if self._publish_on_device() else "cpu")
+                                 out_device=None if self._publish_on_device() else "cpu", adapters_only=adapters_only)
 
     def _publish_dtype(self) -> torch.dtype | None:
         return torch_dtype(self.config.weight_sync.dtype) if self.config.weight_sync.dtype else None

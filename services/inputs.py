@@ -180,7 +180,7 @@ def check_lora(cfg: EtarlConfig, model_dir) -> None:
     device: no weights read), checked before Ray starts rather than in the learner's actor."""
     if cfg.learner.lora is None:
         return
-    from learner.lora import target_names
+    from lm.lora_weights import target_names
     from lm.causal_lm import causal_lm_on_meta
 
     lora = cfg.learner.lora

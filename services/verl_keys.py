@@ -97,8 +97,7 @@ RULES: dict[str, Rule] = {
     MODEL + "lora_adapter_path": Rule(None, "etarl's adapters start new (B = 0: the base model); it writes "
                                             "its own as a PEFT folder, lora_adapter/ in each checkpoint"),
     MODEL + "use_shm": Rule(None, "etarl's engines and learner read the model folder where it is"),
-    ROLLOUT + "layered_summon": Rule(None, "etarl sends engines merged weights a bucket at a time (learner.lora)"),
-    MODEL + "lora.merge": Rule(None, "etarl always sends engines merged weights"),
+    ROLLOUT + "layered_summon": Rule(None, "etarl gathers what it sends engines a bucket at a time (learner.lora)"),
     **{MODEL + "lora." + key: Rule(None, "etarl's adapters are PEFT's LoRA: A Kaiming-uniform, B zeros, float32")
        for key in ("type", "lora_A_init_method", "lora_B_init_method", "dtype")},
     ROLLOUT + "load_format": Rule(None, "etarl's engines load the model folder, then each version the learner "
@@ -370,10 +369,17 @@ def _lora(key: str, value: Any, given: dict) -> Said:
     if not nested_on and not _rank_given(given, "lora_rank"):
         return [(None, None, "LoRA is off: verl's lora_rank is 0 (etarl trains every weight without learner.lora)")]
     part = key[len(MODEL):].removeprefix("lora.")
+    if part == "merge":  # said with the rank, merge=False (verl's default) included
+        return []
     target = {"lora_rank": "rank", "lora_alpha": "alpha"}.get(part, part)
     if key.startswith(MODEL + "lora.") != nested_on:
         return [(None, None, f"verl reads the {'nested lora.*' if nested_on else 'lora_*'} keys here (those whose "
                              f"rank is above 0)")]
+    if target == "rank":  # verl's lora.merge (False by default, for lora_rank too): adapters into vLLM
+        merge = bool(given.get(MODEL + "lora.merge", False))
+        return [("learner.lora.rank", value, ""),
+                ("learner.lora.publish", "merged" if merge else "adapter",
+                 f"verl's lora.merge={merge}: the engines get {'merged weights' if merge else 'the adapters'}")]
     names = value.split(",") if isinstance(value, str) else []
     if part in ("target_modules", "exclude_modules") and len(names) > 1 and \
             all(name.strip().isidentifier() for name in names):
@@ -412,7 +418,8 @@ JOINS: dict[str, Callable[[str, Any, dict], Said]] = {
     ROLLOUT + "enable_rollout_routing_replay": _routing,
     ACTOR + "fsdp_config.model_dtype": _model_dtype,
     **{MODEL + key: _lora for key in ("lora_rank", "lora_alpha", "target_modules", "exclude_modules",
-                                      "lora.rank", "lora.alpha", "lora.target_modules", "lora.exclude_modules")},
+                                      "lora.rank", "lora.alpha", "lora.target_modules", "lora.exclude_modules",
+                                      "lora.merge")},
     ROLLOUT + "multi_turn.function_tool_path": _tools,
     ROLLOUT + "multi_turn.tool_config_path": _tools,
 }

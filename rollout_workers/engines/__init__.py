@@ -26,10 +26,12 @@ def make_engine(engine_config, model_dir: str | os.PathLike, seed: int = 0, vers
             max_num_seqs=max_num_seqs,
             weight_transfer=engine_config.weight_transfer,
             return_routing=engine_config.return_routing,
+            lora=engine_config.lora,
         )
     if engine_config.kind == "hf":
         from rollout_workers.engines.hf_engine import HFEngine
 
         return HFEngine(model_dir, dtype=engine_config.dtype, version=version, device=engine_config.device,
-                        memory_share=engine_config.gpu_memory_utilization, seed_requests=engine_config.seed_requests)
+                        memory_share=engine_config.gpu_memory_utilization, seed_requests=engine_config.seed_requests,
+                        lora=engine_config.lora)
     raise ValueError(f"unknown engine kind {engine_config.kind!r}; expected 'vllm' or 'hf'")

@@ -6,6 +6,10 @@ the distribution actually sampled from, as in vLLM's `processed_logprobs`. An Mo
 completions carry its routers' top-k expert ids per sampled token (`Completion.routed_experts`):
 the routing source on CPU, where vLLM returns none.
 
+LoRA (`lora`, set by learner.lora.publish=adapter): each version is A and B alone, merged here into
+the adapted weights, W = W0 + alpha/r · B A from a copy of the base weights W0 kept at start (one
+more copy of the adapted layers: this engine is for small models).
+
 Requests that sample alike share one generate() call, their prompts left-padded (a step costs
 about the same for 32 rows as for 8 where kernel launches, not arithmetic, bound it, as on a GPU
 at small sizes). generate() runs greedy and `_Sampler`, its last logits processor, picks: a
@@ -23,6 +27,7 @@ import torch
 from lm.causal_lm import load_causal_lm
 from lm.checkpoint_names import checkpoint_items, checkpoint_shapes, load_by_checkpoint_names
 from lm.device import resolve_device
+from lm.lora_weights import adapter_layers, merged_weight, target_shapes
 from lm.moe import routers
 from rollout_workers.engines.base import (
     Completion,
@@ -135,12 +140,14 @@ TOKENS_PER_CALL = 131_072
 
 class HFEngine(GenerationEngine):
     def __init__(self, model_dir: str | os.PathLike, dtype: str = "float32", version: int = 0,
-                 device: str = "auto", memory_share: float | None = None, seed_requests: bool | None = None) -> None:
+                 device: str = "auto", memory_share: float | None = None, seed_requests: bool | None = None,
+                 lora=None) -> None:
         """`memory_share`: on a GPU, the most of its memory this process's allocator may hold (a
         colocated learner keeps the rest: the cached blocks of a long generation are not left to
         grow into its share); going over is an out-of-memory error here, naming this engine.
         `seed_requests`: a request's seed decides its samples (None: yes); false: seeds are ignored
-        and drawn from the process's random state instead."""
+        and drawn from the process's random state instead. `lora` (rollout_workers.config.EngineLora):
+        versions arrive as adapters."""
         self.device = resolve_device(device, "transformers engine")
         # seeded by default on GPUs too, unlike vLLM: here it costs nothing (every sampled row has a
         # generator of its own either way) and keeps a run's samples reproducible
@@ -160,6 +167,9 @@ class HFEngine(GenerationEngine):
         self.pad_id = 0 if pad is None else int(pad)
         self.moe = bool(routers(self.model))
         self._receiver = None  # the broadcast's gloo receiver, from the first init call
+        self.lora = lora
+        self._adapted = {} if lora is None else target_shapes(self.model, lora.target_modules, lora.exclude_modules)
+        self._base = {layer: self.model.get_submodule(layer).weight.detach().clone() for layer in self._adapted}
         self._received: int | None = None  # the last version it received
 
     def generate_batch(
@@ -250,7 +260,17 @@ class HFEngine(GenerationEngine):
         """Copy the weights into the model as they come (a mapping, or (name, tensor) pairs from a
         stream), named as a checkpoint or as the model in memory. A tensor that does not fit is
         named; a load that fails part-way leaves the engine's version at -1 (its weights are a mix)
-        until a whole version is loaded."""
+        until a whole version is loaded. With `lora` the weights are the version's adapters, checked
+        against the adapted layers (a ValueError keeps the engine as it was) and merged."""
+        if self.lora is not None:
+            adapters = adapter_layers(version, named_weights(weights), self._adapted, self.lora.rank)
+            self.version = -1
+            with torch.no_grad():
+                for layer, (lora_a, lora_b) in adapters.items():
+                    weight = self.model.get_submodule(layer).weight
+                    weight.copy_(merged_weight(self._base[layer], lora_a, lora_b, self.lora.alpha / self.lora.rank))
+            self.version = version
+            return
         params = self.model.state_dict()
         shapes, may_lack = self.expected_weights()
         seen = set()
@@ -268,6 +288,9 @@ class HFEngine(GenerationEngine):
     def weight_transfer(self, op: str, args: dict) -> None:
         """The broadcast's weight-update calls (`lm.weight_sync.subscription`), received in this
         process by the same gloo receiver vLLM's workers run (`lm.weight_sync.gloo_transfer`)."""
+        if self.lora is not None:
+            raise ValueError("this engine takes each version as LoRA adapters (learner.lora.publish=adapter), through "
+                             "the object_store or folder channel")
         if op == "init":
             if "prefix" not in args:
                 raise ValueError("the transformers engine receives weights over gloo only (weight_sync.backend: gloo)")

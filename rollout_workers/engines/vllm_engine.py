@@ -21,6 +21,13 @@ with (vLLM's `weight_versions` spans), which is what samples are tagged with. Pr
 blocks computed under an older version are never reused by a request of a newer one: a request's
 `cache_salt` is the version it was submitted under.
 
+LoRA (`lora`, set by learner.lora.publish=adapter): the engine serves the base model with vLLM's
+LoRA support and one adapter (id 1) that every request carries; each version is A and B alone,
+written as a PEFT folder and swapped in place (`add_lora(load_inplace=True)`) inside the same
+pause, so requests in flight go on under it as under new weights. Version 0's adapter is zeros
+(the base model, which the learner's B = 0 start is), loaded at start: there is no first swap that
+requests without an adapter could straddle.
+
 Log-probs are vLLM's `processed_logprobs`: those of the distribution actually sampled from, after
 temperature and top-k/top-p, i.e. the behaviour policy μ.
 
@@ -38,6 +45,7 @@ import concurrent.futures
 import itertools
 import logging
 import os
+import shutil
 import tempfile
 import threading
 import time
@@ -45,12 +53,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from buffer.sample import as_routing_array
-from lm.causal_lm import check_model_dir
+from lm.causal_lm import check_model_dir, torch_dtype
 from lm.device import resolve_device
+from lm.lora_weights import adapter_layers, peft_target_modules, write_peft_folder
 from lm.weight_sync import save_weights_folder
-from lm.weight_sync.payloads import folder_weight_shapes
+from lm.weight_sync.payloads import folder_weight_shapes, load_weights_folder
 from rollout_workers.engines.base import (
     Completion,
     GenerationEngine,
@@ -60,8 +70,10 @@ from rollout_workers.engines.base import (
     check_prompt,
     named_weights,
 )
+from rollout_workers.config import VLLM_LORA_RANKS
 from rollout_workers.engines.vllm_check import PLUGIN, VLLMInterfaceMissing, check_vllm_interface, plugin_installed
 
+ADAPTER_ID = 1  # the one LoRA adapter (lora.publish=adapter): every request carries it
 ENGINE_EXIT_S = 10.0  # how long close() lets vLLM's engine core end on its own before vLLM kills it
 log = logging.getLogger(__name__)
 PAUSE_MODES = ("keep", "wait")
@@ -94,6 +106,22 @@ def _one_process_on_cpu(tensor_parallel_size: int) -> None:
 class _NotTheSeedWarning(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         return not str(record.msg).startswith("The global random seed is set")
+
+
+def _max_lora_rank(rank: int) -> int:
+    """vLLM's max_lora_rank for adapters of `rank`: the smallest value it allows that holds it."""
+    fits = [r for r in VLLM_LORA_RANKS if r >= rank]
+    if not fits:
+        raise ValueError(f"LoRA rank {rank}: vLLM takes adapters up to rank {max(VLLM_LORA_RANKS)}")
+    return fits[0]
+
+
+def _adapted_layers(model_dir, lora) -> dict[str, tuple[int, int]]:
+    """{layer: (out, in)} of the linear layers `lora` adapts, from the model built on the meta device."""
+    from lm.causal_lm import causal_lm_on_meta
+    from lm.lora_weights import target_shapes
+
+    return target_shapes(causal_lm_on_meta(model_dir), lora.target_modules, lora.exclude_modules)
 
 
 def _is_moe(model_dir) -> bool:
@@ -220,6 +248,7 @@ class VLLMEngine(GenerationEngine):
         pause_mode: str = "keep",
         weight_transfer: str | None = "auto",
         return_routing: bool = False,
+        lora=None,
     ) -> None:
         model_dir = check_model_dir(model_dir)
         _vllm_env()
@@ -246,6 +275,9 @@ class VLLMEngine(GenerationEngine):
             os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
         self.return_routing = return_routing
         self.model_dir = model_dir
+        # lora (rollout_workers.config.EngineLora): {layer: (out, in)} of the layers it adapts
+        self.lora, self._adapted = lora, (_adapted_layers(model_dir, lora) if lora is not None else {})
+        self._lora_request = None  # what every request carries (lora only)
         self.dtype = dtype
         self.version = version
         self.pause_mode = pause_mode
@@ -301,6 +333,7 @@ class VLLMEngine(GenerationEngine):
             **({"distributed_executor_backend": "mp"} if tensor_parallel_size > 1 else {}),
             **({"weight_transfer_config": WeightTransferConfig(backend=self.weight_transfer_backend)}
                if self.weight_transfer_backend else {}),
+            **({"enable_lora": True, "max_loras": 1, "max_lora_rank": _max_lora_rank(lora.rank)} if lora else {}),
         )
 
         async def start():
@@ -318,6 +351,11 @@ class VLLMEngine(GenerationEngine):
         # In memory where the node has it: a version is written here and read back by the core.
         shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
         self._weights_dir = tempfile.TemporaryDirectory(prefix="etarl-vllm-weights-", dir=shm)
+        if lora is not None:  # version 0: the base model, as a zero adapter every request carries from now on
+            zeros = {f"{layer}.{part}.weight": torch.zeros(shape, dtype=torch_dtype(dtype)) for layer, (out_features, in_features)
+                     in self._adapted.items() for part, shape in (("lora_A", (lora.rank, in_features)),
+                                                                   ("lora_B", (out_features, lora.rank)))}
+            self._loop.run(self._add_adapter(version, zeros, swap=False))
 
     # ---------------------------------------------------------------- generation
 
@@ -367,7 +405,8 @@ class VLLMEngine(GenerationEngine):
 
     async def _stream(self, prompt: list[int], vparams, into: _Partial, salt: str) -> None:
         request = {"prompt_token_ids": prompt, "cache_salt": salt}
-        async for out in self._llm.generate(request, vparams, request_id=f"etarl-{next(self._ids)}"):
+        async for out in self._llm.generate(request, vparams, request_id=f"etarl-{next(self._ids)}",
+                                            lora_request=self._lora_request):
             for piece in out.outputs:
                 into.logps.extend(step[token].logprob for step, token in zip(piece.logprobs, piece.token_ids))
                 into.tokens.extend(piece.token_ids)
@@ -439,14 +478,26 @@ class VLLMEngine(GenerationEngine):
 
     def load_weights(self, version: int, weights: WeightsIn) -> None:
         """Write the weights as a safetensors folder the engine core reads (tensors do not cross
-        the pipe to its process), then `load_weights_folder`."""
+        the pipe to its process), then `load_weights_folder`. With `lora` the weights are the
+        version's adapters, checked against the adapted layers (a ValueError keeps the engine as
+        it was) and swapped in as the engine's adapter."""
+        if self.lora is not None:
+            adapters = adapter_layers(version, named_weights(weights), self._adapted, self.lora.rank)
+            tensors = {f"{layer}.{part}.weight": tensor for layer, pair in adapters.items()
+                       for part, tensor in zip(("lora_A", "lora_B"), pair)}
+            self._loop.run(self._add_adapter(version, tensors, swap=True))
+            return
         self.version = -1
         folder = save_weights_folder(dict(named_weights(weights)), Path(self._weights_dir.name) / "current", version)
         self.load_weights_folder(version, folder)
 
     def load_weights_folder(self, version: int, folder: str | os.PathLike) -> None:
         """Pause (`pause_mode`), reload from the folder in place, record the version, resume. A
-        failure part-way leaves version -1 (the weights are a mix); generation resumes either way."""
+        failure part-way leaves version -1 (the weights are a mix); generation resumes either way.
+        With `lora` the folder holds the version's adapters (`load_weights`)."""
+        if self.lora is not None:
+            self.load_weights(version, load_weights_folder(folder)[1])
+            return
         self.version = -1
 
         async def swap():
@@ -460,6 +511,32 @@ class VLLMEngine(GenerationEngine):
         self._loop.run(swap())
         self.version = version
 
+    async def _add_adapter(self, version: int, tensors: dict, swap: bool) -> None:
+        """Write `tensors` (adapters) as a PEFT folder of their own and make them the adapter every
+        request carries; `swap`: in place of the one loaded, inside a pause (`pause_mode`), the
+        version recorded with it. A failure part-way leaves version -1."""
+        from vllm.lora.request import LoRARequest
+
+        lora, previous = self.lora, self._lora_request
+        folder = Path(self._weights_dir.name) / f"adapter-{version}-{next(self._ids)}"
+        layers = sorted({name.rsplit(".", 2)[0] for name in tensors})
+        write_peft_folder(folder, tensors, lora.rank, lora.alpha, peft_target_modules(None, layers), self.model_dir)
+        request = LoRARequest("etarl-policy", ADAPTER_ID, str(folder), load_inplace=swap)
+        if swap:
+            self.version = -1
+            await self._pause()
+        try:
+            if not await self._llm.add_lora(request):
+                raise RuntimeError(f"weights v{version}: vLLM did not load the adapter from {folder}")
+            await self._llm.update_weight_version(str(version))
+        finally:
+            if swap:
+                await self._resume()
+        self._lora_request = LoRARequest("etarl-policy", ADAPTER_ID, str(folder))
+        self.version = version
+        if previous is not None:
+            shutil.rmtree(previous.lora_path, ignore_errors=True)
+
     def weight_transfer(self, op: str, args: dict) -> None:
         """One of vLLM's weight-update calls, as the learner drives them (`lm.weight_sync.subscription`):
         init (join the learner's group), start (pause, then start), update (receive into vLLM's
@@ -467,6 +544,10 @@ class VLLMEngine(GenerationEngine):
         started update, resume: on the weights it had, or after a failed nccl/ipc update on a mix of
         them and what arrived, at version -1 until the next version loads)."""
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest, WeightTransferUpdateRequest
+
+        if self.lora is not None:
+            raise ValueError("this engine takes each version as LoRA adapters (learner.lora.publish=adapter), through "
+                             "the object_store or folder channel: vLLM's weight transfer loads model weights")
 
         if self.weight_transfer_backend is None:
             raise RuntimeError("this engine was started without weight transfer (weight_transfer=None)")

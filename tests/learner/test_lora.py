@@ -14,10 +14,11 @@ import torch
 from learner.checkpoint import ADAPTER_DIR, SHARDS_DIR
 from learner.config import LearnerConfig
 from learner.distributed import LearnerGroup
-from learner.lora import initial_value, merged_weight, target_names
+from learner.lora import initial_value
 from learner.trainer import Learner
 from learner_helpers import build_tiny_policy, engine_following, max_param_diff, params_of, sample_groups
 from lm.causal_lm import load_causal_lm, response_log_probs
+from lm.lora_weights import merged_weight, target_names
 from lm.weight_sync import resolve_weights
 
 LORA = {"rank": 4, "alpha": 8}
@@ -96,6 +97,26 @@ def test_the_adapters_start_as_the_base_model_train_alone_and_leave_merged(polic
     assert (policy_log_probs - _log_probs(base, groups)).abs().max() > 1e-3
     with learner.adapters.disabled():  # the KL reference: the same modules without their adapters
         assert torch.equal(_log_probs(learner.model, groups), _log_probs(base, groups))
+    learner.close_weight_sync()
+
+
+def test_with_publish_adapter_the_adapters_alone_leave_and_an_engine_computes_the_policy(policy_dir, groups,
+                                                                                      ray_cluster):
+    """learner.lora.publish=adapter: a version is the adapters alone (rank x (in + out) a layer, not the
+    model), and an engine told the LoRA settings (rollout.engine.lora) computes the policy with them."""
+    from rollout_workers.config import EngineLora
+    from rollout_workers.engines.hf_engine import HFEngine
+
+    learner = Learner(_config(policy_dir, lora={**LORA, "publish": "adapter"}))
+    engine = HFEngine(policy_dir, dtype="float64", lora=EngineLora(**LORA))
+    learner.train_step(groups)
+    assert learner.publish_weights()["version"] == 1
+    published = resolve_weights(learner.published(timeout=60))
+    live = params_of(learner.model)
+    assert published.keys() == learner.adapters.shapes.keys()
+    assert all(torch.equal(tensor, live[name]) for name, tensor in published.items())
+    engine.load_weights(1, published)
+    assert (_log_probs(engine.model, groups) - _log_probs(learner.model, groups)).abs().max() < 1e-12
     learner.close_weight_sync()
 
 

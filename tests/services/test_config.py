@@ -396,12 +396,14 @@ def test_verl_keys_that_change_nothing_in_verl_or_etarl_become_no_key(verl, said
      "'rollout.reward_kwargs.mode=\"yes\"'"),  # a string YAML would read as true stays a string
     (["actor_rollout_ref.model.target_modules=q_proj,v_proj", "actor_rollout_ref.model.lora_rank=32",
       "actor_rollout_ref.model.lora_alpha=64", "actor_rollout_ref.model.use_shm=True"],
-     "'learner.lora.target_modules=[q_proj, v_proj]' learner.lora.rank=32 learner.lora.alpha=64"),
+     # verl's lora.merge is False unless given: the engines load the adapters
+     "'learner.lora.target_modules=[q_proj, v_proj]' learner.lora.rank=32 learner.lora.publish=adapter "
+     "learner.lora.alpha=64"),
     (["actor_rollout_ref.actor.fsdp_config.model_dtype=bf16", "actor_rollout_ref.model.lora_rank=8"],
      "learner.dtype=bfloat16 learner.lora.rank=8"),  # with LoRA: the frozen weights' dtype
     (["actor_rollout_ref.model.lora.rank=16", "actor_rollout_ref.model.lora_rank=8",
       "actor_rollout_ref.model.lora.alpha=8", "+actor_rollout_ref.model.lora.merge=True"],
-     "learner.lora.rank=16 learner.lora.alpha=8"),  # verl's nested form, which verl reads first
+     "learner.lora.rank=16 learner.lora.publish=merged learner.lora.alpha=8"),  # verl's nested form, read first
     (["actor_rollout_ref.model.lora_rank=8", r"actor_rollout_ref.model.exclude_modules=.*layers\.[0-9]{1,2}\.mlp.*"],
      r"'learner.lora.exclude_modules=.*layers\.[0-9]{1,2}\.mlp.*'"),  # a regular expression stays whole
     (["reward_model.overlong_buffer.enable=True", "reward_model.overlong_buffer.len=4",
@@ -524,3 +526,26 @@ def test_a_verl_data_line_gets_verls_defaults_where_etarls_embedded_default_diff
         "\n".join(lines)
     _, held_out_only = translate([("data.val_files", "t.parquet")])
     assert "rollout.task.kind=file" in held_out_only  # etarl eval reads a held-out file only with kind=file
+
+
+def test_lora_publish_adapter_tells_the_engines_and_is_refused_where_it_cannot_go():
+    """learner.lora.publish=adapter gives rollout.engine.lora the adapters' layers and scale (derived:
+    a value given is replaced), needs a pull channel, and vLLM's largest LoRA rank; how versions leave
+    is not what a checkpoint trained (a resume may change it)."""
+    cfg = load_config(None, ["learner.lora.rank=16", "learner.lora.alpha=32", "learner.lora.publish=adapter",
+                             "learner.lora.target_modules=[q_proj, v_proj]", "rollout.engine.lora.rank=3",
+                             "rollout.engine.lora.alpha=1"])
+    lora = cfg.rollout.engine.lora
+    assert (lora.rank, lora.alpha, lora.target_modules, lora.exclude_modules) == (16, 32.0, ["q_proj", "v_proj"], [])
+    assert cfg.learner.lora_settings() == load_config(None, ["learner.lora.rank=16", "learner.lora.alpha=32",
+                                                             "learner.lora.target_modules=[q_proj, v_proj]"]
+                                                      ).learner.lora_settings()
+    assert load_config(None, ["learner.lora.rank=16"]).rollout.engine.lora is None  # merged: plain weights
+    assert load_config(None, ["rollout.engine.lora.rank=4", "rollout.engine.lora.alpha=8"]).rollout.engine.lora is None
+    with pytest.raises(ConfigError, match="weight_sync.channel=broadcast is vLLM's weight transfer, which loads "
+                                          "model weights only"):
+        load_config(None, ["learner.lora.rank=16", "learner.lora.publish=adapter", "learner.weight_sync.channel=broadcast"])
+    with pytest.raises(ConfigError, match="vLLM takes LoRA adapters up to rank 512"):
+        load_config(None, ["learner.lora.rank=1024", "learner.lora.publish=adapter"])
+    assert load_config(None, ["learner.lora.rank=1024", "learner.lora.publish=adapter",
+                              "rollout.engine.kind=hf"]).rollout.engine.lora.rank == 1024  # merged in the engine
