@@ -507,12 +507,14 @@ class EtarlConfig(BaseModel):
 
 def _move_diagnostics(data: dict, learner) -> None:
     """`diagnostics` is written at the top level and runs in the learner: move it there, with the
-    versions the exact drift probe keeps sized to the staleness window (η + 1, or eta_max + 1)."""
+    versions the exact drift probe keeps sized to the staleness window (η + 1, or eta_max + 1). A
+    saved config holds it as learner.diagnostics: the top level's keys (a resume's overrides) win."""
     if "diagnostics" not in data or not isinstance(learner, dict):
         return
-    if "diagnostics" in learner:
-        raise ValueError("set diagnostics once, at the top level (not learner.diagnostics)")
     diagnostics = data.pop("diagnostics")
+    saved = learner.get("diagnostics")
+    if isinstance(saved, dict) and isinstance(diagnostics, dict):  # keep_versions: sized anew below
+        diagnostics = {**{k: v for k, v in saved.items() if k != "keep_versions"}, **diagnostics}
     if isinstance(diagnostics, dict) and "keep_versions" not in diagnostics:
         buffer = data.get("buffer") if isinstance(data.get("buffer"), dict) else {}
         gate = buffer.get("gate") if isinstance(buffer.get("gate"), dict) else {}

@@ -186,8 +186,8 @@ def test_a_run_with_bad_prompts_in_its_file_finishes_its_steps(ray_cluster, tmp_
 def test_a_lora_run_checkpoints_its_adapters_and_resumes_only_under_its_settings(ray_cluster, tmp_path):
     """learner.lora through a whole run: the engines train on merged versions, a checkpoint holds the
     merged policy/ (its frozen weights the base's, its adapted ones moved) and the adapters as a PEFT
-    folder, the run resumes, and a resume under other LoRA settings is refused with the run's
-    config.yaml left as it was."""
+    folder, a resume under other LoRA settings is refused with the run's config.yaml left as it was,
+    and the run resumes on vLLM engines that take the adapters alone."""
     import json
 
     from lm.causal_lm import load_causal_lm
@@ -213,6 +213,14 @@ def test_a_lora_run_checkpoints_its_adapters_and_resumes_only_under_its_settings
     with pytest.raises(ConfigError, match=r"was trained with LoRA \{'rank': 4"):
         run_training(load_config(run_dir / "config.yaml", ["run.steps=6", "learner.lora.rank=8"]), resume=run_dir)
     assert (run_dir / "config.yaml").read_text() == saved
-    second = run_training(load_config(run_dir / "config.yaml", ["run.steps=6"]), resume=run_dir)
-    assert second.completed and second.version == 6
-    assert [r["step"] for r in step_records(run_dir)] == list(range(1, 7))
+    # How versions leave is not what trains: the run resumes on vLLM with the adapters sent alone, which the
+    # engines start at zero (the base model) and load in place of it from the first version they get; the
+    # exact drift probe scores the engines' log-probs against the learner's model of the version that sampled
+    second = run_training(load_config(run_dir / "config.yaml", ["run.steps=8", "rollout.engine.kind=vllm",
+                                                                "learner.lora.publish=adapter",
+                                                                "diagnostics.exact_drift_every=1"]), resume=run_dir)
+    assert second.completed and second.version == 8
+    records = step_records(run_dir)
+    assert [r["step"] for r in records] == list(range(1, 9))
+    resumed = [r for r in records if min(r["audit/sample_versions"]) >= 4]  # sampled under the trained adapters
+    assert resumed and all(r["drift/exact_backend_k3"] < 1e-9 for r in resumed)  # float32 on both sides: ~1e-13

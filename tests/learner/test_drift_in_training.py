@@ -134,3 +134,7 @@ def test_diagnostics_are_set_at_the_top_level_and_sized_to_the_window():
     assert cfg.learner.diagnostics.keep_versions == 7
     with pytest.raises(ConfigError, match="exact_drift_evry"):
         build_config({}, ["diagnostics.exact_drift_evry=5"])
+    # a saved config holds them as learner.diagnostics: a resume's top-level override wins, sized anew
+    saved = cfg.model_dump(mode="json")
+    cfg = build_config(saved, ["diagnostics.exact_drift_every=1", "buffer.gate.eta=1"])
+    assert cfg.learner.diagnostics.exact_drift_every == 1 and cfg.learner.diagnostics.keep_versions == 2
