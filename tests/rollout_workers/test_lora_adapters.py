@@ -14,6 +14,7 @@ from test_engines import PROMPT_TEXT, encode, max_gap, reference_log_probs
 from learner.config import LoraConfig
 from learner.lora import LoraAdapters
 from lm.causal_lm import load_causal_lm
+from lm.weight_sync import save_weights_folder
 from rollout_workers.config import EngineLora
 from rollout_workers.engines.base import SamplingParams
 
@@ -56,7 +57,7 @@ def refused_versions(sent: dict[str, torch.Tensor]) -> list[dict[str, torch.Tens
     return [wrong_shape, foreign, missing]
 
 
-def test_vllm_serves_each_version_as_the_adapter_the_learner_computes(lora_vllm, adapted, tokenizer):
+def test_vllm_serves_each_version_as_the_adapter_the_learner_computes(lora_vllm, adapted, tokenizer, tmp_path):
     model, adapters = adapted
     prompt = encode(tokenizer, PROMPT_TEXT)
     params = SamplingParams(n=4, max_new_tokens=8, stop_token_ids=(tokenizer.eos_token_id,), seed=3)
@@ -79,6 +80,13 @@ def test_vllm_serves_each_version_as_the_adapter_the_learner_computes(lora_vllm,
         assert lora_vllm.version == 1 and lora_vllm.engine_weight_version() == "1"
     again = lora_vllm.generate(prompt, params)
     assert max_gap(again, reference_log_probs(model, prompt, again)) < 1e-4
+
+    # the folder channel's form of a version: the engine reads its tensors and swaps them in alike
+    folder = save_weights_folder(next_version(model, adapters, seed=2), tmp_path / "v3", 3)
+    lora_vllm.load_weights_folder(3, folder)
+    assert lora_vllm.version == 3
+    last = lora_vllm.generate(prompt, params)
+    assert max_gap(last, reference_log_probs(model, prompt, last)) < 1e-4
 
 
 def test_vllm_requests_in_flight_go_on_under_the_new_adapter(lora_vllm, adapted, tokenizer):

@@ -86,8 +86,10 @@ def test_a_reward_that_raises_scores_zero_in_evaluation_and_is_logged_once(tiny_
         "    return 1.0\n")
     cfg = load_config(None, [f"run.model={tiny_model_dir}", "rollout.task.families=[add]",
                              "rollout.task.difficulties=[3]", "eval.num_prompts=12", "eval.n_samples=0",
-                             "eval.engine=hf", f"rollout.reward={tmp_path / 'picky_reward.py'}:compute_score"])
+                             "eval.engine=hf", f"rollout.reward={tmp_path / 'picky_reward.py'}:compute_score",
+                             "learner.lora.rank=4", "learner.lora.publish=adapter"])
     evaluator = PolicyEvaluator.from_config(cfg, tiny_model_dir)
+    assert evaluator.engine.lora is None  # the folder is a whole model (a run's merged policy/), no adapter on top
     try:
         with caplog.at_level(logging.WARNING):
             metrics = evaluator.evaluate_payload(None)
