@@ -65,7 +65,7 @@ def engine_child(spec: dict) -> dict:
     import statistics
 
     from lm.causal_lm import causal_lm_on_meta, load_causal_lm
-    from lm.lora_weights import target_shapes
+    from lm.lora_weights import adapter_shapes, target_shapes
     from rollout_workers.config import EngineLora
     from rollout_workers.engines.base import SamplingParams
     from rollout_workers.engines.vllm_engine import VLLMEngine
@@ -74,9 +74,8 @@ def engine_child(spec: dict) -> dict:
     generator = torch.Generator().manual_seed(0)
     if lora:
         layers = target_shapes(causal_lm_on_meta(spec["model"]), lora.target_modules)
-        version = {f"{layer}.{part}.weight": torch.randn(shape, generator=generator) * 0.01
-                   for layer, (out_features, in_features) in layers.items()
-                   for part, shape in (("lora_A", (lora.rank, in_features)), ("lora_B", (out_features, lora.rank)))}
+        version = {name: torch.randn(shape, generator=generator) * 0.01
+                   for name, shape in adapter_shapes(layers, lora.rank).items()}
     else:
         version = load_causal_lm(spec["model"]).state_dict()
     engine = VLLMEngine(spec["model"], dtype="float32", kv_cache_bytes=512 * MiB, lora=lora)
@@ -228,9 +227,9 @@ def main() -> None:
                   f"AdamW state {r['optimizer_mib']:8.1f} MiB, step peak +{r['peak_mib']:8.1f} MiB "
                   f"({r['resident_mib']:.0f} MiB in all), {r['step_s']:.2f} s/step ({r['tokens_per_s']:.0f} tokens/s), "
                   f"publication {r['publish_s'] * 1e3:.0f} ms ({r['published_tensors']} tensors, "
-                  f"{r['published_mib']:.1f} MiB)" + (f"; the adapters alone {r['adapter_publish_s'] * 1e3:.0f} ms "
-                                                      f"({r['adapter_published_tensors']} tensors, "
-                                                      f"{r['adapter_published_mib']:.1f} MiB)" if mode == "lora" else ""))
+                  f"{r['published_mib']:.1f} MiB)" + (
+                      f"; the adapters alone {r['adapter_publish_s'] * 1e3:.0f} ms ({r['adapter_published_tensors']} "
+                      f"tensors, {r['adapter_published_mib']:.1f} MiB)" if mode == "lora" else ""))
         for kind in ("merged", "adapter") if args.engine else ():
             results[f"engine_{kind}"] = r = run_child({**spec, "engine": True, "lora": kind == "adapter"},
                                                       script=__file__)

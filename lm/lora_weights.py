@@ -54,6 +54,12 @@ def target_shapes(model: torch.nn.Module, target_modules, exclude_modules=()) ->
             for name in target_names(model, target_modules, exclude_modules)}
 
 
+def adapter_shapes(layers: dict[str, tuple[int, int]], rank: int) -> dict[str, tuple[int, int]]:
+    """{adapter name: shape} of rank-`rank` adapters on `layers` ({layer: (out, in)})."""
+    return {f"{layer}.{part}.weight": shape for layer, (out_features, in_features) in layers.items()
+            for part, shape in (("lora_A", (rank, in_features)), ("lora_B", (out_features, rank)))}
+
+
 def merged_weight(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float,
                   dtype: torch.dtype | None = None) -> torch.Tensor:
     """W + scale · B A, computed in float32 at least, rounded once to `dtype` (default W's)."""

@@ -58,7 +58,7 @@ import torch
 from buffer.sample import as_routing_array
 from lm.causal_lm import check_model_dir, torch_dtype
 from lm.device import resolve_device
-from lm.lora_weights import adapter_layers, peft_target_modules, write_peft_folder
+from lm.lora_weights import ADAPTER_PARTS, adapter_layers, adapter_shapes, peft_target_modules, write_peft_folder
 from lm.weight_sync import save_weights_folder
 from lm.weight_sync.payloads import folder_weight_shapes, load_weights_folder
 from rollout_workers.engines.base import (
@@ -352,10 +352,9 @@ class VLLMEngine(GenerationEngine):
         shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
         self._weights_dir = tempfile.TemporaryDirectory(prefix="etarl-vllm-weights-", dir=shm)
         if lora is not None:  # version 0: the base model, as a zero adapter every request carries from now on
-            zeros = {f"{layer}.{part}.weight": torch.zeros(shape, dtype=torch_dtype(dtype)) for layer, (out_features, in_features)
-                     in self._adapted.items() for part, shape in (("lora_A", (lora.rank, in_features)),
-                                                                   ("lora_B", (out_features, lora.rank)))}
-            self._loop.run(self._add_adapter(version, zeros, swap=False))
+            zeros = {name: torch.zeros(shape, dtype=torch_dtype(dtype))
+                     for name, shape in adapter_shapes(self._adapted, lora.rank).items()}
+            self._set_adapter(version, zeros, swap=False)
 
     # ---------------------------------------------------------------- generation
 
@@ -483,9 +482,8 @@ class VLLMEngine(GenerationEngine):
         it was) and swapped in as the engine's adapter."""
         if self.lora is not None:
             adapters = adapter_layers(version, named_weights(weights), self._adapted, self.lora.rank)
-            tensors = {f"{layer}.{part}.weight": tensor for layer, pair in adapters.items()
-                       for part, tensor in zip(("lora_A", "lora_B"), pair)}
-            self._loop.run(self._add_adapter(version, tensors, swap=True))
+            self._set_adapter(version, {f"{layer}.{part}.weight": tensor for layer, pair in adapters.items()
+                                        for part, tensor in zip(ADAPTER_PARTS, pair)}, swap=True)
             return
         self.version = -1
         folder = save_weights_folder(dict(named_weights(weights)), Path(self._weights_dir.name) / "current", version)
@@ -511,27 +509,36 @@ class VLLMEngine(GenerationEngine):
         self._loop.run(swap())
         self.version = version
 
-    async def _add_adapter(self, version: int, tensors: dict, swap: bool) -> None:
-        """Write `tensors` (adapters) as a PEFT folder of their own and make them the adapter every
-        request carries; `swap`: in place of the one loaded, inside a pause (`pause_mode`), the
-        version recorded with it. A failure part-way leaves version -1."""
+    def _set_adapter(self, version: int, tensors: dict, swap: bool) -> None:
+        """Write `tensors` (adapters) as a PEFT folder of their own (here, not on the engine's loop)
+        and make them the adapter every request carries; `swap`: in place of the one loaded, inside
+        a pause (`pause_mode`), the version recorded with it. A failure part-way leaves version -1."""
         from vllm.lora.request import LoRARequest
 
         lora, previous = self.lora, self._lora_request
         folder = Path(self._weights_dir.name) / f"adapter-{version}-{next(self._ids)}"
         layers = sorted({name.rsplit(".", 2)[0] for name in tensors})
         write_peft_folder(folder, tensors, lora.rank, lora.alpha, peft_target_modules(None, layers), self.model_dir)
+        # in-place for the swap only: requests carry one without it, which vLLM never reloads
         request = LoRARequest("etarl-policy", ADAPTER_ID, str(folder), load_inplace=swap)
-        if swap:
-            self.version = -1
-            await self._pause()
-        try:
-            if not await self._llm.add_lora(request):
-                raise RuntimeError(f"weights v{version}: vLLM did not load the adapter from {folder}")
-            await self._llm.update_weight_version(str(version))
-        finally:
+
+        async def add():
             if swap:
-                await self._resume()
+                await self._pause()
+            try:
+                if not await self._llm.add_lora(request):
+                    raise RuntimeError(f"weights v{version}: vLLM did not load the adapter from {folder}")
+                await self._llm.update_weight_version(str(version))
+            finally:
+                if swap:
+                    await self._resume()
+
+        self.version = -1 if swap else self.version
+        try:
+            self._loop.run(add())
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
         self._lora_request = LoRARequest("etarl-policy", ADAPTER_ID, str(folder))
         self.version = version
         if previous is not None:

@@ -544,7 +544,8 @@ def test_lora_publish_adapter_tells_the_engines_and_is_refused_where_it_cannot_g
     assert load_config(None, ["rollout.engine.lora.rank=4", "rollout.engine.lora.alpha=8"]).rollout.engine.lora is None
     with pytest.raises(ConfigError, match="weight_sync.channel=broadcast is vLLM's weight transfer, which loads "
                                           "model weights only"):
-        load_config(None, ["learner.lora.rank=16", "learner.lora.publish=adapter", "learner.weight_sync.channel=broadcast"])
+        load_config(None, ["learner.lora.rank=16", "learner.lora.publish=adapter",
+                           "learner.weight_sync.channel=broadcast"])
     with pytest.raises(ConfigError, match="vLLM takes LoRA adapters up to rank 512"):
         load_config(None, ["learner.lora.rank=1024", "learner.lora.publish=adapter"])
     assert load_config(None, ["learner.lora.rank=1024", "learner.lora.publish=adapter",
