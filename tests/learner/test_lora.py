@@ -271,6 +271,26 @@ def test_two_gloo_ranks_train_the_adapters_as_one_rank_does(policy_dir, groups, 
                           single.policy_weights()) < 1e-10
 
 
+def test_under_fsdp_the_adapters_leave_whole_when_the_engines_take_adapters(policy_dir, groups, ray_cluster):
+    """learner.lora.publish=adapter on two FSDP ranks: each adapter is gathered whole from its shards and
+    only the adapters leave, equal to one rank's after the same step."""
+    overrides = dict(max_tokens_per_micro_batch=16, ppo_mini_batch_size=2, lora={**LORA, "publish": "adapter"})
+    single = Learner(_config(policy_dir, **overrides))
+    group = LearnerGroup(_config(policy_dir, **overrides, distributed={"world_size": 2, "strategy": "fsdp",
+                                                                       "timeout_s": 60}),
+                         ray_options={"num_cpus": 0})
+    try:
+        single.train_step(groups)
+        group.train_step(groups)
+        assert group.publish_weights()["version"] == 1
+        published = resolve_weights(group.published(timeout=120))
+    finally:
+        group.shutdown()
+    live = params_of(single.model)
+    assert published.keys() == single.adapters.shapes.keys()
+    assert max_param_diff(published, {name: live[name] for name in published}) < 1e-10
+
+
 def test_an_moe_policy_adapts_its_linear_layers_and_publishes_checkpoint_names(tmp_path):
     """transformers 5 fuses an MoE block's experts into 3-D parameters and its router is no
     `nn.Linear`: both stay frozen (as under PEFT's all-linear), the attention is adapted, routing
