@@ -161,10 +161,10 @@ class LoraConfig(BaseModel):
         [], description="modules taken back out of target_modules, named the same two ways")
     publish: Literal["merged", "adapter"] = Field(
         "merged", description="what each version sends the engines. merged: every weight, W + alpha/rank * B A "
-        "(any engine; 15 GB a version for a 7B model in bfloat16). adapter: A and B alone (rank 64 on a 7B model's "
-        "seven projections: 0.3 GB), which vLLM applies as a LoRA adapter (LoRARequest, swapped in place) and the "
-        "transformers engine merges; through the object_store or folder channel (vLLM's weight transfer loads "
-        "model weights only); the saved policy/ stays merged (verl's lora.merge=False)")
+        "(any engine; 15 GB a version for a 7B model in bfloat16). adapter (verl's lora.merge=False): A and B alone "
+        "(rank 64 on a 7B model's seven projections: 0.3 GB), which vLLM applies as a LoRA adapter (LoRARequest, "
+        "swapped in place) and the transformers engine merges; through the object_store or folder channel (vLLM's "
+        "weight transfer loads model weights only). The saved policy/ is merged either way")
 
     @field_validator("target_modules", "exclude_modules")
     @classmethod

@@ -10,8 +10,9 @@ as PEFT's (Kaiming-uniform, |a| <= 1/sqrt(in)), from a generator seeded by the r
 layer's name (every rank and world size draws the same), and B as zeros: at the start the policy is
 the base model, the engines' version 0.
 
-What leaves the learner is merged, W + scale · B A (`merged_weight`): the engines load plain weights
-(no engine needs LoRA support) and the saved policy is a plain HF folder. An engine in bfloat16
+The saved policy is merged, W + scale · B A (`lm.lora_weights.merged_weight`): a plain HF folder.
+So are the versions the engines get (no engine needs LoRA support), or with `publish=adapter` A and
+B alone, which vLLM applies as a LoRA adapter (rollout_workers/engines). An engine in bfloat16
 computes with round(W + scale · B A), which drops an update entry below half a bfloat16 step of W;
 a learner computing in bfloat16 (mixed_precision) drops the same updates where it rounds each
 layer's output, y + scale · B(A x): on a 1,024-wide layer (benchmarks/lora_step.py) both keep 2 %
@@ -19,7 +20,8 @@ of an update 4e-5 the size of W, 21 % at 4e-4, 96 % at 4e-3, alike (full fine-tu
 compute over float32 master weights drops them the same way; A and B, like master weights, keep
 them until they add up). The KL reference is the policy with its adapters off
 (`LoraAdapters.disabled`): no second model. The adapters alone also leave as a PEFT folder
-(`learner.checkpoint.write_adapter`).
+(`learner.checkpoint.write_adapter`). What both sides know of LoRA weights (which layers, their
+names, the merge, the PEFT folder) lives in `lm/lora_weights.py`.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ import zlib
 import torch
 
 from lm.lora_weights import target_names
+
 
 def initial_value(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
     """An adapter's starting value (float32, CPU): A Kaiming-uniform as PEFT's (bound 1/sqrt(in)),
