@@ -5,6 +5,7 @@ with must be what the learner computes, version 0 is the base model, requests in
 a new version, and a version that does not fit is refused with the engine left as it was."""
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -121,6 +122,35 @@ def test_vllm_requests_in_flight_go_on_under_the_new_adapter(lora_vllm, adapted,
         under_old = straddled_log_probs(model, old, old, prompt, completion.token_ids, first_new)
         assert (torch.tensor(completion.log_probs[first_new:]) - under_old).abs().max() > 1e-2
     set_adapters(model, sent)
+
+
+def test_vllm_with_pause_mode_wait_swaps_the_adapter_after_the_requests_in_flight(lora_vllm, adapted, tokenizer):
+    """interrupt_on_update=false (pause_mode wait): the swap waits for the requests in flight, which end
+    under the old version; requests after it run under the new adapter."""
+    model, adapters = adapted
+    prompt = encode(tokenizer, PROMPT_TEXT)
+    params = SamplingParams(n=2, max_new_tokens=16, seed=7)
+    sent = next_version(model, adapters, seed=31)
+    old_version = lora_vllm.version
+    lora_vllm.pause_mode = "wait"
+    try:
+        start = lora_vllm.tokens_out_total
+        before = lora_vllm.submit(prompt, params)
+        deadline = time.monotonic() + 60
+        while lora_vllm.tokens_out_total - start < 2 and not before.done():
+            assert time.monotonic() < deadline, "the request made no tokens"
+            time.sleep(0.001)
+        loader = threading.Thread(target=lora_vllm.load_weights, args=(31, sent))
+        loader.start()
+        first = before.result(60)
+        loader.join(60)
+        after = lora_vllm.submit(prompt, params).result(60)
+    finally:
+        lora_vllm.pause_mode = "keep"
+    assert all(set(versions) == {old_version} for _, versions in first)
+    assert all(set(versions) == {31} for _, versions in after) and lora_vllm.version == 31
+    completions = [c for c, _ in after]
+    assert max_gap(completions, reference_log_probs(model, prompt, completions)) < 1e-4
 
 
 def straddled_log_probs(model, old, new, prompt, tokens, first_new) -> torch.Tensor:
