@@ -56,9 +56,16 @@ import numpy as np
 import torch
 
 from buffer.sample import as_routing_array
-from lm.causal_lm import check_model_dir, torch_dtype
+from lm.causal_lm import causal_lm_on_meta, check_model_dir, torch_dtype
 from lm.device import resolve_device
-from lm.lora_weights import ADAPTER_PARTS, adapter_layers, adapter_shapes, peft_target_modules, write_peft_folder
+from lm.lora_weights import (
+    ADAPTER_PARTS,
+    adapter_layers,
+    adapter_shapes,
+    peft_target_modules,
+    target_shapes,
+    write_peft_folder,
+)
 from lm.weight_sync import save_weights_folder
 from lm.weight_sync.payloads import folder_weight_shapes, load_weights_folder
 from rollout_workers.engines.base import (
@@ -118,9 +125,6 @@ def _max_lora_rank(rank: int) -> int:
 
 def _adapted_layers(model_dir, lora) -> dict[str, tuple[int, int]]:
     """{layer: (out, in)} of the linear layers `lora` adapts, from the model built on the meta device."""
-    from lm.causal_lm import causal_lm_on_meta
-    from lm.lora_weights import target_shapes
-
     return target_shapes(causal_lm_on_meta(model_dir), lora.target_modules, lora.exclude_modules)
 
 
@@ -517,8 +521,8 @@ class VLLMEngine(GenerationEngine):
 
         lora, previous = self.lora, self._lora_request
         folder = Path(self._weights_dir.name) / f"adapter-{version}-{next(self._ids)}"
-        layers = sorted({name.rsplit(".", 2)[0] for name in tensors})
-        write_peft_folder(folder, tensors, lora.rank, lora.alpha, peft_target_modules(None, layers), self.model_dir)
+        write_peft_folder(folder, tensors, lora.rank, lora.alpha, peft_target_modules(None, list(self._adapted)),
+                          self.model_dir)
         # in-place for the swap only: requests carry one without it, which vLLM never reloads
         request = LoRARequest("etarl-policy", ADAPTER_ID, str(folder), load_inplace=swap)
 

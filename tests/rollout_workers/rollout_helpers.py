@@ -1,6 +1,6 @@
 """Helpers for the rollout-worker tests: misbehaving reward functions (imported by path in the
 reward child process), a reference for processed (temperature/top-k/top-p) log-probs, pulling from
-the buffer, and a weight store that publishes when a test arms it."""
+the buffer, a weight store that publishes when a test arms it, and a bounded wait for a condition."""
 from __future__ import annotations
 
 import os
@@ -219,3 +219,11 @@ def verl_batch_misbehaves(data_sources, solution_strs, ground_truths, extra_info
 
 def verl_batch_needs_more(data_sources, solution_strs, ground_truths, extra_infos, tokenizer):
     return [0.0] * len(solution_strs)
+
+
+def wait_until(condition, timeout: float = 60.0, what: str = "condition not reached") -> None:
+    """Poll `condition()` until it holds; fail naming `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.001)

@@ -6,10 +6,10 @@ a new version, and a version that does not fit is refused with the engine left a
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import torch
+from rollout_helpers import wait_until
 from test_engines import PROMPT_TEXT, encode, max_gap, reference_log_probs
 
 from learner.config import LoraConfig
@@ -103,10 +103,7 @@ def test_vllm_requests_in_flight_go_on_under_the_new_adapter(lora_vllm, adapted,
         sent = next_version(model, adapters, seed=version)
         start = lora_vllm.tokens_out_total
         request = lora_vllm.submit(prompt, params)
-        deadline = time.monotonic() + 60
-        while lora_vllm.tokens_out_total - start < 4 and not request.done():
-            assert time.monotonic() < deadline, "the request made no tokens"
-            time.sleep(0.001)
+        wait_until(lambda: lora_vllm.tokens_out_total - start >= 4 or request.done(), what="the request made no tokens")
         lora_vllm.load_weights(version, sent)
         results = request.result(60)
         if all(versions[-1] == version and versions[0] < version for _, versions in results):
@@ -136,10 +133,7 @@ def test_vllm_with_pause_mode_wait_swaps_the_adapter_after_the_requests_in_fligh
     try:
         start = lora_vllm.tokens_out_total
         before = lora_vllm.submit(prompt, params)
-        deadline = time.monotonic() + 60
-        while lora_vllm.tokens_out_total - start < 2 and not before.done():
-            assert time.monotonic() < deadline, "the request made no tokens"
-            time.sleep(0.001)
+        wait_until(lambda: lora_vllm.tokens_out_total - start >= 2 or before.done(), what="the request made no tokens")
         loader = threading.Thread(target=lora_vllm.load_weights, args=(31, sent))
         loader.start()
         first = before.result(60)

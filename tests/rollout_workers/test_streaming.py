@@ -4,10 +4,9 @@ the interface check at start, and the platform defaults."""
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
-from rollout_helpers import perturbed, pull_all
+from rollout_helpers import perturbed, pull_all, wait_until
 
 from lm.weight_sync import WeightStore
 from rollout_workers.config import RolloutConfig, SamplingConfig
@@ -105,13 +104,6 @@ def test_a_load_with_mode_wait_lets_the_requests_in_flight_end_first(vllm_engine
     assert all(set(versions) == {0} for _, versions in first), first
     assert all(set(versions) == {5} for _, versions in after)
     assert vllm_engine.version == 5 and vllm_engine.engine_weight_version() == "5"
-
-
-def wait_until(condition, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.001)
 
 
 def test_the_cpu_defaults_are_eager_and_seeded(vllm_engine):

@@ -508,13 +508,6 @@ def assert_versions_then_log_probs(model_dir, new_weights, group, tol=1e-4):
         np.testing.assert_allclose(s.rollout_log_probs[switch:], new_lp.numpy(), atol=tol)
 
 
-def wait_until(condition, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.01)
-
-
 class FailingEngine:
     """Fault injection around the real engine: every generation raises (a broken engine)."""
 
