@@ -227,3 +227,22 @@ def wait_until(condition, timeout: float = 60.0, what: str = "condition not reac
     while not condition():
         assert time.monotonic() < deadline, what
         time.sleep(0.001)
+
+
+def load_with_mode_wait(engine, prompt, params, version: int, weights) -> tuple[list, list]:
+    """A streaming engine's load under pause_mode wait, made while a request is in flight: (that
+    request's [(completion, versions)], those of a request submitted after the load)."""
+    import threading
+
+    engine.pause_mode = "wait"
+    try:
+        start = engine.tokens_out_total
+        before = engine.submit(prompt, params)
+        wait_until(lambda: engine.tokens_out_total - start >= 2 or before.done(), what="the request made no tokens")
+        loader = threading.Thread(target=engine.load_weights, args=(version, weights))
+        loader.start()
+        first = before.result(60)
+        loader.join(60)
+        return first, engine.submit(prompt, params).result(60)
+    finally:
+        engine.pause_mode = "keep"

@@ -5,11 +5,10 @@ with must be what the learner computes, version 0 is the base model, requests in
 a new version, and a version that does not fit is refused with the engine left as it was."""
 from __future__ import annotations
 
-import threading
 
 import pytest
 import torch
-from rollout_helpers import wait_until
+from rollout_helpers import load_with_mode_wait, wait_until
 from test_engines import PROMPT_TEXT, encode, max_gap, reference_log_probs
 
 from learner.config import LoraConfig
@@ -129,18 +128,7 @@ def test_vllm_with_pause_mode_wait_swaps_the_adapter_after_the_requests_in_fligh
     params = SamplingParams(n=2, max_new_tokens=16, seed=7)
     sent = next_version(model, adapters, seed=31)
     old_version = lora_vllm.version
-    lora_vllm.pause_mode = "wait"
-    try:
-        start = lora_vllm.tokens_out_total
-        before = lora_vllm.submit(prompt, params)
-        wait_until(lambda: lora_vllm.tokens_out_total - start >= 2 or before.done(), what="the request made no tokens")
-        loader = threading.Thread(target=lora_vllm.load_weights, args=(31, sent))
-        loader.start()
-        first = before.result(60)
-        loader.join(60)
-        after = lora_vllm.submit(prompt, params).result(60)
-    finally:
-        lora_vllm.pause_mode = "keep"
+    first, after = load_with_mode_wait(lora_vllm, prompt, params, 31, sent)
     assert all(set(versions) == {old_version} for _, versions in first)
     assert all(set(versions) == {31} for _, versions in after) and lora_vllm.version == 31
     completions = [c for c, _ in after]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 
 import pytest
-from rollout_helpers import perturbed, pull_all, wait_until
+from rollout_helpers import load_with_mode_wait, perturbed, pull_all
 
 from lm.weight_sync import WeightStore
 from rollout_workers.config import RolloutConfig, SamplingConfig
@@ -89,18 +89,7 @@ def test_a_load_with_mode_wait_lets_the_requests_in_flight_end_first(vllm_engine
     flight, which end under the old version, and requests after it run under the new."""
     prompt = tokenizer("12+34=", add_special_tokens=False)["input_ids"]
     params = SamplingParams(n=2, max_new_tokens=8, stop_token_ids=(tokenizer.eos_token_id,), seed=1)
-    vllm_engine.pause_mode = "wait"
-    try:
-        start = vllm_engine.tokens_out_total
-        before = vllm_engine.submit(prompt, params)
-        wait_until(lambda: vllm_engine.tokens_out_total - start >= 2 or before.done())  # both are running
-        loader = threading.Thread(target=vllm_engine.load_weights, args=(5, perturbed(restore_vllm_weights, seed=6)))
-        loader.start()
-        first = before.result(60)
-        loader.join(60)
-        after = vllm_engine.submit(prompt, params).result(60)
-    finally:
-        vllm_engine.pause_mode = "keep"
+    first, after = load_with_mode_wait(vllm_engine, prompt, params, 5, perturbed(restore_vllm_weights, seed=6))
     assert all(set(versions) == {0} for _, versions in first), first
     assert all(set(versions) == {5} for _, versions in after)
     assert vllm_engine.version == 5 and vllm_engine.engine_weight_version() == "5"
