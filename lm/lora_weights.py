@@ -78,7 +78,7 @@ def adapter_layers(version: int, weights, layers: dict[str, tuple[int, int]], ra
         if not is_adapter_name(name):
             raise ValueError(f"weights v{version}: {name!r} is not a LoRA adapter's tensor, and this engine takes "
                              f"each version as adapters (learner.lora.publish=adapter)")
-        layer, part = name.rsplit(".", 2)[0], name.rsplit(".", 2)[1]
+        layer, part, _ = name.rsplit(".", 2)
         if layer not in layers:
             raise ValueError(f"weights v{version}: {name!r} adapts {layer!r}, which is not one of the "
                              f"{len(layers)} layers learner.lora adapts here")
