@@ -7,6 +7,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from rollout_workers.code_tests import WORST_CASE_S
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -37,6 +39,8 @@ def json_values(value: dict, name: str, goes_to: str) -> dict:
 
 
 # vLLM's max_lora_rank values (vllm/config/lora.py): an engine takes the smallest that holds the rank
+REWARD_TIMEOUT_S = 5.0
+VERL_REWARD_TIMEOUT_S = 120.0  # verl's rules: a code row's two checks, prime_math's 10 s of sympy
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
@@ -283,7 +287,10 @@ class RolloutConfig(_Strict):
         default_factory=list, description="names of the worker's environment variables the reward process sees "
         "besides the allow-list (PATH, HOME, locale, ...): a judge's URL and key, e.g. [JUDGE_BASE_URL, "
         "JUDGE_API_KEY]; ETARL_* never")
-    reward_timeout_s: float = Field(5.0, gt=0)
+    reward_timeout_s: float | None = Field(
+        None, gt=0, description="seconds a response's reward may take (past it the response scores failure_reward "
+        f"and the process is replaced); null: {REWARD_TIMEOUT_S:g}, and {VERL_REWARD_TIMEOUT_S:g} for reward=verl "
+        f"(a code row's tests run up to {WORST_CASE_S} s, as verl's prime_code allows them)")
     reward_cpu_s: float | None = Field(
         10.0, gt=0, description="CPU seconds the reward process may use per response (all its threads; past it "
         "the response scores failure_reward and the process is replaced); null: no limit")
@@ -332,6 +339,12 @@ class RolloutConfig(_Strict):
     @classmethod
     def _env_names(cls, value: list[str]) -> list[str]:
         return passed_env_names(value, "reward_env")
+
+    @model_validator(mode="after")
+    def _reward_timeout(self):
+        if self.reward_timeout_s is None:
+            self.reward_timeout_s = VERL_REWARD_TIMEOUT_S if self.reward == "verl" else REWARD_TIMEOUT_S
+        return self
 
     @model_validator(mode="after")
     def _overlong_buffer_fits(self):

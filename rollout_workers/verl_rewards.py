@@ -1,6 +1,6 @@
 """verl's default reward without verl: `rollout.reward=verl` scores each row by its data_source with the
 rule `verl.utils.reward_score.default_compute_score` uses for it, so a verl user's GSM8K, MATH, DAPO/AIME,
-Search-R1 and PRIME (Eurus-2-RL-Data's math) files score in etarl as they score in verl:
+Search-R1, PRIME (Eurus-2-RL-Data's math and code) and code-contest files score in etarl as they score in verl:
 
   openai/gsm8k                                    gsm8k_reward: the number after the last '#### '
   lighteval/MATH, DigitalLearningGmbH/MATH-lighteval, HuggingFaceH4/MATH-500
@@ -14,10 +14,13 @@ Search-R1 and PRIME (Eurus-2-RL-Data's math) files score in etarl as they score 
   numina_aops_forum, numina_olympiads, ...        prime_math: the answer after the last "answer is"
                                                   or in the last box, graded by prm800k's rule (sympy
                                                   within 10 s), else ToRA's math_equal; 1.0 or 0.0
+  codecontests, apps, codeforces, taco            prime_code (rollout_workers/code_tests.py): the
+                                                  response's program run on the row's tests; 1.0, or
+                                                  the fraction of the first 10 passed one by one
 
 The rules are written from verl's behaviour (verl 1dda039) and checked against verl's functions on
-random texts. verl's other rules need more than Python (a sandbox for code, mathruler and images for
-geometry3k): their rows, and rows of a data_source verl has no rule for, are bad rows
+random texts (prime_code on programs against verl's harness). verl's geometry3k rule needs more than
+Python (mathruler, and images): its rows, and rows of a data_source verl has no rule for, are bad rows
 (`why_unscorable_row`, with rows whose reference their rule cannot read: refused when a run starts, or
 skipped with rollout.task.skip_invalid), and fail as a reward error if one reaches a worker.
 In a multi-turn tools run the rule reads the answer turn, where verl reads the whole response (a
@@ -37,6 +40,8 @@ import string
 import threading
 import types
 from typing import Any
+
+from rollout_workers.code_tests import CODE_SOURCES, prime_code_reward, why_bad_tests
 
 # ---------------------------------------------------------------- openai/gsm8k
 _GSM8K_TAIL = 300  # characters verl's rule reads at the end of a response
@@ -876,9 +881,9 @@ _RULES = {"openai/gsm8k": gsm8k_reward,
           **dict.fromkeys([f"searchR1_{name}" for name in ("nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa",
                                                            "musique", "bamboogle")], search_r1_reward),
           **dict.fromkeys(("numina_aops_forum", "numina_synthetic_math", "numina_amc_aime", "numina_synthetic_amc",
-                           "numina_cn_k12", "numina_olympiads"), prime_math_reward)}
-_NEEDS_VERL = {**dict.fromkeys(("codecontests", "apps", "codeforces", "taco"), "prime_code or a Sandbox Fusion server"),
-               "hiyouga/geometry3k": "geo3k (mathruler; its rows are images, which etarl does not take)"}
+                           "numina_cn_k12", "numina_olympiads"), prime_math_reward),
+          **dict.fromkeys(CODE_SOURCES, prime_code_reward)}
+_NEEDS_VERL = {"hiyouga/geometry3k": "geo3k (mathruler; its rows are images, which etarl does not take)"}
 WITH_VERL = "rollout.reward=verl.utils.reward_score:default_compute_score with verl installed on every node"
 
 
@@ -909,6 +914,8 @@ def _why_bad_reference(data_source: Any, ground_truth: Any) -> str | None:
                                         and all(isinstance(t, str) for t in targets)):
             return None
         return "its ground_truth is not {'target': [answers]} (so it never scores)"
+    if _rule(data_source) is prime_code_reward:
+        return why_bad_tests(ground_truth)
     if _rule(data_source) is prime_math_reward and isinstance(ground_truth, (int, float)) \
             and not isinstance(ground_truth, bool):
         return None  # prime_math reads str(ground_truth), as verl's

@@ -112,22 +112,26 @@ def verl_import_hint(error: str) -> str:
     """A hint for an import error of a file written for verl: what etarl stands in for ("" for another error)."""
     if "No module named 'verl" in error or "from 'verl." in error:
         return (f" (etarl stands in for {', '.join(STOOD_IN)} (default_compute_score; gsm8k, math_reward, math_dapo, "
-                "search_r1_like_qa_em, prime_math) only: anything else of verl needs verl installed)")
+                "search_r1_like_qa_em, prime_math, prime_code) only: anything else of verl needs verl installed)")
     return ""
 
 
 def default_compute_score(data_source, solution_str, ground_truth, extra_info=None, sandbox_fusion_url=None,
                           concurrent_semaphore=None, memory_limit_mb=None, **kwargs):
-    """verl's default reward for the data sources etarl has its rules for (the sandbox's arguments are
-    for code rows, which need verl)."""
+    """verl's default reward for the data sources etarl has its rules for; code rows run as verl's prime_code
+    (where verl would use a Sandbox Fusion server at sandbox_fusion_url, etarl has no client: an error)."""
     from rollout_workers.verl_rewards import verl_default_reward
 
+    if sandbox_fusion_url:
+        raise ValueError("default_compute_score(sandbox_fusion_url=...): etarl has no Sandbox Fusion client; leave it "
+                         "unset (code rows then run as verl's prime_code does) or install verl")
     return verl_default_reward(data_source, solution_str, ground_truth, extra_info)
 
 
 def _reward_score_modules(module) -> list[types.ModuleType]:
     """verl.utils.reward_score and its modules of the rules etarl carries, under verl's names."""
     from rollout_workers import verl_rewards as rules
+    from rollout_workers.code_tests import prime_code_score
 
     def dapo_remove_boxed(boxed: str) -> str:
         if not (boxed.startswith("\\boxed{") and boxed.endswith("}")):
@@ -147,6 +151,7 @@ def _reward_score_modules(module) -> list[types.ModuleType]:
         "search_r1_like_qa_em": module(f"{REWARD_SCORE}.search_r1_like_qa_em", compute_score=rules.search_r1_reward,
                                        normalize_answer=rules.qa_normalized, em_check=rules.exact_match,
                                        extract_solution=rules.search_r1_answer),
+        "prime_code": module(f"{REWARD_SCORE}.prime_code", package=True, compute_score=prime_code_score),
     }
 
     def math_equal(prediction, reference, include_percentage=True, tolerance=1e-4, timeout=10.0, pi=math.pi):

@@ -486,7 +486,7 @@ def test_a_tool_file_that_imports_what_etarl_does_not_stand_in_for_is_told_why(t
 
     for name, source, said in [
             ("copied", "from .base_tool import BaseTool\n", "write `from verl.tools.base_tool import BaseTool`"),
-            ("scored", "from verl.utils.reward_score import prime_code\n",
+            ("scored", "from verl.utils.reward_score import sandbox_fusion\n",
              "anything else of verl needs verl installed"),
             ("named", "from verl.tools.schemas import OpenAIFunctionToolCall\n", "anything else of verl needs")]:
         (tmp_path / f"{name}.py").write_text(source)

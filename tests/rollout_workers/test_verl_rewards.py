@@ -185,7 +185,13 @@ def test_rows_it_cannot_score_are_named_with_what_to_do():
     rows = [("openai/gsm8k", "4", None), ("aime25", "7", None),
             ("numina_olympiads", "1", None), ("numina_cn_k12", 12, None),  # prime_math reads str(ground_truth)
             ("numina_amc_aime", None, "its ground_truth is missing"),
-            ("taco", "x", "verl scores it with prime_code or a Sandbox Fusion server"),
+            ("taco", "x", "its ground_truth is not JSON test cases"),
+            ("apps", '{"inputs": ["1"], "outputs": ["1"]}', None),
+            ("codeforces", {"inputs": ["1"], "outputs": []}, "its ground_truth has 1 inputs and 0 outputs"),
+            ("codecontests", '{"inputs": [], "outputs": []}', "its ground_truth has 0 inputs and 0 outputs"),
+            ("taco", '{"inputs": [["1"]], "outputs": ["1"]}', "its ground_truth's input 0 is list, not text"),
+            ("taco", '{"fn_name": 3, "inputs": ["1"], "outputs": ["1"]}', "its ground_truth's fn_name is int"),
+            ("hiyouga/geometry3k", "3", "verl scores it with geo3k"),
             ("my_set", "1", "verl's default reward has no rule for it either"), ("", "1", "rows without a data_source"),
             ("lighteval/MATH", 5, "its ground_truth is a number, not text"),
             ("aime24", ["7"], "its ground_truth is a list, not text"), ("searchR1_nq", {"target": ["Paris"]}, None),
@@ -197,7 +203,7 @@ def test_rows_it_cannot_score_are_named_with_what_to_do():
             assert said is None, source
         else:
             assert said.startswith(f"rollout.reward=verl cannot score it: data_source {source!r}: {why}"), said
-    assert "verl.utils.reward_score:default_compute_score with verl installed" in why_unscorable("taco")
+    assert "verl.utils.reward_score:default_compute_score with verl installed" in why_unscorable("hiyouga/geometry3k")
     with pytest.raises(ValueError, match="cannot score data_source 'my_set': verl's default reward has no rule"):
         verl_default_reward("my_set", "Answer: 1", "1")
 
@@ -240,7 +246,7 @@ def test_a_reward_file_written_against_verls_reward_score_loads_and_scores_witho
     for source, response, reference, value in cases:
         assert reward(response, Problem("?", reference, data_source=source)).value == value, source
     assert "verl" not in sys.modules
-    path.write_text("from verl.utils.reward_score.prime_code import compute_score\n")
-    with pytest.raises(ValueError, match=r"No module named 'verl.utils.reward_score.prime_code' \(etarl stands in "
+    path.write_text("from verl.utils.reward_score.sandbox_fusion import compute_score\n")
+    with pytest.raises(ValueError, match=r"No module named 'verl.utils.reward_score.sandbox_fusion' \(etarl stands in "
                                          r"for .*verl.utils.reward_score .*anything else of verl needs verl installed"):
         Reward(f"{path}:compute_score")

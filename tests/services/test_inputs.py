@@ -228,8 +228,8 @@ def test_rows_the_verl_reward_cannot_score_are_bad_rows_refused_or_skipped_befor
         check_run_inputs(cfg, tiny_model_dir)
     said = str(refused.value)
     assert said.startswith("rollout.task.heldout_path: prompt file has unusable rows, the run does not start")
-    assert f"{mixed} row 2: rollout.reward=verl cannot score it: data_source 'taco': verl scores it " \
-           "with prime_code" in said
+    assert f"{mixed} row 2: rollout.reward=verl cannot score it: data_source 'taco': its ground_truth is not test " \
+           "cases" in said
     assert f"{mixed} row 3: rollout.reward=verl cannot score it: data_source 'my_set': verl's default reward has " \
            "no rule for it either" in said
     assert f"{mixed} row 5: rollout.reward=verl cannot score it: data_source 'lighteval/MATH': its ground_truth is " \
