@@ -211,6 +211,8 @@ class _Lines:
                 return None
             self.buffer += chunk
         line, self.buffer = self.buffer.split(b"\n", 1)
+        if len(line) > MAX_REPLY_BYTES:
+            return None
         try:
             message = json.loads(line)
         except (ValueError, RecursionError):
