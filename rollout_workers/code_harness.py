@@ -1,11 +1,11 @@
 """The process that runs a model's program against test inputs, the way verl's prime_code does
 (`verl.utils.reward_score.prime_code.testing_util.run_test`, verl 1dda039), for
-`rollout_workers/code_tests.py`. Started as `python -I code_harness.py` (standard library only, so
-it starts fast and imports nothing of etarl), one process per check, in an empty folder, with the
-scrubbed environment of a reward process.
+`rollout_workers/code_tests.py`. Started as `python -I code_harness.py` (standard library only: it
+imports nothing of etarl) with the scrubbed environment of a reward process.
 
-It reads one JSON request on stdin: {"kind": "stdin" | "call", "program": str, "fn_name": str | None,
-"inputs": [str, ...], "timeout_s": int}, then writes JSON lines to its own copy of stdout:
+It is a fork server (`serve`): each request, {"kind": "stdin" | "call", "program": str, "fn_name": str | None,
+"inputs": [str, ...], "timeout_s": int, "folder": str}, is checked in a process forked for it, which
+works in `folder` and writes JSON lines to the pipe that came with the request:
   {"ready": true}                       limits and guard set, about to load the program
   {"load_error": why}                   the program did not load (verl's -2): nothing more follows
   {"stdout": text} | {"value": tagged}  the next test's output (stdin kind) or return value (call kind)
@@ -26,14 +26,16 @@ from __future__ import annotations
 
 import ast
 import builtins
+import contextlib
+import importlib
 import io
 import json
 import os
 import resource
 import signal
+import socket
 import sys
 import types
-from contextlib import ExitStack
 from unittest import mock
 
 PRELUDE_STAR = ("string", "re", "datetime", "collections", "heapq", "bisect", "copy", "math", "random",
@@ -135,7 +137,7 @@ def run_stdin_test(code, text: str) -> str:
     lines = iter(text.split("\n"))
     captured = io.StringIO()
     captured.close = lambda x: 1  # as verl's Capturing: closing stdout does not drop the output
-    with ExitStack() as patches:
+    with contextlib.ExitStack() as patches:
         patches.enter_context(mock.patch("sys.stdin.read", lambda *args: text))
         patches.enter_context(mock.patch("sys.stdin.readlines", lambda *args: text.split("\n")))
         patches.enter_context(mock.patch("sys.stdin.readline", lambda *args: next(lines)))
@@ -158,15 +160,17 @@ def run_call_test(function, text: str):
     return tagged(result)
 
 
-def main() -> None:
-    request = json.load(sys.stdin)
+def check(request: dict, reply_fd: int) -> None:
+    """One check, in a process forked for it: the program loaded and run on each input, a JSON line to
+    reply_fd for each step (see the module's docstring)."""
     kind, timeout_s = request["kind"], int(request["timeout_s"])
-    replies = os.fdopen(os.dup(1), "w", encoding="utf-8")
+    replies = os.fdopen(reply_fd, "w", encoding="utf-8")
 
     def reply(message: dict) -> None:
         replies.write(json.dumps(message) + "\n")
         replies.flush()
 
+    os.chdir(request["folder"])
     # The program's stray writes to the real descriptors go nowhere; stdin/stdout/stderr are the null
     # device when it loads, as in verl's child.
     null = os.open(os.devnull, os.O_RDWR)
@@ -201,5 +205,52 @@ def main() -> None:
         reply(result)
 
 
+def _received(control: socket.socket, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        chunk = control.recv(size - len(data))
+        if not chunk:
+            raise EOFError
+        data += chunk
+    return data
+
+
+def serve() -> None:
+    """The fork server: its stdin is a socket on which each request comes as an 8-byte length, the JSON
+    request and (with the length) the write end of a pipe for its replies. Each request is checked in a
+    child forked from this process (which has loaded all it needs: a check starts in milliseconds), in
+    its own session, whose pid goes back on the socket; the parent ends that session when it is done.
+    The server ends when its parent closes the socket."""
+    import shutil  # noqa: F401 - what every check imports, loaded once
+    import subprocess  # noqa: F401
+
+    for name in PRELUDE_STAR:
+        importlib.import_module(name)
+    control = socket.socket(fileno=0)
+    while True:
+        with contextlib.suppress(ChildProcessError):  # the checks the parent has ended
+            while os.waitpid(-1, os.WNOHANG)[0]:
+                pass
+        try:
+            header, fds, _, _ = socket.recv_fds(control, 8, 1)
+            if not header:
+                return
+            header += _received(control, 8 - len(header))
+            request = json.loads(_received(control, int.from_bytes(header, "big")))
+        except (EOFError, OSError):
+            return
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.setsid()
+                control.close()
+                check(request, fds[0])
+            finally:
+                os._exit(0)
+        for fd in fds:
+            os.close(fd)
+        control.sendall(pid.to_bytes(8, "big"))
+
+
 if __name__ == "__main__":
-    main()
+    serve()

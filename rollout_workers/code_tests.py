@@ -24,12 +24,14 @@ A check's seconds count from the harness saying it is ready (Python's start is n
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import selectors
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -191,12 +193,12 @@ def value_matches(tagged_value: Any, expected_text: str) -> bool:
 
 # ---------------------------------------------------------------- running the harness
 class _Lines:
-    """JSON lines from the harness's stdout, each waited for until a deadline."""
+    """JSON lines from a check's reply pipe, each waited for until a deadline."""
 
-    def __init__(self, stream) -> None:
-        self.fd = stream.fileno()
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
         self.selector = selectors.DefaultSelector()
-        self.selector.register(self.fd, selectors.EVENT_READ)
+        self.selector.register(fd, selectors.EVENT_READ)
         self.buffer = b""
 
     def next(self, deadline: float) -> dict | None:
@@ -221,6 +223,68 @@ class _Lines:
 
     def close(self) -> None:
         self.selector.close()
+        os.close(self.fd)
+
+
+class _ForkServer:
+    """This process's harness (`code_harness.serve`): started on the first check, once, and again if it
+    died; a check is a process it forks (milliseconds, where a fresh interpreter takes ~130 ms)."""
+
+    def __init__(self) -> None:
+        ours, theirs = socket.socketpair()
+        self.proc = subprocess.Popen([sys.executable, "-I", str(HARNESS)], stdin=theirs, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL, env=child_environment(), start_new_session=True)
+        theirs.close()
+        self.control = ours
+
+    def start_check(self, request: bytes, reply_fd: int) -> int:
+        """The pid of the process checking `request` (its replies go to reply_fd); OSError or EOFError if the
+        server is gone."""
+        self.control.settimeout(START_TIMEOUT_S)
+        socket.send_fds(self.control, [len(request).to_bytes(8, "big")], [reply_fd])
+        self.control.sendall(request)
+        pid = b""
+        while len(pid) < 8:
+            chunk = self.control.recv(8 - len(pid))
+            if not chunk:
+                raise EOFError("the code harness ended")
+            pid += chunk
+        return int.from_bytes(pid, "big")
+
+    def close(self) -> None:
+        self.control.close()  # it ends on its own then; killed if it does not
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+_server: _ForkServer | None = None
+
+
+def close_harness() -> None:
+    """End this process's harness (it ends with the process anyway)."""
+    global _server
+    if _server is not None:
+        _server.close()
+        _server = None
+
+
+def _start_check(request: bytes, reply_fd: int) -> int:
+    """A check started on this process's fork server, started (again) where it is not running."""
+    global _server
+    for attempt in range(2):
+        if _server is None or _server.proc.poll() is not None:
+            close_harness()
+            _server = _ForkServer()
+        try:
+            return _server.start_check(request, reply_fd)
+        except (OSError, EOFError) as err:
+            close_harness()
+            if attempt:
+                raise HarnessFailed(f"the code harness did not start ({type(err).__name__}: {err})") from None
+    raise AssertionError("unreachable")
 
 
 def run_tests(program: str, tests: CodeTests, timeout_s: int, kind: str | None = None) -> list[bool]:
@@ -228,21 +292,18 @@ def run_tests(program: str, tests: CodeTests, timeout_s: int, kind: str | None =
     failure (a load error, a raise, a wrong output, the timeout): fewer results than tests then, the
     last False. kind: "stdin" or "call" (default: by tests.fn_name)."""
     kind = kind or ("stdin" if tests.fn_name is None else "call")
-    request = json.dumps({"kind": kind, "program": program, "fn_name": tests.fn_name, "inputs": tests.inputs,
-                          "timeout_s": timeout_s}).encode()
     folder = tempfile.mkdtemp(prefix="etarl-code-")
-    proc = subprocess.Popen([sys.executable, "-I", str(HARNESS)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, cwd=folder, env=child_environment(), start_new_session=True)
-    lines = _Lines(proc.stdout)
+    request = json.dumps({"kind": kind, "program": program, "fn_name": tests.fn_name, "inputs": tests.inputs,
+                          "timeout_s": timeout_s, "folder": folder}).encode()
+    read_fd, write_fd = os.pipe()
+    lines, pid = _Lines(read_fd), None
     try:
         try:
-            proc.stdin.write(request)
-            proc.stdin.close()
-        except BrokenPipeError:
-            pass  # it died before reading: the missing "ready" says so
-        ready = lines.next(time.monotonic() + START_TIMEOUT_S)
-        if ready != {"ready": True}:
-            raise HarnessFailed(f"the code harness did not start ({_exit_reason(proc)})")
+            pid = _start_check(request, write_fd)
+        finally:
+            os.close(write_fd)  # the check holds its own copy: the pipe ends when it does
+        if lines.next(time.monotonic() + START_TIMEOUT_S) != {"ready": True}:
+            raise HarnessFailed("the code harness's check did not start")
         deadline = time.monotonic() + timeout_s + 1
         results: list[bool] = []
         for expected in tests.outputs:
@@ -258,26 +319,10 @@ def run_tests(program: str, tests: CodeTests, timeout_s: int, kind: str | None =
         return results
     finally:
         lines.close()
-        _end(proc)
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)  # the check and whatever it started (its session)
         shutil.rmtree(folder, ignore_errors=True)
-
-
-def _exit_reason(proc: subprocess.Popen) -> str:
-    try:
-        code = proc.wait(timeout=1)
-    except subprocess.TimeoutExpired:
-        return "no answer"
-    return f"exited with code {code}"
-
-
-def _end(proc: subprocess.Popen) -> None:
-    """The harness and anything it started (its process group) killed, and reaped."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    proc.wait()
-    proc.stdout.close()
 
 
 def prime_code_score(completion: str, test_cases: Any, continuous: bool = False) -> tuple[bool | float, list]:

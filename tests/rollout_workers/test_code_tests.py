@@ -19,6 +19,12 @@ from rollout_workers.data.problems import Problem
 from rollout_workers.rewards import Reward, RewardRunner
 
 
+@pytest.fixture(autouse=True)
+def harness_ends_with_the_test():
+    yield
+    code_tests.close_harness()
+
+
 def stdin_tests(inputs, outputs) -> str:
     return json.dumps({"inputs": inputs, "outputs": outputs})
 
@@ -161,6 +167,19 @@ def test_a_harness_that_cannot_start_is_an_error_not_a_zero(monkeypatch, tmp_pat
     monkeypatch.setattr(code_tests, "HARNESS", tmp_path / "missing.py")
     with pytest.raises(HarnessFailed, match="the code harness did not start"):
         prime_code_score(READ_ADD, ADD)
+
+
+def test_a_harness_that_died_is_started_again_and_ends_when_closed():
+    right = fenced(READ_ADD + "print(a+b)")
+    assert prime_code_reward(right, ADD) == 1.0
+    server = code_tests._server.proc
+    server.kill()
+    server.wait()
+    assert prime_code_reward(right, ADD) == 1.0  # a new server
+    assert code_tests._server.proc is not server
+    restarted = code_tests._server.proc
+    code_tests.close_harness()
+    assert restarted.poll() is not None  # it ended when its socket closed
 
 
 def test_verls_reward_scores_code_rows_in_the_reward_process():
