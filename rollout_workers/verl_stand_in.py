@@ -5,8 +5,8 @@ against (`verl.tools.base_tool.BaseTool`, `verl.tools.schemas`' ToolResponse and
 `verl.utils.rollout_trace.rollout_trace_op` (verl's tracing, here a decorator that changes nothing) and
 `verl.utils.reward_score`: `default_compute_score` and the GSM8K, MATH (`math_reward`, older verl's
 `math`), DAPO (`math_dapo`), Search-R1 (`search_r1_like_qa_em`) and PRIME (`prime_math`, its
-`grader.math_equal`) modules' `compute_score` and helpers,
-from etarl's rules (rollout_workers/verl_rewards.py; where verl asserts, they raise ValueError). A file
+`grader.math_equal`; `prime_code`) modules' `compute_score` and helpers,
+from etarl's rules (rollout_workers/verl_rewards.py, code_tests.py; where verl asserts, they raise ValueError). A file
 importing anything else of verl needs verl installed; the error names what it imported."""
 from __future__ import annotations
 
