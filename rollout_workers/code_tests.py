@@ -14,13 +14,13 @@ normalisations (whole text or each line stripped, blank lines dropped, or every 
 number within numpy's allclose tolerances where not all are integers); a call where the returned
 value == the expected one (or its first element; tuples as lists).
 
-Each check is a fresh `python -I code_harness.py` (`code_harness.py` says what it does to the
-program, as verl's harness does) in an empty temporary folder, with a reward process's scrubbed
-environment (no keys or tokens), its memory limit, a CPU limit, a 64 MB file-size limit and its process
-group killed at the end; the harness never sees the expected outputs (this process compares). It
-runs the model's code on this machine like verl's own prime_code: not a security boundary against a
-hostile program (use containers, or verl's Sandbox Fusion through verl's own function, for that).
-A check's seconds count from the harness saying it is ready (Python's start is not the program's).
+Each check is a process forked from this process's harness server (`python -I code_harness.py`, started
+on the first check; `code_harness.py` says what it does to the program, as verl's harness does), in an
+empty temporary folder, with a reward process's scrubbed environment (no keys or tokens), its memory
+limit, a CPU limit, a 64 MB file-size limit, and its session killed at the end; the check never sees
+the expected outputs (this process compares). It runs the model's code on this machine like verl's
+own prime_code: not a security boundary against a hostile program (use containers, or verl's Sandbox
+Fusion through verl's own function, for that). A check's seconds count from its saying it is ready.
 """
 from __future__ import annotations
 
@@ -113,14 +113,10 @@ def program_of(completion: str) -> str:
 
 
 # ---------------------------------------------------------------- verl's comparisons
-def _int_like(text: str) -> bool:
-    return text.isdigit()
-
-
 def _numbers_close(printed: list[str], expected: list[str]) -> bool:
     """verl's last resort: as many lines, not all integers, each equal as a float within numpy.allclose's
     tolerances (rtol 1e-5, atol 1e-8)."""
-    if len(printed) != len(expected) or all(_int_like(a) and _int_like(b) for a, b in zip(printed, expected)):
+    if len(printed) != len(expected) or all(a.isdigit() and b.isdigit() for a, b in zip(printed, expected)):
         return False
     try:
         pairs = [(float(a), float(b)) for a, b in zip(printed, expected)]

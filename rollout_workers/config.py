@@ -38,9 +38,9 @@ def json_values(value: dict, name: str, goes_to: str) -> dict:
     return value
 
 
-# vLLM's max_lora_rank values (vllm/config/lora.py): an engine takes the smallest that holds the rank
 REWARD_TIMEOUT_S = 5.0
 VERL_REWARD_TIMEOUT_S = 120.0  # verl's rules: a code row's two checks, prime_math's 10 s of sympy
+# vLLM's max_lora_rank values (vllm/config/lora.py): an engine takes the smallest that holds the rank
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 

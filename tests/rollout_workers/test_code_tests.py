@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +18,7 @@ from rollout_workers.code_tests import (CodeTests, HarnessFailed, prime_code_rew
 from rollout_workers.config import RolloutConfig
 from rollout_workers.data.problems import Problem
 from rollout_workers.rewards import Reward, RewardRunner
+from rollout_helpers import wait_until
 
 
 @pytest.fixture(autouse=True)
@@ -134,15 +136,27 @@ def test_tests_verl_cannot_run_are_named(ground_truth, why):
     assert prime_code_reward(READ_ADD, ground_truth) == 0.0  # reached anyway (a custom reward's call): 0, no raise
 
 
-def test_a_program_past_its_time_fails_its_test_and_the_process_is_gone(monkeypatch):
+def test_a_program_past_its_time_fails_its_test_and_the_process_is_gone(monkeypatch, tmp_path):
     monkeypatch.setattr(code_tests, "ALL_TESTS_TIMEOUT_S", 1)
     monkeypatch.setattr(code_tests, "EACH_TEST_TIMEOUT_S", 1)
     loop = "n=int(input())\nif n == 1:\n    while True: pass\nprint(n)"
     tests = stdin_tests(["0\n", "1\n", "2\n"], ["0\n", "1\n", "2\n"])
     assert prime_code_reward(loop, tests) == pytest.approx(2 / 3)
+    pid_file = tmp_path / "pid"
+    sleeper = f"import os, time\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\nwhile True: time.sleep(1)"
     started = time.monotonic()
-    assert run_tests("import time\nwhile True: time.sleep(1)", read_tests(tests), timeout_s=1) == [False]
+    assert run_tests(sleeper, read_tests(tests), timeout_s=1) == [False]
     assert time.monotonic() - started < 30  # bounded by the deadline, not by the program
+    pid = int(pid_file.read_text())
+    wait_until(lambda: ended(pid), timeout=60, what=f"the check {pid} still runs after its deadline")
+
+
+def ended(pid: int) -> bool:
+    """Whether a process is gone or a zombie (killed, not yet reaped by its server)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
 
 
 def test_the_program_sees_no_secret_and_leaves_nothing_behind(monkeypatch, tmp_path):
