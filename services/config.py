@@ -615,3 +615,41 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
     tree = read_yaml(path)
     source = f"{path}" + (f" + {len(overrides)} override(s)" if overrides else "")
     return build_config(tree, overrides, source=source)
+
+
+def with_absolute_paths(cfg: EtarlConfig, base: str | os.PathLike | None = None) -> EtarlConfig:
+    """`cfg` with its relative file paths made absolute against `base` (default: the working folder): the
+    run folder's config.yaml then names the same files when the run is resumed from another folder, and
+    every node of a cluster reads the files the driver checked. Paths are joined, not resolved: a symbolic
+    link a cluster mounts stays the path given. URLs and module names ("pkg.mod:fn") are left as given."""
+    base = Path.cwd() if base is None else Path(base)
+
+    def absolute(path: str) -> str:
+        return path if "://" in path else os.path.normpath(os.path.join(base, path))
+
+    def absolute_file(spec: str) -> str:  # "path/to/file.py:Name" (a reward, an environment)
+        file, sep, name = spec.rpartition(":")
+        return f"{absolute(file)}:{name}" if sep and file.endswith(".py") else spec
+
+    run, task, multi_turn = cfg.run, cfg.rollout.task, cfg.rollout.multi_turn
+    run = run.model_copy(update={
+        "run_dir": run.run_dir and absolute(run.run_dir), "cache_dir": absolute(run.cache_dir),
+        "model": run.model if run.model in (TINY_MODEL, TINY_MOE_MODEL) else absolute(run.model)})
+    task = task.model_copy(update={
+        key: [absolute(p) for p in value] if isinstance(value, list) else value and absolute(value)
+        for key in ("path", "heldout_path") for value in [getattr(task, key)]})
+    kwargs = dict(multi_turn.environment_kwargs)
+    if isinstance(kwargs.get("path"), str) and kwargs["path"].endswith(".py"):  # or a module's name
+        kwargs["path"] = absolute(kwargs["path"])
+    if isinstance(kwargs.get("config"), str):  # the tools' YAML
+        kwargs["config"] = absolute(kwargs["config"])
+    multi_turn = multi_turn.model_copy(update={
+        "environment": multi_turn.environment and absolute_file(multi_turn.environment),
+        "environment_kwargs": kwargs})
+    rollout = cfg.rollout.model_copy(update={"task": task, "multi_turn": multi_turn,
+                                             "reward": absolute_file(cfg.rollout.reward)})
+    learner = cfg.learner
+    if getattr(learner.weight_sync, "folder", None):
+        learner = learner.model_copy(update={"weight_sync": learner.weight_sync.model_copy(
+            update={"folder": absolute(learner.weight_sync.folder)})})
+    return cfg.model_copy(update={"run": run, "rollout": rollout, "learner": learner})

@@ -37,7 +37,7 @@ from rollout_workers.rewards import REWARD_ERROR, reward_metrics
 from services import checkpoint as ckpt
 from services.buffer_handle import BufferHandle
 from services.config import (TINY_MODEL, TINY_MOE_MODEL, ConfigError, EtarlConfig, build_config, fill_sample_limits,
-                             read_yaml)
+                             read_yaml, with_absolute_paths)
 from services.inputs import check_resume_settings, check_run_inputs, with_epochs
 from services.learner_failures import LearnerFailures
 from services.placement import Placement, check_plan_before_start, start_ray
@@ -130,7 +130,7 @@ def resume_config(run_dir: str | os.PathLike, config_file: str | None, overrides
 
 class Controller:
     def __init__(self, cfg: EtarlConfig, resume: str | os.PathLike | None = None):
-        self.cfg = cfg
+        self.cfg = cfg = with_absolute_paths(cfg)  # the saved config.yaml is read again from any folder
         if resume and cfg.buffer.transport == "zmq":
             # The service's log has moved on since the checkpoint (batches trained on after it are
             # acked there, later weights' groups are held), and `recover` would reissue the tickets

@@ -152,10 +152,12 @@ def test_ctrl_c_then_resume_loses_and_repeats_no_sample(ray_cluster, tmp_path, m
     assert accounted == list(range(head["gate"]["next_ticket"])), "a ticket was lost or double-booked"
 
 
-def test_a_run_with_bad_prompts_in_its_file_finishes_its_steps(ray_cluster, tmp_path, caplog):
+def test_a_run_with_bad_prompts_in_its_file_finishes_its_steps(ray_cluster, tmp_path, caplog, monkeypatch):
     """A prompt file with an empty prompt, a row without an answer and a prompt longer than the
     engine's context among good rows: with `rollout.task.skip_invalid` the run starts with the
-    usable rows (the others named in the log), trains every step, and never issues a bad row."""
+    usable rows (the others named in the log), trains every step, and never issues a bad row. The
+    file and the run folder are named relative to the working folder (not the Ray workers'): the run
+    reads them, and its saved config names them absolute, for a resume from any folder."""
     import json
     import logging
 
@@ -165,8 +167,9 @@ def test_a_run_with_bad_prompts_in_its_file_finishes_its_steps(ray_cluster, tmp_
     path = tmp_path / "prompts.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     # run.epochs=3: 6 usable prompts // 4 a step = 1 step an epoch, 3 steps
-    cfg = e2e_config(tmp_path / "run", "run.epochs=3", "eval.enabled=false", "run.checkpoint_every=0",
-                     "rollout.task.kind=file", f"rollout.task.path={path}", "rollout.task.skip_invalid=true",
+    monkeypatch.chdir(tmp_path)
+    cfg = e2e_config("run", "run.epochs=3", "eval.enabled=false", "run.checkpoint_every=0",
+                     "rollout.task.kind=file", "rollout.task.path=prompts.jsonl", "rollout.task.skip_invalid=true",
                      "rollout.reward=math", "buffer.gate.batch_size=4", "rollout.sampling.n=4",
                      "rollout.engine.kind=hf")  # the rows are judged before any engine: the faster one
     with caplog.at_level(logging.INFO):
@@ -174,7 +177,9 @@ def test_a_run_with_bad_prompts_in_its_file_finishes_its_steps(ray_cluster, tmp_
     assert result.completed and result.version == 3
     assert "skipping 3 unusable rows" in caplog.text
     assert "run.epochs=3: 6 usable prompts // buffer.gate.batch_size 4 = 1 steps an epoch -> run.steps=3" in caplog.text
-    assert "epochs: null" in (tmp_path / "run" / "config.yaml").read_text()  # the saved config names the steps
+    saved = load_config(tmp_path / "run" / "config.yaml")
+    assert saved.run.epochs is None and saved.run.steps == 3  # the saved config names the steps
+    assert saved.rollout.task.path == str(path) and saved.run.run_dir == str(tmp_path / "run")
     named = {line.split(" row ")[-1] for line in caplog.text.splitlines() if "prompts.jsonl row " in line}
     for row, why in ((3, "empty prompt"), (6, "no answer"), (7, "exceeds the engine's context")):
         assert any(line.startswith(f"{row}: ") and why in line for line in named), (why, named)

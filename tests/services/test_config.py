@@ -3,7 +3,7 @@ import pytest
 
 from learner.correction import RolloutCorrectionConfig
 from services.config import (
-    DEFAULT_CONFIG, ConfigError, EtarlConfig, build_config, load_config, parse_override,
+    DEFAULT_CONFIG, ConfigError, EtarlConfig, build_config, load_config, parse_override, with_absolute_paths,
 )
 
 
@@ -550,3 +550,41 @@ def test_lora_publish_adapter_tells_the_engines_and_is_refused_where_it_cannot_g
         load_config(None, ["learner.lora.rank=1024", "learner.lora.publish=adapter"])
     assert load_config(None, ["learner.lora.rank=1024", "learner.lora.publish=adapter",
                               "rollout.engine.kind=hf"]).rollout.engine.lora.rank == 1024  # merged in the engine
+
+
+def test_relative_paths_become_absolute_so_a_saved_config_reads_the_same_files_from_any_folder(tmp_path, monkeypatch):
+    """A run started in one folder with relative paths saves absolute ones (a resume from another folder
+    stopped with "prompt file 'data/train.jsonl' does not exist"); URLs, module names and built-ins stay."""
+    cfg = load_config(None, [
+        "run.run_dir=runs/a", "run.model=../models/qwen", "rollout.task.kind=file",
+        "rollout.task.path=[data/a.jsonl, s3://bucket/b.parquet]", "rollout.task.heldout_path=./data/test.jsonl",
+        "rollout.reward=rewards/mine.py:score", "rollout.multi_turn.environment=tools",
+        "rollout.multi_turn.environment_kwargs={path: tools/calc.py, config: tools.yaml}",
+        "learner.weight_sync.channel=folder", "learner.weight_sync.folder=weights"])
+    out = with_absolute_paths(cfg, base="/work/exp")
+    assert out.run.run_dir == "/work/exp/runs/a" and out.run.cache_dir == "/work/exp/.cache"
+    assert out.run.model == "/work/models/qwen"
+    assert out.rollout.task.path == ["/work/exp/data/a.jsonl", "s3://bucket/b.parquet"]
+    assert out.rollout.task.heldout_path == "/work/exp/data/test.jsonl"
+    assert out.rollout.reward == "/work/exp/rewards/mine.py:score"
+    assert out.rollout.multi_turn.environment == "tools"
+    assert out.rollout.multi_turn.environment_kwargs == {"path": "/work/exp/tools/calc.py",
+                                                         "config": "/work/exp/tools.yaml"}
+    assert out.learner.weight_sync.folder == "/work/exp/weights"
+    assert cfg.rollout.task.heldout_path == "./data/test.jsonl"  # the given config is left as it was
+    # Already absolute, a module, a built-in: unchanged; the default base is the working folder.
+    kept = load_config(None, ["run.run_dir=/abs/run", "rollout.reward=my_pkg.rewards:score",
+                              "rollout.multi_turn.environment=my_pkg.envs:Shop",
+                              "rollout.multi_turn.environment_kwargs={path: my_pkg.tools}"])
+    monkeypatch.chdir(tmp_path)
+    out = with_absolute_paths(kept)
+    assert out.run.run_dir == "/abs/run" and out.run.model == "tiny" and out.run.cache_dir == str(tmp_path / ".cache")
+    assert out.rollout.reward == "my_pkg.rewards:score" and out.rollout.multi_turn.environment == "my_pkg.envs:Shop"
+    assert out.rollout.multi_turn.environment_kwargs == {"path": "my_pkg.tools"}
+    assert EtarlConfig.model_validate(yaml_tree(out)).rollout.task == out.rollout.task  # what resume reads back
+
+
+def yaml_tree(cfg):
+    import yaml
+
+    return yaml.safe_load(cfg.to_yaml())
