@@ -632,9 +632,9 @@ def with_absolute_paths(cfg: EtarlConfig, base: str | os.PathLike | None = None)
         return f"{absolute(file)}:{name}" if sep and file.endswith(".py") else spec
 
     run, task, multi_turn = cfg.run, cfg.rollout.task, cfg.rollout.multi_turn
-    run = run.model_copy(update={
-        "run_dir": run.run_dir and absolute(run.run_dir), "cache_dir": absolute(run.cache_dir),
-        "model": run.model if run.model in (TINY_MODEL, TINY_MOE_MODEL) else absolute(run.model)})
+    model = run.model if run.model in (TINY_MODEL, TINY_MOE_MODEL) else absolute(run.model)
+    run = run.model_copy(update={"run_dir": run.run_dir and absolute(run.run_dir), "model": model,
+                                 "cache_dir": absolute(run.cache_dir)})
     task = task.model_copy(update={
         key: [absolute(p) for p in value] if isinstance(value, list) else value and absolute(value)
         for key in ("path", "heldout_path") for value in [getattr(task, key)]})
@@ -648,7 +648,7 @@ def with_absolute_paths(cfg: EtarlConfig, base: str | os.PathLike | None = None)
         "environment_kwargs": kwargs})
     rollout = cfg.rollout.model_copy(update={"task": task, "multi_turn": multi_turn,
                                              "reward": absolute_file(cfg.rollout.reward)})
-    learner = cfg.learner
+    learner = cfg.learner.model_copy(update={"model_path": model})  # run.model's copy: a saved config must agree
     if getattr(learner.weight_sync, "folder", None):
         learner = learner.model_copy(update={"weight_sync": learner.weight_sync.model_copy(
             update={"folder": absolute(learner.weight_sync.folder)})})

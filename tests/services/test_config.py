@@ -572,6 +572,10 @@ def test_relative_paths_become_absolute_so_a_saved_config_reads_the_same_files_f
                                                          "config": "/work/exp/tools.yaml"}
     assert out.learner.weight_sync.folder == "/work/exp/weights"
     assert cfg.rollout.task.heldout_path == "./data/test.jsonl"  # the given config is left as it was
+    # What a resume reads back validates (learner.model_path, run.model's copy, moved with it).
+    again = build_config(yaml_tree(out))
+    assert again.learner.model_path == again.run.model == "/work/models/qwen"
+    assert again.rollout.task == out.rollout.task and again.rollout.multi_turn == out.rollout.multi_turn
     # Already absolute, a module, a built-in: unchanged; the default base is the working folder.
     kept = load_config(None, ["run.run_dir=/abs/run", "rollout.reward=my_pkg.rewards:score",
                               "rollout.multi_turn.environment=my_pkg.envs:Shop",
@@ -581,7 +585,7 @@ def test_relative_paths_become_absolute_so_a_saved_config_reads_the_same_files_f
     assert out.run.run_dir == "/abs/run" and out.run.model == "tiny" and out.run.cache_dir == str(tmp_path / ".cache")
     assert out.rollout.reward == "my_pkg.rewards:score" and out.rollout.multi_turn.environment == "my_pkg.envs:Shop"
     assert out.rollout.multi_turn.environment_kwargs == {"path": "my_pkg.tools"}
-    assert EtarlConfig.model_validate(yaml_tree(out)).rollout.task == out.rollout.task  # what resume reads back
+    assert build_config(yaml_tree(out)).run == out.run
 
 
 def yaml_tree(cfg):
