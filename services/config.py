@@ -621,15 +621,18 @@ def with_absolute_paths(cfg: EtarlConfig, base: str | os.PathLike | None = None)
     """`cfg` with its relative file paths made absolute against `base` (default: the working folder): the
     run folder's config.yaml then names the same files when the run is resumed from another folder, and
     every node of a cluster reads the files the driver checked. Paths are joined, not resolved: a symbolic
-    link a cluster mounts stays the path given. URLs and module names ("pkg.mod:fn") are left as given."""
+    link a cluster mounts stays the path given; `~` is expanded, as the loaders of these files expand it.
+    URLs and module names ("pkg.mod:fn") are left as given: files and modules told apart as the loaders do."""
+    from rollout_workers.rewards import is_file_spec
+
     base = Path.cwd() if base is None else Path(base)
 
     def absolute(path: str) -> str:
-        return path if "://" in path else os.path.normpath(os.path.join(base, path))
+        return path if "://" in path else os.path.normpath(os.path.join(base, os.path.expanduser(path)))
 
     def absolute_file(spec: str) -> str:  # "path/to/file.py:Name" (a reward, an environment)
         file, sep, name = spec.rpartition(":")
-        return f"{absolute(file)}:{name}" if sep and file.endswith(".py") else spec
+        return f"{absolute(file)}:{name}" if sep and file and is_file_spec(file) else spec
 
     run, task, multi_turn = cfg.run, cfg.rollout.task, cfg.rollout.multi_turn
     model = run.model if run.model in (TINY_MODEL, TINY_MOE_MODEL) else absolute(run.model)
@@ -639,7 +642,7 @@ def with_absolute_paths(cfg: EtarlConfig, base: str | os.PathLike | None = None)
         key: [absolute(p) for p in value] if isinstance(value, list) else value and absolute(value)
         for key in ("path", "heldout_path") for value in [getattr(task, key)]})
     kwargs = dict(multi_turn.environment_kwargs)
-    if isinstance(kwargs.get("path"), str) and kwargs["path"].endswith(".py"):  # or a module's name
+    if isinstance(kwargs.get("path"), str) and is_file_spec(kwargs["path"]):  # or a module's name
         kwargs["path"] = absolute(kwargs["path"])
     if isinstance(kwargs.get("config"), str):  # the tools' YAML
         kwargs["config"] = absolute(kwargs["config"])

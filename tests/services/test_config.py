@@ -1,4 +1,6 @@
 """The config tree: YAML + dotted overrides, presets and modes, and errors that name the key."""
+import os
+
 import pytest
 
 from learner.correction import RolloutCorrectionConfig
@@ -586,6 +588,9 @@ def test_relative_paths_become_absolute_so_a_saved_config_reads_the_same_files_f
     assert out.rollout.reward == "my_pkg.rewards:score" and out.rollout.multi_turn.environment == "my_pkg.envs:Shop"
     assert out.rollout.multi_turn.environment_kwargs == {"path": "my_pkg.tools"}
     assert build_config(yaml_tree(out)).run == out.run
+    # `~` is the home folder, as the reward and tool loaders read it, not a folder named "~".
+    home = with_absolute_paths(load_config(None, ["rollout.reward=~/rewards/mine.py:score"]), base="/work/exp")
+    assert home.rollout.reward == os.path.expanduser("~/rewards/mine.py") + ":score"
 
 
 def yaml_tree(cfg):
