@@ -313,6 +313,13 @@ from rollout_workers.config import VLLM_LORA_RANKS, EngineLora, RolloutConfig  #
 
 TINY_MODEL = "tiny"
 TINY_MOE_MODEL = "tiny-moe"  # run.tiny_model as a mixture of experts (TinyModelSpec.moe)
+
+
+def is_builtin_model(model: str) -> bool:
+    """Whether run.model names a model etarl builds at start (run.tiny_model), not an HF folder."""
+    return model in (TINY_MODEL, TINY_MOE_MODEL)
+
+
 MODES = {"synchronous": 0, "one_step_off": 1}
 
 
@@ -635,7 +642,7 @@ def with_absolute_paths(cfg: EtarlConfig, base: str | os.PathLike | None = None)
         return f"{absolute(file)}:{name}" if sep and file and is_file_spec(file) else spec
 
     run, task, multi_turn = cfg.run, cfg.rollout.task, cfg.rollout.multi_turn
-    model = run.model if run.model in (TINY_MODEL, TINY_MOE_MODEL) else absolute(run.model)
+    model = run.model if is_builtin_model(run.model) else absolute(run.model)
     run = run.model_copy(update={"run_dir": run.run_dir and absolute(run.run_dir), "model": model,
                                  "cache_dir": absolute(run.cache_dir)})
     task = task.model_copy(update={

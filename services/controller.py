@@ -36,8 +36,8 @@ from rollout_workers.data import InvalidPrompts
 from rollout_workers.rewards import REWARD_ERROR, reward_metrics
 from services import checkpoint as ckpt
 from services.buffer_handle import BufferHandle
-from services.config import (TINY_MODEL, TINY_MOE_MODEL, ConfigError, EtarlConfig, build_config, fill_sample_limits,
-                             read_yaml, with_absolute_paths)
+from services.config import (TINY_MOE_MODEL, ConfigError, EtarlConfig, build_config, fill_sample_limits,
+                             is_builtin_model, read_yaml, with_absolute_paths)
 from services.inputs import check_resume_settings, check_run_inputs, with_epochs
 from services.learner_failures import LearnerFailures
 from services.placement import Placement, check_plan_before_start, start_ray
@@ -84,7 +84,7 @@ def resolve_model(cfg: EtarlConfig) -> Path:
     (as a mixture of experts)."""
     from lm.causal_lm import check_model_dir
 
-    if cfg.run.model in (TINY_MODEL, TINY_MOE_MODEL):
+    if is_builtin_model(cfg.run.model):
         from rollout_workers.tiny_model import ensure_tiny_model
 
         spec = cfg.run.tiny_model.moe() if cfg.run.model == TINY_MOE_MODEL else cfg.run.tiny_model

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rollout_workers.engines.vllm_check import TESTED_VLLM, installed_vllm
-from services.config import TINY_MODEL, TINY_MOE_MODEL, ConfigError, EtarlConfig
+from services.config import TINY_MOE_MODEL, ConfigError, EtarlConfig, is_builtin_model
 from services.inputs import ray_runtime_env
 
 log = logging.getLogger("etarl")
@@ -331,7 +331,7 @@ def _model_config(model: str) -> dict | None:
     or a folder the driver cannot read."""
     import json
 
-    if model in (TINY_MODEL, TINY_MOE_MODEL):
+    if is_builtin_model(model):
         return None
     try:
         config = json.loads((Path(model) / "config.json").read_text())
@@ -497,7 +497,7 @@ def _flash_varlen_fits(cfg: EtarlConfig, gpu_defaults: dict) -> bool:
         else gpu_defaults.get("learner.mixed_precision", learner.mixed_precision)
     if learner.packing is False or (mixed is None and learner.dtype == "float32"):
         return False
-    if cfg.run.model not in (TINY_MODEL, TINY_MOE_MODEL):
+    if not is_builtin_model(cfg.run.model):
         config = _model_config(cfg.run.model)
         if config is None or _sliding_window(config):
             return False
