@@ -11,11 +11,11 @@ import importlib
 import os
 import pkgutil
 import sys
+import tomllib
 from pathlib import Path
 
 sys.dont_write_bytecode = False
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("buffer", "learner", "lm", "rollout_workers", "services")
 # Loaded in the processes vLLM, Ray and torch.distributed start, not by importing etarl's modules.
 OTHERS = ("vllm.v1.engine.core", "vllm.v1.worker.cpu_worker", "vllm.v1.worker.gpu_worker",
           "vllm.model_executor.models.qwen2", "vllm.model_executor.models.qwen2_moe",
@@ -24,14 +24,21 @@ OTHERS = ("vllm.v1.engine.core", "vllm.v1.worker.cpu_worker", "vllm.v1.worker.gp
           "torch.distributed.fsdp", "torch.distributed.checkpoint", "safetensors.torch")
 
 
+def etarl_packages() -> list[str]:
+    """The top-level packages pyproject.toml installs ("buffer*" -> "buffer")."""
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())
+    return [pattern.rstrip("*") for pattern in project["tool"]["setuptools"]["packages"]["find"]["include"]]
+
+
 def main() -> None:
     sys.path.insert(0, str(REPO))
-    names = [info.name for package in PACKAGES
+    packages = etarl_packages()
+    names = [info.name for package in packages
              for info in pkgutil.walk_packages([str(REPO / package)], prefix=f"{package}.")
              if not info.name.endswith(".__main__")]  # a command, run on import
     skipped = []
     with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
-        for name in [*PACKAGES, *names, *OTHERS]:  # (their import-time notices are not the set-up's output)
+        for name in [*packages, *names, *OTHERS]:  # (their import-time notices are not the set-up's output)
             try:
                 importlib.import_module(name)
             except BaseException:  # noqa: BLE001 - whatever a module raises at import: compiled on use
