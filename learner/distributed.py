@@ -418,13 +418,15 @@ class LearnerGroup:
     builds them from the placement plan); `ray_options`: options every rank gets (e.g.
     {"num_cpus": 0}). The ranks meet where they landed: see `LearnerRank`."""
 
+    rank_class = LearnerRank  # what each rank's actor runs
+
     def __init__(self, config, ray_options: dict | None = None, rank_options: list[dict] | None = None):
         import ray
 
         dcfg = config.distributed
         if rank_options is not None and len(rank_options) != dcfg.world_size:
             raise ValueError(f"{len(rank_options)} rank placements for world_size={dcfg.world_size}")
-        actor = ray.remote(LearnerRank)
+        actor = ray.remote(self.rank_class)
         self.config = config
         self.world_size = dcfg.world_size
         placed = rank_options or [{}] * self.world_size

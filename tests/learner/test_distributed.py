@@ -80,26 +80,23 @@ def assert_same_training(single: Learner, group: LearnerGroup, groups, steps: in
     {"rollout_correction": {"rollout_is": "sequence", "rollout_is_threshold": 1.5},
      "max_tokens_per_micro_batch": SMALL_BUDGET, "policy_loss": {"entropy_coeff": 0.01}},
 ], ids=["decoupled-uneven-minibatches", "bypass-seq-mean", "optimal-token-baseline", "pi-old-from-the-update-pass"])
-def test_two_gloo_ranks_make_the_update_of_one_rank(policy_dir, ray_cluster, overrides):
+def test_two_gloo_ranks_make_the_update_of_one_rank(policy_dir, two_ranks, overrides):
     groups = sample_groups(policy_dir, n_groups=4, n=3, seed=4, logprob_noise=0.2)
     config = dict(model_path=str(policy_dir), lr=1e-3, dtype="float64", **overrides)
 
     single = Learner(LearnerConfig(**config))
-    group = LearnerGroup(LearnerConfig(**config, distributed={"world_size": 2}), ray_options={"num_cpus": 0})
-    try:
-        assert_same_training(single, group, groups)
-        state = group.state_dict()
-        assert group.publish_weights()["version"] == 2
-        payload = group.published(timeout=120)
-        assert payload["version"] == 2
-        published = resolve_weights(payload)
-        assert all(torch.equal(published[k], state["model"][k]) for k in state["model"])
-    finally:
-        group.shutdown()
+    group = two_ranks(LearnerConfig(**config, distributed={"world_size": 2, "timeout_s": 60}))
+    assert_same_training(single, group, groups)
+    state = group.state_dict()
+    assert group.publish_weights()["version"] == 2
+    payload = group.published(timeout=120)
+    assert payload["version"] == 2
+    published = resolve_weights(payload)
+    assert all(torch.equal(published[k], state["model"][k]) for k in state["model"])
 
 
 @pytest.mark.slow
-def test_fsdp_on_two_gloo_ranks_with_unequal_shares(policy_dir, ray_cluster):
+def test_fsdp_on_two_gloo_ranks_with_unequal_shares(policy_dir, two_ranks):
     """B = 3 groups on 2 ranks: rank 0 trains on 2 groups, rank 1 on 1, in token-budget
     micro-batches, so rank 1 runs zero-weight passes to join every FSDP collective. No hang, and
     the sharded update is the one of a single unsharded rank; PPO with a critic (gae), sharded the
@@ -109,12 +106,8 @@ def test_fsdp_on_two_gloo_ranks_with_unequal_shares(policy_dir, ray_cluster):
                   rollout_correction="bypass_pg_is", policy_loss={"entropy_coeff": 0.01},
                   advantage={"estimator": "gae", "gamma": 0.9, "lam": 0.95}, critic={"lr": 1e-3})
     single = Learner(LearnerConfig(**config))
-    group = LearnerGroup(LearnerConfig(**config, distributed={"world_size": 2, "strategy": "fsdp",
-                                                             "timeout_s": 60}), ray_options={"num_cpus": 0})
-    try:
-        assert_same_training(single, group, groups)
-    finally:
-        group.shutdown()
+    assert_same_training(single, two_ranks(LearnerConfig(**config, distributed={"world_size": 2, "strategy": "fsdp",
+                                                                               "timeout_s": 60})), groups)
 
 
 @pytest.mark.slow

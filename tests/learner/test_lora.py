@@ -13,7 +13,6 @@ import torch
 
 from learner.checkpoint import ADAPTER_DIR, SHARDS_DIR
 from learner.config import LearnerConfig
-from learner.distributed import LearnerGroup
 from learner.lora import initial_value
 from learner.trainer import Learner
 from learner_helpers import build_tiny_policy, engine_following, max_param_diff, params_of, sample_groups
@@ -242,28 +241,24 @@ def test_mixed_precision_and_selective_checkpointing_train_the_adapters(policy_d
 
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["allreduce", "fsdp"])
-def test_two_gloo_ranks_train_the_adapters_as_one_rank_does(policy_dir, groups, ray_cluster, tmp_path, strategy):
+def test_two_gloo_ranks_train_the_adapters_as_one_rank_does(policy_dir, groups, two_ranks, tmp_path, strategy):
     """The adapters' gradients are summed over ranks (replicas: one all-reduce of the adapters
     only; FSDP: its reduce-scatter), so two ranks make one rank's update; under FSDP each adapter
     starts from the same value wherever its shards land, the published version is merged from the
     shards, and a checkpoint of the two ranks resumes one unsharded rank."""
     overrides = dict(max_tokens_per_micro_batch=16, ppo_mini_batch_size=2, policy_loss={"kl_coef": 0.2})
     single = Learner(_config(policy_dir, **overrides))
-    group = LearnerGroup(_config(policy_dir, **overrides, distributed={"world_size": 2, "strategy": strategy,
-                                                                       "timeout_s": 60}),
-                         ray_options={"num_cpus": 0})
-    try:
-        for _ in range(2):
-            want, got = single.train_step(groups), group.train_step(groups)
-            for key in ("actor/pg_loss", "actor/grad_norm", "actor/kl_loss"):
-                assert got[key] == pytest.approx(want[key], rel=1e-9, abs=1e-12), key
-        assert max_param_diff(params_of(single.model), group.state_dict()["model"]) < 1e-10
-        assert group.publish_weights()["version"] == 2
-        published = resolve_weights(group.published(timeout=120))
-        assert max_param_diff(published, single.policy_weights()) < 1e-10
-        group.save_checkpoint(str(tmp_path / "ckpt"))
-    finally:
-        group.shutdown()
+    group = two_ranks(_config(policy_dir, **overrides, distributed={"world_size": 2, "strategy": strategy,
+                                                                    "timeout_s": 60}))
+    for _ in range(2):
+        want, got = single.train_step(groups), group.train_step(groups)
+        for key in ("actor/pg_loss", "actor/grad_norm", "actor/kl_loss"):
+            assert got[key] == pytest.approx(want[key], rel=1e-9, abs=1e-12), key
+    assert max_param_diff(params_of(single.model), group.state_dict()["model"]) < 1e-10
+    assert group.publish_weights()["version"] == 2
+    published = resolve_weights(group.published(timeout=120))
+    assert max_param_diff(published, single.policy_weights()) < 1e-10
+    group.save_checkpoint(str(tmp_path / "ckpt"))
     resumed = Learner(_config(policy_dir, **overrides))
     resumed.load_checkpoint(tmp_path / "ckpt")
     assert max_param_diff(params_of(resumed.model), params_of(single.model)) < 1e-10
@@ -271,21 +266,17 @@ def test_two_gloo_ranks_train_the_adapters_as_one_rank_does(policy_dir, groups, 
                           single.policy_weights()) < 1e-10
 
 
-def test_under_fsdp_the_adapters_leave_whole_when_the_engines_take_adapters(policy_dir, groups, ray_cluster):
+def test_under_fsdp_the_adapters_leave_whole_when_the_engines_take_adapters(policy_dir, groups, two_ranks):
     """learner.lora.publish=adapter on two FSDP ranks: each adapter is gathered whole from its shards and
     only the adapters leave, equal to one rank's after the same step."""
     overrides = dict(max_tokens_per_micro_batch=16, ppo_mini_batch_size=2, lora={**LORA, "publish": "adapter"})
     single = Learner(_config(policy_dir, **overrides))
-    group = LearnerGroup(_config(policy_dir, **overrides, distributed={"world_size": 2, "strategy": "fsdp",
-                                                                       "timeout_s": 60}),
-                         ray_options={"num_cpus": 0})
-    try:
-        single.train_step(groups)
-        group.train_step(groups)
-        assert group.publish_weights()["version"] == 1
-        published = resolve_weights(group.published(timeout=120))
-    finally:
-        group.shutdown()
+    group = two_ranks(_config(policy_dir, **overrides, distributed={"world_size": 2, "strategy": "fsdp",
+                                                                    "timeout_s": 60}))
+    single.train_step(groups)
+    group.train_step(groups)
+    assert group.publish_weights()["version"] == 1
+    published = resolve_weights(group.published(timeout=120))
     live = params_of(single.model)
     assert published.keys() == single.adapters.shapes.keys()
     assert max_param_diff(published, {name: live[name] for name in published}) < 1e-10

@@ -200,25 +200,19 @@ def test_r2_records_every_position_and_replays_it_after_the_routers_moved(moe_di
 
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["allreduce", "fsdp"])
-def test_two_gloo_ranks_replay_as_one_rank_does(moe_dir, groups, ray_cluster, strategy):
+def test_two_gloo_ranks_replay_as_one_rank_does(moe_dir, groups, two_ranks, strategy):
     """Two learner ranks (Ray actors, gloo), replicated or FSDP-sharded: each rank replays its own
     rows' routing (r3) and answers for its share of the mismatch, and together they make one
     rank's update and report its metrics (the engine's routing is off, so the replay matters).
     float64: the comparison checks the algorithm, not float32 sum orders."""
-    from learner.distributed import LearnerGroup
-
     batch = regroup(groups, other_experts)
     config = dict(model_path=str(moe_dir), lr=1e-2, routing_replay="r3", ppo_mini_batch_size=2,
                   max_tokens_per_micro_batch=24, dtype="float64")
     want = Learner(LearnerConfig(**config))
     want_metrics = want.train_step(batch)
-    group = LearnerGroup(LearnerConfig(**config, distributed={"world_size": 2, "strategy": strategy,
-                                                             "timeout_s": 60}), ray_options={"num_cpus": 0})
-    try:
-        got = group.train_step(batch)
-        state = group.state_dict()["model"]
-    finally:
-        group.shutdown()
+    group = two_ranks(LearnerConfig(**config, distributed={"world_size": 2, "strategy": strategy, "timeout_s": 60}))
+    got = group.train_step(batch)
+    state = group.state_dict()["model"]
     for key in ("actor/pg_loss", "actor/grad_norm", "moe/routing_mismatch", "moe/routing_mismatch_any"):
         assert got[key] == pytest.approx(want_metrics[key], rel=1e-9, abs=1e-12), key
     assert got["moe/routing_mismatch"] == 1.0  # every engine expert set moved by one
