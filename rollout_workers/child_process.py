@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import os
 import resource
 import signal
@@ -36,6 +37,11 @@ ENV_ALLOWED = ("PATH", "HOME", "LANG", "LANGUAGE", "TZ", "TMPDIR", "OMP_NUM_THRE
                "OPENBLAS_NUM_THREADS", "TOKENIZERS_PARALLELISM")
 ENV_ALLOWED_PREFIXES = ("LC_",)
 _LIMITS_ENV = "ETARL_CHILD_LIMITS"  # how the parent hands the limits to the child (removed there)
+
+
+def is_finite_number(value: Any) -> bool:
+    """Whether a value user code returned (a reward, an environment's) is a real, finite number."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
 class ChildStartFailed(RuntimeError):

@@ -40,7 +40,8 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from rollout_workers.child_process import BadChildReply, ChildLimits, ChildProcess, ChildStartFailed, serve
+from rollout_workers.child_process import (BadChildReply, ChildLimits, ChildProcess, ChildStartFailed,
+                                          is_finite_number, serve)
 from rollout_workers.data.problems import Problem
 from rollout_workers.verl_rewards import gsm8k_reward, verl_default_reward
 from rollout_workers.verl_stand_in import verl_import_hint, verl_stand_in
@@ -207,10 +208,6 @@ class Scored(NamedTuple):
 
 class BadRewardValue(ValueError):
     """A reward returned something that is not a finite number (or a dict holding one as 'score')."""
-
-
-def is_finite_number(value: Any) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def to_scored(value: Any) -> Scored:

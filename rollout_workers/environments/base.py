@@ -18,8 +18,8 @@ from __future__ import annotations
 import numbers
 from typing import Any, NamedTuple
 
+from rollout_workers.child_process import is_finite_number
 from rollout_workers.data.problems import Problem
-from rollout_workers.rewards import is_finite_number
 
 MAX_OBSERVATION_CHARS = 1_000_000
 MAX_INFO_METRICS = 16  # info numbers kept per trajectory (they ride in the sample's metadata)
