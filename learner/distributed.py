@@ -377,8 +377,6 @@ class LearnerRank:
 
     def join(self, init_method: str) -> int:
         """Join the process group, then load the model; the learner's version."""
-        from learner.trainer import Learner
-
         dcfg = self.config.distributed
         interface = node_interface(self.where()["address"])
         if interface is not None:
@@ -392,9 +390,17 @@ class LearnerRank:
                                   timeout=datetime.timedelta(seconds=dcfg.timeout_s), master_listen_fd=listen_fd,
                                   use_libuv=True)
         init_process_group(self.rank, dcfg.world_size, dcfg.backend, init_method, dcfg.timeout_s, store=store)
-        comm = ProcessGroupComm(self.rank, dcfg.world_size, sum_grads=dcfg.strategy != "fsdp")
-        self.learner = Learner(self.config, comm=comm)
+        self.learner = self._new_learner()
         return self.learner.version
+
+    def _new_learner(self):
+        """A learner of this rank's config on the process group it joined."""
+        from learner.trainer import Learner
+
+        dcfg = self.config.distributed
+        # FSDP reduces the gradients itself; replicas sum them through the comm
+        comm = ProcessGroupComm(self.rank, dcfg.world_size, sum_grads=dcfg.strategy != "fsdp")
+        return Learner(self.config, comm=comm)
 
     def call(self, name: str, *args, **kwargs):
         attr = getattr(self.learner, name)

@@ -10,8 +10,7 @@ import numpy as np
 import torch
 
 from buffer.sample import Group, Sample
-from learner.distributed import LearnerGroup, LearnerRank, ProcessGroupComm
-from learner.trainer import Learner
+from learner.distributed import LearnerGroup, LearnerRank
 from lm.causal_lm import load_causal_lm, response_log_probs
 
 VOCAB = 48
@@ -107,8 +106,7 @@ class RebuildableRank(LearnerRank):
     def rebuild(self, config) -> int:
         self.learner.close_weight_sync()
         self.config, self.learner = config, None
-        dcfg = config.distributed
-        self.learner = Learner(config, comm=ProcessGroupComm(self.rank, dcfg.world_size, dcfg.strategy != "fsdp"))
+        self.learner = self._new_learner()
         return self.learner.version
 
 
