@@ -5,7 +5,7 @@
 Builds a Qwen2-architecture policy from config with Qwen's vocabulary (151,936 tokens) and a
 hidden size this machine can train (default 512 wide, 4 layers; --quick: 128 wide, 2 layers), and
 random sequences of 512 to 4,096 tokens (--quick: 32 to 160), the first quarter of the shortest
-the prompt. Every measurement runs in a fresh child process, so each peak is its own:
+the prompt. Every measurement runs in a process of its own, so each peak is its own:
 
   * one learner step (decoupled token-TIS: proximal pass, update, optimizer step) at batch sizes
     8, 32 and 128 sequences and one token budget: peak memory (resident set on CPU, allocated on
@@ -42,7 +42,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -332,18 +331,39 @@ def child_throughput(spec: dict) -> dict:
             "packed_vs_padded_max_abs_diff": float((packed - padded).abs().max())}
 
 
-CHILDREN = {"step": child_step, "head": child_head, "throughput": child_throughput}
+# What the measurements' processes fork from: a server that imported these (and the running script)
+# once. A fresh interpreter per measurement spent ~9 s of CPU importing them before measuring anything;
+# a forked one is still a process of its own, so its peak memory is its own. The server never
+# touches CUDA (forking after CUDA starts is not allowed): each measurement starts its own.
+PRELOAD = ("__main__", "transformers", "learner.trainer")
 
 
-def run_child(spec: dict, script: str = __file__) -> dict:
-    """`script --child SPEC` in a fresh process (its peak memory its own): the JSON of its last line."""
-    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    done = subprocess.run([sys.executable, script, "--child", json.dumps(spec)], capture_output=True, text=True,
-                          env=env)
-    if done.returncode != 0:
-        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-        return {"error": f"exit {done.returncode}: {' | '.join(tail)}"}
-    return json.loads(done.stdout.strip().splitlines()[-1])
+def run_child(measure, spec: dict) -> dict:
+    """`measure(spec)` in a process of its own: what it returns, or {"error": why it failed}."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(list(PRELOAD))
+    receive, send = context.Pipe(duplex=False)
+    process = context.Process(target=_measure_in_child, args=(measure, spec, send))
+    process.start()
+    send.close()
+    try:
+        result = receive.recv()
+    except EOFError:  # it died (killed, out of memory, a crash in a kernel) before replying
+        result = None
+    process.join()
+    return result if result is not None else {"error": f"exit {process.exitcode}: ended without a result"}
+
+
+def _measure_in_child(measure, spec: dict, send) -> None:
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    try:
+        result = measure(spec)
+    except Exception as exc:  # noqa: BLE001 - a failed measurement is reported, the others go on
+        result = {"error": f"{type(exc).__name__}: {exc}"[:1000]}
+    send.send(result)
+    send.close()
 
 
 # ---------------------------------------------------------------- the run
@@ -369,8 +389,8 @@ def measure_steps(common: dict, batch_sizes, old: bool) -> dict[int, dict]:
         if old and not fits(logits, common["device"]):
             print(f"  {label} B={batch:4d}: not run, its float32 [B, L, V] logits alone are {logits / GiB:.1f} GiB")
             continue
-        r = results[batch] = run_child({"child": "step", **common, "batch": batch, "old": old,
-                                        "repeats": 1 if old else common["repeats"]})
+        r = results[batch] = run_child(child_step, {**common, "batch": batch, "old": old,
+                                                    "repeats": 1 if old else common["repeats"]})
         print(f"  {label} B={batch:4d}: " + (r.get("error") or
               f"peak {r['peak_bytes'] / GiB:6.3f} GiB (before the step {r['base_bytes'] / GiB:.3f}), "
               f"{r['tokens_per_s']:8.0f} tokens/s new shapes, {r['warm_tokens_per_s']:8.0f} warm, "
@@ -383,10 +403,10 @@ def measure_head(common: dict) -> dict:
     """The head on the largest micro-batch the budget allows: rows x the longest sequence."""
     rows, length = max(1, common["budget"] // common["max_len"]), common["max_len"]
     resp = length - length // 8
-    spec = {"child": "head", **common, "rows": rows, "length": length, "resp": resp}
-    chunked = run_child({**spec, "kind": "chunked"})
+    spec = {**common, "rows": rows, "length": length, "resp": resp}
+    chunked = run_child(child_head, {**spec, "kind": "chunked"})
     former_logits = rows * length * common["vocab"] * 4
-    former = run_child({**spec, "kind": "naive"}) if fits(former_logits, common["device"]) else {"error": "not run"}
+    former = run_child(child_head, {**spec, "kind": "naive"}) if fits(former_logits, common["device"]) else {"error": "not run"}
     show = lambda r: r.get("error") or f"{r['head_bytes'] / GiB:.3f} GiB"  # noqa: E731
     print(f"  log-prob head, {rows} x {length} tokens ({resp} of them response): chunked {show(chunked)}, "
           f"former {show(former)}; float32 [b, L, V] of this micro-batch {former_logits / GiB:.2f} GiB")
@@ -394,7 +414,7 @@ def measure_head(common: dict) -> dict:
 
 
 def measure_throughput(common: dict, batch: int) -> dict:
-    r = run_child({"child": "throughput", **common, "batch": batch, "repeats": 2})
+    r = run_child(child_throughput, {**common, "batch": batch, "repeats": 2})
     print("  " + (r.get("error") or f"forward+backward, {r['tokens']} tokens: learner {r['ours_tokens_per_s']:.0f} "
           f"tokens/s over {r['packed_micro_batches']} micro-batches (packed: {common['packing']}), plain transformers "
           f"{r['plain_tokens_per_s']:.0f} tokens/s over {r['micro_batches']} padded ones"
@@ -490,13 +510,8 @@ def main() -> None:
     parser.add_argument("--no-old", action="store_true", help="skip the former path's step")
     parser.add_argument("--repeats", type=int, default=1, help="steps on new lengths per batch size, each then "
                         "repeated warm: the new-shapes and warm times are their sums (one step's time is noisy)")
-    parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    if args.child:
-        spec = json.loads(args.child)
-        print(json.dumps(CHILDREN[spec.pop("child")](spec)))
-        return
 
     quick = args.quick
     max_len = args.max_len or (160 if quick else 4096)

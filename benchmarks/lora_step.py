@@ -190,13 +190,8 @@ def main() -> None:
     parser.add_argument("--checkpointing", nargs="?", const="full", choices=("full", "selective"))
     parser.add_argument("--rounding-width", type=int, default=1024, help="the bfloat16 rounding layer's width")
     parser.add_argument("--engine", action="store_true", help="also the vLLM engine's side: version loads, generation")
-    parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    if args.child:
-        spec = json.loads(args.child)
-        print(json.dumps(engine_child(spec) if spec.get("engine") else child(spec)))
-        return
 
     quick = args.quick
     hidden, layers, intermediate, heads, kv_heads = SHAPES[args.shape] if args.shape else (
@@ -218,7 +213,7 @@ def main() -> None:
         spec["model"] = str(build_policy(Path(tmp) / "policy", QWEN_VOCAB, hidden, layers, max_len + 8, intermediate,
                                          heads, kv_heads))
         for mode in ("full", "lora"):
-            results[mode] = run_child({**spec, "mode": mode}, script=__file__)
+            results[mode] = run_child(child, {**spec, "mode": mode})
             r = results[mode]
             if "error" in r:
                 print(f"  {mode}: {r['error']}")
@@ -231,8 +226,7 @@ def main() -> None:
                       f"; the adapters alone {r['adapter_publish_s'] * 1e3:.0f} ms ({r['adapter_published_tensors']} "
                       f"tensors, {r['adapter_published_mib']:.1f} MiB)" if mode == "lora" else ""))
         for kind in ("merged", "adapter") if args.engine else ():
-            results[f"engine_{kind}"] = r = run_child({**spec, "engine": True, "lora": kind == "adapter"},
-                                                      script=__file__)
+            results[f"engine_{kind}"] = r = run_child(engine_child, {**spec, "lora": kind == "adapter"})
             print(f"  vLLM engine, {kind} versions: " + (r["error"] if "error" in r else
                   f"a version of {r['version_mib']:.1f} MiB loads in {r['load_s'] * 1e3:.0f} ms (median of 3), "
                   f"generation {r['generate_tokens_per_s']:.0f} tokens/s"))
