@@ -28,6 +28,11 @@ def local_only_mode() -> None:
     ray_constants.ENABLE_RAY_CLUSTER = False  # = RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, read at call time
 
 
+# Ray's system config for a cluster that starts no idle workers ahead of its tasks and actors (each
+# starts its own when it needs one). Not `etarl train`'s: its first actors take the prestarted ones.
+NO_PRESTART = {"enable_worker_prestart": False, "prestart_worker_first_driver": False}
+
+
 def init_local_ray(**init_kwargs):
     """`ray.init` of a new local cluster bound to 127.0.0.1, without the dashboard's web UI."""
     import ray
@@ -56,11 +61,10 @@ def loopback_cluster(nodes: list[dict], head: dict | None = None):
     from ray.cluster_utils import Cluster
 
     local_only_mode()
-    # No idle workers started ahead on each node: a placement test's actors ask for their own (in a
-    # head and two nodes, seven prestarted workers sat idle to the end, 17 s of CPU).
-    no_prestart = {"enable_worker_prestart": False, "prestart_worker_first_driver": False}
+    # A placement test's actors ask for their own workers (in a head and two nodes, seven
+    # prestarted ones sat idle to the end, 17 s of CPU).
     cluster = Cluster(initialize_head=True, head_node_args={"node_ip_address": LOOPBACK, "include_dashboard": False,
-                                                            "_system_config": no_prestart, **(head or {})})
+                                                            "_system_config": NO_PRESTART, **(head or {})})
     for node in nodes:
         cluster.add_node(node_ip_address=LOOPBACK, **node)
     return cluster

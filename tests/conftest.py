@@ -85,7 +85,7 @@ def ray_cluster():
     """A local Ray cluster bound to loopback, shared by every test that asks for it."""
     import ray
 
-    from services.local_ray import init_local_ray  # every Ray server on 127.0.0.1, as in `etarl train`
+    from services.local_ray import NO_PRESTART, init_local_ray  # every Ray server on 127.0.0.1, as in `etarl train`
 
     if not ray.is_initialized():
         init_local_ray(
@@ -94,7 +94,7 @@ def ray_cluster():
             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}},
             # No idle workers kept ready (tasks start theirs on demand; an actor has its own anyway):
             # two idle ones took 1 s of CPU every 30 s for the whole session (2.5 s with them, 1.7 without).
-            _system_config={"prestart_worker_first_driver": False, "enable_worker_prestart": False},
+            _system_config=NO_PRESTART,
         )
     yield ray
     ray.shutdown()
