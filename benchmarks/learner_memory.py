@@ -406,7 +406,8 @@ def measure_head(common: dict) -> dict:
     spec = {**common, "rows": rows, "length": length, "resp": resp}
     chunked = run_child(child_head, {**spec, "kind": "chunked"})
     former_logits = rows * length * common["vocab"] * 4
-    former = run_child(child_head, {**spec, "kind": "naive"}) if fits(former_logits, common["device"]) else {"error": "not run"}
+    former = (run_child(child_head, {**spec, "kind": "naive"}) if fits(former_logits, common["device"])
+              else {"error": "not run"})
     show = lambda r: r.get("error") or f"{r['head_bytes'] / GiB:.3f} GiB"  # noqa: E731
     print(f"  log-prob head, {rows} x {length} tokens ({resp} of them response): chunked {show(chunked)}, "
           f"former {show(former)}; float32 [b, L, V] of this micro-batch {former_logits / GiB:.2f} GiB")
