@@ -4,9 +4,10 @@ learner drives both engines' weight updates and etarl's gloo engine, a vLLM plug
 chunks inside each engine's vLLM worker process, down a chain, while the learner starts its next
 step). η = 0 makes every consumed sample one of the version the learner has just published, so the
 learner's own log-probs of it (float32, as the engines') say whether the engine that sampled it had
-exactly that version's weights: they agree to ~2e-7 in log-perplexity when it had, and differ by
-0.005-0.008 when the samples are one version older (both measured on this run's settings, the
-latter at η = 1). The run is also the check of synchronous mode (fresh samples only)."""
+exactly that version's weights: each sequence's log-perplexity agrees to 1.3e-6 at most when it
+had, and the worst sequence of a step differs by 0.014-0.028 when the samples are one version older
+(both measured on this run's settings, the latter at η = 1). The run is also the check of
+synchronous mode (fresh samples only)."""
 from __future__ import annotations
 
 import pytest
@@ -17,7 +18,7 @@ from services.controller import run_training
 pytestmark = pytest.mark.slow
 
 STEPS = 4
-# Between exact weights (~2e-7) and the weights of the version before (>= 0.005), a bound far from both.
+# Between exact weights (<= 1.3e-6) and the weights of the version before (>= 0.014), far from both.
 SAME_WEIGHTS_LOG_PPL = 1e-4
 
 
@@ -52,8 +53,8 @@ def test_each_version_went_to_both_engines(records):
     for both engines to join before its first step (run.wait_for_workers_s), so every send reached both."""
     for r in records:
         assert set(r["audit/sample_versions"]) == {r["version"] - 1}
-        assert r["rollout_corr/log_ppl_abs_diff"] < SAME_WEIGHTS_LOG_PPL, r["step"]
-        assert max(r["rollout_corr/log_ppl_diff_max"], -r["rollout_corr/log_ppl_diff_min"]) < SAME_WEIGHTS_LOG_PPL
+        worst = max(r["rollout_corr/log_ppl_diff_max"], -r["rollout_corr/log_ppl_diff_min"])  # over its sequences
+        assert worst < SAME_WEIGHTS_LOG_PPL, (r["step"], worst)
         assert r["timing_s/weight_sync_blocked"] >= 0
     assert [r["weight_sync/engines"] for r in records[1:]] == [2] * (STEPS - 1)
     for r in records[1:]:
