@@ -141,7 +141,7 @@ def node_view_probe(probe_file, token, node_file, node_name, readable):
 def two_nodes(run_dir: str) -> dict:
     from services.audit import audit, read_buffer_log, read_run_log
     from services.buffer_handle import RAY_BUFFER_LOG
-    from services.config import build_config
+    from services.config import load_config
     from services.controller import Controller
     from services.local_ray import loopback_cluster
 
@@ -156,18 +156,18 @@ def two_nodes(run_dir: str) -> dict:
     try:
         ray.init(address=cluster.address, log_to_driver=False, runtime_env={"env_vars": {
             "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}})
-        cfg = build_config({
-            "mode": "one_step_off",
-            "run": {"steps": 3, "run_dir": run_dir, "cache_dir": str(REPO / ".cache"), "eval_every": 0,
-                    "progress": False},
-            "ray": {"address": cluster.address, "worker_num_cpus": 0.5, "learner_num_cpus": 1,
-                    "log_to_driver": False},
-            "buffer": {"transport": "ray", "gate": {"batch_size": 2}},
-            "rollout": {"num_workers": 1, "engine": {"kind": "hf"}, "groups_per_batch": 2,
-                        "sampling": {"n": 2, "max_new_tokens": 4}},
-            "learner": {"distributed": {"world_size": 2, "placement": "spread"}},
-            "eval": {"num_prompts": 4, "n_samples": 0},
-        })
+        # The embedded default's config, so its tiny model: the one the suite builds once and shares
+        # (the config classes' own defaults name another, whose build here took 70 s of CPU).
+        cfg = load_config(None, [
+            "mode=one_step_off", "run.steps=3", f"run.run_dir={run_dir}", f"run.cache_dir={REPO / '.cache'}",
+            "run.eval_every=0", "run.progress=false",
+            f"ray.address={cluster.address}", "ray.worker_num_cpus=0.5", "ray.learner_num_cpus=1",
+            "ray.log_to_driver=false", "buffer.transport=ray", "buffer.gate.batch_size=2",
+            "rollout.num_workers=1", "rollout.engine.kind=hf", "rollout.groups_per_batch=2",
+            "rollout.sampling.n=2", "rollout.sampling.max_new_tokens=4",
+            "learner.distributed.world_size=2", "learner.distributed.placement=spread",
+            "eval.num_prompts=4", "eval.n_samples=0",
+        ])
         controller = Controller(cfg)
         try:
             controller.start()
