@@ -29,7 +29,8 @@ def local_only_mode() -> None:
 
 
 # Ray's system config for a cluster that starts no idle workers ahead of its tasks and actors (each
-# starts its own when it needs one). Not `etarl train`'s: its first actors take the prestarted ones.
+# starts its own when it needs one). Not `etarl train`'s: its first actors may take prestarted ones,
+# and a 6-step run cost the same with and without them (43.7 vs 43.0 CPU-s, three runs each).
 NO_PRESTART = {"enable_worker_prestart": False, "prestart_worker_first_driver": False}
 
 
