@@ -27,7 +27,7 @@ ENV_CLIENT_SECRET = "ETARL_BUFFER_CLIENT_SECRET_KEY"
 # What each role may call (admin: everything, `recover` included).
 ROLE_OPS: dict[str, frozenset[str] | None] = {
     "worker": frozenset({"acquire_permits", "release_permit", "filter_group", "push_groups", "stats", "health"}),
-    "learner": frozenset({"pull_batch", "ack", "nack", "set_version", "set_eta", "stats", "health"}),
+    "learner": frozenset({"pull_batch", "ack", "nack", "set_version", "set_eta", "stats", "health", "snapshot"}),
     "admin": None,
 }
 

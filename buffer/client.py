@@ -145,6 +145,12 @@ class BufferClient:
     def health(self) -> dict:
         return self._call("health", {})[0]
 
+    def snapshot(self, wait: float = 0.0) -> bytes:
+        """The buffer's state for a checkpoint: its log records, msgpack-packed (what `python -m
+        buffer serve --restore FILE` starts from). `wait`: seconds beyond the request timeout that
+        a large buffer may take."""
+        return bytes(self._call("snapshot", {}, wait=wait)[1][0])
+
     def close(self) -> None:
         with self._lock:
             self._reset_socket()

@@ -4,7 +4,9 @@ Requests are `[header, *payload]` (`buffer.codec`), header = {"v", "id", "op", "
 echoes "id" with {"ok": true, "result": ...} or {"ok": false, "error": {"reason", "message"}}.
 Operations: acquire_permits, release_permit, filter_group, push_groups, pull_batch (which can first ack the
 previous batch and set the version: a learner's step end and its next batch in one request),
-ack (which can also set the version), nack, set_version, set_eta, recover, stats, health.
+ack (which can also set the version), nack, set_version, set_eta, recover, stats, health, snapshot (a
+checkpoint's copy of the state: one payload frame, the records `restore` takes, msgpack-packed;
+`serve --restore FILE` starts a fresh service from such a file).
 acquire_permits and pull_batch long-poll: a request that cannot be served yet is parked until it
 can or until its timeout, while the loop keeps serving others. A worker
 takes the permits of one engine batch in one request and pushes their groups in one request
@@ -35,6 +37,7 @@ import threading
 from collections import Counter
 from dataclasses import dataclass
 
+import msgpack
 import zmq
 
 from buffer import auth
@@ -100,6 +103,7 @@ _OP_ARGS = {
     "recover": {"version": _REQUIRED},
     "stats": {},
     "health": {},
+    "snapshot": {},
 }
 
 
@@ -160,6 +164,7 @@ class BufferServer:
             "push_groups": self._push,
             "pull_batch": self._pull, "ack": self._ack, "nack": self._nack, "set_version": self._set_version,
             "recover": self._recover, "stats": self._stats, "health": self._health, "set_eta": self._set_eta,
+            "snapshot": self._snapshot,
         }
 
     # ---- loop -------------------------------------------------------------------------------
@@ -392,6 +397,11 @@ class BufferServer:
     def _health(self, identity, request_id, args, _payload):
         return self.core.health(),
 
+    def _snapshot(self, identity, request_id, args, _payload):
+        # A checkpoint's view (BufferCore.snapshot_records): permits in flight go back to be reissued.
+        records = self.core.snapshot_records(keep_in_flight=False, keep_settled_ids=False)
+        return {"records": len(records)}, [msgpack.packb(records, use_bin_type=True)]
+
     # ---- parked long polls ------------------------------------------------------------------
 
     def _serve_parked(self) -> None:
@@ -439,6 +449,9 @@ def main(argv: list[str]) -> int:
     serve.add_argument("--port", type=int, help="override the port (0 = any free port)")
     serve.add_argument("--listen-fd", type=int, help="serve on this inherited, listening socket (the run's "
                        "supervisor holds it across restarts) instead of binding host:port or ipc_path")
+    serve.add_argument("--restore", metavar="FILE", help="start from this state (a `snapshot` reply as written to a "
+                       "run's checkpoint, buffer.msgpack): the service must be fresh (a durable log is rewritten to "
+                       "hold it)")
     serve.add_argument("--log-level", default="INFO")
     keygen = sub.add_parser("keygen", help="write the CURVE server key pair (unless DIR has one) and a client "
                             "key pair per role, authorized under DIR/authorized_clients/<role>/")
@@ -459,7 +472,10 @@ def main(argv: list[str]) -> int:
         if args.port is not None:
             config = config.model_copy(update={"port": args.port})
         server = BufferServer(config, listen_fd=args.listen_fd)
-    except (OSError, ValueError, zmq.ZMQError, LogFailed) as exc:  # ValueError: a corrupt log (LogCorrupt) too
+        if args.restore:
+            with open(args.restore, "rb") as state:
+                server.core.restore(msgpack.unpackb(state.read(), raw=False))
+    except (OSError, ValueError, zmq.ZMQError, LogFailed, RequestError) as exc:  # ValueError: a corrupt log too
         print(f"etarl buffer serve: {exc}", file=sys.stderr)
         return 2
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -1,9 +1,10 @@
 """The run's buffer: the Ray actor or the supervised ZMQ service, and a client for it.
 
 `BufferHandle` is what the controller holds: a client (Ray actor or ZMQ), and for the Ray
-transport the actor itself (snapshot/restore for checkpoints); for ZMQ the supervised service
-process (`BufferSupervisor`). Both survive a SIGKILL of the buffer's process, up to
-`buffer.max_restarts` times, by replaying the buffer's durable log.
+transport the actor itself; for ZMQ the supervised service process (`BufferSupervisor`). Both
+survive a SIGKILL of the buffer's process, up to `buffer.max_restarts` times, by replaying the
+buffer's durable log, and both give a checkpoint the same snapshot (the buffer's log records) and
+start a resumed run's buffer from it: a checkpoint of one transport resumes on the other.
 """
 from __future__ import annotations
 
@@ -17,10 +18,11 @@ import threading
 import time
 from pathlib import Path
 
+import msgpack
 import yaml
 
 from buffer.durable_log import keep_as_previous
-from services.config import ConfigError, EtarlConfig
+from services.config import EtarlConfig
 
 log = logging.getLogger("etarl")
 
@@ -40,15 +42,14 @@ def _buffer_actor_class():
             return self.core.snapshot_records(keep_in_flight=False, keep_settled_ids=False)
 
         @ray.method(concurrency_group=LEARNER)
-        def restore(self, records: list[dict]) -> dict:
+        def restore(self, records: list[dict]) -> None:
             self.core.restore(records)
-            stats = self.core.stats()
-            return {k: stats[k] for k in ("version", "groups_ready", "next_ticket", "free_tickets")}
 
     return CheckpointableBufferActor
 
 
 RAY_BUFFER_LOG = "buffer-actor.log"  # the Ray buffer actor's durable log, in the run folder
+RESTORE_FILE = "buffer-restore.msgpack"  # a resumed ZMQ service's first state, in the run folder until it serves
 RAY_BUFFER_STARTS = "buffer-actor.starts"  # one line per start of the actor (its restart count)
 _SUPERVISE_EVERY_S = 0.2
 _BUFFER_START_TIMEOUT_S = 120.0
@@ -62,13 +63,15 @@ class BufferLost(RuntimeError):
 
 class BufferHandle:
     """The buffer as this run uses it: a client (Ray actor or ZMQ), and for the Ray transport
-    the actor itself (snapshot/restore for checkpoints); for ZMQ the supervised service process.
+    the actor itself; for ZMQ the supervised service process.
 
     Both survive a SIGKILL of the buffer's process, up to `buffer.max_restarts` times: Ray
     restarts the actor, a `BufferSupervisor` restarts the service child; either replays its
-    durable log and the clients resend what was in flight with the same ids."""
+    durable log and the clients resend what was in flight with the same ids. Each `etarl train`
+    starts the buffer's log empty (the last one kept as `.prev`); a resume starts the buffer from
+    `restore`, a checkpoint's `snapshot()` records (`restored`: its counts)."""
 
-    def __init__(self, cfg: EtarlConfig, run_dir: Path):
+    def __init__(self, cfg: EtarlConfig, run_dir: Path, restore: list[dict] | None = None):
         import ray
 
         self.transport = cfg.buffer.transport
@@ -99,12 +102,20 @@ class BufferHandle:
             self.actor = create_buffer_actor(service_cfg, max_restarts=self.max_restarts, starts_file=starts_file,
                                              actor_class=_buffer_actor_class(), scheduling_strategy=here)
             self.client = RayBufferClient(self.actor, service_cfg)
+            if restore is not None:
+                self.client.call("restore", restore, wait=_BUFFER_STATE_CALL_S)
         else:
-            self.supervisor = BufferSupervisor(service_cfg, run_dir, self.max_restarts)
+            restore_file = None
+            if restore is not None:  # read by the service's first start only, before it serves
+                restore_file = run_dir / RESTORE_FILE
+                restore_file.write_bytes(msgpack.packb(restore, use_bin_type=True))
+            self.supervisor = BufferSupervisor(service_cfg, run_dir, self.max_restarts, restore_file)
             # the run's own calls give up as soon as the supervisor does, not after their timeouts
             self.client = ZmqBufferClient(self.supervisor.config, abandon=lambda: self.supervisor.failure)
             self.supervisor.start()
-        self.client.health()
+        stats = self.client.stats()
+        self.restored = {k: stats[k] for k in ("version", "groups_ready", "next_ticket", "free_tickets")
+                         } if restore is not None else None
 
     @property
     def worker_client(self):
@@ -155,14 +166,12 @@ class BufferHandle:
                           f"(buffer.max_restarts={self.max_restarts} allows no more): the run stops. Resume from "
                           f"the last checkpoint: etarl train --resume {self.run_dir}")
 
-    def snapshot(self) -> dict | None:
-        return self.client.call("snapshot", wait=_BUFFER_STATE_CALL_S) if self.actor is not None else None
-
-    def restore(self, records: list[dict]) -> dict:
-        if self.actor is None:
-            raise ConfigError("this checkpoint holds the buffer of a buffer.transport=ray run; resume it with "
-                              "buffer.transport=ray")
-        return self.client.call("restore", records, wait=_BUFFER_STATE_CALL_S)
+    def snapshot(self) -> bytes:
+        """The buffer's state for a checkpoint: its log records (work in flight left out: those
+        tickets are reissued after a resume), msgpack-packed."""
+        if self.actor is not None:
+            return msgpack.packb(self.client.call("snapshot", wait=_BUFFER_STATE_CALL_S), use_bin_type=True)
+        return self.client.snapshot(wait=_BUFFER_STATE_CALL_S)
 
     def gone(self) -> bool:
         """Whether the buffer is lost for good: its supervisor gave up (no log, or no restart left)."""
@@ -244,9 +253,13 @@ class BufferSupervisor:
     server's key.
     Each restart is counted and logged. It gives up, setting `failure` (the controller then stops
     the run), when the service has no durable log (a restart would come back empty, losing the
-    groups it had accepted), or after `max_restarts` restarts."""
+    groups it had accepted), or after `max_restarts` restarts.
 
-    def __init__(self, config, run_dir: Path, max_restarts: int):
+    The first start begins a new log (the last one kept as `.prev`: it belongs to an earlier run,
+    or to this run's life after its checkpoint), from `restore_file` on a resume (`serve
+    --restore`; the file is removed once the service answers: its log holds the state)."""
+
+    def __init__(self, config, run_dir: Path, max_restarts: int, restore_file: Path | None = None):
         from buffer.config import LOOPBACK_HOSTS
 
         self._private_dir: Path | None = None
@@ -263,6 +276,7 @@ class BufferSupervisor:
         self.config_file = run_dir / "buffer.yaml"
         self.config_file.write_text(yaml.safe_dump({"buffer": config.model_dump(mode="json")}))
         self.output = run_dir / "buffer.out"
+        self.restore_file = restore_file
         self.process: subprocess.Popen | None = None
         self.restarts = 0
         self.failure: str | None = None
@@ -270,12 +284,17 @@ class BufferSupervisor:
         self._thread = threading.Thread(target=self._watch, name="buffer-supervisor", daemon=True)
 
     def start(self) -> None:
+        if self.config.log.path is not None:
+            keep_as_previous(self.config.log.path)
         self.process = self._spawn()
         if not self._wait_ready(self.process):
             code = self.process.poll()
             self.process.kill()
             self.listener.close()
             raise RuntimeError(f"the buffer service did not start (exit code {code}); see {self.output}")
+        if self.restore_file is not None:  # it answered: its log (if any) holds the state, restarts replay that
+            self.restore_file.unlink(missing_ok=True)
+            self.restore_file = None
         self._thread.start()
 
     def stop(self) -> None:
@@ -319,9 +338,10 @@ class BufferSupervisor:
 
         env = {**os.environ, PARENT_ENV: str(os.getpid())}
         fd = self.listener.fileno()
+        restore = ["--restore", str(self.restore_file)] if self.restore_file is not None else []
         with open(self.output, "ab") as out:
             return subprocess.Popen([sys.executable, "-m", "services.buffer_child", "serve", "--config",
-                                     str(self.config_file), "--listen-fd", str(fd)], stdout=out,
+                                     str(self.config_file), "--listen-fd", str(fd), *restore], stdout=out,
                                     stderr=subprocess.STDOUT, start_new_session=True, env=env, pass_fds=(fd,))
 
     def _wait_ready(self, process: subprocess.Popen) -> bool:

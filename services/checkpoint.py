@@ -6,7 +6,7 @@ loss right after a checkpoint leaves LATEST naming a half-written or truncated c
         lora_adapter/     with learner.lora: the adapters as a PEFT folder               [learner]
         trainer.pt        scheduler state, learner version                               [learner]
         trainer_shards/   model + optimizer, each rank its own shards (DCP)              [learner, every rank]
-        buffer.msgpack    the buffer's gate counters, data cursor, tickets and contents [buffer, transport ray]
+        buffer.msgpack    the buffer's gate counters, data cursor, tickets and contents [buffer]
         state.json        controller state: step, version, config, the consumption audit
     RUN_DIR/checkpoints/LATEST   name of the newest complete checkpoint
 
@@ -75,8 +75,8 @@ def _write_text_durably(path: Path, text: str) -> None:
     _fsync_path(path.parent)
 
 
-def missing_parts(folder: Path, state: dict) -> list[str]:
-    """The parts a checkpoint with this controller state needs that `folder` lacks (or holds empty)."""
+def missing_parts(folder: Path) -> list[str]:
+    """The parts a checkpoint needs that `folder` lacks (or holds empty)."""
     missing = []
     policy = folder / POLICY_PART
     if not policy.is_dir() or not any(policy.glob("*.safetensors")):
@@ -84,7 +84,7 @@ def missing_parts(folder: Path, state: dict) -> list[str]:
     shards = folder / SHARDS_PART
     if shards.exists() and not (shards / ".metadata").is_file():
         missing.append(f"{SHARDS_PART}/.metadata (the sharded save did not finish)")
-    for name in (TRAINER_PART, *([BUFFER_PART] if state.get("buffer_transport") == "ray" else [])):
+    for name in (TRAINER_PART, BUFFER_PART):
         part = folder / name
         if not part.is_file() or part.stat().st_size == 0:
             missing.append(name)
@@ -101,7 +101,7 @@ def commit(staged: Path, state: dict, keep: int = 2) -> Path:
     staged = Path(staged)
     if not staged.name.endswith(".tmp") or not staged.is_dir():
         raise ValueError(f"{staged} is not a staging folder from staging_dir()")
-    missing = missing_parts(staged, state)
+    missing = missing_parts(staged)
     if missing:
         raise ValueError(f"checkpoint {staged} is incomplete, refusing to commit it: missing {', '.join(missing)}")
     # Nobody reads the staged folder, so state.json needs no temp file; _fsync_tree flushes it.

@@ -131,14 +131,6 @@ def resume_config(run_dir: str | os.PathLike, config_file: str | None, overrides
 class Controller:
     def __init__(self, cfg: EtarlConfig, resume: str | os.PathLike | None = None):
         self.cfg = cfg = with_absolute_paths(cfg)  # the saved config.yaml is read again from any folder
-        if resume and cfg.buffer.transport == "zmq":
-            # The service's log has moved on since the checkpoint (batches trained on after it are
-            # acked there, later weights' groups are held), and `recover` would reissue the tickets
-            # of the groups it holds: resuming would lose some groups and repeat others.
-            raise ConfigError("resuming a run with buffer.transport=zmq is not supported: its checkpoints hold no "
-                              "buffer state, and the buffer service's log has moved on since the checkpoint "
-                              "(resuming would lose and repeat groups). Resume runs with buffer.transport=ray, "
-                              "whose checkpoints hold the buffer, or start a new run")
         self.resume_from = ckpt.latest_checkpoint(resume) if resume else None
         self.run_dir = Path(cfg.run.run_dir or default_run_dir(cfg)).resolve()
         earlier = [] if self.resume_from else ckpt.list_checkpoints(self.run_dir)
@@ -199,7 +191,10 @@ class Controller:
         from learner.distributed import LearnerGroup
 
         learner_cfg = cfg.learner_for_run(self.model_dir)
-        self.buffer = BufferHandle(cfg, self.run_dir)
+        # A resumed buffer starts from the checkpoint's, not from its log, which has moved on since
+        # (batches trained on after the checkpoint are acked there, later weights' groups held).
+        restore = self._checkpoint_buffer(self.resume_from) if self.resume_from is not None else None
+        self.buffer = BufferHandle(cfg, self.run_dir, restore)
         self.weights = WeightPublisher(cfg.rollout.num_workers)
         self._start_exporter()
         self.workers = WorkerPool(cfg, self.model_dir, self.buffer.worker_client, self.weights.store,
@@ -244,14 +239,19 @@ class Controller:
         self.step = int(state["step"])
         self.consumed_tickets = list(state["consumed_tickets"])
         self.evals = list(state.get("evals", []))
-        buffer_file = checkpoint / BUFFER_STATE_FILE
-        if buffer_file.is_file():
-            records = with_failures(msgpack.unpackb(buffer_file.read_bytes(), raw=False), self.learner_failures.counts)
-            restored = self.buffer.restore(records)
-        else:
-            raise ConfigError(f"checkpoint {checkpoint} holds no buffer state ({BUFFER_STATE_FILE})")
-        log.info("resumed from %s: step %d, version %d, buffer %s", checkpoint, self.step, self.version, restored)
+        log.info("resumed from %s: step %d, version %d, buffer %s", checkpoint, self.step, self.version,
+                 self.buffer.restored)
         return state
+
+    def _checkpoint_buffer(self, checkpoint: Path) -> list[dict]:
+        """The checkpoint's buffer records, with the failed deliveries of batches the learner died
+        on after it (`services.learner_failures`)."""
+        buffer_file = checkpoint / BUFFER_STATE_FILE
+        if not buffer_file.is_file():  # zmq runs' checkpoints held none before 2026-12-03
+            raise ConfigError(f"checkpoint {checkpoint} holds no buffer state ({BUFFER_STATE_FILE}): it cannot be "
+                              "resumed without losing or repeating groups; start a new run from its policy/ folder "
+                              "(run.model)")
+        return with_failures(msgpack.unpackb(buffer_file.read_bytes(), raw=False), self.learner_failures.counts)
 
     def _open_trackers(self) -> None:
         metrics = self.cfg.metrics
@@ -548,9 +548,7 @@ class Controller:
     def save_checkpoint(self) -> Path:
         staged = ckpt.staging_dir(self.run_dir, self.step)
         self.learner.save_checkpoint(str(staged))
-        snapshot = self.buffer.snapshot()
-        if snapshot is not None:
-            (staged / BUFFER_STATE_FILE).write_bytes(msgpack.packb(snapshot, use_bin_type=True))
+        (staged / BUFFER_STATE_FILE).write_bytes(self.buffer.snapshot())
         state = {"step": self.step, "version": self.version, "consumed_tickets": self.consumed_tickets,
                  "evals": self.evals, "buffer_transport": self.cfg.buffer.transport}
         final = ckpt.commit(staged, state, keep=self.cfg.run.keep_checkpoints)

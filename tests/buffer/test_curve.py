@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 
+import msgpack
 import pytest
 from buffer_helpers import REPO
 from pydantic import ValidationError
@@ -95,8 +96,9 @@ def test_a_curve_remote_bind_needs_an_allow_list_or_a_deliberate_open_door(keys)
 
 
 def test_each_key_may_call_only_its_roles_operations(server, keys):
-    """A worker key pushes but cannot move the version or recover the gate; a learner key pulls
-    and sets the version but cannot push; a refused call changes nothing."""
+    """A worker key pushes but cannot move the version, recover the gate or read the groups it
+    holds (a checkpoint's snapshot); a learner key pulls, sets the version and takes the snapshot
+    but cannot push; a refused call changes nothing."""
     from buffer.errors import RemoteError
     from buffer_helpers import make_group
 
@@ -105,7 +107,7 @@ def test_each_key_may_call_only_its_roles_operations(server, keys):
             BufferClient(server.endpoint, PATIENT, curve(keys, "admin")) as admin:
         before = worker.stats()
         for call in (lambda: worker.set_version(5), lambda: worker.recover(10**9), lambda: worker.pull_batch(1),
-                     lambda: worker.ack("some-lease")):
+                     lambda: worker.ack("some-lease"), lambda: worker.snapshot()):
             with pytest.raises(RemoteError, match="forbidden") as info:
                 call()
             assert info.value.reason == "forbidden"
@@ -115,7 +117,8 @@ def test_each_key_may_call_only_its_roles_operations(server, keys):
         worker.push_group(make_group(permit.ticket, version=before["version"]), permit.permit_id)
         after = admin.stats()
         assert after["version"] == before["version"] and after["accepted"] == before["accepted"] + 1
-        assert after["request_errors"]["forbidden"] >= 5
+        assert after["request_errors"]["forbidden"] >= 6
+        assert len(msgpack.unpackb(learner.snapshot(), raw=False)) == 2  # the gate's record and the group's
         batch = learner.pull_batch(1, timeout=5)
         learner.ack(batch.lease_id, version=before["version"] + 1)
         with pytest.raises(RemoteError, match="version_jump"):

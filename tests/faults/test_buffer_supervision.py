@@ -356,16 +356,51 @@ def test_the_buffer_child_ends_with_its_controller(tmp_path):
             child.kill()
 
 
-def test_resuming_a_zmq_run_is_refused_naming_why(tmp_path, capsys):
-    """Its checkpoints hold no buffer, and the service's log has moved on since the checkpoint:
-    `recover` on it lost the batches trained after the checkpoint and reissued the tickets of
-    the groups it held (measured before this refusal: 6 groups lost, then a crash on a group
-    from weights newer than the checkpoint). Refused before anything starts."""
-    from services.cli import main
+def test_a_resumed_zmq_service_starts_from_the_checkpoints_snapshot_not_its_log(tmp_path):
+    """A checkpoint's snapshot of the service, taken while a generation is in flight, after which
+    its log moves on (that group pushed, a batch acked), starts the resumed run's service (`serve
+    --restore`): the snapshot's state (the ticket in flight back to be reissued), not the log's;
+    the moved-on log is kept as .prev, and a SIGKILL of the resumed service brings the restored
+    state back from its new log."""
+    from buffer.client import BufferClient
+    from services.buffer_handle import BufferSupervisor
 
-    cfg = load_config(None, ["buffer.transport=zmq", f"buffer.log.path={tmp_path / 'b.log'}",
-                             f"run.run_dir={tmp_path}"])
-    (tmp_path / "config.yaml").write_text(cfg.to_yaml())
-    assert main(["train", "--resume", str(tmp_path)]) == 2
-    err = capsys.readouterr().err
-    assert "resuming a run with buffer.transport=zmq is not supported" in err and "buffer.transport=ray" in err
+    config = BufferConfig(port=0, log=LogConfig(path=tmp_path / "buffer.log", fsync="interval"),
+                          gate=GateConfig(batch_size=2, eta=1, max_concurrent=8),
+                          client=ClientConfig(request_timeout_s=1.0, retries=30, retry_backoff_s=0.05))
+    keys = ("version", "groups_ready", "next_ticket", "free_tickets")
+    first = BufferSupervisor(config, tmp_path, max_restarts=1)
+    first.start()
+    try:
+        with BufferClient.from_config(first.config) as client:
+            permits = client.acquire_permits("w", 4, timeout=5)
+            client.push_groups([make_group(p.ticket) for p in permits], [p.permit_id for p in permits])
+            client.ack(client.pull_batch(2, timeout=5).lease_id, version=1)
+            in_flight = client.acquire_permit("w", timeout=5)
+            snapshot = client.snapshot()
+            at_checkpoint = {k: client.stats()[k] for k in keys}
+            client.push_group(make_group(in_flight.ticket, version=1), in_flight.permit_id)
+            client.ack(client.pull_batch(2, timeout=5).lease_id, version=2)
+            assert client.stats()["version"] == 2
+    finally:
+        first.stop()
+    assert at_checkpoint == {"version": 1, "groups_ready": 2, "next_ticket": 5, "free_tickets": 0}
+
+    restore_file = tmp_path / "restore.msgpack"
+    restore_file.write_bytes(snapshot)
+    resumed = BufferSupervisor(config, tmp_path, max_restarts=1, restore_file=restore_file)
+    resumed.start()
+    try:
+        with BufferClient.from_config(resumed.config) as client:
+            stats = client.stats()
+            assert {k: stats[k] for k in keys} == {**at_checkpoint, "free_tickets": 1}, "the ticket in flight is back"
+            assert not restore_file.exists() and (tmp_path / "buffer.log.prev").is_file()
+            killed = resumed.process
+            killed.send_signal(signal.SIGKILL)
+            assert wait_until(lambda: resumed.restarts == 1, timeout=30)
+            stats = client.stats()
+            assert {k: stats[k] for k in keys} == {**at_checkpoint, "free_tickets": 1}, "its log holds the restore"
+            batch = client.pull_batch(2, timeout=5)
+            assert sorted(g.prompt_index for g in batch.groups) == [permits[2].ticket, permits[3].ticket]
+    finally:
+        resumed.stop()

@@ -10,14 +10,13 @@ import pytest
 from services import checkpoint
 
 
-def _stage_complete(run_dir, step, buffer=True):
+def _stage_complete(run_dir, step):
     staged = checkpoint.staging_dir(run_dir, step)
     (staged / "policy").mkdir()
     (staged / "policy" / "model.safetensors").write_bytes(b"w" * 64)
     (staged / "policy" / "config.json").write_text("{}")
     (staged / "trainer.pt").write_bytes(b"o" * 32)
-    if buffer:
-        (staged / "buffer.msgpack").write_bytes(b"\x80")
+    (staged / "buffer.msgpack").write_bytes(b"\x80")
     return staged
 
 
@@ -84,13 +83,13 @@ def test_a_checkpoint_missing_a_part_is_refused_and_latest_stays(tmp_path, part)
     assert not (tmp_path / "checkpoints" / "step_000020").exists()
 
 
-def test_an_empty_trainer_file_is_refused_and_zmq_runs_need_no_buffer_part(tmp_path):
-    staged = _stage_complete(tmp_path, 10, buffer=False)
-    (staged / "trainer.pt").write_bytes(b"")
-    with pytest.raises(ValueError, match="missing trainer.pt"):
-        checkpoint.commit(staged, {"step": 10, "version": 1, "buffer_transport": "zmq"})
-    (staged / "trainer.pt").write_bytes(b"o")
-    # With buffer.transport=zmq the buffer service keeps its own log; the checkpoint has no buffer part.
+def test_an_empty_part_is_refused(tmp_path):
+    staged = _stage_complete(tmp_path, 10)
+    for part in ("trainer.pt", "buffer.msgpack"):  # each transport's buffer writes one (a ZMQ service's snapshot too)
+        (staged / part).write_bytes(b"")
+        with pytest.raises(ValueError, match=f"missing {part}"):
+            checkpoint.commit(staged, {"step": 10, "version": 1, "buffer_transport": "zmq"})
+        (staged / part).write_bytes(b"o")
     assert checkpoint.commit(staged, {"step": 10, "version": 1, "buffer_transport": "zmq"}).name == "step_000010"
 
 
@@ -104,7 +103,7 @@ def test_the_part_names_agree_with_their_writers():
 
 
 def test_sharded_training_state_without_its_metadata_is_refused(tmp_path):
-    staged = _stage_complete(tmp_path, 10, buffer=False)
+    staged = _stage_complete(tmp_path, 10)
     (staged / "trainer_shards").mkdir()
     (staged / "trainer_shards" / "__0_0.distcp").write_bytes(b"shard")  # a rank wrote, the save did not finish
     with pytest.raises(ValueError, match="missing trainer_shards/.metadata"):
