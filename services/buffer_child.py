@@ -3,9 +3,9 @@ run's controller (`services.buffer_handle.BufferSupervisor`), ending when the co
 
 The child runs in its own session (a Ctrl-C in the terminal must not take the buffer from a run
 that is still finishing its step), so nothing else would stop it if the controller were killed:
-an orphan would hold the port and keep appending to the durable log that the resumed run's
-service replays and appends to as well. On Linux the kernel sends it SIGTERM when the thread that
-started it ends (PR_SET_PDEATHSIG); the service stops cleanly on SIGTERM.
+an orphan would hold the port and keep serving (and logging) a run that is gone. On Linux the
+kernel sends it SIGTERM when the thread that started it ends (PR_SET_PDEATHSIG); the service stops
+cleanly on SIGTERM.
 """
 from __future__ import annotations
 

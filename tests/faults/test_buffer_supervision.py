@@ -321,7 +321,7 @@ def _signal_state(pid: int) -> str:
 
 def test_the_buffer_child_ends_with_its_controller(tmp_path):
     """A controller SIGKILLed on its own leaves no buffer service behind (it would hold the port
-    and append to the log that the resumed run's service writes too)."""
+    and go on serving and logging a run that is gone)."""
     import subprocess
     import sys
 
