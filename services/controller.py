@@ -170,8 +170,10 @@ class Controller:
         self.learner_failures.recover()  # a batch the last process died on counts a failed delivery
         fill_sample_limits(cfg, self.model_dir)  # vocabulary and context: the buffer refuses what the model cannot take
         train_prompts = check_run_inputs(cfg, self.model_dir)
+        restore = None  # a resumed buffer starts from the checkpoint's (BufferHandle)
         if self.resume_from is not None:
             check_resume_settings(cfg, self.resume_from)
+            restore = self._checkpoint_buffer(self.resume_from)
         if cfg.run.epochs is not None:  # the steps, now that the usable prompts are counted
             self.cfg = cfg = with_epochs(cfg, train_prompts)
         if cfg.metrics.trackers:  # W&B's key before Ray starts (the trackers open once the layout is chosen)
@@ -191,9 +193,6 @@ class Controller:
         from learner.distributed import LearnerGroup
 
         learner_cfg = cfg.learner_for_run(self.model_dir)
-        # A resumed buffer starts from the checkpoint's, not from its log, which has moved on since
-        # (batches trained on after the checkpoint are acked there, later weights' groups held).
-        restore = self._checkpoint_buffer(self.resume_from) if self.resume_from is not None else None
         self.buffer = BufferHandle(cfg, self.run_dir, restore)
         self.weights = WeightPublisher(cfg.rollout.num_workers)
         self._start_exporter()
@@ -245,7 +244,8 @@ class Controller:
 
     def _checkpoint_buffer(self, checkpoint: Path) -> list[dict]:
         """The checkpoint's buffer records, with the failed deliveries of batches the learner died
-        on after it (`services.learner_failures`)."""
+        on after it (`services.learner_failures`): what the resumed buffer starts from, not its log,
+        which went on after the checkpoint (batches trained on after it acked, later groups held)."""
         buffer_file = checkpoint / BUFFER_STATE_FILE
         if not buffer_file.is_file():  # zmq runs' checkpoints held none before 2026-12-03
             raise ConfigError(f"checkpoint {checkpoint} holds no buffer state ({BUFFER_STATE_FILE}): it cannot be "

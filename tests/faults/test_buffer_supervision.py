@@ -356,6 +356,34 @@ def test_the_buffer_child_ends_with_its_controller(tmp_path):
             child.kill()
 
 
+def test_a_checkpoint_without_the_buffers_state_is_refused_before_ray_starts(tiny_model_dir, tmp_path, capsys,
+                                                                             monkeypatch):
+    """Checkpoints of buffer.transport=zmq runs held no buffer before the service had `snapshot`:
+    such a one cannot be resumed without losing or repeating groups (the service's log went on after
+    it), so the resume stops, saying so, before Ray starts."""
+    import torch
+
+    from services import checkpoint as ckpt
+    from services.cli import main
+
+    cfg = load_config(None, [f"run.model={tiny_model_dir}", "buffer.transport=zmq", f"run.run_dir={tmp_path}"])
+    (tmp_path / "config.yaml").write_text(cfg.to_yaml())
+    staged = ckpt.staging_dir(tmp_path, 4)
+    (staged / "policy").mkdir()
+    (staged / "policy" / "model.safetensors").write_bytes(b"w")
+    torch.save({"version": 4}, staged / "trainer.pt")
+    (staged / "buffer.msgpack").write_bytes(b"\x90")
+    final = ckpt.commit(staged, {"step": 4, "version": 4, "consumed_tickets": [], "buffer_transport": "zmq"})
+    (final / "buffer.msgpack").unlink()  # as such a checkpoint was written
+
+    def no_ray(cfg):
+        raise AssertionError("Ray started")
+
+    monkeypatch.setattr("services.controller.start_ray", no_ray)
+    assert main(["train", "--resume", str(tmp_path)]) == 2
+    assert "holds no buffer state (buffer.msgpack): it cannot be resumed" in capsys.readouterr().err
+
+
 def test_a_resumed_zmq_service_starts_from_the_checkpoints_snapshot_not_its_log(tmp_path):
     """A checkpoint's snapshot of the service, taken while a generation is in flight, after which
     its log moves on (that group pushed, a batch acked), starts the resumed run's service (`serve
