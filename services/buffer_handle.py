@@ -49,6 +49,7 @@ def _buffer_actor_class():
 
 
 RAY_BUFFER_LOG = "buffer-actor.log"  # the Ray buffer actor's durable log, in the run folder
+SERVICE_LOG = "buffer-service.log"  # the ZMQ service's, where buffer.log.path is unset
 RESTORE_FILE = "buffer-restore.msgpack"  # a resumed ZMQ service's first state, in the run folder until it serves
 RAY_BUFFER_STARTS = "buffer-actor.starts"  # one line per start of the actor (its restart count)
 _SUPERVISE_EVERY_S = 0.2
@@ -105,6 +106,9 @@ class BufferHandle:
             if restore is not None:
                 self.client.call("restore", restore, wait=_BUFFER_STATE_CALL_S)
         else:
+            if service_cfg.log.path is None and self.max_restarts:  # restartable, as the actor is by default
+                service_cfg = service_cfg.model_copy(
+                    update={"log": service_cfg.log.model_copy(update={"path": run_dir / SERVICE_LOG})})
             restore_file = None
             if restore is not None:  # read by the service's first start only, before it serves
                 restore_file = run_dir / RESTORE_FILE
@@ -252,8 +256,8 @@ class BufferSupervisor:
     cannot connect at all; with CURVE (multi-node) it is the tcp port, and clients verify the
     server's key.
     Each restart is counted and logged. It gives up, setting `failure` (the controller then stops
-    the run), when the service has no durable log (a restart would come back empty, losing the
-    groups it had accepted), or after `max_restarts` restarts.
+    the run), after `max_restarts` restarts, or when the service has no durable log (a restart would
+    come back empty, losing the groups it had accepted; a run's has one unless max_restarts is 0).
 
     The first start begins a new log (the last one kept as `.prev`: it belongs to an earlier run,
     or to this run's life after its checkpoint), from `restore_file` on a resume (`serve
@@ -371,15 +375,18 @@ class BufferSupervisor:
             if code is None or self._stop.is_set():
                 continue
             what = f"the buffer service (pid {self.process.pid}) exited with code {code}"
-            if self.config.log.path is None:
+            run_dir, path = self.output.parent, self.config.log.path
+            if self.restarts >= self.max_restarts:
+                held = (f"Its log {path} holds everything it accepted" if path is not None else
+                        "It had no durable log (buffer.max_restarts > 0 gives it one in the run folder)")
+                self.failure = (f"{what} after {self.restarts} restart(s); buffer.max_restarts={self.max_restarts} "
+                                f"allows no more, so the run stops (see {self.output}). {held}. Resume from the "
+                                f"last checkpoint: etarl train --resume {run_dir}")
+            elif path is None:
                 self.failure = (f"{what}, and it has no durable log (buffer.log.path is unset): a restart would "
                                 f"lose every group it had accepted, so the run stops. Set buffer.log.path (e.g. "
-                                f"buffer.log.path={self.output.parent / 'buffer.log'}) to let the controller "
-                                f"restart it from its log")
-            elif self.restarts >= self.max_restarts:
-                self.failure = (f"{what} after {self.restarts} restart(s); buffer.max_restarts={self.max_restarts} "
-                                f"allows no more, so the run stops (see {self.output}). Its log "
-                                f"{self.config.log.path} holds everything it accepted")
+                                f"buffer.log.path={run_dir / SERVICE_LOG}) to let the controller restart it from "
+                                f"its log")
             if self.failure is not None:
                 log.error("%s", self.failure)
                 return

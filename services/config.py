@@ -329,7 +329,9 @@ class RunBufferConfig(BufferConfig):
 
     max_restarts: int = Field(3, ge=0, description="restarts of a buffer that died (the ZMQ service child, "
                               "or the Ray actor) before the run stops; each restart replays the buffer's "
-                              "durable log, so nothing accepted is lost (zmq needs buffer.log.path)")
+                              "durable log, so nothing accepted is lost (RUN_DIR/buffer-actor.log, or for zmq "
+                              "buffer.log.path, by default RUN_DIR/buffer-service.log); 0: no restart, and no "
+                              "log unless buffer.log.path names one")
 
     @model_validator(mode="after")
     def _ray_log_lives_in_the_run(self):

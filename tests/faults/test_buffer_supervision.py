@@ -1,9 +1,10 @@
 """A training run survives a SIGKILL of its buffer, with either transport.
 
 - `buffer.transport: zmq`: the controller's supervisor sees its buffer service child
-  (`python -m services.buffer_child serve`, the service that ends with its controller) die, starts it again on the same config, port and durable log (replayed), counts the restart;
-  without a durable log, or past `buffer.max_restarts`, the run stops with a message naming why
-  and the fix.
+  (`python -m services.buffer_child serve`, the service that ends with its controller) die, starts
+  it again on the same config, port and durable log (replayed; in the run folder unless
+  `buffer.log.path` names one), counts the restart; past `buffer.max_restarts` (0: no log, no
+  restart) the run stops with a message naming why and the fix.
 - `buffer.transport: ray`: Ray restarts the buffer actor's process (`max_restarts`), which
   replays its log in the run folder; clients resend what was in flight with the same ids; past
   `buffer.max_restarts` the run stops loudly.
@@ -88,10 +89,11 @@ def restarts_logged(run_dir) -> list[int]:
 
 @pytest.mark.slow
 def test_a_killed_zmq_buffer_is_restarted_and_the_run_loses_nothing(tiny_model_dir, tmp_path):
+    """buffer.log.path unset: as the Ray actor's, the service's log is in the run folder."""
     run_dir = tmp_path / "run"
-    log = tmp_path / "buffer.log"
+    log = run_dir / "buffer-service.log"
     run = TrainProcess(run_dir, run_args(run_dir, tiny_model_dir, "buffer.transport=zmq", "buffer.port=0",
-                                         f"buffer.log.path={log}", "buffer.max_restarts=2"), "zmq")
+                                         "buffer.max_restarts=2"), "zmq")
     try:
         pid, steps_at_kill = kill_after_steps(run, zmq_service)
         # (also remembers the new child, so that kill_all stops it if the run goes wrong)
@@ -110,18 +112,20 @@ def test_a_killed_zmq_buffer_is_restarted_and_the_run_loses_nothing(tiny_model_d
 
 
 @pytest.mark.slow
-def test_a_killed_zmq_buffer_without_a_durable_log_stops_the_run_naming_the_fix(tiny_model_dir, tmp_path):
+def test_a_killed_zmq_buffer_without_restarts_stops_the_run_naming_the_fix(tiny_model_dir, tmp_path):
     run_dir = tmp_path / "run"
     run = TrainProcess(run_dir, run_args(run_dir, tiny_model_dir, "buffer.transport=zmq", "buffer.port=0",
-                                         "buffer.client.retries=1"), "zmq-no-log")
+                                         "buffer.max_restarts=0", "buffer.client.retries=1"), "zmq-no-restart")
     try:
         pid, _ = kill_after_steps(run, zmq_service)
     finally:
         code, output = finished_run(run)
     assert code != 0, output
     assert "BufferLost" in output and f"(pid {pid}) exited with code -9" in output
-    assert "buffer.log.path is unset" in output and "Set buffer.log.path" in output
-    assert (run_dir / "buffer.out").read_text().count("buffer serving on") == 1, "restarted without a log"
+    assert "buffer.max_restarts=0 allows no more" in output and "It had no durable log" in output
+    assert f"etarl train --resume {run_dir}" in output
+    assert (run_dir / "buffer.out").read_text().count("buffer serving on") == 1, "restarted"
+    assert not (run_dir / "buffer-service.log").exists(), "a log no restart would read"
     assert len(read_run_log(run_dir)) < STEPS
 
 
