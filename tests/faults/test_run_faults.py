@@ -1,5 +1,6 @@
-"""Faults in a real run: `etarl train` as a child process (local Ray on 127.0.0.1, the buffer
-actor, a rollout worker with the transformers engine, the learner actor, the Prometheus exporter).
+"""Faults in a real run: `etarl train` as a child process (local Ray on 127.0.0.1, the buffer as
+the ZMQ service with its default log in the run folder, a rollout worker with the transformers
+engine, the learner actor, the Prometheus exporter).
 The engine is not what is under test: the transformers one starts 25 s sooner than vLLM-CPU, and
 this run starts one three times (vLLM's runs: tests/e2e).
 
@@ -8,8 +9,10 @@ this run starts one three times (vLLM's runs: tests/e2e).
    runs out: `buffer.gate.permit_lease_s`).
 2. SIGKILL the learner while it executes a call (its process title `ray::LearnerRank.call`): the
    run stops with an error; `etarl train --resume` continues from the last checkpoint, the version
-   continues, the batches trained after the checkpoint come back from the checkpointed buffer, and
-   the gate's counters say accepted = v·B + groups held, so admission stays within η.
+   continues, the batches trained after the checkpoint come back from the checkpointed buffer (the
+   service's log, which went on after the checkpoint, is kept aside, not replayed), and the gate's
+   counters say accepted = v·B + groups held, so admission stays within η. (The Ray actor's
+   resume: tests/e2e/test_train_e2e.py's Ctrl-C test.)
 3. The audit over the run's log and the final checkpoint's buffer records: every ticket consumed
    exactly once or still accounted for, every consumed sample's staleness <= η.
 4. Every socket the local run listens on, by process (psutil).
@@ -37,7 +40,7 @@ def run_args(run_dir, model, port) -> list[str]:
             "run.eval_every=0", "eval.enabled=false", "run.progress=false", f"buffer.gate.eta={ETA}",
             f"buffer.gate.batch_size={B}", "buffer.gate.permit_lease_s=5", "rollout.sampling.n=4",
             "rollout.groups_per_batch=2", "rollout.streaming=false", "rollout.engine.kind=hf", "ray.num_cpus=2", "ray.worker_num_cpus=0", "ray.learner_num_cpus=0",
-            "ray.worker_max_restarts=2", f"metrics.port={port}"]
+            "ray.worker_max_restarts=2", f"metrics.port={port}", "buffer.transport=zmq", "buffer.port=0"]
 
 
 def metric(port, name, labels=()):
@@ -167,6 +170,9 @@ def test_a_killed_learner_stops_the_run_and_resume_continues_the_version(faulted
     assert [r.version for r in rows] == list(range(target)), "versions continue from the checkpoint"
     resumed_at = faulted_run["resumed_state"]["step"]
     assert faulted_run["steps_before_learner_kill"] >= resumed_at, "the kill landed before the checkpoint"
+    run_dir = faulted_run["run_dir"]
+    assert (run_dir / "buffer-service.log.prev").is_file(), "the first run's log, kept aside"
+    assert not (run_dir / "buffer-restore.msgpack").exists(), "the resumed service's start file, once it served"
 
 
 def test_the_gate_is_recovered_at_v_times_b(faulted_run):
