@@ -9,14 +9,18 @@ from buffer.config import BufferConfig, GateConfig
 from buffer.errors import RemoteError
 
 
-@pytest.fixture(scope="module")
-def client(ray_cluster):
+def _actor_client(ray_cluster):
     from services.buffer_actor import RayBufferClient, create_buffer_actor
 
     config = BufferConfig(transport="ray", gate=GateConfig(batch_size=2, eta=0, max_concurrent=4))
     actor = create_buffer_actor(config)
     yield RayBufferClient(actor, config)
     ray_cluster.kill(actor)
+
+
+# One actor for the tests that follow each other's versions (in file order, as the suite runs them).
+client = pytest.fixture(scope="module")(_actor_client)
+fresh_client = pytest.fixture(_actor_client)  # for a test that must not depend on the others
 
 
 def test_round_trip_and_gate_through_the_actor(client):
@@ -58,10 +62,12 @@ def test_long_poll_pull_wakes_on_push(client):
     assert client.ack(again.lease_id) == 2
 
 
-def test_errors_keep_their_reason(client):
+def test_errors_keep_their_reason(fresh_client):
+    client = fresh_client
     with pytest.raises(RemoteError) as info:
         client.push_group(make_group(0), "forged")
     assert info.value.reason == "unknown_permit"
+    client.set_version(1)
     with pytest.raises(RemoteError) as info:
         client.set_version(0)
     assert info.value.reason == "version_regression"
