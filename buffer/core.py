@@ -57,6 +57,8 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
+import msgpack
+
 from buffer.admission import AdmissionGate, Permit
 from buffer.codec import check_group, group_index, pack_frames, unpack_frames
 from buffer.config import BufferConfig
@@ -734,6 +736,13 @@ class BufferCore:
                        **({"failures": g.failures} if g.failures else {})} for g in live]
             leases = [{"op": "lease", **_lease_record(lease)} for lease in self.store.leases.values()]
             return [head, *pushes, *(leases if keep_in_flight else [])]
+
+    def checkpoint_state(self) -> bytes:
+        """What a run's checkpoint holds of the buffer (`buffer.msgpack`, either transport): the
+        checkpoint's view of `snapshot_records` (work in flight left out: its tickets are reissued
+        after a resume), msgpack-packed; `restore(msgpack.unpackb(...))` loads it."""
+        records = self.snapshot_records(keep_in_flight=False, keep_settled_ids=False)
+        return msgpack.packb(records, use_bin_type=True)
 
     def restore(self, records: list[dict]) -> None:
         """Load `snapshot_records()` (of another buffer, e.g. from a checkpoint) into this fresh one;

@@ -398,9 +398,7 @@ class BufferServer:
         return self.core.health(),
 
     def _snapshot(self, identity, request_id, args, _payload):
-        # A checkpoint's view (BufferCore.snapshot_records): permits in flight go back to be reissued.
-        records = self.core.snapshot_records(keep_in_flight=False, keep_settled_ids=False)
-        return {"records": len(records)}, [msgpack.packb(records, use_bin_type=True)]
+        return {}, [self.core.checkpoint_state()]
 
     # ---- parked long polls ------------------------------------------------------------------
 

@@ -29,17 +29,17 @@ log = logging.getLogger("etarl")
 
 def _buffer_actor_class():
     """The buffer actor plus the two calls a checkpoint needs: a consistent snapshot of the gate
-    (tickets, cursor, counters) and of the groups held, as the buffer's own log records, and
-    their restore into a fresh buffer (the buffer's own log replay)."""
+    (tickets, cursor, counters) and of the groups held, as the buffer's own log records (packed:
+    `BufferCore.checkpoint_state`), and their restore into a fresh buffer (the buffer's own log
+    replay)."""
     import ray
 
     from services.buffer_actor import LEARNER, BufferActor
 
     class CheckpointableBufferActor(BufferActor):
         @ray.method(concurrency_group=LEARNER)
-        def snapshot(self) -> list[dict]:
-            # Generations in flight do not survive a resume: their tickets go back to be reissued.
-            return self.core.snapshot_records(keep_in_flight=False, keep_settled_ids=False)
+        def snapshot(self) -> bytes:
+            return self.core.checkpoint_state()
 
         @ray.method(concurrency_group=LEARNER)
         def restore(self, records: list[dict]) -> None:
@@ -174,7 +174,7 @@ class BufferHandle:
         """The buffer's state for a checkpoint: its log records (work in flight left out: those
         tickets are reissued after a resume), msgpack-packed."""
         if self.actor is not None:
-            return msgpack.packb(self.client.call("snapshot", wait=_BUFFER_STATE_CALL_S), use_bin_type=True)
+            return self.client.call("snapshot", wait=_BUFFER_STATE_CALL_S)
         return self.client.snapshot(wait=_BUFFER_STATE_CALL_S)
 
     def gone(self) -> bool:
