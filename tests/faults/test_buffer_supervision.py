@@ -10,8 +10,11 @@
   `buffer.max_restarts` the run stops loudly.
 
 Run-level tests start a real `etarl train` (local Ray, an HF rollout worker: it starts faster
-than vLLM, and the buffer is what is under test) and audit the run's consumption record against
-the buffer's own log: nothing lost, nothing consumed twice, nothing staler than η.
+than vLLM, and the buffer is what is under test), one per transport with buffer.max_restarts=1:
+the first SIGKILL is survived, the second stops the run naming the fix; the run's consumption
+record up to the stop is audited against the buffer's own log: nothing lost, nothing consumed
+twice, nothing staler than η. buffer.max_restarts=0 (no restart; for ZMQ, no log) is checked on
+the run's buffer handle, without a run.
 """
 from __future__ import annotations
 
@@ -27,10 +30,12 @@ from fault_helpers import make_group, wait_until
 from buffer.config import BufferConfig, ClientConfig, GateConfig, LogConfig
 from buffer.errors import BufferUnavailable
 from services.audit import audit, read_buffer_log, read_run_log
+from services.buffer_handle import BufferLost
 from services.chaos import TrainProcess
 from services.config import ConfigError, load_config
 
-ETA, B, STEPS = 2, 2, 16
+ETA, B = 2, 2
+STEPS = 2000  # never reached: the second kill stops the run
 
 
 def run_args(run_dir, model, *extra: str) -> list[str]:
@@ -53,13 +58,18 @@ def zmq_service(run: TrainProcess):
     return None
 
 
-def kill_after_steps(run: TrainProcess, find, steps: int = 3):
-    """SIGKILL the process `find` returns once the run has done `steps` steps; (pid, steps then)."""
-    run.wait_for(lambda: len(run.steps()) >= steps, f"{steps} steps", timeout=300)
-    victim = run.wait_for(lambda: find(run), "the buffer's process")
+def kill_twice(run: TrainProcess, find) -> tuple[int, int, int]:
+    """SIGKILL the buffer's process (`find`) after 3 steps, and its restarted one once the run has
+    done 3 more: (first pid, second pid, steps done at the second kill)."""
+    run.wait_for(lambda: len(run.steps()) >= 3, "3 steps", timeout=300)
+    first = run.wait_for(lambda: find(run), "the buffer's process")
+    first.kill()
     done = len(run.steps())
-    victim.kill()
-    return victim.pid, done
+    run.wait_for(lambda: len(run.steps()) >= done + 3, "3 steps after the restart", timeout=300)
+    second = run.wait_for(lambda: (p := find(run)) is not None and p.pid != first.pid and p, "the restarted process")
+    done = len(run.steps())
+    second.kill()
+    return first.pid, second.pid, done
 
 
 def finished_run(run: TrainProcess) -> tuple[int, str]:
@@ -70,13 +80,14 @@ def finished_run(run: TrainProcess) -> tuple[int, str]:
         run.kill_all()
 
 
-def assert_complete_and_audited(run_dir, buffer_log) -> None:
+def assert_audited_up_to_the_stop(run_dir, buffer_log, steps_at_kill: int) -> None:
     rows = read_run_log(run_dir)
-    assert [r.step for r in rows] == list(range(1, STEPS + 1)), "each step once, none skipped"
+    assert steps_at_kill <= len(rows) < STEPS, "the run went on past its buffer's last death"
+    assert [r.step for r in rows] == list(range(1, len(rows) + 1)), "each step once, none skipped"
     report = audit(rows, read_buffer_log(buffer_log), ETA)
     assert report.ok, str(report)
     assert not report.lost_groups and not report.duplicated_groups
-    assert report.consumed_groups == STEPS * B and report.worst_staleness <= ETA
+    assert report.consumed_groups == len(rows) * B and report.worst_staleness <= ETA
 
 
 def restarts_logged(run_dir) -> list[int]:
@@ -88,45 +99,52 @@ def restarts_logged(run_dir) -> list[int]:
 
 
 @pytest.mark.slow
-def test_a_killed_zmq_buffer_is_restarted_and_the_run_loses_nothing(tiny_model_dir, tmp_path):
+def test_a_killed_zmq_buffer_is_restarted_then_past_max_restarts_the_run_stops_naming_the_fix(tiny_model_dir,
+                                                                                              tmp_path):
     """buffer.log.path unset: as the Ray actor's, the service's log is in the run folder."""
     run_dir = tmp_path / "run"
     log = run_dir / "buffer-service.log"
     run = TrainProcess(run_dir, run_args(run_dir, tiny_model_dir, "buffer.transport=zmq", "buffer.port=0",
-                                         "buffer.max_restarts=2"), "zmq")
+                                         "buffer.max_restarts=1"), "zmq")
     try:
-        pid, steps_at_kill = kill_after_steps(run, zmq_service)
-        # (also remembers the new child, so that kill_all stops it if the run goes wrong)
-        run.wait_for(lambda: (p := zmq_service(run)) is not None and p.pid != pid, "the restarted service")
+        first, second, steps_at_kill = kill_twice(run, zmq_service)
     finally:
         code, output = finished_run(run)
-    assert code == 0, output
-    assert steps_at_kill < STEPS, "the kill landed after the last step"
-    assert f"the buffer service (pid {pid}) exited with code -9; restarting it" in output
-    assert "restart 1 of buffer.max_restarts=2" in output
+    assert code != 0, output
+    assert f"the buffer service (pid {first}) exited with code -9; restarting it" in output
+    assert "restart 1 of buffer.max_restarts=1" in output
+    assert "BufferLost" in output and f"(pid {second}) exited with code -9 after 1 restart(s)" in output
+    assert "buffer.max_restarts=1 allows no more" in output and f"Its log {log} holds everything" in output
+    assert f"etarl train --resume {run_dir}" in output
     served = [line for line in (run_dir / "buffer.out").read_text().splitlines() if "buffer serving on" in line]
     assert len(served) == 2 and served[0] == served[1], "one start and one restart, on the same endpoint"
     counted = restarts_logged(run_dir)
     assert counted[0] == 0 and counted[-1] == 1 and counted == sorted(counted)
-    assert_complete_and_audited(run_dir, log)
+    assert_audited_up_to_the_stop(run_dir, log, steps_at_kill)
 
 
-@pytest.mark.slow
-def test_a_killed_zmq_buffer_without_restarts_stops_the_run_naming_the_fix(tiny_model_dir, tmp_path):
-    run_dir = tmp_path / "run"
-    run = TrainProcess(run_dir, run_args(run_dir, tiny_model_dir, "buffer.transport=zmq", "buffer.port=0",
-                                         "buffer.max_restarts=0", "buffer.client.retries=1"), "zmq-no-restart")
+def test_a_zmq_buffer_without_restarts_has_no_log_and_its_death_names_the_fix(tmp_path):
+    """buffer.max_restarts=0: the run's service gets no log (no restart would read it), and its
+    death is the run's end, with the fix named (the run-level stop: the test above)."""
+    from services.buffer_handle import BufferHandle
+
+    cfg = load_config(None, ["buffer.transport=zmq", "buffer.port=0", "buffer.max_restarts=0",
+                             "buffer.client.retries=0", "buffer.client.request_timeout_s=2"])
+    handle = BufferHandle(cfg, tmp_path)
     try:
-        pid, _ = kill_after_steps(run, zmq_service)
+        assert handle.log_path is None
+        pid = handle.supervisor.process.pid
+        handle.supervisor.process.send_signal(signal.SIGKILL)
+        assert wait_until(handle.gone, timeout=30)
+        with pytest.raises(BufferLost) as lost:
+            handle.check()
+        message = str(lost.value)
+        assert f"(pid {pid}) exited with code -9" in message and "buffer.max_restarts=0 allows no more" in message
+        assert "It had no durable log" in message and f"etarl train --resume {tmp_path}" in message
+        assert (tmp_path / "buffer.out").read_text().count("buffer serving on") == 1, "restarted"
+        assert not (tmp_path / "buffer-service.log").exists(), "a log no restart would read"
     finally:
-        code, output = finished_run(run)
-    assert code != 0, output
-    assert "BufferLost" in output and f"(pid {pid}) exited with code -9" in output
-    assert "buffer.max_restarts=0 allows no more" in output and "It had no durable log" in output
-    assert f"etarl train --resume {run_dir}" in output
-    assert (run_dir / "buffer.out").read_text().count("buffer serving on") == 1, "restarted"
-    assert not (run_dir / "buffer-service.log").exists(), "a log no restart would read"
-    assert len(read_run_log(run_dir)) < STEPS
+        handle.close()
 
 
 def test_the_supervisor_stops_after_max_restarts(tmp_path):
@@ -203,35 +221,44 @@ def buffer_actor(run: TrainProcess):
 
 
 @pytest.mark.slow
-def test_a_killed_ray_buffer_actor_is_restarted_and_the_run_loses_nothing(tiny_model_dir, tmp_path):
+def test_a_killed_ray_buffer_actor_is_restarted_then_past_max_restarts_the_run_stops_loudly(tiny_model_dir,
+                                                                                            tmp_path):
     run_dir = tmp_path / "run"
-    run = TrainProcess(run_dir, run_args(run_dir, tiny_model_dir, "buffer.max_restarts=2"), "ray")
+    run = TrainProcess(run_dir, run_args(run_dir, tiny_model_dir, "buffer.max_restarts=1"), "ray")
     try:
-        pid, steps_at_kill = kill_after_steps(run, buffer_actor)
-    finally:
-        code, output = finished_run(run)
-    assert code == 0, output
-    assert steps_at_kill < STEPS, "the kill landed after the last step"
-    assert "Ray restarted it (restart 1 of buffer.max_restarts=2)" in output
-    starts = (run_dir / "buffer-actor.starts").read_text().splitlines()
-    assert len(starts) == 2 and f"pid={pid}" in starts[0] and f"pid={pid}" not in starts[1]
-    counted = restarts_logged(run_dir)
-    assert counted[0] == 0 and counted[-1] == 1 and counted == sorted(counted)
-    assert_complete_and_audited(run_dir, run_dir / "buffer-actor.log")
-
-
-@pytest.mark.slow
-def test_a_killed_ray_buffer_actor_without_restarts_stops_the_run_loudly(tiny_model_dir, tmp_path):
-    run_dir = tmp_path / "run"
-    run = TrainProcess(run_dir, run_args(run_dir, tiny_model_dir, "buffer.max_restarts=0"), "ray-no-restart")
-    try:
-        kill_after_steps(run, buffer_actor)
+        first, second, steps_at_kill = kill_twice(run, buffer_actor)
     finally:
         code, output = finished_run(run)
     assert code != 0, output
-    assert "BufferLost: the buffer actor died" in output and "buffer.max_restarts=0" in output
-    assert not (run_dir / "buffer-actor.log").exists()
-    assert len(read_run_log(run_dir)) < STEPS
+    assert "Ray restarted it (restart 1 of buffer.max_restarts=1)" in output
+    assert "BufferLost: the buffer actor stopped answering" in output
+    assert "after 1 restart(s) (buffer.max_restarts=1 allows no more)" in output
+    assert f"etarl train --resume {run_dir}" in output
+    starts = (run_dir / "buffer-actor.starts").read_text().splitlines()
+    assert len(starts) == 2 and f"pid={first}" in starts[0] and f"pid={second}" in starts[1]
+    counted = restarts_logged(run_dir)
+    assert counted[0] == 0 and counted[-1] == 1 and counted == sorted(counted)
+    assert_audited_up_to_the_stop(run_dir, run_dir / "buffer-actor.log", steps_at_kill)
+
+
+def test_a_ray_buffer_actor_without_restarts_has_no_log_and_its_death_names_the_fix(ray_cluster, tmp_path):
+    """buffer.max_restarts=0: Ray does not restart the actor and it keeps no log; a call after its
+    death is the run's end, with the fix named (the run-level stop: the test above)."""
+    from services.buffer_handle import BufferHandle
+
+    cfg = load_config(None, ["buffer.max_restarts=0", "buffer.client.retries=0", "buffer.client.request_timeout_s=2"])
+    handle = BufferHandle(cfg, tmp_path)
+    try:
+        assert handle.log_path is None and not (tmp_path / "buffer-actor.starts").exists()
+        os.kill(handle.client.health()["pid"], signal.SIGKILL)
+        with pytest.raises(BufferUnavailable) as gone:
+            handle.client.stats()
+        message = str(handle.lost(gone.value))
+        assert "the buffer actor died" in message and "buffer.max_restarts=0, so Ray does not restart it" in message
+        assert f"etarl train --resume {tmp_path}" in message
+        assert not (tmp_path / "buffer-actor.log").exists()
+    finally:
+        handle.close()
 
 
 def test_the_ray_buffer_actor_resumes_calls_in_flight_across_a_restart(ray_cluster, tmp_path):
