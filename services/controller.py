@@ -139,7 +139,11 @@ class Controller:
                               f"continue it with `etarl train --resume {self.run_dir}`, or give run.run_dir a new "
                               "folder")
         self._made_run_dir = not self.run_dir.exists()  # removed by stop() if the run wrote nothing to it
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # a read-only mount, a path through a file: said before anything starts
+            raise ConfigError(f"run.run_dir {self.run_dir}: cannot create the run folder ({exc.strerror or exc})"
+                              ) from None
         self.stop_requested = threading.Event()
         self.step = 0
         self.version = 0
