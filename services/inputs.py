@@ -2,9 +2,9 @@
 
 `check_run_inputs` (called by the controller once the model folder is known) fails with a
 ConfigError naming the key when the model folder has no tokenizer, the reward cannot be imported
-or has a signature that fits no accepted form, the chat template file is missing, or a
-prompt file has unusable rows (`rollout.task.skip_invalid` skips them instead); it logs what it
-checked. `etarl data check` prints the same checks for the files named, or the config's (`data_check`).
+or has a signature that fits no accepted form, the chat template file is missing, a
+prompt file has unusable rows (`rollout.task.skip_invalid` skips them instead), or max_new_tokens
+leaves a built-in task's prompts no room in the context; it logs what it checked. `etarl data check` prints the same checks for the files named, or the config's (`data_check`).
 `ray_runtime_env` adds a reward module that is not installed to the Ray job's `py_modules`, so
 the workers of any cluster can import it.
 """
@@ -20,7 +20,7 @@ import re
 from pathlib import Path
 
 from rollout_workers.data import (InvalidPrompts, Problem, PromptFormat, PromptReport, check_prompts,
-                                  context_can_stretch, model_context_len)
+                                  context_can_stretch, mixed_problems, model_context_len)
 from services.config import ConfigError, EtarlConfig
 
 log = logging.getLogger("etarl")
@@ -159,6 +159,7 @@ def check_run_inputs(cfg: EtarlConfig, model_dir) -> int | None:
     _check_verl_reward_task(cfg)
     check_environment(cfg, fmt)
     check_lora(cfg, model_dir)
+    check_prompt_room(cfg, fmt)
     log.info("model %s: %s; reward %s (%s form)", model_dir, fmt.describe(), reward.spec, reward.form)
     if cfg.rollout.task.truncation != "error" and not fmt.context_len:
         log.warning("rollout.task.truncation=%s cuts nothing: the context is unknown (the model's config does not "
@@ -173,6 +174,35 @@ def check_run_inputs(cfg: EtarlConfig, model_dir) -> int | None:
         if key in train_keys:
             train_prompts += len(report.problems)
     return train_prompts if cfg.rollout.task.kind == "file" else None
+
+
+def check_prompt_room(cfg: EtarlConfig, fmt: PromptFormat, train: bool = True) -> None:
+    """Each max_new_tokens (the rollout's where `train`, the evaluation's where it runs) leaves room in
+    the context for the prompts: the engine refuses a request longer than its context, so a run whose
+    every prompt is refused would wait for samples that never come. A file's rows are checked one by
+    one (`check_prompts`: too long, or cut by rollout.task.truncation); a built-in task's prompts are
+    a few tokens, the same length at one family and difficulty, so a few of each are measured."""
+    if not fmt.context_len:
+        return
+    task = cfg.rollout.task
+    longest, cut = 1, False
+    if task.kind != "file":
+        pairs = len(task.families) * len(task.difficulties)
+        problems = mixed_problems(list(task.families), list(task.difficulties), "train", 4 * pairs, task.seed)
+        longest = max((len(fmt.encode(problem)) for problem in problems), default=1)
+        cut = task.truncation != "error"
+    budgets = {"rollout.sampling.max_new_tokens": cfg.rollout.sampling.max_new_tokens} if train else {}
+    if cfg.eval.enabled:
+        budgets["eval.max_new_tokens"] = cfg.eval.max_new_tokens
+    for key, budget in budgets.items():
+        room = fmt.prompt_room(budget)
+        if room >= longest or (cut and room > 0):
+            continue
+        what = "any prompt" if task.kind == "file" else f"the task's prompts (up to {longest} tokens)"
+        raise ConfigError(f"{key}={budget} leaves {max(room, 0)} of the context's {fmt.context_len} tokens for a "
+                          f"prompt, too few for {what}: the engine refuses a prompt that leaves max_new_tokens no "
+                          f"room. Set {key} to at most {fmt.context_len - longest}, or give the engine a longer "
+                          "context (rollout.engine.max_model_len)")
 
 
 def check_lora(cfg: EtarlConfig, model_dir) -> None:
@@ -235,7 +265,9 @@ def check_eval_inputs(cfg: EtarlConfig, model_dir) -> None:
         raise ConfigError("rollout.task.heldout_path is unset: etarl eval evaluates on the held-out prompts "
                           "(set it)")
     _check_verl_reward_task(cfg)
-    check_environment(cfg, prompt_format(cfg, model_dir))
+    fmt = prompt_format(cfg, model_dir)
+    check_environment(cfg, fmt)
+    check_prompt_room(cfg, fmt, train=False)
 
 
 def data_check(cfg: EtarlConfig, model_dir, paths: list[str] | None = None) -> tuple[str, bool]:

@@ -95,6 +95,25 @@ def test_a_prompt_too_long_for_the_engine_is_refused(tiny_model_dir, tmp_path):
     assert "row 4:" not in str(refused.value)  # "3+4=": 4 + 8 fits
 
 
+def test_a_max_new_tokens_that_leaves_the_built_in_prompts_no_room_is_refused(tiny_model_dir, tmp_path, capsys):
+    """The default task's prompts ("rev:abcde=") are up to 10 tokens of the tiny model's 64: with more
+    than 54 new tokens the engine would refuse each of them and the run wait for samples forever
+    (it did, silently); the start says so instead, for the rollout's budget and the evaluation's."""
+    model = f"run.model={tiny_model_dir}"
+    check_run_inputs(load_config(None, [model, "rollout.sampling.max_new_tokens=54"]), tiny_model_dir)
+    assert train(tiny_model_dir, tmp_path, "rollout.sampling.max_new_tokens=55") == EXIT_CONFIG_ERROR
+    assert ("rollout.sampling.max_new_tokens=55 leaves 9 of the context's 64 tokens for a prompt, too few for the "
+            "task's prompts (up to 10 tokens)") in capsys.readouterr().err
+    with pytest.raises(ConfigError, match=r"^eval.max_new_tokens=64 leaves 0 of .* at most 54, or give the engine a "
+                                          r"longer context \(rollout.engine.max_model_len\)$"):
+        check_eval_inputs(load_config(None, [model, "eval.max_new_tokens=64"]), tiny_model_dir)
+    check_run_inputs(load_config(None, [model, "rollout.sampling.max_new_tokens=60", "rollout.task.truncation=left"]),
+                     tiny_model_dir)  # asked for: the prompts are cut to the 4 tokens left
+    with pytest.raises(ConfigError, match=r"^rollout.sampling.max_new_tokens=64 leaves 0 .* too few for any prompt"):
+        check_run_inputs(file_config(tiny_model_dir, tmp_path, "rollout.sampling.max_new_tokens=64"), tiny_model_dir)
+    assert not (tmp_path / "run").exists(), "nothing started"
+
+
 @pytest.mark.parametrize("reward, needle", [
     ("wrong_sig.py:compute_score", "fits no accepted form"),
     ("no_such_reward_module_xyz:compute_score", "cannot import module 'no_such_reward_module_xyz'"),
