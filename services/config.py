@@ -52,6 +52,9 @@ class RunConfig(BaseModel):
                                       "until every rollout worker's engine is up and has joined the weight "
                                       "channel (every version then goes to all of them); 0: the first step "
                                       "takes the first groups that come and a slower engine joins later")
+    stall_report_s: float = Field(300.0, ge=0, description="a step that waits this long for its batch says why "
+                                  "(the buffer's counts, whether any group came in), and again every as long; 0: "
+                                  "never")
     progress: bool = True
 
 

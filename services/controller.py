@@ -388,6 +388,7 @@ class Controller:
         cfg, client = self.cfg, self.buffer.client
         t0 = time.perf_counter()
         batch, self.next_batch = self.next_batch, None
+        wait = None  # [when the wait began, groups pushed then, reports made], once a pull came back empty
         while True:
             if self.stop_requested.is_set():
                 self.next_batch = batch  # given back when the loop ends
@@ -396,6 +397,10 @@ class Controller:
             self.workers.check()
             if batch is None:
                 batch = client.pull_batch(cfg.batch_size, timeout=1.0)
+                if batch is None and cfg.run.stall_report_s:
+                    wait = wait or [t0, client.stats()["pushed_groups"], 0]
+                    if time.perf_counter() - wait[0] >= cfg.run.stall_report_s * (wait[2] + 1):
+                        wait[1:] = [self._report_wait(time.perf_counter() - wait[0], wait[1], wait[2]), wait[2] + 1]
                 continue
             t_data = time.perf_counter()
             consumed_at = self.version  # staleness is measured against the version that trains on it
@@ -453,6 +458,25 @@ class Controller:
             return False
         self._warned_at_step[key] = self.step
         return True
+
+    def _report_wait(self, waited_s: float, pushed_before: int, reports: int) -> int:
+        """What a step that has waited `waited_s` for its batch is waiting on (run.stall_report_s):
+        the buffer's counts, and whether any group came in since the wait began or the last of its
+        `reports` (`pushed_before` groups pushed then; the count now is returned). A wait that said
+        nothing looked like a hang."""
+        stats = self.buffer.client.stats()
+        pushed = int(stats["pushed_groups"])
+        state = (f"{stats['groups_ready']} of the {self.cfg.batch_size} groups it takes are ready, {stats['running']} "
+                 f"generation(s) running; {stats['prompts_quarantined']} prompt(s) quarantined and "
+                 f"{stats['groups_filtered']} group(s) filtered so far")
+        if pushed == pushed_before:
+            log.warning("step %d has waited %.0f s for its batch and no group came in since %s: %s. The rollout "
+                        "workers' logs say what their engines are doing (a first step also waits for them to start)",
+                        self.step + 1, waited_s, "the last report" if reports else "it began", state)
+        else:
+            log.info("step %d has waited %.0f s for its batch; %d group(s) came in meanwhile: %s", self.step + 1,
+                     waited_s, pushed - pushed_before, state)
+        return pushed
 
     def _warn_of_quarantines(self, record: dict) -> None:
         """A prompt that fails generation on its own is quarantined (never reissued) and the run goes

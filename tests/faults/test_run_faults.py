@@ -6,7 +6,8 @@ this run starts one three times (vLLM's runs: tests/e2e).
 
 1. SIGKILL the rollout worker while it holds a permit: Ray restarts it, the run continues, the
    restarted worker loads the current weights, and the dead worker's permit comes back (its lease
-   runs out: `buffer.gate.permit_lease_s`).
+   runs out: `buffer.gate.permit_lease_s`). Then SIGSTOP it: the step left without groups says what
+   it waits on (`run.stall_report_s`), and the run goes on once it is let go.
 2. SIGKILL the learner while it executes a call (its process title `ray::LearnerRank.call`): the
    run stops with an error; `etarl train --resume` continues from the last checkpoint, the version
    continues, the batches trained after the checkpoint come back from the checkpointed buffer (the
@@ -20,6 +21,7 @@ One run with both faults (the costly part is starting Ray and the engines), seve
 """
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -40,7 +42,8 @@ def run_args(run_dir, model, port) -> list[str]:
             "run.eval_every=0", "eval.enabled=false", "run.progress=false", f"buffer.gate.eta={ETA}",
             f"buffer.gate.batch_size={B}", "buffer.gate.permit_lease_s=5", "rollout.sampling.n=4",
             "rollout.groups_per_batch=2", "rollout.streaming=false", "rollout.engine.kind=hf", "ray.num_cpus=2", "ray.worker_num_cpus=0", "ray.learner_num_cpus=0",
-            "ray.worker_max_restarts=2", f"metrics.port={port}", "buffer.transport=zmq", "buffer.port=0"]
+            "ray.worker_max_restarts=2", f"metrics.port={port}", "buffer.transport=zmq", "buffer.port=0",
+            "run.stall_report_s=2"]
 
 
 def metric(port, name, labels=()):
@@ -77,6 +80,16 @@ def faulted_run(tiny_model_dir, tmp_path_factory):
         seen["worker_version_after_restart"] = metric(port, "etarl_worker_weight_version", WORKER)
         seen["reclaimed"] = first.wait_for(lambda: metric(port, "etarl_gate_permits_reclaimed_total"),
                                            "the dead worker's permit to come back")
+
+        # the restarted worker frozen: the step left without groups says what it waits on
+        (frozen,) = first.titled("ray::RolloutWorker")
+        said = first.out.stat().st_size
+        frozen.suspend()
+        try:
+            seen["stall_report"] = first.wait_for(lambda: stall_warning(first, said), "the waiting step's report",
+                                                  timeout=120)
+        finally:
+            frozen.resume()
 
         # 2. the learner, killed mid-call, after a checkpoint that follows the worker's restart
         restart_step = len(first.steps())
@@ -123,6 +136,15 @@ def frozen_holding_permits(run, worker, port, attempts: int = 30) -> bool:
     return False
 
 
+def stall_warning(run, offset: int) -> str | None:
+    """The first report, written after `offset` of the run's output, of a step that waited with no
+    group coming in."""
+    with open(run.out, "rb") as out:
+        out.seek(offset)
+        text = out.read().decode(errors="replace")
+    return next((line for line in text.splitlines() if "for its batch and no group came in since" in line), None)
+
+
 def probe_ray_grpc(run) -> dict:
     """A gRPC call (a GCS method) without Ray's token to every socket the run listens on, all at
     once (a socket that does not speak gRPC answers nothing until the deadline)."""
@@ -159,6 +181,15 @@ def test_a_killed_rollout_worker_is_restarted_and_loads_the_current_weights(faul
     # weights: at least the version the learner had when the old worker died.
     assert faulted_run["worker_version_after_restart"] >= faulted_run["version_at_worker_kill"] > 0
     assert faulted_run["reclaimed"] >= 1, "the dead worker's permit never came back"
+
+
+def test_a_step_that_waits_on_a_frozen_worker_says_what_it_waits_on(faulted_run):
+    """run.stall_report_s=2: the worker SIGSTOPped, the step that finds no groups says so within
+    seconds, with the buffer's counts, instead of waiting in silence."""
+    line = faulted_run["stall_report"]
+    assert re.search(r"WARNING step \d+ has waited [2-9] s for its batch and no group came in since (it began|the "
+                     r"last report): \d+ of the 2 groups it takes are ready, \d+ generation\(s\) running; 0 prompt",
+                     line), line
 
 
 def test_a_killed_learner_stops_the_run_and_resume_continues_the_version(faulted_run):
