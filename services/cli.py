@@ -132,7 +132,8 @@ def _dispatch(args) -> int:
             cfg = load_config(args.config, args.overrides)
         result = run_training(cfg, resume=args.resume)
         print(json.dumps(result.summary(), indent=1))
-        print(f"plots: {result.run_dir / 'plots'}/*.png   metrics: {result.run_dir / 'metrics.jsonl'}")
+        if (result.run_dir / "plots").is_dir():  # not when a Ctrl-C ended the start
+            print(f"plots: {result.run_dir / 'plots'}/*.png   metrics: {result.run_dir / 'metrics.jsonl'}")
         return 0 if result.completed or result.interrupted else 1
     if args.command == "eval":
         return _evaluate(args)

@@ -58,6 +58,10 @@ FAILURE_KINDS = (
 )
 
 
+class StartInterrupted(Exception):
+    """Ctrl-C while the run was starting: nothing more is started, nothing was trained."""
+
+
 @dataclass
 class RunResult:
     run_dir: Path
@@ -174,6 +178,7 @@ class Controller:
         self.learner_failures.recover()  # a batch the last process died on counts a failed delivery
         fill_sample_limits(cfg, self.model_dir)  # vocabulary and context: the buffer refuses what the model cannot take
         train_prompts = check_run_inputs(cfg, self.model_dir)
+        self._stop_if_asked()
         restore = None  # a resumed buffer starts from the checkpoint's (BufferHandle)
         if self.resume_from is not None:
             check_resume_settings(cfg, self.resume_from)
@@ -184,7 +189,9 @@ class Controller:
             from services.trackers import check_trackers
 
             check_trackers(cfg.metrics.trackers)
+        self._stop_if_asked()
         plan = start_ray(cfg)
+        self._stop_if_asked()
         self.cfg = cfg = plan.config  # with the layout chosen for the GPUs found (services/placement.py)
         from services.shared_paths import check_shared_paths, run_paths
 
@@ -206,7 +213,9 @@ class Controller:
             # engines load while the learner does; on a shared GPU after it, as vLLM sizes its
             # memory from what it finds free
             self.workers.prepare()
+        self._stop_if_asked()
         self.learner = LearnerGroup(learner_cfg, rank_options=self.placement.all_options("learner"))
+        self._stop_if_asked()
         state = None
         if self.resume_from is not None:
             state = self._restore(self.resume_from)
@@ -221,6 +230,12 @@ class Controller:
 
             self.evaluations = WorkerEvaluations(cfg, self.workers.workers)
         self._started = True
+
+    def _stop_if_asked(self) -> None:
+        """A Ctrl-C during the start ends it between its stages (each takes seconds, the learner's
+        and the engines' minutes at real size), instead of starting everything to stop at once."""
+        if self.stop_requested.is_set():
+            raise StartInterrupted
 
     def _write_config(self) -> None:
         (self.run_dir / CONFIG_FILE).write_text(self.cfg.to_yaml())
@@ -311,6 +326,7 @@ class Controller:
     def run(self) -> RunResult:
         started = time.perf_counter()
         cfg = self.cfg
+        first_step = self.step
         metric_log = MetricLog(self.run_dir, resume_after_step=self.step if self.resume_from else None,
                                trackers=self.trackers)
         with _logs_above_the_bar():  # log lines above the progress bar, not inside it
@@ -327,7 +343,8 @@ class Controller:
                     if completed and not self.evals_at(self.step) and not self.evaluations.asked(self.step):
                         self.evaluations.request(self.step, self.version)
                     self._report_evals(metric_log, progress, timeout=EVAL_FINAL_WAIT_S)  # the run's last word waits
-                self.save_checkpoint()
+                if self.step > first_step:  # else the policy is the one the run started from
+                    self.save_checkpoint()
             except BufferUnavailable as exc:  # a client gave up: say why the buffer is gone and what to do
                 lost = self.buffer.lost(exc)
                 if self.buffer.supervisor is None:  # the supervisor logged its own verdict
@@ -641,13 +658,20 @@ def run_training(cfg: EtarlConfig, resume: str | os.PathLike | None = None) -> R
     def on_sigint(signum, frame):
         if controller.stop_requested.is_set():
             raise KeyboardInterrupt
-        log.warning("stopping after the current step (Ctrl-C again to abort)")
+        log.warning("stopping after the current step (Ctrl-C again to abort)" if controller._started else
+                    "stopping the start: nothing more is started (Ctrl-C again to abort)")
         controller.stop_requested.set()
 
     if threading.current_thread() is threading.main_thread():
         previous = signal.signal(signal.SIGINT, on_sigint)
     try:
-        controller.start()
+        started = time.perf_counter()
+        try:
+            controller.start()
+        except StartInterrupted:
+            log.warning("stopped while starting: nothing was trained, no checkpoint written")
+            return RunResult(controller.run_dir, controller.step, controller.version, completed=False,
+                             interrupted=True, seconds=time.perf_counter() - started)
         return controller.run()
     except BaseException:
         controller.failed = True

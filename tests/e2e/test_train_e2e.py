@@ -24,7 +24,7 @@ import torch
 
 from services import checkpoint as ckpt
 from services.config import load_config
-from services.controller import BUFFER_STATE_FILE, run_training
+from services.controller import BUFFER_STATE_FILE, Controller, run_training
 from services.plots import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
@@ -82,20 +82,26 @@ def test_async_run_learns_and_stays_within_eta(ray_cluster, tmp_path):
     assert (tmp_path / "run" / "plots" / "eval_accuracy.png").is_file()
 
 
-def _interrupt_when(run_dir, min_step: int, timeout_s: float = 300.0):
-    """Send this process SIGINT (a Ctrl-C) once the run has logged `min_step` steps."""
+def _interrupt_once(condition, timeout_s: float = 300.0):
+    """A watcher that sends this process SIGINT (a Ctrl-C) once `condition()` holds."""
     def watch():
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             try:
-                if len(step_records(run_dir)) >= min_step:
+                if condition():
                     os.kill(os.getpid(), signal.SIGINT)
                     return
             except (FileNotFoundError, ValueError):
                 pass
             time.sleep(0.05)
 
-    thread = threading.Thread(target=watch, daemon=True)
+    return watch
+
+
+def _interrupt_when(run_dir, min_step: int, timeout_s: float = 300.0):
+    """Send this process SIGINT (a Ctrl-C) once the run has logged `min_step` steps."""
+    thread = threading.Thread(target=_interrupt_once(lambda: len(step_records(run_dir)) >= min_step, timeout_s),
+                              daemon=True)
     thread.start()
     return thread
 
@@ -151,6 +157,21 @@ def test_ctrl_c_then_resume_loses_and_repeats_no_sample(ray_cluster, tmp_path, m
     free = head["gate"]["free_tickets"]
     accounted = sorted(consumed + in_buffer + free)
     assert accounted == list(range(head["gate"]["next_ticket"])), "a ticket was lost or double-booked"
+
+
+def test_ctrl_c_while_starting_stops_the_start_and_writes_no_checkpoint(ray_cluster, tmp_path):
+    """A Ctrl-C once Ray is up (the run's config.yaml written): the start ends before the learner
+    (minutes at real size), the run ends interrupted at step 0 with no checkpoint of the untrained
+    policy, and the folder takes a new run (a step-0 checkpoint made it refuse one)."""
+    run_dir = tmp_path / "run"
+    cfg = e2e_config(run_dir, "eval.enabled=false", "rollout.engine.kind=hf")
+    watch = threading.Thread(target=_interrupt_once(lambda: (run_dir / "config.yaml").is_file()), daemon=True)
+    watch.start()
+    result = run_training(cfg)
+    watch.join(timeout=10)
+    assert result.interrupted and not result.completed and result.steps_done == 0
+    assert ckpt.list_checkpoints(run_dir) == [] and not (run_dir / "metrics.jsonl").exists()
+    Controller(cfg)  # the folder holds no run: a new one may start in it
 
 
 def test_a_run_with_bad_prompts_in_its_file_finishes_its_steps(ray_cluster, tmp_path, caplog, monkeypatch):
