@@ -231,6 +231,23 @@ class Controller:
             self.evaluations = WorkerEvaluations(cfg, self.workers.workers)
         self._started = True
 
+    def resumed_complete(self) -> RunResult | None:
+        """A resume of a run whose last checkpoint has its run.steps already: its result, said and
+        returned before anything starts (a job that is restarted after it ended ends again, at once)."""
+        if self.resume_from is None or self.cfg.run.epochs is not None:  # epochs: the steps are counted at start
+            return None
+        try:
+            state = ckpt.read_state(self.resume_from)
+        except (ValueError, FileNotFoundError):  # the resume's own checks say what is wrong with it
+            return None
+        if int(state["step"]) < self.cfg.run.steps:
+            return None
+        log.warning("%s is complete: its last checkpoint is at step %d and run.steps=%d, so there is nothing to "
+                    "train (to go on, name more: etarl train --resume %s run.steps=N)", self.run_dir, state["step"],
+                    self.cfg.run.steps, self.run_dir)
+        return RunResult(self.run_dir, int(state["step"]), int(state["version"]), completed=True, interrupted=False,
+                         evals=list(state.get("evals", [])))
+
     def _stop_if_asked(self) -> None:
         """A Ctrl-C during the start ends it between its stages (each takes seconds, the learner's
         and the engines' minutes at real size), instead of starting everything to stop at once."""
@@ -664,6 +681,9 @@ def run_training(cfg: EtarlConfig, resume: str | os.PathLike | None = None) -> R
 
     if threading.current_thread() is threading.main_thread():
         previous = signal.signal(signal.SIGINT, on_sigint)
+    done = controller.resumed_complete()
+    if done is not None:
+        return done
     try:
         started = time.perf_counter()
         try:

@@ -194,6 +194,38 @@ def test_a_resume_with_other_lora_settings_is_refused_before_ray_and_keeps_the_r
         assert (run / "config.yaml").read_text() == saved
 
 
+def test_a_resume_of_a_complete_run_ends_at_once_naming_how_to_go_on(tmp_path, capsys, caplog, monkeypatch):
+    """A run whose last checkpoint has its run.steps (a finished RayJob submitted again): the resume
+    says so and ends completed (exit 0) before Ray starts; with more steps named it goes on."""
+    import torch
+
+    from services import checkpoint as ckpt
+    from services.config import load_config
+
+    run = tmp_path / "run"
+    (run / "config.yaml").parent.mkdir()
+    (run / "config.yaml").write_text(load_config(None, ["run.steps=5", f"run.run_dir={run}"]).to_yaml())
+    staged = ckpt.staging_dir(run, 5)
+    (staged / "policy").mkdir()
+    (staged / "policy" / "model.safetensors").write_bytes(b"w")
+    torch.save({"version": 5}, staged / "trainer.pt")
+    (staged / "buffer.msgpack").write_bytes(b"\x90")
+    ckpt.commit(staged, {"step": 5, "version": 5, "consumed_tickets": [], "evals": [{"step": 5, "eval/accuracy": 0.7}]})
+
+    def no_ray(cfg):
+        raise AssertionError("Ray started")
+
+    monkeypatch.setattr("services.controller.start_ray", no_ray)
+    assert main(["train", "--resume", str(run)]) == 0
+    out = capsys.readouterr().out
+    summary = json.loads(out[:out.rindex("}") + 1])
+    assert summary["completed"] and summary["steps"] == 5 and summary["eval_accuracy_last"] == 0.7
+    assert f"{run} is complete: its last checkpoint is at step 5 and run.steps=5" in caplog.text
+    assert f"etarl train --resume {run} run.steps=N" in caplog.text
+    with pytest.raises(AssertionError, match="Ray started"):  # more steps: it starts (and here stops there)
+        main(["train", "--resume", str(run), "run.steps=6"])
+
+
 def test_lora_target_modules_that_pick_nothing_are_refused_before_ray(tmp_path, capsys):
     assert main(["train", "learner.lora.rank=4", "learner.lora.target_modules=q_proj,v_proj",
                  f"run.run_dir={tmp_path / 'run'}"]) == EXIT_CONFIG_ERROR
