@@ -2,9 +2,10 @@
 
 `check_run_inputs` (called by the controller once the model folder is known) fails with a
 ConfigError naming the key when the model folder has no tokenizer, the reward cannot be imported
-or has a signature that fits no accepted form, the chat template file is missing, a
-prompt file has unusable rows (`rollout.task.skip_invalid` skips them instead), or max_new_tokens
-leaves a built-in task's prompts no room in the context; it logs what it checked. `etarl data check` prints the same checks for the files named, or the config's (`data_check`).
+or has a signature that fits no accepted form, the chat template file is missing, a prompt file
+has unusable rows (`rollout.task.skip_invalid` skips them instead), or max_new_tokens leaves a
+built-in task's prompts no room in the context; it logs what it checked. `etarl data check`
+prints the same checks for the files named, or the config's (`data_check`).
 `ray_runtime_env` adds a reward module that is not installed to the Ray job's `py_modules`, so
 the workers of any cluster can import it.
 """
