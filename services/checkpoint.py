@@ -143,7 +143,8 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> Path:
             return candidate
     found = list_checkpoints(run_dir)
     if not found:
-        raise FileNotFoundError(f"run directory {str(run_dir)!r} holds no complete checkpoint to resume from")
+        raise FileNotFoundError(f"run directory {str(run_dir)!r} holds no complete checkpoint (a run writes one "
+                                "every run.checkpoint_every steps, at its end and on Ctrl-C once it has trained)")
     return found[-1]
 
 
