@@ -91,8 +91,7 @@ class BufferHandle:
                 # rebuilds the buffer from its checkpoint) starts it empty; the last one (with its
                 # settled archive and payload segments) is kept as .prev.
                 log_path = run_dir / RAY_BUFFER_LOG
-                log_path.with_name(log_path.name + ".compact").unlink(missing_ok=True)
-                keep_as_previous(log_path)
+                keep_as_previous(log_path)  # (a compaction's leftover file: the log's open removes it)
                 service_cfg = service_cfg.model_copy(
                     update={"log": service_cfg.log.model_copy(update={"path": log_path})})
                 starts_file = run_dir / RAY_BUFFER_STARTS
