@@ -25,6 +25,8 @@ from rollout_workers.data import (InvalidPrompts, Problem, PromptFormat, PromptR
 from services.config import ConfigError, EtarlConfig
 
 log = logging.getLogger("etarl")
+# The estimators whose baseline is the other responses of a prompt's group (a group of one has none).
+GROUP_BASELINE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline", "opo", "gpg", "gdpo")
 
 
 def prompt_format(cfg: EtarlConfig, model_dir) -> PromptFormat:
@@ -161,6 +163,7 @@ def check_run_inputs(cfg: EtarlConfig, model_dir) -> int | None:
     check_environment(cfg, fmt)
     check_lora(cfg, model_dir)
     check_prompt_room(cfg, fmt)
+    warn_of_groups_of_one(cfg)
     log.info("model %s: %s; reward %s (%s form)", model_dir, fmt.describe(), reward.spec, reward.form)
     if cfg.rollout.task.truncation != "error" and not fmt.context_len:
         log.warning("rollout.task.truncation=%s cuts nothing: the context is unknown (the model's config does not "
@@ -204,6 +207,17 @@ def check_prompt_room(cfg: EtarlConfig, fmt: PromptFormat, train: bool = True) -
                           f"prompt, too few for {what}: the engine refuses a prompt that leaves max_new_tokens no "
                           f"room. Set {key} to at most {fmt.context_len - longest}, or give the engine a longer "
                           "context (rollout.engine.max_model_len)")
+
+
+def warn_of_groups_of_one(cfg: EtarlConfig) -> None:
+    """rollout.sampling.n=1 under a group-baseline estimator runs (verl's rule: a group of one has
+    baseline 0), but trains on raw rewards, which a user who meant groups does not expect: said once."""
+    estimator = cfg.learner.advantage.estimator
+    if cfg.rollout.sampling.n == 1 and estimator in GROUP_BASELINE_ESTIMATORS:
+        log.warning("rollout.sampling.n=1: learner.advantage.estimator=%s takes its baseline from the other responses "
+                    "to a prompt, and a group of one has none, so each response's advantage is its raw reward "
+                    "(verl's rule): rewarded responses are pushed up and none down. Sample a group (n >= 2; 8 to 16 "
+                    "is usual), or use an estimator with a baseline of its own (gae, remax)", estimator)
 
 
 def check_lora(cfg: EtarlConfig, model_dir) -> None:

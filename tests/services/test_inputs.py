@@ -114,6 +114,21 @@ def test_a_max_new_tokens_that_leaves_the_built_in_prompts_no_room_is_refused(ti
     assert not (tmp_path / "run").exists(), "nothing started"
 
 
+def test_groups_of_one_under_a_group_baseline_are_said_once_at_start(tiny_model_dir, caplog):
+    """n=1 runs under grpo as verl's does (baseline 0: the raw reward), but the start says what that
+    means; an estimator with a baseline of its own says nothing, nor does a group."""
+    model = f"run.model={tiny_model_dir}"
+    cases = ((["rollout.sampling.n=1"], 1), (["rollout.sampling.n=1", "learner.advantage.estimator=gae"], 0),
+             (["rollout.sampling.n=2"], 0))
+    for overrides, said in cases:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="etarl"):
+            check_run_inputs(load_config(None, [model, *overrides]), tiny_model_dir)
+        warned = [r.getMessage() for r in caplog.records if "a group of one has none" in r.getMessage()]
+        assert len(warned) == said, (overrides, caplog.text)
+        assert all(w.startswith("rollout.sampling.n=1: learner.advantage.estimator=grpo takes") for w in warned)
+
+
 @pytest.mark.parametrize("reward, needle", [
     ("wrong_sig.py:compute_score", "fits no accepted form"),
     ("no_such_reward_module_xyz:compute_score", "cannot import module 'no_such_reward_module_xyz'"),
