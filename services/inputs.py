@@ -185,7 +185,8 @@ def check_prompt_room(cfg: EtarlConfig, fmt: PromptFormat, train: bool = True) -
     the context for the prompts: the engine refuses a request longer than its context, so a run whose
     every prompt is refused would wait for samples that never come. A file's rows are checked one by
     one (`check_prompts`: too long, or cut by rollout.task.truncation); a built-in task's prompts are
-    a few tokens, the same length at one family and difficulty, so a few of each are measured."""
+    a few tokens, the same length at one family and difficulty, so a few of each are measured. A
+    multi-turn turn asks for what its trajectory has left, so there a prompt needs only to fit."""
     if not fmt.context_len:
         return
     task = cfg.rollout.task
@@ -195,6 +196,12 @@ def check_prompt_room(cfg: EtarlConfig, fmt: PromptFormat, train: bool = True) -
         problems = mixed_problems(list(task.families), list(task.difficulties), "train", 4 * pairs, task.seed)
         longest = max((len(fmt.encode(problem)) for problem in problems), default=1)
         cut = task.truncation != "error"
+    if cfg.rollout.multi_turn.enabled:  # each turn asks for at most what its trajectory has left (agent_loop)
+        if longest >= fmt.context_len:
+            raise ConfigError(f"the task's prompts (up to {longest} tokens) fill the trajectory's context of "
+                              f"{fmt.context_len} tokens (rollout.multi_turn.max_total_tokens, or the engine's): "
+                              "give it more")
+        return
     budgets = {"rollout.sampling.max_new_tokens": cfg.rollout.sampling.max_new_tokens} if train else {}
     if cfg.eval.enabled:
         budgets["eval.max_new_tokens"] = cfg.eval.max_new_tokens

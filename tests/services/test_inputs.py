@@ -12,7 +12,8 @@ import pytest
 
 from services.cli import EXIT_CONFIG_ERROR, main
 from services.config import ConfigError, load_config
-from services.inputs import check_eval_inputs, check_run_inputs, ray_runtime_env, with_epochs
+from services.inputs import (check_eval_inputs, check_prompt_room, check_run_inputs, prompt_format, ray_runtime_env,
+                             with_epochs)
 
 GOOD_REWARD = "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n"
 
@@ -111,6 +112,13 @@ def test_a_max_new_tokens_that_leaves_the_built_in_prompts_no_room_is_refused(ti
                      tiny_model_dir)  # asked for: the prompts are cut to the 4 tokens left
     with pytest.raises(ConfigError, match=r"^rollout.sampling.max_new_tokens=64 leaves 0 .* too few for any prompt"):
         check_run_inputs(file_config(tiny_model_dir, tmp_path, "rollout.sampling.max_new_tokens=64"), tiny_model_dir)
+    # multi-turn: a turn asks for what its trajectory has left, so only the prompt must fit
+    turns = ["rollout.multi_turn.environment=calculator", "rollout.sampling.max_new_tokens=100"]
+    long_turns = load_config(None, [model, *turns])
+    check_prompt_room(long_turns, prompt_format(long_turns, tiny_model_dir))
+    short = load_config(None, [model, *turns, "rollout.multi_turn.max_total_tokens=9"])
+    with pytest.raises(ConfigError, match=r"^the task's prompts \(up to 10 tokens\) fill the trajectory's context of 9"):
+        check_prompt_room(short, prompt_format(short, tiny_model_dir))
     assert not (tmp_path / "run").exists(), "nothing started"
 
 
