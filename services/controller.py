@@ -422,7 +422,7 @@ class Controller:
         cfg, client = self.cfg, self.buffer.client
         t0 = time.perf_counter()
         batch, self.next_batch = self.next_batch, None
-        wait = None  # [when the wait began, groups pushed then, reports made], once a pull came back empty
+        pushed_then, reports = None, 0  # groups pushed when this step's wait began (or was last reported)
         while True:
             if self.stop_requested.is_set():
                 self.next_batch = batch  # given back when the loop ends
@@ -432,9 +432,12 @@ class Controller:
             if batch is None:
                 batch = client.pull_batch(cfg.batch_size, timeout=1.0)
                 if batch is None and cfg.run.stall_report_s:
-                    wait = wait or [t0, client.stats()["pushed_groups"], 0]
-                    if time.perf_counter() - wait[0] >= cfg.run.stall_report_s * (wait[2] + 1):
-                        wait[1:] = [self._report_wait(time.perf_counter() - wait[0], wait[1], wait[2]), wait[2] + 1]
+                    if pushed_then is None:  # the first empty pull of the step: its wait begins
+                        pushed_then = client.stats()["pushed_groups"]
+                    waited = time.perf_counter() - t0
+                    if waited >= cfg.run.stall_report_s * (reports + 1):
+                        pushed_then = self._report_wait(waited, pushed_then, reports)
+                        reports += 1
                 continue
             t_data = time.perf_counter()
             consumed_at = self.version  # staleness is measured against the version that trains on it

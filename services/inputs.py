@@ -190,12 +190,11 @@ def check_prompt_room(cfg: EtarlConfig, fmt: PromptFormat, train: bool = True) -
     if not fmt.context_len:
         return
     task = cfg.rollout.task
-    longest, cut = 1, False
+    longest = 1
     if task.kind != "file":
         pairs = len(task.families) * len(task.difficulties)
         problems = mixed_problems(list(task.families), list(task.difficulties), "train", 4 * pairs, task.seed)
         longest = max((len(fmt.encode(problem)) for problem in problems), default=1)
-        cut = task.truncation != "error"
     if cfg.rollout.multi_turn.enabled:  # each turn asks for at most what its trajectory has left (agent_loop)
         if longest >= fmt.context_len:
             raise ConfigError(f"the task's prompts (up to {longest} tokens) fill the trajectory's context of "
@@ -207,7 +206,7 @@ def check_prompt_room(cfg: EtarlConfig, fmt: PromptFormat, train: bool = True) -
         budgets["eval.max_new_tokens"] = cfg.eval.max_new_tokens
     for key, budget in budgets.items():
         room = fmt.prompt_room(budget)
-        if room >= longest or (cut and room > 0):
+        if room >= longest or fmt.cuts(longest, budget):  # fits, or cut to fit (rollout.task.truncation)
             continue
         what = "any prompt" if task.kind == "file" else f"the task's prompts (up to {longest} tokens)"
         raise ConfigError(f"{key}={budget} leaves {max(room, 0)} of the context's {fmt.context_len} tokens for a "
