@@ -24,6 +24,7 @@ import logging
 import os
 import sys
 import threading
+import warnings
 from pathlib import Path
 
 EXIT_CONFIG_ERROR = 2
@@ -147,7 +148,7 @@ def _evaluate(args) -> int:
     from services.controller import evaluate_model
     from services.placement import QUIET_VLLM
 
-    os.environ["VLLM_LOGGING_LEVEL"] = QUIET_VLLM  # the engine runs here: its warnings would bury the result
+    _quiet_engine(QUIET_VLLM)
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()  # its weight-loading bar, here on the console
@@ -162,6 +163,19 @@ def _evaluate(args) -> int:
         metrics = evaluate_model(cfg, model=args.model, run_dir=args.run)
     print(json.dumps(metrics, indent=1))  # stdout is the metrics' JSON alone
     return 0
+
+
+def _quiet_engine(level: str) -> None:
+    """The engine runs in this process and the engine-core process vLLM spawns: their warnings would
+    bury what `etarl eval` says. vLLM's logging level (its own, once it configures logging; before
+    that, its imports', here), its imports' deprecation warnings (here, and through the environment
+    in the spawned process) and torch's C++ notices there (CPU thread binding)."""
+    os.environ["VLLM_LOGGING_LEVEL"] = level
+    logging.getLogger("vllm").setLevel(level)
+    warnings.filterwarnings("ignore", category=FutureWarning, module="vllm")
+    deprecations = "ignore::FutureWarning:vllm.triton_utils.dispatcher"  # torch.distributed.reduce_op, twice
+    os.environ["PYTHONWARNINGS"] = ",".join(filter(None, (os.environ.get("PYTHONWARNINGS"), deprecations)))
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
 
 @contextlib.contextmanager

@@ -325,6 +325,7 @@ class VLLMEngine(GenerationEngine):
             # vLLM's own stats (per-iteration counters, its Prometheus series in this process's default
             # registry) are read by nothing here (etarl exports its own): 5-15 % of a generation's CPU here
             disable_log_stats=True,
+            use_tqdm_on_load=False,  # its weight-loading bar: in an actor's log, or the console of `etarl eval`
             enforce_eager=self.enforce_eager,
             # a share of the GPU when given (vLLM sizes the KV cache in what is left), else bytes
             **({"gpu_memory_utilization": gpu_memory_utilization} if gpu_memory_utilization and not cpu
