@@ -164,6 +164,8 @@ def check_run_inputs(cfg: EtarlConfig, model_dir) -> int | None:
     check_lora(cfg, model_dir)
     check_prompt_room(cfg, fmt)
     warn_of_groups_of_one(cfg)
+    if cfg.run.epochs is None:  # with epochs, once the steps are worked out (with_epochs)
+        warn_if_the_policy_never_trains(cfg, cfg.run.steps)
     log.info("model %s: %s; reward %s (%s form)", model_dir, fmt.describe(), reward.spec, reward.form)
     if cfg.rollout.task.truncation != "error" and not fmt.context_len:
         log.warning("rollout.task.truncation=%s cuts nothing: the context is unknown (the model's config does not "
@@ -226,6 +228,16 @@ def warn_of_groups_of_one(cfg: EtarlConfig) -> None:
                     "is usual), or use an estimator with a baseline of its own (gae, remax)", estimator)
 
 
+def warn_if_the_policy_never_trains(cfg: EtarlConfig, steps: int) -> None:
+    """A critic that trains alone for the run's every step leaves the policy as it started: legal
+    (a value head warmed for a later resume), but rarely what a run means: said once at start."""
+    learner = cfg.learner
+    if learner.advantage.estimator == "gae" and learner.critic.train_alone_steps >= steps:
+        log.warning("learner.critic.train_alone_steps=%d covers the run's %d steps: the critic trains alone and the "
+                    "policy never does (its weights stay as they started). Raise run.steps past it, or "
+                    "lower it", learner.critic.train_alone_steps, steps)
+
+
 def check_lora(cfg: EtarlConfig, model_dir) -> None:
     """learner.lora's target_modules pick some of the model's linear layers (the model built on the meta
     device: no weights read), checked before Ray starts rather than in the learner's actor."""
@@ -274,6 +286,7 @@ def with_epochs(cfg: EtarlConfig, train_prompts: int) -> EtarlConfig:
         cfg.learner.check_decay_span(steps, f"the {steps} steps of run.epochs={run.epochs:g}")
     except ValueError as err:
         raise ConfigError(str(err)) from None
+    warn_if_the_policy_never_trains(cfg, steps)
     return cfg.model_copy(update={"run": run.model_copy(update={"steps": steps, "epochs": None})})
 
 

@@ -137,6 +137,29 @@ def test_groups_of_one_under_a_group_baseline_are_said_once_at_start(tiny_model_
         assert all(w.startswith("rollout.sampling.n=1: learner.advantage.estimator=grpo takes") for w in warned)
 
 
+def test_a_critic_that_trains_alone_for_the_whole_run_is_said_at_start(tiny_model_dir, tmp_path, caplog):
+    """gae with critic.train_alone_steps >= the run's steps trains the critic only: said once, the run
+    goes on; a run longer than that, or without a critic, says nothing. With run.epochs the steps are
+    known once the prompts are counted (with_epochs)."""
+    gae = [f"run.model={tiny_model_dir}", "learner.advantage.estimator=gae", "learner.critic.train_alone_steps=20"]
+    cases = ((["run.steps=20"], 1), (["run.steps=21"], 0), (["run.steps=20", "learner.advantage.estimator=grpo"], 0))
+    for overrides, said in cases:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="etarl"):
+            check_run_inputs(load_config(None, [*gae, *overrides]), tiny_model_dir)
+        warned = [r.getMessage() for r in caplog.records if "the policy never does" in r.getMessage()]
+        assert len(warned) == said, (overrides, caplog.text)
+        assert all(w.startswith("learner.critic.train_alone_steps=20 covers the run's 20 steps: the critic trains "
+                                "alone") for w in warned)
+    train = write_rows(tmp_path / "train.jsonl", [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(8)])
+    cfg = load_config(None, [*gae, "rollout.task.kind=file", f"rollout.task.path={train}", "eval.enabled=false",
+                             "rollout.reward=math", "buffer.gate.batch_size=4", "run.epochs=3"])
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="etarl"):
+        assert with_epochs(cfg, check_run_inputs(cfg, tiny_model_dir)).run.steps == 6
+    assert "learner.critic.train_alone_steps=20 covers the run's 6 steps" in caplog.text
+
+
 @pytest.mark.parametrize("reward, needle", [
     ("wrong_sig.py:compute_score", "fits no accepted form"),
     ("no_such_reward_module_xyz:compute_score", "cannot import module 'no_such_reward_module_xyz'"),
