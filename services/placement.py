@@ -341,16 +341,27 @@ def _model_config(model: str) -> dict | None:
 
 
 def model_parameters(model: str) -> float | None:
-    """The parameter count of an HF model folder from its safetensors files' sizes and dtype (the
-    index's total size where there is one); None where the driver cannot read it (tiny: built later)."""
-    config = _model_config(model)
-    if config is None:
+    """The parameter count of an HF model folder: the element counts its safetensors headers give
+    (headers only: whatever the dtype, float32 as a learner saves it or bfloat16, and a few KB read
+    per file); None where the driver cannot read them (tiny: built later)."""
+    if _model_config(model) is None:
         return None
     try:
-        size = sum(f.stat().st_size for f in Path(model).glob("*.safetensors"))
-    except OSError:
+        count = sum(_safetensors_elements(path) for path in Path(model).glob("*.safetensors"))
+    except (OSError, ValueError, KeyError, TypeError):
         return None
-    return size / (4 if (config.get("torch_dtype") or "bfloat16") == "float32" else 2) if size else None
+    return float(count) or None
+
+
+def _safetensors_elements(path: Path) -> int:
+    """The tensors' element count of one safetensors file, from its header (a little-endian u64
+    length, then that many bytes of JSON: name -> dtype, shape, offsets)."""
+    import json
+
+    with open(path, "rb") as f:
+        length = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(length))
+    return sum(math.prod(entry["shape"]) for name, entry in header.items() if name != "__metadata__")
 
 
 def _tensor_parallel(params: float | None, gpu_gib: float, node_gpus: int, free: int) -> tuple[int, str]:

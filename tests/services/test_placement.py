@@ -256,6 +256,37 @@ def test_many_gpus_split_by_the_documented_rule(shape, params, engines, tp, rank
     assert any(f"learner ranks = {sum(g for _, g in shape)} // 2" in r for r in layout.reasons)
 
 
+def test_the_parameter_count_of_a_model_folder_is_its_tensors_elements_whatever_their_dtype(tmp_path):
+    """The layout's sizes come from the folder's safetensors headers: a float32 folder (a learner's
+    policy/, config.json naming `dtype` as transformers 5 writes it) counts its elements, not its
+    bytes over two (it was taken for twice the model), and so do bfloat16 shards; a folder without
+    weights, or a built-in model, has no count (tensor_parallel_size 1, said)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from services.placement import model_parameters
+
+    tensors = {"model.embed_tokens.weight": torch.zeros(100, 16), "model.norm.weight": torch.zeros(16),
+               "lm_head.weight": torch.zeros(100, 16)}
+    elements = 100 * 16 * 2 + 16
+    learner_saved = tmp_path / "float32"
+    learner_saved.mkdir()
+    (learner_saved / "config.json").write_text(json.dumps({"model_type": "qwen2", "dtype": "float32"}))
+    save_file(tensors, str(learner_saved / "model.safetensors"))
+    assert model_parameters(str(learner_saved)) == elements
+    sharded = tmp_path / "bf16"
+    sharded.mkdir()
+    (sharded / "config.json").write_text(json.dumps({"model_type": "qwen2", "torch_dtype": "bfloat16"}))
+    names = sorted(tensors)
+    for i, part in enumerate((names[:1], names[1:])):
+        save_file({n: tensors[n].bfloat16() for n in part}, str(sharded / f"model-0000{i + 1}-of-00002.safetensors"))
+    assert model_parameters(str(sharded)) == elements
+    config_only = tmp_path / "config_only"
+    config_only.mkdir()
+    (config_only / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    assert model_parameters(str(config_only)) is None and model_parameters("tiny") is None
+
+
 def test_a_critic_counts_in_the_learner_state_that_decides_sharding():
     """1.5B: 24 GB of float32 training state fits half an 80 GB GPU; PPO with gae trains a critic of
     about the policy's size beside it: 48 GB does not, so its ranks shard."""
