@@ -60,7 +60,9 @@ def load_weights_folder(folder: str | os.PathLike) -> tuple[int, dict[str, torch
 def folder_weight_shapes(model_dir: str | os.PathLike) -> tuple[dict[str, tuple[int, ...]], set[str]]:
     """Shapes by name of an HF folder's safetensors weights (headers only, nothing loaded), and the
     names a model built from it may lack: lm_head.weight when the embeddings are tied (the learner
-    may send it, the checkpoint need not hold it)."""
+    may send it, the checkpoint need not hold it). A config.json without tie_word_embeddings (one
+    whose model class ties by default, as Gemma's, leaves it out) is tied where its weights hold no
+    lm_head: a model could not run without one otherwise."""
     from safetensors import safe_open
 
     model_dir = Path(model_dir)
@@ -69,7 +71,7 @@ def folder_weight_shapes(model_dir: str | os.PathLike) -> tuple[dict[str, tuple[
         with safe_open(str(path), framework="pt") as f:
             shapes.update({name: tuple(f.get_slice(name).get_shape()) for name in f.keys()})
     config = json.loads((model_dir / "config.json").read_text())
-    tied = config.get("tie_word_embeddings", False)
+    tied = config.get("tie_word_embeddings", "lm_head.weight" not in shapes)
     if tied and "lm_head.weight" not in shapes and "model.embed_tokens.weight" in shapes:
         shapes["lm_head.weight"] = shapes["model.embed_tokens.weight"]
     return shapes, {"lm_head.weight"} if tied else set()

@@ -178,6 +178,35 @@ def test_a_layout_that_does_not_fit_names_the_tensor():
         ok.check_fits(shapes)
 
 
+def test_a_folders_expected_weights_take_a_tied_lm_head_from_its_config_or_its_weights(tmp_path):
+    """What a vLLM engine checks a version against (folder_weight_shapes): a tied model's lm_head is
+    the embeddings' shape and may be left out; a config.json that says nothing of tying (a model
+    class that ties by default, as Gemma's, omits it) is tied when its weights hold no lm_head, and
+    a layout with one (the learner sends every name) fits it."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from lm.weight_sync.payloads import folder_weight_shapes
+
+    state = {k: v.contiguous() for k, v in qwen2().state_dict().items()}
+    without_head = {k: v for k, v in state.items() if k != "lm_head.weight"}
+    untied = without_head | {"lm_head.weight": state["lm_head.weight"].clone()}
+    cases = {"says tied": ({"tie_word_embeddings": True}, False, True),
+             "says nothing, no lm_head": ({}, False, True),
+             "says untied": ({"tie_word_embeddings": False}, True, False),
+             "says nothing, an lm_head": ({}, True, False)}
+    for name, (config, with_head, tied) in cases.items():
+        folder = tmp_path / name.replace(" ", "_").replace(",", "")
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps({"model_type": "qwen2", **config}))
+        save_file(untied if with_head else without_head, str(folder / "model.safetensors"))
+        shapes, may_lack = folder_weight_shapes(folder)
+        assert shapes["lm_head.weight"] == tuple(state["model.embed_tokens.weight"].shape), name
+        assert may_lack == ({"lm_head.weight"} if tied else set()), name
+        Layout.of(state.items()).check_fits(shapes, may_lack)
+
+
 # ---------------------------------------------------------------- broadcast
 
 
