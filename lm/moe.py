@@ -39,11 +39,11 @@ def routing_shape(model: torch.nn.Module) -> RoutingShape | None:
 
 def config_experts(config: dict) -> int | None:
     """The routed experts an HF config.json names (None: a dense model). transformers 5 writes
-    Qwen-MoE's as `num_local_experts`, older configs `num_experts`; a multimodal one under
-    `text_config`."""
+    Qwen-MoE's as `num_local_experts`, older configs `num_experts`, DeepSeek's family (GLM-4.5,
+    Kimi, dots) `n_routed_experts`; a multimodal one under `text_config`."""
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
     for source in (config, text):
-        for key in ("num_local_experts", "num_experts"):
+        for key in ("num_local_experts", "num_experts", "n_routed_experts"):
             if isinstance(source.get(key), int) and source[key] > 0:
                 return source[key]
     return None

@@ -315,3 +315,7 @@ def test_the_run_fills_the_sample_limits_from_its_model(tmp_path):
     cfg = build_config({})
     fill_sample_limits(cfg, tmp_path)
     assert cfg.buffer.limits.num_experts == 8, "an MoE policy: expert ids in routing below 8"
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 512, "n_routed_experts": 64}))  # DeepSeek's
+    cfg = build_config({})
+    fill_sample_limits(cfg, tmp_path)
+    assert cfg.buffer.limits.num_experts == 64
