@@ -62,7 +62,7 @@ class Critic:
         self.model = owner.build_model(
             load=lambda device: load_value_model(path, cfg.dtype, device, cfg.attn_implementation, cfg.seed),
             on_meta=lambda: value_model_on_meta(path, cfg.dtype, cfg.attn_implementation),
-            source=lambda names: value_model_source(path, names, cfg.dtype, cfg.seed),
+            source=lambda shapes: value_model_source(path, shapes, cfg.dtype, cfg.seed),
             trainable=True)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer, self.scheduler = adamw_with_schedule(self.params, critic.lr, cfg.betas, cfg.adam_eps,

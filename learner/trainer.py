@@ -239,7 +239,7 @@ class Learner:
             load=lambda device: load_causal_lm(cfg.model_path, dtype=cfg.dtype, device=device,
                                                attn_implementation=cfg.attn_implementation),
             on_meta=lambda: causal_lm_on_meta(cfg.model_path, cfg.dtype, cfg.attn_implementation),
-            source=lambda names: checkpoint_tensors(cfg.model_path, names), trainable=trainable,
+            source=lambda shapes: checkpoint_tensors(cfg.model_path, shapes), trainable=trainable,
             adapt=self._add_adapters if trainable and cfg.lora is not None else None)
 
     def _add_adapters(self, model) -> None:
@@ -247,20 +247,22 @@ class Learner:
 
     def build_model(self, load, on_meta, source, trainable: bool, adapt=None):
         """A model of this rank (the policy, its reference, the critic): `load(device)` loads it whole,
-        `on_meta()` builds it without values, `source(names)` reads the folder's tensors by name (None:
-        the folder does not name them as the model does). Without FSDP a full copy per rank. With
+        `on_meta()` builds it without values, `source(shapes)` reads the folder's tensors by the model's
+        names (`shapes`: name -> shape; None: the folder does not hold them). Without FSDP a full copy per rank. With
         FSDP sharded from the first byte: every rank builds it on the meta device and shards it,
         rank 0 alone reads the folder and sends each rank its shards (`learner.distributed.
-        fill_shards`), tensor by tensor from the safetensors files where they name every tensor (no
-        rank holds the model on the host), else from the model loaded whole on rank 0 (one copy per
-        node). `adapt(model)` adds to the model before it is sharded (LoRA's adapters, which start
+        fill_shards`), tensor by tensor from the safetensors files where they hold every tensor (a
+        fused MoE expert tensor put together from its experts' matrices; no rank holds the model on
+        the host), else from the model loaded whole on rank 0 (one copy per node). `adapt(model)` adds to the model before it is sharded (LoRA's adapters, which start
         from their own values, not the folder's)."""
         if not self._sharded:
             return self._prepare(load(str(self.device)), trainable, adapt)
         model = self._prepare(on_meta(), trainable, adapt)  # no values: ~0 bytes
         tensors, whole = None, 0.0
         if self.comm.rank == 0:
-            tensors = source([name for name in unique_state_names(model) if not is_adapter_name(name)])
+            state = model.state_dict()
+            tensors = source({name: tuple(state[name].shape) for name in unique_state_names(model)
+                              if not is_adapter_name(name)})
             whole = float(tensors is None)
         # measured from here: the first build also imported transformers' model code (~200 MB)
         with PeakRSS() as peak:

@@ -92,36 +92,63 @@ def on_meta(build):
 
 
 class CheckpointTensors:
-    """The tensors of an HF folder's safetensors files by name, each read on its own when asked
-    (the file opened and closed around it: no mapping of the whole file stays resident)."""
+    """The tensors of an HF folder's safetensors files by the model's in-memory names, each read on
+    its own when asked (the file opened and closed around it: no mapping of the whole file stays
+    resident). A name the checkpoint does not hold as it is (transformers 5's fused MoE experts,
+    `experts.gate_up_proj` [E, 2I, H]) is put together from the checkpoint's tensors it is made of
+    (each expert's gate, up and down matrices; `lm.checkpoint_names`): one fused tensor at a time."""
 
-    def __init__(self, files_by_name: dict[str, Path]):
+    def __init__(self, files_by_name: dict[str, Path], parts: dict[str, tuple[tuple[int, ...], list[str]]]):
         self.files_by_name = files_by_name
+        self.parts = parts  # in-memory name -> (shape, the checkpoint names it is made of), where not held as is
 
     def __contains__(self, name: str) -> bool:
-        return name in self.files_by_name
+        return name in self.files_by_name or name in self.parts
 
     def __getitem__(self, name: str) -> torch.Tensor:
+        if name in self.files_by_name:
+            return self._read(name)
+        from lm.checkpoint_names import load_by_checkpoint_names
+
+        shape, names = self.parts[name]
+        first = self._read(names[0])
+        whole = torch.empty(shape, dtype=first.dtype)
+        pieces = ((n, first if i == 0 else self._read(n)) for i, n in enumerate(names))
+        for _ in load_by_checkpoint_names({name: whole}, pieces):
+            pass
+        return whole
+
+    def _read(self, name: str) -> torch.Tensor:
         from safetensors import safe_open
 
         with safe_open(str(self.files_by_name[name]), framework="pt") as f:
             return f.get_tensor(name)
 
 
-def checkpoint_tensors(path: str | os.PathLike, names) -> CheckpointTensors | None:
-    """The folder's safetensors tensors by name, if they hold every one of `names` under that
-    name (a model whose in-memory names differ, e.g. transformers 5's fused MoE experts, gets None:
-    load it whole instead)."""
+def checkpoint_tensors(path: str | os.PathLike, shapes) -> CheckpointTensors | None:
+    """The folder's safetensors tensors by the model's names (`shapes`: name -> shape), if they hold
+    every one of them, as it is or as the checkpoint's tensors it is made of (a fused MoE expert
+    tensor: its experts' matrices); None where they do not (load the model whole instead)."""
     from safetensors import safe_open
+
+    from lm.checkpoint_names import checkpoint_shapes
 
     folder = check_model_dir(path)
     files_by_name: dict[str, Path] = {}
     for file in sorted(folder.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as f:
             files_by_name.update(dict.fromkeys(f.keys(), file))
-    if not files_by_name or any(name not in files_by_name for name in names):
+    if not files_by_name:
         return None
-    return CheckpointTensors(files_by_name)
+    parts = {}
+    for name, shape in shapes.items():
+        if name in files_by_name:
+            continue
+        names = list(checkpoint_shapes({name: tuple(shape)}))
+        if names == [name] or any(n not in files_by_name for n in names):
+            return None
+        parts[name] = (tuple(shape), names)
+    return CheckpointTensors(files_by_name, parts)
 
 
 def enable_gradient_checkpointing(model, mode: str = "full") -> None:

@@ -86,11 +86,11 @@ class _WithHead:
         return self.head[name] if name in self.head else self.decoder[name]
 
 
-def value_model_source(path: str | os.PathLike, names, dtype: str = "float32", seed: int = 0):
-    """Rank 0's source for `learner.distributed.fill_shards`: the folder's tensors read one by one
-    where the checkpoint names them as the model does, else the model loaded whole (one copy on
-    the host: transformers 5's fused MoE experts), with the head of `value_head`."""
-    decoder = checkpoint_tensors(path, [n for n in names if n not in HEAD_NAMES])
+def value_model_source(path: str | os.PathLike, shapes, dtype: str = "float32", seed: int = 0):
+    """Rank 0's source for `learner.distributed.fill_shards` (`shapes`: the model's name -> shape):
+    the folder's tensors read one by one (`checkpoint_tensors`), else the model loaded whole (one
+    copy on the host), with the head of `value_head`."""
+    decoder = checkpoint_tensors(path, {n: shape for n, shape in shapes.items() if n not in HEAD_NAMES})
     if decoder is None:
         return load_value_model(path, dtype, seed=seed).state_dict()
     return _WithHead(decoder, value_head(_value_config(path), torch_dtype(dtype), seed))

@@ -211,6 +211,8 @@ def test_two_gloo_ranks_replay_as_one_rank_does(moe_dir, groups, two_ranks, stra
     want = Learner(LearnerConfig(**config))
     want_metrics = want.train_step(batch)
     group = two_ranks(LearnerConfig(**config, distributed={"world_size": 2, "strategy": strategy, "timeout_s": 60}))
+    if strategy == "fsdp":  # rank 0 read the folder tensor by tensor, the fused experts from their matrices
+        assert [r["whole_model_read"] for r in group._call_all("load_report")] == [0.0, 0.0]
     got = group.train_step(batch)
     state = group.state_dict()["model"]
     for key in ("actor/pg_loss", "actor/grad_norm", "moe/routing_mismatch", "moe/routing_mismatch_any"):
@@ -218,6 +220,23 @@ def test_two_gloo_ranks_replay_as_one_rank_does(moe_dir, groups, two_ranks, stra
     assert got["moe/routing_mismatch"] == 1.0  # every engine expert set moved by one
     for name, p in want.model.state_dict().items():
         torch.testing.assert_close(state[name], p, rtol=1e-9, atol=1e-10)
+
+
+def test_a_fused_expert_tensor_is_read_from_its_experts_checkpoint_matrices(moe_dir):
+    """What an FSDP rank 0 reads to fill the shards (`checkpoint_tensors`): transformers 5 fuses an
+    MoE block's experts in memory, the folder names each expert's matrices; each fused tensor is
+    put together from them, one at a time, equal to the model loaded whole."""
+    from learner.distributed import unique_state_names
+    from lm.causal_lm import checkpoint_tensors
+
+    model = load_causal_lm(moe_dir)
+    state = model.state_dict()
+    names = unique_state_names(model)  # the tied lm_head is the embeddings
+    source = checkpoint_tensors(moe_dir, {name: tuple(state[name].shape) for name in names})
+    fused = [name for name in names if name.endswith((".experts.gate_up_proj", ".experts.down_proj"))]
+    assert len(fused) == 2 * LAYERS and set(source.parts) == set(fused)
+    for name in names:
+        assert name in source and torch.equal(source[name], state[name]), name
 
 
 def test_bad_routing_is_refused_naming_the_sample(moe_dir, groups, tmp_path):

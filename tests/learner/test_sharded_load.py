@@ -60,8 +60,9 @@ def test_ranks_other_than_0_never_hold_the_full_model(layered_policy, ray_cluste
         copy = params_of(load_causal_lm(layered_policy))
     assert whole.peak_bytes > 0.9 * model_bytes
     del copy
-    assert checkpoint_tensors(layered_policy, ["model.norm.weight"]) is not None
-    assert checkpoint_tensors(layered_policy, ["model.layers.0.mlp.experts.gate_up_proj"]) is None  # loads whole
+    assert checkpoint_tensors(layered_policy, {"model.norm.weight": (512,)}) is not None
+    # a tensor the folder holds neither as it is nor as its parts: the model loads whole
+    assert checkpoint_tensors(layered_policy, {"model.layers.0.mlp.experts.gate_up_proj": (4, 64, 512)}) is None
 
     # The sharded policy and its sharded KL reference train as one unsharded learner does.
     single = Learner(LearnerConfig(**config))
