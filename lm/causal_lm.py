@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import itertools
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -111,18 +112,28 @@ class CheckpointTensors:
         from lm.checkpoint_names import load_by_checkpoint_names
 
         shape, names = self.parts[name]
-        first = self._read(names[0])
-        whole = torch.empty(shape, dtype=first.dtype)
-        pieces = ((n, first if i == 0 else self._read(n)) for i, n in enumerate(names))
-        for _ in load_by_checkpoint_names({name: whole}, pieces):
+        pieces = self._read_by_file(names)
+        first = next(pieces)
+        whole = torch.empty(shape, dtype=first[1].dtype)
+        for _ in load_by_checkpoint_names({name: whole}, itertools.chain([first], pieces)):
             pass
         return whole
 
     def _read(self, name: str) -> torch.Tensor:
+        return next(self._read_by_file([name]))[1]
+
+    def _read_by_file(self, names: list[str]):
+        """(name, tensor) of `names`, each file opened once (an MoE block's experts: hundreds of
+        tensors, each file's header parsed once, not per tensor)."""
         from safetensors import safe_open
 
-        with safe_open(str(self.files_by_name[name]), framework="pt") as f:
-            return f.get_tensor(name)
+        by_file: dict[Path, list[str]] = {}
+        for name in names:
+            by_file.setdefault(self.files_by_name[name], []).append(name)
+        for file, in_file in by_file.items():
+            with safe_open(str(file), framework="pt") as f:
+                for name in in_file:
+                    yield name, f.get_tensor(name)
 
 
 def checkpoint_tensors(path: str | os.PathLike, shapes) -> CheckpointTensors | None:
