@@ -105,8 +105,10 @@ class RoutingReplay:
         self.routers = routers(model)
         self.shape: RoutingShape | None = routing_shape(model)
         if mode != "none" and self.shape is None:
-            raise ValueError(f"learner.routing_replay={mode!r} needs a mixture-of-experts policy; "
-                             f"{type(model).__name__} has no top-k routers")
+            others = sorted({type(m).__name__ for m in model.modules() if type(m).__name__.lower().endswith("router")})
+            what = (f"its routers {others} are not ones it replays (known: {', '.join(SOFTMAX_TOPK_ROUTERS)})"
+                    if others else f"{type(model).__name__} has no top-k routers")
+            raise ValueError(f"learner.routing_replay={mode!r} needs a mixture-of-experts policy; {what}")
         unknown = sorted({type(r).__name__ for r in self.routers} - set(SOFTMAX_TOPK_ROUTERS))
         if mode != "none" and unknown:
             raise ValueError(f"learner.routing_replay={mode!r}: routers {unknown} are not known to compute their gate "

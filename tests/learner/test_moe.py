@@ -254,8 +254,23 @@ def test_bad_routing_is_refused_naming_the_sample(moe_dir, groups, tmp_path):
                                        for s in g.samples], g.prompt_index) for g in groups[:1]]
     with pytest.raises(BatchError, match=r"sample 's0-0', field 'routed_experts': carries MoE routing .* dense"):
         Learner(LearnerConfig(model_path=str(dense_dir))).train_step(dense_groups)
-    with pytest.raises(ValueError, match="routing_replay='r2' needs a mixture-of-experts policy"):
+    with pytest.raises(ValueError, match="routing_replay='r2' needs a mixture-of-experts policy; Qwen2ForCausalLM "
+                                         "has no top-k routers"):
         Learner(LearnerConfig(model_path=str(dense_dir), routing_replay="r2"))
+
+
+def test_replay_names_the_routers_of_an_moe_it_cannot_replay():
+    """DeepSeek's router (group-limited top-k over sigmoid scores, its own forward) is not one the
+    replay recomputes: r3 on such a policy says so, naming it, instead of calling the MoE dense."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    config = DeepseekV3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                              num_hidden_layers=2, n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=0,
+                              n_group=1, topk_group=1, num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=8,
+                              q_lora_rank=None, qk_rope_head_dim=4, v_head_dim=8, qk_nope_head_dim=4)
+    with pytest.raises(ValueError, match=r"routing_replay='r3' needs a mixture-of-experts policy; its routers "
+                                         r"\['DeepseekV3TopkRouter'\] are not ones it replays \(known: Qwen3Moe"):
+        RoutingReplay(DeepseekV3ForCausalLM(config), "r3")
 
 
 def test_a_published_moe_version_loads_into_an_engine_with_the_learners_log_probs(moe_dir, groups, tmp_path):
