@@ -247,13 +247,14 @@ class Learner:
 
     def build_model(self, load, on_meta, source, trainable: bool, adapt=None):
         """A model of this rank (the policy, its reference, the critic): `load(device)` loads it whole,
-        `on_meta()` builds it without values, `source(shapes)` reads the folder's tensors by the model's
-        names (`shapes`: name -> shape; None: the folder does not hold them). Without FSDP a full copy per rank. With
-        FSDP sharded from the first byte: every rank builds it on the meta device and shards it,
-        rank 0 alone reads the folder and sends each rank its shards (`learner.distributed.
-        fill_shards`), tensor by tensor from the safetensors files where they hold every tensor (a
-        fused MoE expert tensor put together from its experts' matrices; no rank holds the model on
-        the host), else from the model loaded whole on rank 0 (one copy per node). `adapt(model)` adds to the model before it is sharded (LoRA's adapters, which start
+        `on_meta()` builds it without values, `source(shapes)` reads the folder's tensors by the
+        model's names (`shapes`: name -> shape; None: the folder does not hold them). Without FSDP a
+        full copy per rank. With FSDP sharded from the first byte: every rank builds it on the meta
+        device and shards it, rank 0 alone reads the folder and sends each rank its shards
+        (`learner.distributed.fill_shards`), tensor by tensor from the safetensors files where they
+        hold every tensor (a fused MoE expert tensor put together from its experts' matrices; no
+        rank holds the model on the host), else from the model loaded whole on rank 0 (one copy per
+        node). `adapt(model)` adds to the model before it is sharded (LoRA's adapters, which start
         from their own values, not the folder's)."""
         if not self._sharded:
             return self._prepare(load(str(self.device)), trainable, adapt)

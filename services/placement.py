@@ -342,8 +342,8 @@ def _model_config(model: str) -> dict | None:
 
 def model_parameters(model: str) -> float | None:
     """The parameter count of an HF model folder: the element counts its safetensors headers give
-    (headers only: whatever the dtype, float32 as a learner saves it or bfloat16, and a few KB read
-    per file); None where the driver cannot read them (tiny: built later)."""
+    (each file's header only: whatever the dtype, float32 as a learner saves it or bfloat16); None
+    where the driver cannot read them (tiny: built later)."""
     if _model_config(model) is None:
         return None
     try:
