@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from learner.batch import BatchError
-from lm.moe import SOFTMAX_TOPK_ROUTERS, RoutingShape, routers, routing_shape
+from lm.moe import SOFTMAX_TOPK_ROUTERS, RoutingShape, replayed_gate, routers, routing_shape
 
 MODES = ("none", "r2", "r3")
 
@@ -132,9 +132,7 @@ class RoutingReplay:
             if plan.force_at is None or not len(plan.force_at):
                 return None
             at, want = plan.force_at, plan.forced[:, layer].to(ids.dtype)
-            gate = torch.softmax(logits[at].float(), dim=-1).gather(-1, want)
-            if getattr(router, "norm_topk_prob", False):
-                gate = gate / gate.sum(-1, keepdim=True)
+            gate = replayed_gate(router, logits[at], want)
             ids = ids.index_put((at,), want)
             scores = scores.index_put((at,), gate.to(scores.dtype))
             return logits, scores, ids

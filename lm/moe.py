@@ -2,7 +2,7 @@
 learner that replays it (`learner.routing_replay`).
 
 A router here is transformers 5's top-k router module of an MoE block (`Qwen3MoeTopKRouter`,
-`Qwen2MoeTopKRouter`): it maps the block's input [tokens, hidden] to (router logits [tokens, E],
+`Qwen2MoeTopKRouter`, `OlmoeTopKRouter`, ...): it maps the block's input [tokens, hidden] to (router logits [tokens, E],
 top-k gate weights [tokens, k], top-k expert ids [tokens, k]), softmax then top-k, renormalised
 when `norm_topk_prob`. Routers are listed in module order, which is layer order: index l of a
 routing array is the l-th MoE layer (dense layers of a mixed model have none).
@@ -13,9 +13,10 @@ from typing import NamedTuple
 
 import torch
 
-# Router classes whose forward is softmax -> top-k -> (renormalise): the replay recomputes their gate
-# weights over forced experts exactly as they do.
-SOFTMAX_TOPK_ROUTERS = ("Qwen3MoeTopKRouter", "Qwen2MoeTopKRouter")
+# Router classes whose forward is softmax -> top-k -> (renormalise where norm_topk_prob), the same code
+# in each: the replay recomputes their gate weights over forced experts exactly as they do (`replayed_gate`;
+# tests/learner/test_moe.py checks each against its own forward).
+SOFTMAX_TOPK_ROUTERS = ("Qwen3MoeTopKRouter", "Qwen2MoeTopKRouter", "OlmoeTopKRouter", "FlexOlmoTopKRouter")
 
 
 class RoutingShape(NamedTuple):
@@ -35,6 +36,16 @@ def routing_shape(model: torch.nn.Module) -> RoutingShape | None:
     if not found:
         return None
     return RoutingShape(len(found), int(found[0].top_k), int(found[0].num_experts))
+
+
+def replayed_gate(router: torch.nn.Module, logits: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """The gate weights a softmax-then-top-k `router` gives `experts` [tokens, k] from its `logits`
+    [tokens, E], in float32: the softmax over every expert at those experts, renormalised to sum 1
+    where the router renormalises its top k (`norm_topk_prob`)."""
+    gate = torch.softmax(logits.float(), dim=-1).gather(-1, experts)
+    if getattr(router, "norm_topk_prob", False):
+        gate = gate / gate.sum(-1, keepdim=True)
+    return gate
 
 
 def config_experts(config: dict) -> int | None:

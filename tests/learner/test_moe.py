@@ -259,6 +259,35 @@ def test_bad_routing_is_refused_naming_the_sample(moe_dir, groups, tmp_path):
         Learner(LearnerConfig(model_path=str(dense_dir), routing_replay="r2"))
 
 
+ROUTER_HOMES = {"Qwen3MoeTopKRouter": ("qwen3_moe", "Qwen3MoeConfig"),
+                "Qwen2MoeTopKRouter": ("qwen2_moe", "Qwen2MoeConfig"),
+                "OlmoeTopKRouter": ("olmoe", "OlmoeConfig"), "FlexOlmoTopKRouter": ("flex_olmo", "FlexOlmoConfig")}
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+@pytest.mark.parametrize("name", sorted(ROUTER_HOMES))
+def test_each_known_router_gets_its_own_gate_back_when_its_own_choice_is_replayed(name, norm_topk_prob):
+    """The replay recomputes a forced expert's gate weight as the router does (`replayed_gate`): for
+    every router class it knows, forcing the experts the router chose gives the weights its own
+    forward gave them, renormalised or not; transformers' router code is what is checked."""
+    import importlib
+
+    import transformers
+
+    from lm.moe import SOFTMAX_TOPK_ROUTERS, replayed_gate
+
+    assert set(ROUTER_HOMES) == set(SOFTMAX_TOPK_ROUTERS), "every known router is checked here"
+    module, config_name = ROUTER_HOMES[name]
+    config = getattr(transformers, config_name)(hidden_size=16, num_experts=EXPERTS, num_experts_per_tok=TOP_K,
+                                                norm_topk_prob=norm_topk_prob)
+    router = getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"), name)(config)
+    torch.manual_seed(0)
+    torch.nn.init.normal_(router.weight)
+    logits, scores, ids = router(torch.randn(2, 5, 16))
+    torch.testing.assert_close(replayed_gate(router, logits, ids).to(scores.dtype), scores, rtol=1e-6, atol=1e-7)
+    assert torch.allclose(scores.sum(-1), torch.ones(10)) == norm_topk_prob
+
+
 def test_replay_names_the_routers_of_an_moe_it_cannot_replay():
     """DeepSeek's router (group-limited top-k over sigmoid scores, its own forward) is not one the
     replay recomputes: r3 on such a policy says so, naming it, instead of calling the MoE dense."""
