@@ -120,7 +120,8 @@ class CheckpointTensors:
         return whole
 
     def _read(self, name: str) -> torch.Tensor:
-        return next(self._read_by_file([name]))[1]
+        ((_, tensor),) = self._read_by_file([name])  # read to its end: the file is closed on return
+        return tensor
 
     def _read_by_file(self, names: list[str]):
         """(name, tensor) of `names`, each file opened once (an MoE block's experts: hundreds of

@@ -341,27 +341,20 @@ def _model_config(model: str) -> dict | None:
 
 
 def model_parameters(model: str) -> float | None:
-    """The parameter count of an HF model folder: the element counts its safetensors headers give
-    (each file's header only: whatever the dtype, float32 as a learner saves it or bfloat16); None
-    where the driver cannot read them (tiny: built later)."""
+    """The parameter count of an HF model folder: the element counts of its safetensors weights, from
+    their headers (`folder_weight_shapes`: whatever the dtype, float32 as a learner saves it or
+    bfloat16; a tied lm_head counted once); None where the driver cannot read them (tiny: built later)."""
+    from safetensors import SafetensorError
+
+    from lm.weight_sync.payloads import folder_weight_shapes
+
     if _model_config(model) is None:
         return None
     try:
-        count = sum(_safetensors_elements(path) for path in Path(model).glob("*.safetensors"))
-    except (OSError, ValueError, KeyError, TypeError):
+        shapes, may_lack = folder_weight_shapes(model)
+    except (OSError, ValueError, SafetensorError):
         return None
-    return float(count) or None
-
-
-def _safetensors_elements(path: Path) -> int:
-    """The tensors' element count of one safetensors file, from its header (a little-endian u64
-    length, then that many bytes of JSON: name -> dtype, shape, offsets)."""
-    import json
-
-    with open(path, "rb") as f:
-        length = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(length))
-    return sum(math.prod(entry["shape"]) for name, entry in header.items() if name != "__metadata__")
+    return float(sum(math.prod(shape) for name, shape in shapes.items() if name not in may_lack)) or None
 
 
 def _tensor_parallel(params: float | None, gpu_gib: float, node_gpus: int, free: int) -> tuple[int, str]:
