@@ -30,7 +30,9 @@ Micro-batches are packed (learner.packing; --no-packing: right-padded), so the p
 packed against padded log-probs of one micro-batch (max |diff|). --mixed-precision and
 --checkpointing [full|selective] set the learner's options of those names; the plain pass
 checkpoints as transformers does (full) whenever the learner checkpoints, and with selective the
-learner's pass also runs with full (the gain of keeping the matmul outputs, on the same batch).
+learner's pass also runs with full (the gain of keeping the matmul outputs, on the same batch);
+without --checkpointing the plain pass also runs with full (what a plain run short of memory gets).
+The throughput passes run max(2, --repeats) times each, taking turns, and the fastest counts.
 
 Goals (issue 17): peak at B=128 within 1.15x of B=8; log-prob memory at most 1/8 of the naive
 float32 [B, L, V]; tokens/s at least 0.9x the plain pass (issue 27 on a GPU with packing: 1.3x at
@@ -245,9 +247,11 @@ def child_throughput(spec: dict) -> dict:
     its attention kernel) and a plain transformers pass with a `labels` loss (padded, sdpa). Both
     under the same autocast (--mixed-precision); the plain pass with transformers' full
     checkpointing where the learner checkpoints (--checkpointing full|selective); with selective,
-    the learner's pass with full too ("ours_full"). And a plain transformers step, issue 27's
-    baseline for the learner's whole step: a no-grad forward, the forward+backward with `labels`
-    and an AdamW step over the same padded micro-batches ("plain_step")."""
+    the learner's pass with full too ("ours_full"); without checkpointing, the plain pass with full
+    too ("plain_full": what a plain run that must save memory gets). And a plain transformers step,
+    issue 27's baseline for the learner's whole step: a no-grad forward, the forward+backward with
+    `labels` and an AdamW step over the same padded micro-batches ("plain_step"). A pass that runs
+    out of device memory is left out (its error reported), the others still measured."""
     from learner.batch import shape_bucket
     from lm.causal_lm import enable_gradient_checkpointing
 
@@ -302,22 +306,35 @@ def child_throughput(spec: dict) -> dict:
               "plain_step": (plain_step, plan, "sdpa", plain_checkpointing)}
     if spec["checkpointing"] == "selective":
         passes["ours_full"] = (over(ours), packed_plan, ours_attention, "full")
+    elif not spec["checkpointing"]:
+        passes["plain_full"] = (over(plain), plan, "sdpa", "full")
     seconds = {name: [] for name in passes}
+    errors = {}
     for _ in range(spec["repeats"]):
         for name, (run, micro_batches, attention, checkpointing) in passes.items():  # taking turns: load hits all
+            if name in errors:
+                continue
             model.set_attn_implementation(attention)
             if checkpointing:
                 enable_gradient_checkpointing(model, checkpointing)
+            elif model.is_gradient_checkpointing:
+                model.gradient_checkpointing_disable()
             model.zero_grad(set_to_none=True)
             start = time.perf_counter()
-            with autocast:
-                run(micro_batches)
-            if cuda:
-                torch.cuda.synchronize()
+            try:
+                with autocast:
+                    run(micro_batches)
+                if cuda:
+                    torch.cuda.synchronize()
+            except torch.OutOfMemoryError as error:
+                errors[name] = f"out of memory: {str(error).splitlines()[0]}"
+                model.zero_grad(set_to_none=True)
+                torch.cuda.empty_cache()
+                continue
             seconds[name].append(time.perf_counter() - start)
     model.set_attn_implementation("sdpa")
     tokens = sum(lengths)
-    best = {name: min(values) for name, values in seconds.items()}
+    best = {name: min(values) for name, values in seconds.items() if name not in errors}
     # Packed (the learner's kernel) against padded (sdpa) log-probs of the largest padded
     # micro-batch, no gradients, under the same autocast.
     rows = max(plan, key=len)
@@ -328,6 +345,7 @@ def child_throughput(spec: dict) -> dict:
         packed, _ = response_log_probs(model, *args, chunk_tokens=spec["chunk"], packed=True)
     return {"tokens": tokens, "micro_batches": len(plan), "packed_micro_batches": len(packed_plan),
             **{f"{name}_tokens_per_s": tokens / best[name] for name in best},
+            **{f"{name}_error": why for name, why in errors.items()},
             "packed_vs_padded_max_abs_diff": float((packed - padded).abs().max())}
 
 
@@ -415,14 +433,18 @@ def measure_head(common: dict) -> dict:
 
 
 def measure_throughput(common: dict, batch: int) -> dict:
-    r = run_child(child_throughput, {**common, "batch": batch, "repeats": 2})
-    print("  " + (r.get("error") or f"forward+backward, {r['tokens']} tokens: learner {r['ours_tokens_per_s']:.0f} "
-          f"tokens/s over {r['packed_micro_batches']} micro-batches (packed: {common['packing']}), plain transformers "
-          f"{r['plain_tokens_per_s']:.0f} tokens/s over {r['micro_batches']} padded ones"
-          + (f"; the learner with full checkpointing {r['ours_full_tokens_per_s']:.0f} tokens/s"
-             if "ours_full_tokens_per_s" in r else "")
-          + "; a plain transformers step (no-grad forward, forward+backward, AdamW) "
-          f"{r['plain_step_tokens_per_s']:.0f} tokens/s; packed vs padded log-probs "
+    r = run_child(child_throughput, {**common, "batch": batch, "repeats": max(2, common["repeats"])})
+    speed = lambda name: (f"{r[name + '_tokens_per_s']:.0f} tokens/s" if name + "_tokens_per_s" in r  # noqa: E731
+                          else r.get(name + "_error", "not run"))
+    print("  " + (r.get("error") or f"forward+backward, {r['tokens']} tokens: learner {speed('ours')} "
+          f"over {r['packed_micro_batches']} micro-batches (packed: {common['packing']}), plain transformers "
+          f"{speed('plain')} over {r['micro_batches']} padded ones"
+          + (f"; the learner with full checkpointing {speed('ours_full')}" if common["checkpointing"] == "selective"
+             else "")
+          + (f"; plain transformers with full checkpointing {speed('plain_full')}" if not common["checkpointing"]
+             else "")
+          + f"; a plain transformers step (no-grad forward, forward+backward, AdamW) {speed('plain_step')}; "
+          f"packed vs padded log-probs "
           f"of the largest micro-batch: max |diff| {r['packed_vs_padded_max_abs_diff']:.2e} (packed attention "
           f"{common['attn'] or 'sdpa'}, B={batch})"))
     return r
@@ -439,7 +461,8 @@ def summarize(setup: dict, steps: dict, old: dict, head: dict, throughput: dict)
     naive = sizes[0] * small.get("longest", setup["max_len"]) * setup["vocab"] * 4
     head_bytes = head["chunked"].get("head_bytes")
     head_fraction = head_bytes / naive if head_bytes else None
-    speed = (throughput["ours_tokens_per_s"] / throughput["plain_tokens_per_s"]) if "error" not in throughput else None
+    speed = (throughput["ours_tokens_per_s"] / throughput["plain_tokens_per_s"]
+             if "ours_tokens_per_s" in throughput and "plain_tokens_per_s" in throughput else None)
     learner_step = steps.get(setup["throughput_batch"], {}).get("warm_tokens_per_s")
     plain_step = throughput.get("plain_step_tokens_per_s")
     step_speed = learner_step / plain_step if learner_step and plain_step else None
@@ -473,6 +496,9 @@ def summarize(setup: dict, steps: dict, old: dict, head: dict, throughput: dict)
         "tokens_per_s_vs_plain": speed and round(speed, 3),
         "tokens_per_s_learner_full_checkpointing": throughput.get("ours_full_tokens_per_s") and round(
             throughput["ours_full_tokens_per_s"], 1),
+        "tokens_per_s_plain_full_checkpointing": throughput.get("plain_full_tokens_per_s") and round(
+            throughput["plain_full_tokens_per_s"], 1),
+        "throughput_errors": {k: v for k, v in throughput.items() if k.endswith("error")},
         # issue 27's measure: the learner's whole step (warm, at the throughput batch) against a plain step
         "tokens_per_s_plain_step": throughput.get("plain_step_tokens_per_s") and round(
             throughput["plain_step_tokens_per_s"], 1),
