@@ -204,7 +204,8 @@ class LearnerConfig(BaseModel):
         "between: a quarter less matmul work per step than true (6 instead of 8 x parameters x tokens), for about half "
         "the activation memory of false (per token and layer about 2 bytes x (6 x hidden + 2 x kv + 2 x "
         "intermediate) under bfloat16 autocast: 55 KB at Qwen2.5-1.5B's shape, x 28 layers x 16,384 tokens = "
-        "25 GB; docs/architecture.md)")
+        "25 GB; docs/architecture.md). Unset on GPUs, the plan takes the least recomputation whose step fits the "
+        "learner's memory beside its state (etarl plan says which and why)")
     lora: Optional[LoraConfig] = Field(
         None, description="train low-rank adapters instead of every weight (None: full fine-tuning); e.g. "
         "learner.lora.rank=64 (learner/lora.py)")
