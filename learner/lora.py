@@ -85,8 +85,11 @@ class LoraAdapters:
     def _add_update(self, layer, args, output):
         if not self.enabled:
             return output
-        lora_a = layer.lora_A  # its dtype now: float32, or FSDP's bfloat16 gather under mixed precision
-        update = layer.lora_B(lora_a(args[0].to(lora_a.weight.dtype))) * self.scale
+        x, lora_a = args[0], layer.lora_A  # A's dtype now: float32, or FSDP's bfloat16 gather (mixed precision)
+        if not torch.is_autocast_enabled(x.device.type):  # under autocast the matmul casts x itself: no copy
+            x = x.to(lora_a.weight.dtype)
+        # the scale applied to the rank-wide A x ([tokens, r]), not to the layer-wide update ([tokens, out])
+        update = layer.lora_B(lora_a(x) * self.scale)
         return output + update.to(output.dtype)
 
     @contextlib.contextmanager
