@@ -31,7 +31,7 @@ import torch
 
 from learner.distributed import FullWeightBuckets
 from learner.optimizer import load_schedule
-from lm.checkpoint_names import to_checkpoint_names
+from lm.checkpoint_names import expert_naming, to_checkpoint_names
 
 TRAINER_STATE_FILE = "trainer.pt"
 SHARDS_DIR = "trainer_shards"
@@ -174,7 +174,8 @@ def write_policy(folder: Path, model, source_dir: str, rank: int, sharded: bool,
         if rank != 0:
             continue
         # named as checkpoints and engines name them (an MoE's experts one by one)
-        stored = to_checkpoint_names({name: tensors[name].contiguous() for name in buckets.first_names(i)}, copy=True)
+        stored = to_checkpoint_names({name: tensors[name].contiguous() for name in buckets.first_names(i)}, copy=True,
+                                     naming=expert_naming(model.config))
         save_file(stored, str(folder / files[i]), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(stored, files[i]))
         del tensors, stored  # the next file's gather reuses the memory

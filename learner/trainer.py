@@ -89,7 +89,7 @@ from lm.causal_lm import (
     response_log_probs,
     torch_dtype,
 )
-from lm.checkpoint_names import to_checkpoint_names
+from lm.checkpoint_names import expert_naming, to_checkpoint_names
 from lm.device import gpu_memory_peaks
 from lm.lora_weights import is_adapter_name
 from lm.weight_sync import (
@@ -881,7 +881,7 @@ class Learner:
             state = {k: v.detach() for k, v in self.model.state_dict().items()}  # views, on the GPU
         else:
             state = self.full_state_dict()
-        return to_checkpoint_names(state, copy=True)
+        return to_checkpoint_names(state, copy=True, naming=expert_naming(self.model.config))
 
     def _publishes_host_copies(self) -> bool:
         """A GPU learner without FSDP whose channel reads host memory (object store, folder, gloo):
@@ -940,8 +940,9 @@ class Learner:
                     pass
             return
         buckets = self._publish_buckets()
-        stream = BucketStream(to_checkpoint_names(bucket, copy=True) for bucket in buckets)
-        layout = Layout.of(to_checkpoint_names(buckets.meta()).items())
+        naming = expert_naming(self.model.config)
+        stream = BucketStream(to_checkpoint_names(bucket, copy=True, naming=naming) for bucket in buckets)
+        layout = Layout.of(to_checkpoint_names(buckets.meta(), naming=naming).items())
         try:
             self.publication.send_now(self.version, stream, layout)  # its timings: publication.last
         except Exception:

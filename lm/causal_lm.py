@@ -4,6 +4,7 @@ from __future__ import annotations
 import functools
 import importlib
 import itertools
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -143,9 +144,10 @@ def checkpoint_tensors(path: str | os.PathLike, shapes) -> CheckpointTensors | N
     tensor: its experts' matrices); None where they do not (load the model whole instead)."""
     from safetensors import safe_open
 
-    from lm.checkpoint_names import checkpoint_shapes
+    from lm.checkpoint_names import checkpoint_shapes, expert_naming
 
     folder = check_model_dir(path)
+    naming = expert_naming(json.loads((folder / "config.json").read_text()))
     files_by_name: dict[str, Path] = {}
     for file in sorted(folder.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as f:
@@ -156,7 +158,7 @@ def checkpoint_tensors(path: str | os.PathLike, shapes) -> CheckpointTensors | N
     for name, shape in shapes.items():
         if name in files_by_name:
             continue
-        names = list(checkpoint_shapes({name: tuple(shape)}))
+        names = list(checkpoint_shapes({name: tuple(shape)}, naming))
         if names == [name] or any(n not in files_by_name for n in names):
             return None
         parts[name] = (tuple(shape), names)

@@ -2,10 +2,11 @@
 learner that replays it (`learner.routing_replay`).
 
 A router here is transformers 5's top-k router module of an MoE block (`Qwen3MoeTopKRouter`,
-`Qwen2MoeTopKRouter`, `OlmoeTopKRouter`, ...): it maps the block's input [tokens, hidden] to (router logits [tokens, E],
-top-k gate weights [tokens, k], top-k expert ids [tokens, k]), softmax then top-k, renormalised
-when `norm_topk_prob`. Routers are listed in module order, which is layer order: index l of a
-routing array is the l-th MoE layer (dense layers of a mixed model have none).
+`Qwen2MoeTopKRouter`, `OlmoeTopKRouter`, `MixtralTopKRouter`, ...): it maps the block's input
+[tokens, hidden] to (router logits [tokens, E], top-k gate weights [tokens, k], top-k expert ids
+[tokens, k]), softmax then top-k, renormalised when `norm_topk_prob` (Mixtral's always). Routers
+are listed in module order, which is layer order: index l of a routing array is the l-th MoE layer
+(dense layers of a mixed model have none).
 """
 from __future__ import annotations
 
@@ -16,7 +17,10 @@ import torch
 # Router classes whose forward is softmax -> top-k -> (renormalise where norm_topk_prob), the same code
 # in each: the replay recomputes their gate weights over forced experts exactly as they do (`replayed_gate`;
 # tests/learner/test_moe.py checks each against its own forward).
-SOFTMAX_TOPK_ROUTERS = ("Qwen3MoeTopKRouter", "Qwen2MoeTopKRouter", "OlmoeTopKRouter", "FlexOlmoTopKRouter")
+SOFTMAX_TOPK_ROUTERS = ("Qwen3MoeTopKRouter", "Qwen2MoeTopKRouter", "OlmoeTopKRouter", "FlexOlmoTopKRouter",
+                        "MixtralTopKRouter")
+# those of them that renormalise their top k whatever the config says (they have no norm_topk_prob)
+ALWAYS_RENORMALISING_ROUTERS = ("MixtralTopKRouter",)
 
 
 class RoutingShape(NamedTuple):
@@ -41,9 +45,9 @@ def routing_shape(model: torch.nn.Module) -> RoutingShape | None:
 def replayed_gate(router: torch.nn.Module, logits: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
     """The gate weights a softmax-then-top-k `router` gives `experts` [tokens, k] from its `logits`
     [tokens, E], in float32: the softmax over every expert at those experts, renormalised to sum 1
-    where the router renormalises its top k (`norm_topk_prob`)."""
+    where the router renormalises its top k (`norm_topk_prob`, or always)."""
     gate = torch.softmax(logits.float(), dim=-1).gather(-1, experts)
-    if getattr(router, "norm_topk_prob", False):
+    if getattr(router, "norm_topk_prob", type(router).__name__ in ALWAYS_RENORMALISING_ROUTERS):
         gate = gate / gate.sum(-1, keepdim=True)
     return gate
 

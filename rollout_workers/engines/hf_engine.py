@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from lm.causal_lm import load_causal_lm
-from lm.checkpoint_names import checkpoint_items, checkpoint_shapes, load_by_checkpoint_names
+from lm.checkpoint_names import checkpoint_items, checkpoint_shapes, expert_naming, load_by_checkpoint_names
 from lm.device import resolve_device
 from lm.lora_weights import adapter_layers, merged_weight, target_shapes
 from lm.moe import routers
@@ -252,7 +252,8 @@ class HFEngine(GenerationEngine):
     def expected_weights(self) -> tuple[dict[str, tuple[int, ...]], set[str]]:
         """Shapes by name of the weights this model takes, as a checkpoint names them (an MoE's experts
         one by one: lm/checkpoint_names.py), and those it may lack (a tied lm_head)."""
-        shapes = checkpoint_shapes({k: tuple(v.shape) for k, v in self.model.state_dict().items()})
+        shapes = checkpoint_shapes({k: tuple(v.shape) for k, v in self.model.state_dict().items()},
+                                   expert_naming(self.model.config))
         return shapes, {"lm_head.weight"} if self.model.config.tie_word_embeddings else set()
 
     @torch.no_grad()
@@ -273,11 +274,11 @@ class HFEngine(GenerationEngine):
             return
         params = self.model.state_dict()
         shapes, may_lack = self.expected_weights()
-        seen = set()
+        seen, naming = set(), expert_naming(self.model.config)
         self.version = -1
         for name in load_by_checkpoint_names(params, named_weights(weights)):
-            if name in params:  # a fused in-memory name stands for all its experts' checkpoint names
-                seen.update(k for k, _ in checkpoint_items(name, params[name]))
+            if name in params:  # an in-memory name stands for its checkpoint names (a fused one: its experts')
+                seen.update(k for k, _ in checkpoint_items(name, params[name], naming=naming))
             else:
                 seen.add(name)
         missing = sorted(set(shapes) - seen - may_lack)

@@ -40,6 +40,22 @@ def moe_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def mixtral_dir(tmp_path_factory):
+    """A random Mixtral of the same routing shape: its folder names each MoE block `block_sparse_moe`
+    and each expert's matrices w1 (gate), w3 (up), w2 (down), as Mixtral's checkpoints do."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(1)
+    config = MixtralConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=16, num_hidden_layers=LAYERS, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, num_local_experts=EXPERTS, num_experts_per_tok=TOP_K,
+        max_position_embeddings=64, initializer_range=0.2)
+    folder = tmp_path_factory.mktemp("mixtral")
+    MixtralForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
 def engine(moe_dir):
     return HFEngine(moe_dir, dtype="float32", device="cpu")
 
@@ -222,19 +238,24 @@ def test_two_gloo_ranks_replay_as_one_rank_does(moe_dir, groups, two_ranks, stra
         torch.testing.assert_close(state[name], p, rtol=1e-9, atol=1e-10)
 
 
-def test_a_fused_expert_tensor_is_read_from_its_experts_checkpoint_matrices(moe_dir):
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_a_fused_expert_tensor_is_read_from_its_experts_checkpoint_matrices(moe_dir, mixtral_dir, family):
     """What an FSDP rank 0 reads to fill the shards (`checkpoint_tensors`): transformers 5 fuses an
-    MoE block's experts in memory, the folder names each expert's matrices; each fused tensor is
-    put together from them, one at a time, equal to the model loaded whole."""
+    MoE block's experts in memory, the folder names each expert's matrices (Mixtral's: w1, w3, w2
+    in `block_sparse_moe`, its router too); each fused tensor is put together from them, one at a
+    time, equal to the model loaded whole."""
     from learner.distributed import unique_state_names
     from lm.causal_lm import checkpoint_tensors
 
-    model = load_causal_lm(moe_dir)
+    folder = moe_dir if family == "qwen3_moe" else mixtral_dir
+    model = load_causal_lm(folder)
     state = model.state_dict()
     names = unique_state_names(model)  # the tied lm_head is the embeddings
-    source = checkpoint_tensors(moe_dir, {name: tuple(state[name].shape) for name in names})
+    source = checkpoint_tensors(folder, {name: tuple(state[name].shape) for name in names})
     fused = [name for name in names if name.endswith((".experts.gate_up_proj", ".experts.down_proj"))]
-    assert len(fused) == 2 * LAYERS and set(source.parts) == set(fused)
+    routers = [name for name in names if name.endswith(".mlp.gate.weight")]
+    renamed = set(routers) if family == "mixtral" else set()  # block_sparse_moe.gate in Mixtral's folder
+    assert len(fused) == 2 * LAYERS and set(source.parts) == set(fused) | renamed
     for name in names:
         assert name in source and torch.equal(source[name], state[name]), name
 
@@ -261,7 +282,8 @@ def test_bad_routing_is_refused_naming_the_sample(moe_dir, groups, tmp_path):
 
 ROUTER_HOMES = {"Qwen3MoeTopKRouter": ("qwen3_moe", "Qwen3MoeConfig"),
                 "Qwen2MoeTopKRouter": ("qwen2_moe", "Qwen2MoeConfig"),
-                "OlmoeTopKRouter": ("olmoe", "OlmoeConfig"), "FlexOlmoTopKRouter": ("flex_olmo", "FlexOlmoConfig")}
+                "OlmoeTopKRouter": ("olmoe", "OlmoeConfig"), "FlexOlmoTopKRouter": ("flex_olmo", "FlexOlmoConfig"),
+                "MixtralTopKRouter": ("mixtral", "MixtralConfig")}  # renormalises always
 
 
 @pytest.mark.parametrize("norm_topk_prob", [True, False])
@@ -274,18 +296,18 @@ def test_each_known_router_gets_its_own_gate_back_when_its_own_choice_is_replaye
 
     import transformers
 
-    from lm.moe import SOFTMAX_TOPK_ROUTERS, replayed_gate
+    from lm.moe import ALWAYS_RENORMALISING_ROUTERS, SOFTMAX_TOPK_ROUTERS, replayed_gate
 
     assert set(ROUTER_HOMES) == set(SOFTMAX_TOPK_ROUTERS), "every known router is checked here"
     module, config_name = ROUTER_HOMES[name]
-    config = getattr(transformers, config_name)(hidden_size=16, num_experts=EXPERTS, num_experts_per_tok=TOP_K,
-                                                norm_topk_prob=norm_topk_prob)
+    config = getattr(transformers, config_name)(hidden_size=16, num_experts=EXPERTS, num_local_experts=EXPERTS,
+                                                num_experts_per_tok=TOP_K, norm_topk_prob=norm_topk_prob)
     router = getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"), name)(config)
     torch.manual_seed(0)
     torch.nn.init.normal_(router.weight)
     logits, scores, ids = router(torch.randn(2, 5, 16))
     torch.testing.assert_close(replayed_gate(router, logits, ids).to(scores.dtype), scores, rtol=1e-6, atol=1e-7)
-    assert torch.allclose(scores.sum(-1), torch.ones(10)) == norm_topk_prob
+    assert torch.allclose(scores.sum(-1), torch.ones(10)) == (norm_topk_prob or name in ALWAYS_RENORMALISING_ROUTERS)
 
 
 def test_replay_names_the_routers_of_an_moe_it_cannot_replay():
@@ -332,6 +354,46 @@ def test_a_published_moe_version_loads_into_an_engine_with_the_learners_log_prob
     assert float((want - got).abs().max()) < 1e-6
     assert float((want - from_folder).abs().max()) < 1e-6
     assert set(folder_weight_shapes(tmp_path / "policy")[0]) == set(names)
+
+
+def test_a_mixtral_policy_replays_its_routing_and_leaves_under_mixtrals_checkpoint_names(mixtral_dir, groups,
+                                                                                          tmp_path):
+    """Mixtral's router (softmax, top-k, always renormalised) is replayed: forcing the engine's
+    experts (r3) gives the update the routing asks for, not the learner's own choice. Its versions
+    and saved policy leave under Mixtral's checkpoint names (`block_sparse_moe`, w1 / w3 / w2, as
+    vLLM's Mixtral loader takes them), which the transformers engine and transformers load back."""
+    from lm.weight_sync import resolve_weights
+    from lm.weight_sync.payloads import folder_weight_shapes
+
+    names, _ = folder_weight_shapes(mixtral_dir)
+    assert "model.layers.0.block_sparse_moe.experts.0.w1.weight" in names
+    assert "model.layers.0.block_sparse_moe.gate.weight" in names
+    batch = regroup(groups, other_experts)
+    config = dict(ppo_mini_batch_size=2, dtype="float64")
+    replayed, own = learner(mixtral_dir, routing_replay="r3", **config), learner(mixtral_dir, **config)
+    assert replayed.train_step(batch)["actor/grad_norm"] != pytest.approx(own.train_step(batch)["actor/grad_norm"])
+
+    mixtral = learner(mixtral_dir, routing_replay="r3", weight_sync={"channel": "folder",
+                                                                     "folder": str(tmp_path / "versions")})
+    mixtral.train_step(groups)
+    mixtral.publish_weights()
+    payload = mixtral.published(timeout=60)
+    mixtral.close_weight_sync()
+    weights = resolve_weights(payload)
+    assert {k: tuple(v.shape) for k, v in weights.items()} == names
+    engine = HFEngine(mixtral_dir, dtype="float32", device="cpu")
+    assert engine.expected_weights()[0] == names
+    engine.load_weights(payload["version"], weights)
+    prompts = [s.prompt_ids for g in groups for s in g.samples]
+    responses = [s.response_ids for g in groups for s in g.samples]
+    with torch.no_grad():
+        want, _ = response_log_probs(mixtral.model, prompts, responses)
+        got, _ = response_log_probs(engine.model, prompts, responses)
+        saved = load_causal_lm(mixtral.save_policy(tmp_path / "policy"))
+        from_folder, _ = response_log_probs(saved, prompts, responses)
+    assert float((want - got).abs().max()) < 1e-6
+    assert float((want - from_folder).abs().max()) < 1e-6
+    assert folder_weight_shapes(tmp_path / "policy")[0] == names
 
 
 @pytest.mark.parametrize("checkpointing", [True, "selective"])
