@@ -324,36 +324,45 @@ def test_replay_names_the_routers_of_an_moe_it_cannot_replay():
         RoutingReplay(DeepseekV3ForCausalLM(config), "r3")
 
 
-def test_a_published_moe_version_loads_into_an_engine_with_the_learners_log_probs(moe_dir, groups, tmp_path):
-    """The learner publishes (and saves) the experts one by one under the checkpoint's names, the
-    names engines expect (vLLM's `expected_weights` are the checkpoint's); the transformers engine
-    loads them into its fused experts and scores as the learner does."""
+def published_and_saved(policy, folder, groups, tmp_path):
+    """Publish `policy`'s version, load it into a transformers engine of `folder`, save the policy and
+    load that folder with transformers: the engine and the folder score as the learner does. The
+    names and shapes (published, the engine's expected ones, the saved folder's)."""
     from lm.weight_sync import resolve_weights
     from lm.weight_sync.payloads import folder_weight_shapes
 
-    moe = learner(moe_dir, weight_sync={"channel": "folder", "folder": str(tmp_path / "versions")})
-    moe.train_step(groups)
-    moe.publish_weights()
-    payload = moe.published(timeout=60)
-    moe.close_weight_sync()
+    policy.publish_weights()
+    payload = policy.published(timeout=60)
+    policy.close_weight_sync()
     weights = resolve_weights(payload)
-    names, _ = folder_weight_shapes(moe_dir)
-    assert set(weights) == set(names) | {"lm_head.weight"}
-    assert {k: tuple(v.shape) for k, v in weights.items() if k in names} == names
-
-    engine = HFEngine(moe_dir, dtype="float32", device="cpu")
-    assert set(engine.expected_weights()[0]) == set(names) | {"lm_head.weight"}
+    engine = HFEngine(folder, dtype="float32", device="cpu")
     engine.load_weights(payload["version"], weights)
     prompts = [s.prompt_ids for g in groups for s in g.samples]
     responses = [s.response_ids for g in groups for s in g.samples]
     with torch.no_grad():
-        want, _ = response_log_probs(moe.model, prompts, responses)
+        want, _ = response_log_probs(policy.model, prompts, responses)
         got, _ = response_log_probs(engine.model, prompts, responses)
-        saved = load_causal_lm(moe.save_policy(tmp_path / "policy"))
+        saved = load_causal_lm(policy.save_policy(tmp_path / "policy"))
         from_folder, _ = response_log_probs(saved, prompts, responses)
     assert float((want - got).abs().max()) < 1e-6
     assert float((want - from_folder).abs().max()) < 1e-6
-    assert set(folder_weight_shapes(tmp_path / "policy")[0]) == set(names)
+    return ({k: tuple(v.shape) for k, v in weights.items()}, engine.expected_weights()[0],
+            folder_weight_shapes(tmp_path / "policy")[0])
+
+
+def test_a_published_moe_version_loads_into_an_engine_with_the_learners_log_probs(moe_dir, groups, tmp_path):
+    """The learner publishes (and saves) the experts one by one under the checkpoint's names, the
+    names engines expect (vLLM's `expected_weights` are the checkpoint's); the transformers engine
+    loads them into its fused experts and scores as the learner does."""
+    from lm.weight_sync.payloads import folder_weight_shapes
+
+    moe = learner(moe_dir, weight_sync={"channel": "folder", "folder": str(tmp_path / "versions")})
+    moe.train_step(groups)
+    published, expected, saved = published_and_saved(moe, moe_dir, groups, tmp_path)
+    names, _ = folder_weight_shapes(moe_dir)
+    assert set(published) == set(expected) == set(names) | {"lm_head.weight"}  # tied: sent, never saved
+    assert {k: shape for k, shape in published.items() if k in names} == names
+    assert set(saved) == set(names)
 
 
 def test_a_mixtral_policy_replays_its_routing_and_leaves_under_mixtrals_checkpoint_names(mixtral_dir, groups,
@@ -362,7 +371,6 @@ def test_a_mixtral_policy_replays_its_routing_and_leaves_under_mixtrals_checkpoi
     experts (r3) gives the update the routing asks for, not the learner's own choice. Its versions
     and saved policy leave under Mixtral's checkpoint names (`block_sparse_moe`, w1 / w3 / w2, as
     vLLM's Mixtral loader takes them), which the transformers engine and transformers load back."""
-    from lm.weight_sync import resolve_weights
     from lm.weight_sync.payloads import folder_weight_shapes
 
     names, _ = folder_weight_shapes(mixtral_dir)
@@ -376,24 +384,8 @@ def test_a_mixtral_policy_replays_its_routing_and_leaves_under_mixtrals_checkpoi
     mixtral = learner(mixtral_dir, routing_replay="r3", weight_sync={"channel": "folder",
                                                                      "folder": str(tmp_path / "versions")})
     mixtral.train_step(groups)
-    mixtral.publish_weights()
-    payload = mixtral.published(timeout=60)
-    mixtral.close_weight_sync()
-    weights = resolve_weights(payload)
-    assert {k: tuple(v.shape) for k, v in weights.items()} == names
-    engine = HFEngine(mixtral_dir, dtype="float32", device="cpu")
-    assert engine.expected_weights()[0] == names
-    engine.load_weights(payload["version"], weights)
-    prompts = [s.prompt_ids for g in groups for s in g.samples]
-    responses = [s.response_ids for g in groups for s in g.samples]
-    with torch.no_grad():
-        want, _ = response_log_probs(mixtral.model, prompts, responses)
-        got, _ = response_log_probs(engine.model, prompts, responses)
-        saved = load_causal_lm(mixtral.save_policy(tmp_path / "policy"))
-        from_folder, _ = response_log_probs(saved, prompts, responses)
-    assert float((want - got).abs().max()) < 1e-6
-    assert float((want - from_folder).abs().max()) < 1e-6
-    assert folder_weight_shapes(tmp_path / "policy")[0] == names
+    published, expected, saved = published_and_saved(mixtral, mixtral_dir, groups, tmp_path)
+    assert published == expected == saved == names
 
 
 @pytest.mark.parametrize("checkpointing", [True, "selective"])
