@@ -478,7 +478,7 @@ def resolve_layout(cfg: EtarlConfig, cluster: Cluster, params: float | None = No
     if learner_gpu and not _user_set(cfg, "learner.gradient_checkpointing"):
         share_key = "rollout.engine.gpu_memory_utilization"
         engine_share = (cfg.rollout.engine.gpu_memory_utilization if _user_set(cfg, share_key)
-                        else gpu_defaults.get(share_key, COLOCATED_ENGINE_SHARE))
+                        else gpu_defaults.get(share_key)) or COLOCATED_ENGINE_SHARE
         learner_gib = gpu_gib * (1 - engine_share if name == "colocated" and engine_gpu else 1)
         mode, why = _checkpointing_that_fits(cfg, params, state / shards, shards, learner_gib)
         gpu_defaults["learner.gradient_checkpointing"] = mode
