@@ -13,8 +13,9 @@ proximal pass, which moves the IS ratios without any weight change. Replay fixes
 - none: the learner routes freely.
 
 Forcing keeps the gate differentiable: the learner's router still computes its logits, and the
-gate weights are its softmax probabilities at the forced experts, renormalised when the router
-renormalises (`norm_topk_prob`), as the reference and verl define R3. Under r3 prompt positions
+gate weights are what it computes at the forced experts (`lm.moe.replayed_gate`: the softmax
+probabilities, renormalised when the router renormalises; DeepSeek-V3's scaled sigmoids), as the
+reference and verl define R3. Under r3 prompt positions
 and tool tokens are not forced: the engine reports routing for the positions that sampled.
 r2's recording is kept on the host, compact (uint8 up to 256 experts).
 
@@ -36,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from learner.batch import BatchError
-from lm.moe import SOFTMAX_TOPK_ROUTERS, RoutingShape, replayed_gate, routers, routing_shape
+from lm.moe import ROUTER_GATES, RoutingShape, other_routers, replayed_gate, routers, routing_shape
 
 MODES = ("none", "r2", "r3")
 
@@ -104,15 +105,11 @@ class RoutingReplay:
         self.mode = mode
         self.routers = routers(model)
         self.shape: RoutingShape | None = routing_shape(model)
-        if mode != "none" and self.shape is None:
-            others = sorted({type(m).__name__ for m in model.modules() if type(m).__name__.lower().endswith("router")})
-            what = (f"its routers {others} are not ones it replays (known: {', '.join(SOFTMAX_TOPK_ROUTERS)})"
+        others = other_routers(model)
+        if mode != "none" and (self.shape is None or others):
+            what = (f"its routers {others} are not ones it replays (known: {', '.join(ROUTER_GATES)})"
                     if others else f"{type(model).__name__} has no top-k routers")
             raise ValueError(f"learner.routing_replay={mode!r} needs a mixture-of-experts policy; {what}")
-        unknown = sorted({type(r).__name__ for r in self.routers} - set(SOFTMAX_TOPK_ROUTERS))
-        if mode != "none" and unknown:
-            raise ValueError(f"learner.routing_replay={mode!r}: routers {unknown} are not known to compute their gate "
-                             f"as softmax then top-k (known: {', '.join(SOFTMAX_TOPK_ROUTERS)})")
         self._plan: _Plan | None = None
         self._handles = [router.register_forward_hook(self._hook(i, router)) for i, router in enumerate(self.routers)]
 

@@ -1,12 +1,13 @@
 """Mixture-of-experts routers, found the same way by the engine that records routing and the
 learner that replays it (`learner.routing_replay`).
 
-A router here is transformers 5's top-k router module of an MoE block (`Qwen3MoeTopKRouter`,
-`Qwen2MoeTopKRouter`, `OlmoeTopKRouter`, `MixtralTopKRouter`, ...): it maps the block's input
-[tokens, hidden] to (router logits [tokens, E], top-k gate weights [tokens, k], top-k expert ids
-[tokens, k]), softmax then top-k, renormalised when `norm_topk_prob` (Mixtral's always). Routers
-are listed in module order, which is layer order: index l of a routing array is the l-th MoE layer
-(dense layers of a mixed model have none).
+A router here is transformers 5's top-k router module of an MoE block whose forward maps the
+block's input [tokens, hidden] to (router logits [tokens, E], top-k gate weights [tokens, k], top-k
+expert ids [tokens, k]) and whose gate weights are one of the functions of the logits at the
+chosen experts that `replayed_gate` recomputes (`ROUTER_GATES`). Routers are listed in module
+order, which is layer order: index l of a routing array is the l-th MoE layer (dense layers of a
+mixed model have none). Routers of other classes (another output, another gate) are not routers
+here: their engine records no routing and the learner does not replay them, saying so.
 """
 from __future__ import annotations
 
@@ -14,13 +15,23 @@ from typing import NamedTuple
 
 import torch
 
-# Router classes whose forward is softmax -> top-k -> (renormalise where norm_topk_prob), the same code
-# in each: the replay recomputes their gate weights over forced experts exactly as they do (`replayed_gate`;
-# tests/learner/test_moe.py checks each against its own forward).
-SOFTMAX_TOPK_ROUTERS = ("Qwen3MoeTopKRouter", "Qwen2MoeTopKRouter", "OlmoeTopKRouter", "FlexOlmoTopKRouter",
-                        "MixtralTopKRouter")
-# those of them that renormalise their top k whatever the config says (they have no norm_topk_prob)
-ALWAYS_RENORMALISING_ROUTERS = ("MixtralTopKRouter",)
+SOFTMAX = "softmax"  # softmax over every expert, at the top k; renormalised where the router's norm_topk_prob
+SOFTMAX_RENORMALISED = "softmax, renormalised"  # the same, always renormalised (GPT-OSS: softmax of the top k)
+SIGMOID = "sigmoid"  # DeepSeek-V3's: each expert's sigmoid at the top k (chosen with a correction bias, in
+# the best groups), renormalised where norm_topk_prob, times routed_scaling_factor
+
+# Router classes by how their gate weights come from their logits: the replay recomputes them over
+# forced experts exactly as the router does (tests/learner/test_moe.py checks each against its own forward).
+ROUTER_GATES = {
+    "Qwen2MoeTopKRouter": SOFTMAX, "Qwen3MoeTopKRouter": SOFTMAX, "Qwen3NextTopKRouter": SOFTMAX,
+    "OlmoeTopKRouter": SOFTMAX, "FlexOlmoTopKRouter": SOFTMAX,
+    "MixtralTopKRouter": SOFTMAX_RENORMALISED, "MiniMaxTopKRouter": SOFTMAX_RENORMALISED,
+    "Qwen3_5MoeTopKRouter": SOFTMAX_RENORMALISED, "Qwen3VLMoeTextTopKRouter": SOFTMAX_RENORMALISED,
+    "GptOssTopKRouter": SOFTMAX_RENORMALISED,
+    "DeepseekV3TopkRouter": SIGMOID, "DeepseekV32TopkRouter": SIGMOID, "Glm4MoeTopkRouter": SIGMOID,
+    "Glm4MoeLiteTopkRouter": SIGMOID, "Dots1TopkRouter": SIGMOID, "KimiLinearTopkRouter": SIGMOID,
+    "ExaoneMoeTopkRouter": SIGMOID, "SolarOpenTopkRouter": SIGMOID,
+}
 
 
 class RoutingShape(NamedTuple):
@@ -30,12 +41,18 @@ class RoutingShape(NamedTuple):
 
 
 def routers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The model's top-k routers in layer order ([] for a dense model)."""
-    return [m for m in model.modules() if type(m).__name__.endswith("TopKRouter") and hasattr(m, "top_k")]
+    """The model's top-k routers of a known class (`ROUTER_GATES`) in layer order ([] for a dense model)."""
+    return [m for m in model.modules() if type(m).__name__ in ROUTER_GATES]
+
+
+def other_routers(model: torch.nn.Module) -> list[str]:
+    """The class names of the model's router modules that are not known routers."""
+    return sorted({type(m).__name__ for m in model.modules()
+                   if type(m).__name__.lower().endswith("router") and type(m).__name__ not in ROUTER_GATES})
 
 
 def routing_shape(model: torch.nn.Module) -> RoutingShape | None:
-    """(MoE layers, k, experts) of the model, None for a dense one."""
+    """(MoE layers, k, experts) of the model, None for a dense one (or one without known routers)."""
     found = routers(model)
     if not found:
         return None
@@ -43,11 +60,16 @@ def routing_shape(model: torch.nn.Module) -> RoutingShape | None:
 
 
 def replayed_gate(router: torch.nn.Module, logits: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-    """The gate weights a softmax-then-top-k `router` gives `experts` [tokens, k] from its `logits`
-    [tokens, E], in float32: the softmax over every expert at those experts, renormalised to sum 1
-    where the router renormalises its top k (`norm_topk_prob`, or always)."""
+    """The gate weights `router` gives `experts` [tokens, k] from its `logits` [tokens, E], in
+    float32, computed as its class computes them (`ROUTER_GATES`)."""
+    kind = ROUTER_GATES[type(router).__name__]
+    if kind == SIGMOID:
+        gate = logits.float().sigmoid().gather(-1, experts)
+        if router.norm_topk_prob:
+            gate = gate / (gate.sum(-1, keepdim=True) + 1e-20)
+        return gate * router.routed_scaling_factor
     gate = torch.softmax(logits.float(), dim=-1).gather(-1, experts)
-    if getattr(router, "norm_topk_prob", type(router).__name__ in ALWAYS_RENORMALISING_ROUTERS):
+    if kind == SOFTMAX_RENORMALISED or getattr(router, "norm_topk_prob", False):
         gate = gate / gate.sum(-1, keepdim=True)
     return gate
 

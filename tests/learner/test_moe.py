@@ -280,10 +280,20 @@ def test_bad_routing_is_refused_naming_the_sample(moe_dir, groups, tmp_path):
         Learner(LearnerConfig(model_path=str(dense_dir), routing_replay="r2"))
 
 
-ROUTER_HOMES = {"Qwen3MoeTopKRouter": ("qwen3_moe", "Qwen3MoeConfig"),
-                "Qwen2MoeTopKRouter": ("qwen2_moe", "Qwen2MoeConfig"),
-                "OlmoeTopKRouter": ("olmoe", "OlmoeConfig"), "FlexOlmoTopKRouter": ("flex_olmo", "FlexOlmoConfig"),
-                "MixtralTopKRouter": ("mixtral", "MixtralConfig")}  # renormalises always
+ROUTER_HOMES = {  # router class: (its transformers module, the config class that builds it)
+    "Qwen3MoeTopKRouter": ("qwen3_moe", "Qwen3MoeConfig"), "Qwen2MoeTopKRouter": ("qwen2_moe", "Qwen2MoeConfig"),
+    "Qwen3NextTopKRouter": ("qwen3_next", "Qwen3NextConfig"), "OlmoeTopKRouter": ("olmoe", "OlmoeConfig"),
+    "FlexOlmoTopKRouter": ("flex_olmo", "FlexOlmoConfig"), "MixtralTopKRouter": ("mixtral", "MixtralConfig"),
+    "MiniMaxTopKRouter": ("minimax", "MiniMaxConfig"), "Qwen3_5MoeTopKRouter": ("qwen3_5_moe", "Qwen3_5MoeTextConfig"),
+    "Qwen3VLMoeTextTopKRouter": ("qwen3_vl_moe", "Qwen3VLMoeTextConfig"),
+    "GptOssTopKRouter": ("gpt_oss", "GptOssConfig"),
+    "DeepseekV3TopkRouter": ("deepseek_v3", "DeepseekV3Config"),
+    "DeepseekV32TopkRouter": ("deepseek_v32", "DeepseekV32Config"), "Glm4MoeTopkRouter": ("glm4_moe", "Glm4MoeConfig"),
+    "Glm4MoeLiteTopkRouter": ("glm4_moe_lite", "Glm4MoeLiteConfig"), "Dots1TopkRouter": ("dots1", "Dots1Config"),
+    "KimiLinearTopkRouter": ("kimi_linear", "KimiLinearConfig"),
+    "ExaoneMoeTopkRouter": ("exaone_moe", "ExaoneMoeConfig"),
+    "SolarOpenTopkRouter": ("solar_open", "SolarOpenConfig"),
+}
 
 
 @pytest.mark.parametrize("norm_topk_prob", [True, False])
@@ -291,37 +301,47 @@ ROUTER_HOMES = {"Qwen3MoeTopKRouter": ("qwen3_moe", "Qwen3MoeConfig"),
 def test_each_known_router_gets_its_own_gate_back_when_its_own_choice_is_replayed(name, norm_topk_prob):
     """The replay recomputes a forced expert's gate weight as the router does (`replayed_gate`): for
     every router class it knows, forcing the experts the router chose gives the weights its own
-    forward gave them, renormalised or not; transformers' router code is what is checked."""
+    forward gave them, renormalised or not (DeepSeek-V3's family: sigmoids chosen with a correction
+    bias among the best groups, scaled); transformers' router code is what is checked."""
     import importlib
 
     import transformers
 
-    from lm.moe import ALWAYS_RENORMALISING_ROUTERS, SOFTMAX_TOPK_ROUTERS, replayed_gate
+    from lm.moe import ROUTER_GATES, SIGMOID, SOFTMAX_RENORMALISED, replayed_gate
 
-    assert set(ROUTER_HOMES) == set(SOFTMAX_TOPK_ROUTERS), "every known router is checked here"
+    assert set(ROUTER_HOMES) == set(ROUTER_GATES), "every known router is checked here"
     module, config_name = ROUTER_HOMES[name]
-    config = getattr(transformers, config_name)(hidden_size=16, num_experts=EXPERTS, num_local_experts=EXPERTS,
-                                                num_experts_per_tok=TOP_K, norm_topk_prob=norm_topk_prob)
+    config = getattr(transformers, config_name)(
+        hidden_size=16, num_experts=EXPERTS, num_local_experts=EXPERTS, n_routed_experts=EXPERTS,
+        num_experts_per_tok=TOP_K, norm_topk_prob=norm_topk_prob, n_group=2, topk_group=1, routed_scaling_factor=2.5)
     router = getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"), name)(config)
     torch.manual_seed(0)
     torch.nn.init.normal_(router.weight)
-    logits, scores, ids = router(torch.randn(2, 5, 16))
+    if hasattr(router, "e_score_correction_bias"):  # moves the choice, not the gate
+        router.e_score_correction_bias.normal_()
+    logits, scores, ids = router(torch.randn(10, 16))  # the MoE blocks hand their routers [tokens, hidden]
     torch.testing.assert_close(replayed_gate(router, logits, ids).to(scores.dtype), scores, rtol=1e-6, atol=1e-7)
-    assert torch.allclose(scores.sum(-1), torch.ones(10)) == (norm_topk_prob or name in ALWAYS_RENORMALISING_ROUTERS)
+    kind = ROUTER_GATES[name]
+    renormalised = norm_topk_prob or kind == SOFTMAX_RENORMALISED
+    total = router.routed_scaling_factor if kind == SIGMOID else 1.0
+    assert torch.allclose(scores.sum(-1), torch.full((10,), total)) == renormalised
 
 
 def test_replay_names_the_routers_of_an_moe_it_cannot_replay():
-    """DeepSeek's router (group-limited top-k over sigmoid scores, its own forward) is not one the
-    replay recomputes: r3 on such a policy says so, naming it, instead of calling the MoE dense."""
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    """Granite-MoE's router returns (expert ids, gate weights, logits), not the (logits, gate weights,
+    expert ids) of the known routers: it is not a router here (its engine records no routing), and
+    r3 on such a policy says so, naming it, instead of calling the MoE dense."""
+    from transformers import GraniteMoeConfig, GraniteMoeForCausalLM
 
-    config = DeepseekV3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-                              num_hidden_layers=2, n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=0,
-                              n_group=1, topk_group=1, num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=8,
-                              q_lora_rank=None, qk_rope_head_dim=4, v_head_dim=8, qk_nope_head_dim=4)
+    from lm.moe import other_routers, routers
+
+    config = GraniteMoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
+                              num_attention_heads=2, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
+    model = GraniteMoeForCausalLM(config)
+    assert routers(model) == [] and other_routers(model) == ["GraniteMoeTopKRouter"]
     with pytest.raises(ValueError, match=r"routing_replay='r3' needs a mixture-of-experts policy; its routers "
-                                         r"\['DeepseekV3TopkRouter'\] are not ones it replays \(known: Qwen3Moe"):
-        RoutingReplay(DeepseekV3ForCausalLM(config), "r3")
+                                         r"\['GraniteMoeTopKRouter'\] are not ones it replays \(known: Qwen2Moe"):
+        RoutingReplay(model, "r3")
 
 
 def published_and_saved(policy, folder, groups, tmp_path):
@@ -386,6 +406,35 @@ def test_a_mixtral_policy_replays_its_routing_and_leaves_under_mixtrals_checkpoi
     mixtral.train_step(groups)
     published, expected, saved = published_and_saved(mixtral, mixtral_dir, groups, tmp_path)
     assert published == expected == saved == names
+
+
+def test_a_deepseek_v3_policy_replays_its_routing(tmp_path, groups):
+    """DeepSeek-V3's router (sigmoid scores, a correction bias and group limits in the choice, the
+    gate renormalised and scaled) is recorded by the transformers engine and replayed: r3 forces
+    the engine's experts, including ones outside the groups the router would allow, so the update
+    differs from its own routing's; r2 replays the router's own choice with the gate it computes,
+    so with one minibatch the update equals no replay's."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(2)
+    config = DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=LAYERS,
+        n_routed_experts=EXPERTS, num_experts_per_tok=TOP_K, first_k_dense_replace=0, n_group=2, topk_group=1,
+        n_shared_experts=1, num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=8, q_lora_rank=None,
+        qk_rope_head_dim=4, v_head_dim=8, qk_nope_head_dim=4, max_position_embeddings=64, initializer_range=0.2)
+    folder = tmp_path / "deepseek"
+    DeepseekV3ForCausalLM(config).save_pretrained(folder)
+    # its engine records the router's own choice: both experts of a token in the one group it allows
+    completion = HFEngine(folder, dtype="float32", device="cpu").generate([3, 4, 5], SamplingParams(
+        n=1, max_new_tokens=6, seed=0))[0]
+    routing = completion.routed_experts
+    assert routing.shape == (len(completion.token_ids), LAYERS, TOP_K)
+    assert (routing[..., 0] // (EXPERTS // 2) == routing[..., 1] // (EXPERTS // 2)).all()
+    batch = regroup(groups, other_experts)
+    norms = {mode: learner(folder, routing_replay=mode, dtype="float64").train_step(batch)["actor/grad_norm"]
+             for mode in ("none", "r2", "r3")}  # one minibatch: r2's update pass sees the proximal pass's weights
+    assert norms["r2"] == pytest.approx(norms["none"], rel=1e-9)
+    assert norms["r3"] != pytest.approx(norms["none"])
 
 
 @pytest.mark.parametrize("checkpointing", [True, "selective"])
