@@ -31,7 +31,7 @@ class ExpertNaming(NamedTuple):
 
 PER_EXPERT = ExpertNaming("mlp", "gate_proj", "up_proj", "down_proj")  # Qwen-MoE, OLMoE, DeepSeek, GLM, ...
 MIXTRAL = ExpertNaming("block_sparse_moe", "w1", "w3", "w2")  # as Mixtral's checkpoints and vLLM's loader have them
-_NAMING_BY_MODEL_TYPE = {"mixtral": MIXTRAL}
+_NAMING_BY_MODEL_TYPE = {"mixtral": MIXTRAL, "minimax": MIXTRAL}
 _OTHER_NAMINGS = tuple(dict.fromkeys(_NAMING_BY_MODEL_TYPE.values()))
 _PARTS = {n.gate: "gate_proj" for n in _OTHER_NAMINGS} | {n.up: "up_proj" for n in _OTHER_NAMINGS} | {
     n.down: "down_proj" for n in _OTHER_NAMINGS} | {p: p for p in ("gate_proj", "up_proj", "down_proj")}
