@@ -9,8 +9,9 @@ matrices: `<block>.experts.<e>.gate_proj.weight` [I, H], `.up_proj.weight` [I, H
 `.down_proj.weight` [H, I]. Every other name is the same on both sides, except in families whose
 checkpoints name the block and the matrices otherwise (`ExpertNaming`, by the config's model_type):
 Mixtral's are `<layer>.block_sparse_moe.experts.<e>.w1.weight` (gate), `.w3` (up), `.w2` (down), its
-router `<layer>.block_sparse_moe.gate.weight`, where memory has `<layer>.mlp.`. Towards checkpoints
-the caller names the model's naming; from checkpoints any known naming is read.
+router `<layer>.block_sparse_moe.gate.weight`, where memory has `<layer>.mlp.`; GPT-OSS's keep the
+experts fused as memory has them. Towards checkpoints the caller names the model's naming; from
+checkpoints any known naming is read.
 """
 from __future__ import annotations
 
@@ -22,17 +23,20 @@ import torch
 
 
 class ExpertNaming(NamedTuple):
-    """How a family's checkpoints name an MoE block (in memory `mlp`) and its experts' matrices."""
+    """How a family's checkpoints name an MoE block (in memory `mlp`) and its experts' matrices, or
+    that they keep the experts fused as memory does (`fused`)."""
     block: str
     gate: str
     up: str
     down: str
+    fused: bool = False
 
 
 PER_EXPERT = ExpertNaming("mlp", "gate_proj", "up_proj", "down_proj")  # Qwen-MoE, OLMoE, DeepSeek, GLM, ...
 MIXTRAL = ExpertNaming("block_sparse_moe", "w1", "w3", "w2")  # as Mixtral's checkpoints and vLLM's loader have them
-_NAMING_BY_MODEL_TYPE = {"mixtral": MIXTRAL, "minimax": MIXTRAL}
-_OTHER_NAMINGS = tuple(dict.fromkeys(_NAMING_BY_MODEL_TYPE.values()))
+FUSED = ExpertNaming("mlp", "", "", "", fused=True)  # GPT-OSS's: gate_up_proj [E, H, 2I], interleaved, as is
+_NAMING_BY_MODEL_TYPE = {"mixtral": MIXTRAL, "minimax": MIXTRAL, "gpt_oss": FUSED}
+_OTHER_NAMINGS = tuple(n for n in dict.fromkeys(_NAMING_BY_MODEL_TYPE.values()) if not n.fused)
 _PARTS = {n.gate: "gate_proj" for n in _OTHER_NAMINGS} | {n.up: "up_proj" for n in _OTHER_NAMINGS} | {
     n.down: "down_proj" for n in _OTHER_NAMINGS} | {p: p for p in ("gate_proj", "up_proj", "down_proj")}
 
@@ -58,7 +62,7 @@ def checkpoint_items(name: str, tensor: torch.Tensor, copy: bool = False,
     `naming` renames its block), or a fused expert tensor cut into its experts' matrices (views of
     it, or with `copy` tensors of their own: a safetensors file refuses views of one storage)."""
     match = _FUSED.match(name)
-    if match is None or tensor.dim() != 3:
+    if match is None or tensor.dim() != 3 or naming.fused:
         return [(_checkpoint_block(name, naming), tensor)]
     prefix, out = _checkpoint_block(match["prefix"], naming), []
     take = (lambda t: t.clone()) if copy else (lambda t: t)

@@ -238,13 +238,14 @@ def test_two_gloo_ranks_replay_as_one_rank_does(moe_dir, groups, two_ranks, stra
         torch.testing.assert_close(state[name], p, rtol=1e-9, atol=1e-10)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "minimax"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "minimax", "gpt_oss"])
 def test_a_fused_expert_tensor_is_read_from_its_experts_checkpoint_matrices(moe_dir, mixtral_dir, family, tmp_path):
     """What an FSDP rank 0 reads to fill the shards (`checkpoint_tensors`): transformers 5 fuses an
     MoE block's experts in memory, the folder names each expert's matrices (Mixtral's and MiniMax's:
     w1, w3, w2 in `block_sparse_moe`, its router too); each fused tensor is put together from them,
-    one at a time, equal to the model loaded whole; and written back under the folder's names."""
-    from transformers import MiniMaxConfig, MiniMaxForCausalLM
+    one at a time, equal to the model loaded whole; and written back under the folder's names.
+    GPT-OSS's folder keeps them fused ([E, H, 2I], gate and up interleaved): read and written as is."""
+    from transformers import GptOssConfig, GptOssForCausalLM, MiniMaxConfig, MiniMaxForCausalLM
 
     from learner.distributed import unique_state_names
     from lm.causal_lm import checkpoint_tensors
@@ -257,14 +258,21 @@ def test_a_fused_expert_tensor_is_read_from_its_experts_checkpoint_matrices(moe_
             vocab_size=VOCAB, hidden_size=32, intermediate_size=16, num_hidden_layers=LAYERS, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8, num_local_experts=EXPERTS, num_experts_per_tok=TOP_K,
             max_position_embeddings=64)).save_pretrained(folder)
+    if family == "gpt_oss":
+        GptOssForCausalLM(GptOssConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=16, num_hidden_layers=LAYERS, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, num_local_experts=EXPERTS, num_experts_per_tok=TOP_K,
+            max_position_embeddings=64, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        )).save_pretrained(folder)
     model = load_causal_lm(folder)
     state = model.state_dict()
     names = unique_state_names(model)  # the tied lm_head is the embeddings
     source = checkpoint_tensors(folder, {name: tuple(state[name].shape) for name in names})
     fused = [name for name in names if name.endswith((".experts.gate_up_proj", ".experts.down_proj"))]
     routers = [name for name in names if name.endswith(".mlp.gate.weight")]
-    renamed = set(routers) if family != "qwen3_moe" else set()  # block_sparse_moe.gate in Mixtral's folder
-    assert len(fused) == 2 * LAYERS and set(source.parts) == set(fused) | renamed
+    renamed = set(routers) if family in ("mixtral", "minimax") else set()  # block_sparse_moe.gate there
+    assert len(fused) == 2 * LAYERS
+    assert set(source.parts) == (set() if family == "gpt_oss" else set(fused)) | renamed
     saved = to_checkpoint_names({name: state[name] for name in names}, naming=expert_naming(model.config))
     in_folder, may_lack = folder_weight_shapes(folder)  # a tied lm_head: the embeddings
     assert {k: tuple(v.shape) for k, v in saved.items()} == {k: v for k, v in in_folder.items() if k not in may_lack}
