@@ -433,8 +433,11 @@ def test_a_deepseek_v3_policy_replays_its_routing(tmp_path, groups):
     gate renormalised and scaled) is recorded by the transformers engine and replayed: r3 forces
     the engine's experts, including ones outside the groups the router would allow, so the update
     differs from its own routing's; r2 replays the router's own choice with the gate it computes,
-    so with one minibatch the update equals no replay's."""
+    so with one minibatch the update equals no replay's. Its versions and saved policy score as the
+    learner does."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    from lm.weight_sync.payloads import folder_weight_shapes
 
     torch.manual_seed(2)
     config = DeepseekV3Config(
@@ -455,6 +458,14 @@ def test_a_deepseek_v3_policy_replays_its_routing(tmp_path, groups):
              for mode in ("none", "r2", "r3")}  # one minibatch: r2's update pass sees the proximal pass's weights
     assert norms["r2"] == pytest.approx(norms["none"], rel=1e-9)
     assert norms["r3"] != pytest.approx(norms["none"])
+    # its weights leave under the checkpoint's names (per-expert, the router's correction bias beside its
+    # weight), which its engine expects and transformers loads
+    deepseek = learner(folder, routing_replay="r3", weight_sync={"channel": "folder",
+                                                                 "folder": str(tmp_path / "versions")})
+    deepseek.train_step(groups)
+    published, expected, saved = published_and_saved(deepseek, folder, groups, tmp_path)
+    assert published == expected == saved == folder_weight_shapes(folder)[0]
+    assert "model.layers.0.mlp.gate.e_score_correction_bias" in saved
 
 
 @pytest.mark.parametrize("checkpointing", [True, "selective"])
