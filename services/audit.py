@@ -16,7 +16,9 @@ are counted, not lost). A group or ticket is *duplicated* if it was consumed mor
 Every ticket (prompt number) the gate handed out must be consumed, held (a permit or a stored
 group), waiting to be reissued (released, reclaimed, or its group dropped as stale), quarantined
 (its prompt fails the engine) or filtered (its group was uninformative: dynamic sampling), exactly
-one of those.
+one of those. A step whose ack the buffer may or may not have logged (it failed with the ack in
+flight: `audit/ack_unconfirmed`, the run's last step) trained on its groups either way: consumed,
+and acked or still held by the buffer, not both twice.
 """
 from __future__ import annotations
 
@@ -42,6 +44,7 @@ class Consumption:
     sample_versions: list[int]
     step: int | None = None
     dropped_stale: int = 0  # groups the buffer dropped as too stale when serving this pull
+    ack_unconfirmed: bool = False  # the buffer failed with this batch's ack in flight (logged or not)
 
 
     @property
@@ -67,7 +70,8 @@ def read_run_log(run_dir: str | Path) -> list[Consumption]:
         if "audit/groups" in row:
             out.append(Consumption(int(row["version"]) - 1, list(row["audit/groups"]), list(row["audit/tickets"]),
                                    list(row["audit/sample_versions"]), row.get("step"),
-                                   int(row.get("buffer/dropped_stale_groups", 0))))
+                                   int(row.get("buffer/dropped_stale_groups", 0)),
+                                   bool(row.get("audit/ack_unconfirmed", False))))
     return out
 
 
@@ -209,6 +213,9 @@ def audit(consumptions: list[Consumption], buffer_records: Iterable[dict], eta: 
     holders = Counter(tickets)
     for source in (h.live.values(), h.free_tickets, h.held_tickets.values(), h.quarantined, h.filtered):
         holders.update(source)
+    for c in consumptions:  # trained, the ack never logged: the buffer's copy is the same holding
+        if c.ack_unconfirmed:
+            holders.subtract(t for g, t in zip(c.group_ids, c.tickets) if h.live.get(g) == t)
     issued = max(h.next_ticket, max(holders, default=-1) + 1)
     lost_tickets = [t for t in range(issued) if holders[t] == 0]
     duplicated_tickets = sorted(t for t, n in holders.items() if n > 1)

@@ -62,6 +62,16 @@ class StartInterrupted(Exception):
     """Ctrl-C while the run was starting: nothing more is started, nothing was trained."""
 
 
+class UnconfirmedAck(Exception):
+    """A step trained on its batch, then the request that acks it failed (its __cause__): the buffer
+    may or may not have logged the ack. `record` is the step's log record, marked so (the audit
+    then counts its groups as consumed, whether the buffer still holds them or not)."""
+
+    def __init__(self, record: dict):
+        super().__init__("the buffer failed with the step's ack in flight")
+        self.record = record
+
+
 @dataclass
 class RunResult:
     run_dir: Path
@@ -399,7 +409,11 @@ class Controller:
     def _train_loop(self, metric_log: MetricLog, progress) -> None:
         cfg = self.cfg
         while self.step < cfg.run.steps and not self.stop_requested.is_set():
-            record = self._train_step()
+            try:
+                record = self._train_step()
+            except UnconfirmedAck as trained:  # the step's record first: its groups were trained on
+                metric_log.write(trained.record)
+                raise trained.__cause__ from None
             if record is None:  # stop requested while waiting for data
                 break
             self._last_record = record
@@ -449,8 +463,12 @@ class Controller:
         t_train = time.perf_counter()
         self.version = int(metrics.get("learner/version", self.version + 1))
         eta_gauges = self._adapt_eta(metrics)  # before the next pull: it drops what the new η rules out
-        self.next_batch = self._end_step(batch)
-        sync = self.weights.publish(self.learner)  # goes out while the next step runs
+        ack_error = None
+        try:
+            self.next_batch = self._end_step(batch)
+        except Exception as error:  # noqa: BLE001 - raised again below, once the step's record is made
+            ack_error = error
+        sync = self.weights.publish(self.learner) if ack_error is None else {}  # goes out while the next step runs
         self.step += 1
         t_end = time.perf_counter()
         tickets = [int(g.prompt_index) for g in batch.groups]
@@ -461,7 +479,9 @@ class Controller:
             "step": self.step, "version": self.version, "time": time.time(),
             **{k: v for k, v in metrics.items() if isinstance(v, (int, float))},
             "staleness/max": max(staleness), "staleness/mean": sum(staleness) / len(staleness),
-            "buffer/dropped_stale_groups": batch.dropped_stale, "buffer/restarts": self.buffer.restarts(),
+            "buffer/dropped_stale_groups": batch.dropped_stale,
+            "buffer/restarts": (  # a failed buffer is not asked
+                self.buffer.restarts() if ack_error is None else self._last_record.get("buffer/restarts", 0)),
             "rollout/quarantined": batch.prompts_quarantined, "rollout/filtered": batch.groups_filtered,
             "timing_s/wait_data": t_data - t0, "timing_s/train": t_train - t_data,
             **sync, "timing_s/step_total": t_end - t0,
@@ -470,6 +490,8 @@ class Controller:
             "audit/sample_versions": [s.weight_version for g in batch.groups for s in g.samples],
             **reward_metrics(batch.groups), **multi_turn_metrics(batch.groups), **eta_gauges,
         }
+        if ack_error is not None:  # trained on, then the buffer failed with the ack in flight (logged or not)
+            raise UnconfirmedAck({**record, "audit/ack_unconfirmed": True}) from ack_error
         self._warn_of_failures(batch, record)
         self._warn_of_quarantines(record)
         return record

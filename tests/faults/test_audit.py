@@ -65,6 +65,40 @@ def test_a_twice_consumed_group_and_ticket_are_caught(history):
     assert not report.ok and "duplicated_groups: 2" in str(report)
 
 
+@pytest.mark.parametrize("ack_logged", [True, False])
+def test_a_step_whose_ack_was_in_flight_counts_its_groups_once_whether_the_ack_was_logged_or_not(tmp_path,
+                                                                                                ack_logged):
+    """The buffer failed while the request acking a trained batch was in flight: the run's last
+    record says so (`ack_unconfirmed`), and the audit accepts either outcome, the ack logged (the
+    groups acked) or not (the buffer still holds them), as one consumption; unmarked, a batch the
+    buffer still holds is a ticket held twice."""
+    path = tmp_path / "b.log"
+    core = BufferCore(BufferConfig(gate=GateConfig(batch_size=2, eta=2, max_concurrent=8), log=LogConfig(path=path)))
+    by_id = {}
+    for _ in range(4):
+        permit = core.acquire_permit("w")
+        group = make_group(permit.ticket, version=core.gate.version)
+        core.push_group(encode_group(group), permit.permit_id)
+        by_id[group.group_id] = group
+    consumed = []
+    for last in (False, True):
+        result = core.pull_batch(2)
+        if not last or ack_logged:
+            core.ack(result.lease_id)
+        groups = [by_id[gid] for gid in _ids(result)]
+        consumed.append(Consumption(result.version, [g.group_id for g in groups], [g.prompt_index for g in groups],
+                                    [s.weight_version for g in groups for s in g.samples], ack_unconfirmed=last))
+    core.close()
+    records = read_buffer_log(path)
+    report = audit(consumed, records, eta=1, acknowledged=set(by_id))
+    assert report.ok, str(report)
+    assert (report.consumed_groups, report.in_buffer_groups) == (4, 0 if ack_logged else 2)
+    unmarked = audit([consumed[0], dataclasses.replace(consumed[1], ack_unconfirmed=False)], records, eta=1)
+    assert unmarked.ok == ack_logged
+    if not ack_logged:
+        assert sorted(unmarked.duplicated_tickets) == sorted(consumed[1].tickets)
+
+
 def test_staleness_above_eta_is_caught(history):
     consumed, records, _ = history
     late = dataclasses.replace(consumed[1], version=consumed[1].version + 5)

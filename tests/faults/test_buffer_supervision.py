@@ -90,6 +90,43 @@ def assert_audited_up_to_the_stop(run_dir, buffer_log, steps_at_kill: int) -> No
     assert report.consumed_groups == len(rows) * B and report.worst_staleness <= ETA
 
 
+def test_a_step_whose_ack_is_in_flight_when_the_buffer_fails_is_logged_before_the_run_stops(tmp_path):
+    """The buffer may log a trained batch's ack and die before it replies (the window the run-level
+    kills above can hit): the controller writes the step's record, marked `audit/ack_unconfirmed`,
+    then stops with the buffer's error; nothing is published from it. The audit of such a record:
+    tests/faults/test_audit.py. The controller's services are stand-ins here (the rest is real)."""
+    from types import SimpleNamespace
+
+    from buffer.sample import PulledBatch
+    from services.controller import Controller
+    from services.learner_failures import LearnerFailures
+    from services.plots import MetricLog
+
+    run_dir = tmp_path / "run"
+    controller = Controller(load_config(None, [f"run.run_dir={run_dir}", "eval.enabled=false", "run.steps=5",
+                                               f"buffer.gate.batch_size={B}"]))
+    batch = PulledBatch("lease-1", [make_group(i, version=0) for i in range(B)], 0, 0)
+
+    def pull_batch(batch_size, timeout=0.0, ack_lease_id=None, version=None):
+        if ack_lease_id is not None:
+            raise BufferUnavailable("the buffer stopped answering")
+        return batch
+
+    controller.buffer = SimpleNamespace(client=SimpleNamespace(pull_batch=pull_batch), check=lambda: None,
+                                        restarts=lambda: 0)
+    controller.workers = SimpleNamespace(check=lambda: None)
+    controller.learner_failures = LearnerFailures(run_dir)
+    controller.learner = SimpleNamespace(train_step=lambda groups: {"learner/version": 1, "actor/loss": 0.5})
+    controller.weights = SimpleNamespace(publish=lambda learner: pytest.fail("a failed step end published"))
+    metric_log = MetricLog(run_dir)
+    with pytest.raises(BufferUnavailable, match="stopped answering"):
+        controller._train_loop(metric_log, progress=None)
+    metric_log.close()
+    (trained,) = read_run_log(run_dir)
+    assert (trained.step, trained.version, trained.ack_unconfirmed) == (1, 0, True)
+    assert trained.group_ids == [g.group_id for g in batch.groups] and trained.tickets == list(range(B))
+
+
 def restarts_logged(run_dir) -> list[int]:
     path = run_dir / "metrics.jsonl"
     return [json.loads(line)["buffer/restarts"] for line in path.read_text().splitlines() if "audit/groups" in line]
