@@ -35,7 +35,7 @@ class ExpertNaming(NamedTuple):
 PER_EXPERT = ExpertNaming("mlp", "gate_proj", "up_proj", "down_proj")  # Qwen-MoE, OLMoE, DeepSeek, GLM, ...
 MIXTRAL = ExpertNaming("block_sparse_moe", "w1", "w3", "w2")  # as Mixtral's checkpoints and vLLM's loader have them
 FUSED = ExpertNaming("mlp", "", "", "", fused=True)  # GPT-OSS's: gate_up_proj [E, H, 2I], interleaved, as is
-_NAMING_BY_MODEL_TYPE = {"mixtral": MIXTRAL, "minimax": MIXTRAL, "gpt_oss": FUSED}
+_NAMING_BY_MODEL_TYPE = {"mixtral": MIXTRAL, "minimax": MIXTRAL, "minimax_m2": MIXTRAL, "gpt_oss": FUSED}
 _OTHER_NAMINGS = tuple(n for n in dict.fromkeys(_NAMING_BY_MODEL_TYPE.values()) if not n.fused)
 _PARTS = {n.gate: "gate_proj" for n in _OTHER_NAMINGS} | {n.up: "up_proj" for n in _OTHER_NAMINGS} | {
     n.down: "down_proj" for n in _OTHER_NAMINGS} | {p: p for p in ("gate_proj", "up_proj", "down_proj")}

@@ -19,6 +19,7 @@ SOFTMAX = "softmax"  # softmax over every expert, at the top k; renormalised whe
 SOFTMAX_RENORMALISED = "softmax, renormalised"  # the same, always renormalised (GPT-OSS: softmax of the top k)
 SIGMOID = "sigmoid"  # DeepSeek-V3's: each expert's sigmoid at the top k (chosen with a correction bias, in
 # the best groups), renormalised where norm_topk_prob, times routed_scaling_factor
+SIGMOID_RENORMALISED = "sigmoid, renormalised"  # MiniMax-M2's: the top k's sigmoids (chosen with a bias), to sum 1
 
 # Router classes by how their gate weights come from their logits: the replay recomputes them over
 # forced experts exactly as the router does (tests/learner/test_moe.py checks each against its own forward).
@@ -30,7 +31,7 @@ ROUTER_GATES = {
     "GptOssTopKRouter": SOFTMAX_RENORMALISED,
     "DeepseekV3TopkRouter": SIGMOID, "DeepseekV32TopkRouter": SIGMOID, "Glm4MoeTopkRouter": SIGMOID,
     "Glm4MoeLiteTopkRouter": SIGMOID, "Dots1TopkRouter": SIGMOID, "KimiLinearTopkRouter": SIGMOID,
-    "ExaoneMoeTopkRouter": SIGMOID, "SolarOpenTopkRouter": SIGMOID,
+    "ExaoneMoeTopkRouter": SIGMOID, "SolarOpenTopkRouter": SIGMOID, "MiniMaxM2TopKRouter": SIGMOID_RENORMALISED,
 }
 
 
@@ -63,6 +64,9 @@ def replayed_gate(router: torch.nn.Module, logits: torch.Tensor, experts: torch.
     """The gate weights `router` gives `experts` [tokens, k] from its `logits` [tokens, E], in
     float32, computed as its class computes them (`ROUTER_GATES`)."""
     kind = ROUTER_GATES[type(router).__name__]
+    if kind == SIGMOID_RENORMALISED:
+        gate = logits.float().sigmoid().gather(-1, experts)
+        return gate / gate.sum(-1, keepdim=True)
     if kind == SIGMOID:
         gate = logits.float().sigmoid().gather(-1, experts)
         if router.norm_topk_prob:

@@ -238,14 +238,15 @@ def test_two_gloo_ranks_replay_as_one_rank_does(moe_dir, groups, two_ranks, stra
         torch.testing.assert_close(state[name], p, rtol=1e-9, atol=1e-10)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "minimax", "gpt_oss"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "minimax", "minimax_m2", "gpt_oss"])
 def test_a_fused_expert_tensor_is_read_from_its_experts_checkpoint_matrices(moe_dir, mixtral_dir, family, tmp_path):
     """What an FSDP rank 0 reads to fill the shards (`checkpoint_tensors`): transformers 5 fuses an
     MoE block's experts in memory, the folder names each expert's matrices (Mixtral's and MiniMax's:
-    w1, w3, w2 in `block_sparse_moe`, its router too); each fused tensor is put together from them,
-    one at a time, equal to the model loaded whole; and written back under the folder's names.
-    GPT-OSS's folder keeps them fused ([E, H, 2I], gate and up interleaved): read and written as is."""
-    from transformers import GptOssConfig, GptOssForCausalLM, MiniMaxConfig, MiniMaxForCausalLM
+    w1, w3, w2, in a block named `block_sparse_moe`, as are the block's router and bias); each fused
+    tensor is put together from them, one at a time, equal to the model loaded whole; and written
+    back under the folder's names. GPT-OSS's folder keeps the experts fused ([E, H, 2I], gate and up
+    interleaved): read and written as they are."""
+    import transformers
 
     from learner.distributed import unique_state_names
     from lm.causal_lm import checkpoint_tensors
@@ -253,26 +254,22 @@ def test_a_fused_expert_tensor_is_read_from_its_experts_checkpoint_matrices(moe_
     from lm.weight_sync.payloads import folder_weight_shapes
 
     folder = {"qwen3_moe": moe_dir, "mixtral": mixtral_dir}.get(family, tmp_path)
-    if family == "minimax":  # lightning-attention layers beside full attention; Mixtral's checkpoint names
-        MiniMaxForCausalLM(MiniMaxConfig(
+    built = {"minimax": "MiniMax", "minimax_m2": "MiniMaxM2", "gpt_oss": "GptOss"}.get(family)
+    if built:  # MiniMax: lightning attention beside full attention; GPT-OSS: its own rope by default
+        config = getattr(transformers, f"{built}Config")(
             vocab_size=VOCAB, hidden_size=32, intermediate_size=16, num_hidden_layers=LAYERS, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8, num_local_experts=EXPERTS, num_experts_per_tok=TOP_K,
-            max_position_embeddings=64)).save_pretrained(folder)
-    if family == "gpt_oss":
-        GptOssForCausalLM(GptOssConfig(
-            vocab_size=VOCAB, hidden_size=32, intermediate_size=16, num_hidden_layers=LAYERS, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=8, num_local_experts=EXPERTS, num_experts_per_tok=TOP_K,
-            max_position_embeddings=64, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        )).save_pretrained(folder)
+            max_position_embeddings=64, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+        getattr(transformers, f"{built}ForCausalLM")(config).save_pretrained(folder)
     model = load_causal_lm(folder)
     state = model.state_dict()
     names = unique_state_names(model)  # the tied lm_head is the embeddings
     source = checkpoint_tensors(folder, {name: tuple(state[name].shape) for name in names})
-    fused = [name for name in names if name.endswith((".experts.gate_up_proj", ".experts.down_proj"))]
-    routers = [name for name in names if name.endswith(".mlp.gate.weight")]
-    renamed = set(routers) if family in ("mixtral", "minimax") else set()  # block_sparse_moe.gate there
-    assert len(fused) == 2 * LAYERS
-    assert set(source.parts) == (set() if family == "gpt_oss" else set(fused)) | renamed
+    fused = {name for name in names if name.endswith((".experts.gate_up_proj", ".experts.down_proj"))}
+    block_sparse = family in ("mixtral", "minimax", "minimax_m2")  # every other `.mlp.` tensor renamed too
+    renamed = {name for name in names if ".mlp." in name} - fused if block_sparse else set()
+    assert len(fused) == 2 * LAYERS and (not block_sparse or "model.layers.0.mlp.gate.weight" in renamed)
+    assert set(source.parts) == (set() if family == "gpt_oss" else fused) | renamed
     saved = to_checkpoint_names({name: state[name] for name in names}, naming=expert_naming(model.config))
     in_folder, may_lack = folder_weight_shapes(folder)  # a tied lm_head: the embeddings
     assert {k: tuple(v.shape) for k, v in saved.items()} == {k: v for k, v in in_folder.items() if k not in may_lack}
@@ -312,7 +309,7 @@ ROUTER_HOMES = {  # router class: (its transformers module, the config class tha
     "Glm4MoeLiteTopkRouter": ("glm4_moe_lite", "Glm4MoeLiteConfig"), "Dots1TopkRouter": ("dots1", "Dots1Config"),
     "KimiLinearTopkRouter": ("kimi_linear", "KimiLinearConfig"),
     "ExaoneMoeTopkRouter": ("exaone_moe", "ExaoneMoeConfig"),
-    "SolarOpenTopkRouter": ("solar_open", "SolarOpenConfig"),
+    "SolarOpenTopkRouter": ("solar_open", "SolarOpenConfig"), "MiniMaxM2TopKRouter": ("minimax_m2", "MiniMaxM2Config"),
 }
 
 
@@ -327,7 +324,7 @@ def test_each_known_router_gets_its_own_gate_back_when_its_own_choice_is_replaye
 
     import transformers
 
-    from lm.moe import ROUTER_GATES, SIGMOID, SOFTMAX_RENORMALISED, replayed_gate
+    from lm.moe import ROUTER_GATES, SIGMOID, SIGMOID_RENORMALISED, SOFTMAX_RENORMALISED, replayed_gate
 
     assert set(ROUTER_HOMES) == set(ROUTER_GATES), "every known router is checked here"
     module, config_name = ROUTER_HOMES[name]
@@ -337,12 +334,15 @@ def test_each_known_router_gets_its_own_gate_back_when_its_own_choice_is_replaye
     router = getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"), name)(config)
     torch.manual_seed(0)
     torch.nn.init.normal_(router.weight)
-    if hasattr(router, "e_score_correction_bias"):  # moves the choice, not the gate
-        router.e_score_correction_bias.normal_()
-    logits, scores, ids = router(torch.randn(10, 16))  # the MoE blocks hand their routers [tokens, hidden]
+    bias = torch.randn(EXPERTS)  # moves the choice, not the gate
+    if hasattr(router, "e_score_correction_bias"):
+        router.e_score_correction_bias.copy_(bias)
+    hidden = torch.randn(10, 16)  # the MoE blocks hand their routers [tokens, hidden]
+    # MiniMax-M2's block hands its router the bias too
+    logits, scores, ids = router(hidden, bias) if name == "MiniMaxM2TopKRouter" else router(hidden)
     torch.testing.assert_close(replayed_gate(router, logits, ids).to(scores.dtype), scores, rtol=1e-6, atol=1e-7)
     kind = ROUTER_GATES[name]
-    renormalised = norm_topk_prob or kind == SOFTMAX_RENORMALISED
+    renormalised = norm_topk_prob or kind in (SOFTMAX_RENORMALISED, SIGMOID_RENORMALISED)
     total = router.routed_scaling_factor if kind == SIGMOID else 1.0
     assert torch.allclose(scores.sum(-1), torch.full((10,), total)) == renormalised
 
